@@ -1,0 +1,52 @@
+"""``ctl``: the rankctl command line. Subcommands load lazily so ``ctl --help`` stays fast."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from rankctl.cli.errors import EXIT_USAGE
+
+# name -> (module, attribute, one-line help). Modules import only click at top level.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "plan": ("rankctl.cli.plan", "plan", "Validate and explain a rank layout before anything is allocated."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rankctl", prog_name="ctl")
+def cli() -> None:
+    """rankctl: a control plane for Megatron-style parallel training."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="ctl", standalone_mode=True)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # last line of defence: no traceback reaches the user
+        click.echo(f"error: internal error: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(EXIT_USAGE if isinstance(exc, ValueError) else 1)
+
+
+if __name__ == "__main__":
+    main()

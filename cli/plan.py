@@ -1,0 +1,149 @@
+"""``ctl plan``: validate and explain a rank layout before anything is allocated (no torch)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING
+
+import click
+
+from rankctl.cli.errors import CtlError
+
+if TYPE_CHECKING:
+    from rankctl.parallel.layout import ParallelConfig, RankLayout
+
+COORD_KEYS = ("tp", "cp", "ep", "dp", "pp", "etp", "edp")
+MAX_RANKS_LISTED = 64
+
+
+def _config_from_flags(opts: dict) -> "ParallelConfig":
+    from rankctl.parallel.layout import ParallelConfig
+
+    if opts["world_size"] is None:
+        raise CtlError("give a job file (ctl plan JOB.yaml) or --world-size N")
+    keys = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "order")
+    return ParallelConfig(**{k: opts[k] for k in keys if opts[k] is not None})
+
+
+def _config_from_file(path: str, overrides: tuple[str, ...]) -> tuple["ParallelConfig", int]:
+    from rankctl.coordinator.checks import check_job
+    from rankctl.coordinator.spec import load_spec
+
+    spec = load_spec(path, list(overrides))
+    return check_job(spec), spec.resources.slots_per_node
+
+
+def _communicators(layout: "RankLayout", rank: int) -> int:
+    """Distinct multi-member groups a rank joins: kinds with identical members share one."""
+    return len({tuple(m) for m in layout.rank_groups(rank).values() if len(m) > 1})
+
+
+def _header(cfg: "ParallelConfig", gpn: int) -> str:
+    nodes = -(-cfg.world_size // gpn)
+    vpp = f" vpp={cfg.vpp}" if cfg.vpp else ""
+    return (
+        f"layout: world_size={cfg.world_size} on {nodes} node(s) x {gpn} gpus  order={cfg.order}\n"
+        f"  dense:  tp={cfg.tp} cp={cfg.cp} dp={cfg.dp} pp={cfg.pp}{vpp}\n"
+        f"  expert: etp={cfg.expert_tp} ep={cfg.ep} edp={cfg.expert_dp} pp={cfg.pp}"
+    )
+
+
+def _rank_table(layout: "RankLayout", gpn: int, all_ranks: bool) -> list[str]:
+    world = layout.world_size
+    shown = world if all_ranks or world <= MAX_RANKS_LISTED else min(world, 2 * gpn)
+    lines = []
+    for rank in range(shown):
+        if rank % gpn == 0:
+            lines.append(f"node {rank // gpn} (ranks {rank}-{min(rank + gpn, world) - 1})")
+            lines.append("  rank " + " ".join(f"{k:>4}" for k in COORD_KEYS))
+        c = layout.coords(rank)
+        lines.append(f"  {rank:>4} " + " ".join(f"{c[k]:>4}" for k in COORD_KEYS))
+    if shown < world:
+        rest_nodes = -(-(world - shown) // gpn)
+        lines.append(f"... {world - shown} more ranks on {rest_nodes} more node(s) (--all-ranks lists them)")
+    return lines
+
+
+def _kind_table(layout: "RankLayout", gpn: int) -> tuple[list[str], list[str]]:
+    from rankctl.parallel.placement import INTRA_NODE_KINDS, cross_node_groups
+
+    cross = cross_node_groups(layout, gpn)
+    lines = [f"  {'kind':<9} {'groups':>7} {'size':>6} {'cross-node':>11}"]
+    warnings = []
+    for kind, groups in layout.iter_groups():
+        n, size = groups.shape
+        lines.append(f"  {kind:<9} {n:>7} {size:>6} {cross[kind]:>11}")
+        if kind in INTRA_NODE_KINDS and cross[kind] and size > 1:
+            warnings.append(
+                f"warning: {cross[kind]} of {n} {kind} groups cross a node boundary "
+                f"({kind} traffic is heavy; keep {kind} groups inside a node of {gpn} gpus)"
+            )
+    return lines, warnings
+
+
+def _human(layout: "RankLayout", gpn: int, all_ranks: bool) -> str:
+    cfg = layout.config
+    pipeline = layout.rank_groups(0)["pp"]
+    comms = sorted({_communicators(layout, r) for r in pipeline})
+    span = str(comms[0]) if len(comms) == 1 else f"{comms[0]}-{comms[-1]}"
+    kinds, warnings = _kind_table(layout, gpn)
+    out = [_header(cfg, gpn), "", *_rank_table(layout, gpn, all_ranks), "", "groups:", *kinds, ""]
+    out.append(f"each rank joins {span} communicator(s) ({len(layout.kinds)} kinds; identical member lists share one)")
+    return "\n".join(out + warnings)
+
+
+def _one_rank(layout: "RankLayout", rank: int, gpn: int, as_json: bool) -> str:
+    coords, groups = layout.coords(rank), layout.rank_groups(rank)
+    if as_json:
+        return json.dumps({"rank": rank, "node": rank // gpn, "coords": coords, "groups": groups})
+    lines = [f"rank {rank} on node {rank // gpn}", "  " + " ".join(f"{k}={coords[k]}" for k in COORD_KEYS)]
+    lines += [f"  {kind:<9} {members}" for kind, members in groups.items()]
+    return "\n".join(lines)
+
+
+@click.command("plan")
+@click.argument("job_file", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a job-file field.")
+@click.option("--world-size", type=int, help="Number of ranks (without a job file).")
+@click.option("--tp", type=int)
+@click.option("--pp", type=int)
+@click.option("--cp", type=int)
+@click.option("--ep", type=int)
+@click.option("--etp", type=int, help="Expert tensor-parallel size (default: tp).")
+@click.option("--vpp", type=int, help="Virtual pipeline chunks per rank.")
+@click.option("--order", type=str, help="Rank order, first token fastest (default tp-cp-ep-dp-pp).")
+@click.option("--gpus-per-node", type=int, default=None, help="Slots per node (default 8, or the job's).")
+@click.option("--rank", "one_rank", type=int, default=None, help="Show one rank's coordinates and groups.")
+@click.option("--all-ranks", is_flag=True, help=f"List every rank even past {MAX_RANKS_LISTED}.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable layout on stdout.")
+def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None, all_ranks: bool,
+         as_json: bool, gpus_per_node: int | None, **flags: object) -> None:
+    """Validate and explain a rank layout (from JOB_FILE or flags)."""
+    from rankctl.coordinator.spec import SpecError
+    from rankctl.parallel.layout import LayoutError, RankLayout
+
+    try:
+        if job_file:
+            cfg, gpn = _config_from_file(job_file, overrides)
+        else:
+            if overrides:
+                raise CtlError("--set needs a job file")
+            cfg, gpn = _config_from_flags(flags), 8
+        gpn = gpus_per_node or gpn
+        if gpn < 1:
+            raise CtlError(f"--gpus-per-node={gpn} must be at least 1")
+        layout = RankLayout(cfg)
+        if one_rank is not None:
+            layout.coords(one_rank)  # validates the rank
+            click.echo(_one_rank(layout, one_rank, gpn, as_json))
+        elif as_json:
+            doc = layout.to_dict()
+            doc["gpus_per_node"] = gpn
+            doc["node_of_rank"] = [r // gpn for r in range(cfg.world_size)]
+            json.dump(doc, sys.stdout, separators=(",", ":"))
+            sys.stdout.write("\n")
+        else:
+            click.echo(_human(layout, gpn, all_ranks))
+    except (SpecError, LayoutError) as exc:
+        raise CtlError(str(exc)) from None

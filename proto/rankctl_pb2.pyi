@@ -1,0 +1,378 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    PENDING: _ClassVar[JobState]
+    PLACED: _ClassVar[JobState]
+    STARTING: _ClassVar[JobState]
+    RUNNING: _ClassVar[JobState]
+    SUCCEEDED: _ClassVar[JobState]
+    FAILED: _ClassVar[JobState]
+    CANCELLED: _ClassVar[JobState]
+    RESTARTING: _ClassVar[JobState]
+
+class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
+    READY: _ClassVar[NodeState]
+    LOST: _ClassVar[NodeState]
+JOB_STATE_UNSPECIFIED: JobState
+PENDING: JobState
+PLACED: JobState
+STARTING: JobState
+RUNNING: JobState
+SUCCEEDED: JobState
+FAILED: JobState
+CANCELLED: JobState
+RESTARTING: JobState
+NODE_STATE_UNSPECIFIED: NodeState
+READY: NodeState
+LOST: NodeState
+
+class GpuInfo(_message.Message):
+    __slots__ = ("index", "name", "memory_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    memory_bytes: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class Hardware(_message.Message):
+    __slots__ = ("hostname", "cpu_count", "memory_bytes", "gpus")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    cpu_count: int
+    memory_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
+    def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    slots: int
+    free_slots: int
+    state: NodeState
+    hardware: Hardware
+    last_seen: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ...) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "updated_at")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node: str
+    phase: str
+    step: int
+    metrics_json: str
+    error: str
+    exit_code: int
+    exited: bool
+    updated_at: float
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., updated_at: _Optional[float] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("seq", "job_id", "ts", "state", "kind", "message", "rank")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    job_id: str
+    ts: float
+    state: JobState
+    kind: str
+    message: str
+    rank: RankStatus
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., ts: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    state: JobState
+    reason: str
+    attempt: int
+    world_size: int
+    created_at: float
+    finished_at: float
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    spec_json: str
+    result_json: str
+    kind: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spec_json: _Optional[str] = ..., result_json: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class RankAssignmentMsg(_message.Message):
+    __slots__ = ("rank", "assignment_json")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_JSON_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    assignment_json: str
+    def __init__(self, rank: _Optional[int] = ..., assignment_json: _Optional[str] = ...) -> None: ...
+
+class Assign(_message.Message):
+    __slots__ = ("job_id", "attempt", "ranks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankAssignmentMsg]
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignmentMsg, _Mapping]]] = ...) -> None: ...
+
+class Cancel(_message.Message):
+    __slots__ = ("job_id", "attempt", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    slots: int
+    hardware: Hardware
+    free_ports: _containers.RepeatedScalarFieldContainer[int]
+    running: _containers.RepeatedCompositeFieldContainer[RunningJob]
+    session: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ...) -> None: ...
+
+class RunningJob(_message.Message):
+    __slots__ = ("job_id", "attempt", "ranks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("ts", "free_ports")
+    TS_FIELD_NUMBER: _ClassVar[int]
+    FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    ts: float
+    free_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ts: _Optional[float] = ..., free_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RankReport(_message.Message):
+    __slots__ = ("job_id", "attempt", "status", "result_json", "seq")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    status: RankStatus
+    result_json: str
+    seq: int
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., status: _Optional[_Union[RankStatus, _Mapping]] = ..., result_json: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class LogLines(_message.Message):
+    __slots__ = ("job_id", "attempt", "rank", "lines")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    rank: int
+    lines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., lines: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodeMessage(_message.Message):
+    __slots__ = ("register", "heartbeat", "report", "logs")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    LOGS_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    heartbeat: Heartbeat
+    report: RankReport
+    logs: LogLines
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., report: _Optional[_Union[RankReport, _Mapping]] = ..., logs: _Optional[_Union[LogLines, _Mapping]] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("node", "heartbeat_interval", "last_seq")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    heartbeat_interval: float
+    last_seq: int
+    def __init__(self, node: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., last_seq: _Optional[int] = ...) -> None: ...
+
+class CoordinatorMessage(_message.Message):
+    __slots__ = ("registered", "assign", "cancel")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    assign: Assign
+    cancel: Cancel
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("spec_yaml", "overrides", "source")
+    SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    spec_yaml: str
+    overrides: _containers.RepeatedScalarFieldContainer[str]
+    source: str
+    def __init__(self, spec_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ...) -> None: ...
+
+class SubmitJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CancelJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("job_id", "after_seq")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after_seq: int
+    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+
+class GetLogsRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "all_ranks", "follow", "tail")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    all_ranks: bool
+    follow: bool
+    tail: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ...) -> None: ...
+
+class LogLine(_message.Message):
+    __slots__ = ("rank", "line", "attempt")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    line: str
+    attempt: int
+    def __init__(self, rank: _Optional[int] = ..., line: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class PlanJobRequest(_message.Message):
+    __slots__ = ("spec_yaml", "overrides", "source")
+    SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    spec_yaml: str
+    overrides: _containers.RepeatedScalarFieldContainer[str]
+    source: str
+    def __init__(self, spec_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ...) -> None: ...
+
+class PlanJobResponse(_message.Message):
+    __slots__ = ("layout_json", "spec_json")
+    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    layout_json: str
+    spec_json: str
+    def __init__(self, layout_json: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...

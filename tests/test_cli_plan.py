@@ -1,0 +1,120 @@
+"""``ctl plan`` through click's CliRunner, and the no-torch start-up promise in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rankctl.cli.main import cli
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_flags_human_output() -> None:
+    res = run("plan", "--world-size", "16", "--tp", "2", "--pp", "4", "--gpus-per-node", "4")
+    assert res.exit_code == 0, res.output
+    assert "node 3 (ranks 12-15)" in res.output
+    assert "dense:  tp=2 cp=1 dp=2 pp=4" in res.output
+    tp_line = next(line for line in res.output.splitlines() if line.split()[:1] == ["tp"])
+    assert tp_line.split() == ["tp", "8", "2", "0"]  # 8 groups of 2, none cross a node
+    pp_line = next(line for line in res.output.splitlines() if line.split()[:1] == ["pp"])
+    assert pp_line.split() == ["pp", "4", "4", "4"]
+    assert "communicator" in res.output
+
+
+def test_warns_when_tp_crosses_nodes() -> None:
+    res = run("plan", "--world-size", "8", "--tp", "4", "--gpus-per-node", "2")
+    assert res.exit_code == 0
+    assert "warning: 4 of 2 tp" not in res.output
+    assert "warning: 2 of 2 tp groups cross a node boundary" in res.output
+
+
+def test_one_rank_and_json() -> None:
+    res = run("plan", "--world-size", "16", "--tp", "2", "--pp", "4", "--rank", "5", "--json")
+    doc = json.loads(res.output)
+    assert doc["groups"]["pp"] == [1, 5, 9, 13] and doc["coords"]["pp"] == 1 and doc["node"] == 0
+    res = run("plan", "--world-size", "16", "--tp", "2", "--pp", "4", "--json", "--gpus-per-node", "4")
+    doc = json.loads(res.output)
+    assert doc["groups"]["dp"][:3] == [[0, 2], [1, 3], [4, 6]]
+    assert doc["config"]["dp"] == 2 and doc["node_of_rank"][12] == 3
+
+
+def test_job_file_with_overrides() -> None:
+    res = run("plan", str(EXAMPLES / "comm-check.yaml"), "--set", "parallel.tp=4", "--set", "parallel.pp=1")
+    assert res.exit_code == 0, res.output
+    assert "dense:  tp=4 cp=1 dp=2 pp=1" in res.output
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--world-size", "12", "--tp", "5"], ["world_size=12", "tp*pp*cp=5"]),
+        (["--world-size", "8", "--tp", "2", "--vpp", "2"], ["vpp=2"]),
+        (["--world-size", "8", "--order", "tp-xx-dp-pp"], ["unknown token 'xx'"]),
+        (["--world-size", "8", "--rank", "8"], ["rank=8", "outside"]),
+        ([], ["--world-size"]),
+    ],
+)
+def test_flag_errors_exit_2(args: list[str], words: list[str]) -> None:
+    res = run("plan", *args)
+    assert res.exit_code == 2
+    assert "Traceback" not in res.output
+    for w in words:
+        assert w in res.output
+
+
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        (["model.heads=3", "parallel.tp=2"], ["model.heads=3", "parallel.tp=2"]),
+        (["model.layers=3", "parallel.pp=2"], ["model.layers=3", "pp*vpp=2"]),
+        (["parallel.cp=2", "parallel.pp=1", "model.seq_len=126"], ["model.seq_len=126", "2*parallel.cp=4"]),
+        (["parallel.ep=2", "model.moe={experts: 3, top_k: 1}"], ["model.moe.experts=3", "parallel.ep=2"]),
+        (["train.global_batch=10", "train.micro_batch=4"], ["train.global_batch=10", "micro_batch*dp=8"]),
+        (["parallel.tp=three"], ["parallel.tp", "'three'", "must be an integer"]),
+        (["model.colour=red"], ["model.colour", "unknown field"]),
+        (["parallel.order=tp-pp"], ["omits dp"]),
+    ],
+)
+def test_job_file_errors_exit_2(sets: list[str], words: list[str]) -> None:
+    args = ["plan", str(EXAMPLES / "gpt-3d.yaml")]
+    for s in sets:
+        args += ["--set", s]
+    res = run(*args)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    for w in words:
+        assert w in res.output, (w, res.output)
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nparallel: {tp: 2\n")
+    res = run("plan", str(bad))
+    assert res.exit_code == 2 and "not valid YAML" in res.output
+    res = run("plan", str(tmp_path / "nope.yaml"))
+    assert res.exit_code == 2 and "cannot read" in res.output
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["plan", "--world-size", "65536", "--tp", "8", "--cp", "2", "--pp", "8", "--ep", "8"]],
+)
+def test_cli_never_imports_torch(argv: list[str]) -> None:
+    code = (
+        "import sys\nfrom rankctl.cli.main import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert 'grpc' not in sys.modules, 'grpc imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
