@@ -90,6 +90,7 @@ class CommCheckSpec(_Section):
     size_bytes: StrictInt = Field(1 << 20, ge=4, le=1 << 30)
     iters: StrictInt = Field(5, ge=1, le=10_000)
     warmup: StrictInt = Field(2, ge=0, le=1_000)
+    duration: float = Field(0.0, ge=0, le=7 * 24 * 3600)  # soak: repeat the check this many seconds
 
 
 class RestartSpec(_Section):

@@ -1,0 +1,206 @@
+"""The real launcher subprocess: comm-check over 8 forked ranks, failures, kill, launcher death."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import textwrap
+import time
+from typing import Any
+
+import pytest
+
+from rankctl.parallel.layout import ParallelConfig, RankLayout
+from rankctl.worker.assignment import RankAssignment
+from rankctl.worker.commcheck import aggregate
+from rankctl.worker.launcher import Launcher
+from rankctl.worker.procutil import pid_alive
+from rankctl.worker.status import StatusTailer, read_status
+
+KINDS_MODULE = '''
+"""Job kinds for launcher tests (imported by the launcher with --import)."""
+import subprocess, time
+from rankctl.worker.rank import register_kind
+
+def sleep(ctx):
+    child = subprocess.Popen(["sleep", "60"])
+    ctx.status.write("running", metrics={"child_pid": child.pid})
+    time.sleep(60)
+    return {}
+
+register_kind("test-sleep", sleep)
+'''
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    kinds = tmp_path_factory.mktemp("kinds")
+    (kinds / "rankctl_test_kinds.py").write_text(textwrap.dedent(KINDS_MODULE))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(kinds), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def launcher(loop, env):
+    launcher = loop.run_until_complete(Launcher.start(env=env, imports=["rankctl_test_kinds"]))
+    yield launcher
+    loop.run_until_complete(launcher.close())
+
+
+def free_port() -> int:
+    """A port nobody holds right now (rank 0's TCPStore binds it; acceptable for a loopback test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assignments(job: str, kind: str, run_dir: str, *, world: int = 1, tp: int = 1, pp: int = 1,
+                spec: dict[str, Any] | None = None) -> list[RankAssignment]:
+    lay = RankLayout(ParallelConfig(world_size=world, tp=tp, pp=pp))
+    port = free_port() if world > 1 else 0  # one rank: its own store may take any port
+    return [
+        RankAssignment(job_id=job, attempt=0, rank=r, world_size=world, local_rank=r, node="n0",
+                       coords=lay.coords(r), groups=lay.rank_groups(r), rendezvous=f"127.0.0.1:{port}",
+                       backend="gloo", kind=kind, spec=spec or {}, run_dir=run_dir)
+        for r in range(world)
+    ]
+
+
+def wait_events(loop, launcher: Launcher, job: str, event: str, count: int, timeout: float = 30.0) -> list[dict]:
+    """Events of ``job`` until ``count`` of kind ``event`` arrived (others of the job are kept too)."""
+    async def collect() -> list[dict]:
+        seen: list[dict] = []
+        while sum(e["event"] == event for e in seen) < count:
+            e = await launcher.next_event(timeout)
+            assert e["event"] not in ("eof", "error"), e
+            if e.get("job_id") == job:
+                seen.append(e)
+        return seen
+    return loop.run_until_complete(collect())
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def test_ready_reports_hardware(launcher) -> None:
+    hw = launcher.hardware
+    assert hw["cpu_count"] >= 1 and hw["memory_bytes"] > 0 and hw["hostname"]
+    assert hw["gpu_count"] == len(hw["gpus"])
+
+
+def test_comm_check_on_8_ranks(loop, launcher, tmp_path) -> None:
+    """tp2·pp2·dp2 over gloo, a short soak: every rank exits 0, every kind's groups verified."""
+    spec = {"comm_check": {"size_bytes": 4096, "warmup": 1, "iters": 2, "duration": 0.2}}
+    loop.run_until_complete(launcher.launch(assignments("cc", "comm-check", str(tmp_path), world=8, tp=2, pp=2,
+                                                        spec=spec), timeout_s=60))
+    events = wait_events(loop, launcher, "cc", "exited", 8)
+    started = {e["rank"]: e["pid"] for e in events if e["event"] == "started"}
+    exited = {e["rank"]: e for e in events if e["event"] == "exited"}
+    assert sorted(started) == list(range(8))
+    assert {r: e["exit_code"] for r, e in exited.items()} == {r: 0 for r in range(8)}, exited
+    final = {r: read_status(str(tmp_path), r)[-1] for r in range(8)}
+    assert all(f["phase"] == "done" for f in final.values())
+    rounds = {f["result"]["rounds"] for f in final.values()}
+    assert len(rounds) == 1 and rounds.pop() >= 2  # rank 0's clock decides for everyone
+    rows = {row["kind"]: row for row in aggregate({r: f["result"] for r, f in final.items()})}
+    assert {k: (rows[k]["groups"], rows[k]["size"]) for k in ("tp", "pp", "dp", "mp", "world")} == {
+        "tp": (4, 2), "pp": (4, 2), "dp": (4, 2), "mp": (2, 4), "world": (1, 8)}
+    phases = [rec["phase"] for rec in StatusTailer(str(tmp_path)).poll() if rec["rank"] == 5]
+    assert phases[:3] == ["rendezvous", "groups", "running"] and phases[-1] == "done"
+    assert set(phases[3:-1]) == {"running"}  # one per soak round
+
+
+def test_failing_rank_reports_exit_code_and_log_tail(loop, launcher, tmp_path) -> None:
+    loop.run_until_complete(launcher.launch(assignments("bad", "no-such-kind", str(tmp_path))))
+    (exited,) = [e for e in wait_events(loop, launcher, "bad", "exited", 1) if e["event"] == "exited"]
+    assert exited["exit_code"] == 1 and exited["signal"] is None
+    assert any("unknown job kind 'no-such-kind'" in line for line in exited["log_tail"]), exited["log_tail"]
+    status = read_status(str(tmp_path), 0)[-1]
+    assert status["phase"] == "failed" and "unknown job kind" in status["error"]
+
+
+def _child_pids(run_dir: str, world: int) -> list[int]:
+    out = []
+    for r in range(world):
+        out += [rec["metrics"]["child_pid"] for rec in read_status(run_dir, r) if rec["metrics"].get("child_pid")]
+    return out
+
+
+def test_kill_stops_every_rank_of_the_job_and_their_children(loop, launcher, tmp_path) -> None:
+    victim, bystander = tmp_path / "victim", tmp_path / "bystander"
+    loop.run_until_complete(launcher.launch(assignments("victim", "test-sleep", str(victim), world=2)))
+    loop.run_until_complete(launcher.launch(assignments("bystander", "test-sleep", str(bystander))))
+    wait_until(lambda: len(_child_pids(str(victim), 2)) == 2 and len(_child_pids(str(bystander), 1)) == 1)
+    children = _child_pids(str(victim), 2)
+
+    loop.run_until_complete(launcher.kill("victim", grace_s=5))
+    exited = [e for e in wait_events(loop, launcher, "victim", "exited", 2) if e["event"] == "exited"]
+    assert sorted(e["signal"] for e in exited) == ["SIGTERM", "SIGTERM"]
+    wait_until(lambda: not any(pid_alive(p) for p in children), timeout=5)
+    assert all(pid_alive(p) for p in _child_pids(str(bystander), 1))  # another job is untouched
+
+    loop.run_until_complete(launcher.kill("bystander", sig="SIGKILL"))
+    (e,) = [e for e in wait_events(loop, launcher, "bystander", "exited", 1) if e["event"] == "exited"]
+    assert e["signal"] == "SIGKILL"
+
+
+def test_bad_command_reports_an_error_and_the_launcher_keeps_going(loop, launcher) -> None:
+    launcher.proc.stdin.write(b'{"cmd": "dance"}\n')
+    event = loop.run_until_complete(launcher.next_event(10))
+    assert event["event"] == "error" and "unknown command 'dance'" in event["message"]
+
+
+def test_no_rank_survives_a_killed_launcher(loop, env, tmp_path) -> None:
+    other = loop.run_until_complete(Launcher.start(env=env, imports=["rankctl_test_kinds"]))
+    loop.run_until_complete(other.launch(assignments("orphan", "test-sleep", str(tmp_path))))
+    (started,) = [e for e in wait_events(loop, other, "orphan", "started", 1)]
+    wait_until(lambda: len(_child_pids(str(tmp_path), 1)) == 1)
+    os.kill(other.pid, signal.SIGKILL)
+    assert loop.run_until_complete(other.close()) == -signal.SIGKILL
+    wait_until(lambda: not pid_alive(started["pid"]), timeout=5)
+    for pid in _child_pids(str(tmp_path), 1):  # the rank's own child is orphaned, not killed
+        os.kill(pid, signal.SIGKILL)
+
+
+# -- status files (no processes) ---------------------------------------------------------------
+
+def test_status_tailer_returns_only_complete_new_lines(tmp_path) -> None:
+    from rankctl.worker.status import StatusWriter, status_path
+
+    tailer = StatusTailer(str(tmp_path))
+    assert tailer.poll() == []
+    writer = StatusWriter(str(tmp_path), 2, clock=lambda: 1.0)
+    writer.write("running", step=3, metrics={"loss": 2.5})
+    with open(status_path(str(tmp_path), 2), "a") as f:
+        f.write('{"rank": 2, "phase": "do')  # a line still being written
+    (rec,) = tailer.poll()
+    assert (rec["phase"], rec["step"], rec["metrics"], rec["ts"]) == ("running", 3, {"loss": 2.5}, 1.0)
+    assert tailer.poll() == []
+    with open(status_path(str(tmp_path), 2), "a") as f:
+        f.write('ne", "result": {"ok": 1}}\nnot json\n')
+    done, junk = tailer.poll()
+    assert done["result"] == {"ok": 1} and junk["phase"] is None and "not json" in junk["error"]
+    with pytest.raises(ValueError, match="unknown phase"):
+        writer.write("dancing")
+
+
+def test_tail_lines(tmp_path) -> None:
+    from rankctl.worker.status import tail_lines
+
+    path = tmp_path / "rank-0.log"
+    path.write_text("".join(f"line {i}\n" for i in range(5000)))
+    assert tail_lines(str(path), 3) == ["line 4997", "line 4998", "line 4999"]
+    assert tail_lines(str(path), 3, block=7) == ["line 4997", "line 4998", "line 4999"]
+    assert tail_lines(str(tmp_path / "missing.log")) == []

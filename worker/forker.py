@@ -1,0 +1,259 @@
+"""The launcher's loop: read commands, fork rank processes, reap them, report events.
+
+Single-threaded on purpose: forking happens in the main thread (``PR_SET_PDEATHSIG``
+follows the thread that forked), and with no other threads no lock can be held at
+fork time. SIGCHLD wakes the loop through ``signal.set_wakeup_fd``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import heapq
+import json
+import os
+import selectors
+import signal
+import sys
+import time
+import traceback
+from typing import Any, NoReturn
+
+from rankctl.worker.assignment import RankAssignment
+from rankctl.worker.procutil import configure_logging, parse_signal, set_parent_death_signal, signal_name
+from rankctl.worker.status import log_path, tail_lines
+
+LOG_TAIL_LINES = 20
+DEFAULT_GRACE_S = 10.0
+
+
+@dataclasses.dataclass
+class RankProc:
+    assignment: RankAssignment
+    pid: int
+    log: str
+
+
+class Forker:
+    """Serves the launcher protocol (see ``rankctl.worker.launcher``) on stdin / ``event_fd``."""
+
+    def __init__(self, event_fd: int, stdin_fd: int = 0) -> None:
+        self.event_fd = event_fd
+        self.stdin_fd = stdin_fd
+        self.procs: dict[int, RankProc] = {}
+        self._deadlines: list[tuple[float, int]] = []  # (when, pid): SIGKILL if still running
+        self._buf = b""
+        self._stopping = False
+
+    # -- events ---------------------------------------------------------------
+    def emit(self, event: dict[str, Any]) -> None:
+        data = (json.dumps(event, separators=(",", ":"), default=str) + "\n").encode()
+        while data:
+            data = data[os.write(self.event_fd, data):]
+
+    # -- loop -----------------------------------------------------------------
+    def serve(self) -> int:
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        sel = selectors.DefaultSelector()
+        sel.register(self.stdin_fd, selectors.EVENT_READ, "stdin")
+        sel.register(wake_r, selectors.EVENT_READ, "wake")
+        while not self._stopping:
+            for key, _ in sel.select(self._timeout()):
+                if key.data == "wake":
+                    _drain(wake_r)
+                else:
+                    self._read_commands()
+            self._reap()
+            self._expire()
+        sel.close()
+        self.emit({"event": "shutdown"})
+        return 0
+
+    def _timeout(self) -> float:
+        if not self._deadlines:
+            return 1.0
+        return max(0.0, min(1.0, self._deadlines[0][0] - time.monotonic()))
+
+    def _read_commands(self) -> None:
+        chunk = os.read(self.stdin_fd, 1 << 16)
+        if not chunk:  # the daemon closed our stdin: it is gone or done with us
+            self.shutdown(grace_s=5.0)
+            return
+        lines = (self._buf + chunk).split(b"\n")
+        self._buf = lines.pop()
+        for line in lines:
+            if line.strip():
+                self._handle(line)
+
+    def _handle(self, line: bytes) -> None:
+        try:
+            cmd = json.loads(line)
+            name = cmd.get("cmd")
+            if name == "launch":
+                self.launch([RankAssignment(**a) for a in cmd["assignments"]],
+                            timeout_s=cmd.get("timeout_s"), threads=cmd.get("threads"))
+            elif name == "kill":
+                self.kill(cmd["job_id"], attempt=cmd.get("attempt"), sig=parse_signal(cmd.get("signal")),
+                          grace_s=float(cmd.get("grace_s", DEFAULT_GRACE_S)))
+            elif name == "shutdown":
+                self.shutdown(grace_s=float(cmd.get("grace_s", 5.0)))
+            else:
+                raise ValueError(f"unknown command {name!r}; commands are launch, kill, shutdown")
+        except Exception as exc:  # noqa: BLE001 - a bad command must not stop the launcher
+            self.emit({"event": "error", "message": f"{type(exc).__name__}: {exc}",
+                       "command": line[:500].decode("utf-8", "replace")})
+
+    # -- commands -------------------------------------------------------------
+    def launch(self, assignments: list[RankAssignment], *, timeout_s: float | None = None,
+               threads: int | None = None) -> None:
+        """Fork one rank process per assignment and report ``started`` for each."""
+        threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(assignments)))
+        running = {(p.assignment.job_id, p.assignment.attempt, p.assignment.rank) for p in self.procs.values()}
+        for a in assignments:
+            if (a.job_id, a.attempt, a.rank) in running:
+                msg = f"rank {a.rank} of {a.job_id} attempt {a.attempt} is already running"
+                self.emit({"event": "error", "message": msg})
+                continue
+            try:
+                proc = self._fork(a, threads, timeout_s)
+            except Exception as exc:  # noqa: BLE001 - report it as this rank's end
+                self.emit(_exited(a, None, None, None, [], f"launch failed: {type(exc).__name__}: {exc}"))
+                continue
+            self.procs[proc.pid] = proc
+            self.emit({"event": "started", "job_id": a.job_id, "attempt": a.attempt, "rank": a.rank, "pid": proc.pid})
+
+    def _fork(self, a: RankAssignment, threads: int, timeout_s: float | None) -> RankProc:
+        run_dir = a.run_dir or os.path.join("/tmp", "rankctl", a.job_id, str(a.attempt))
+        if not a.run_dir:
+            a = dataclasses.replace(a, run_dir=run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        log = log_path(run_dir, a.rank)
+        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _child(a, log_fd, parent, threads, timeout_s)
+        finally:
+            os.close(log_fd)
+        return RankProc(assignment=a, pid=pid, log=log)
+
+    def kill(self, job_id: str, *, attempt: int | None = None, sig: int = signal.SIGTERM,
+             grace_s: float = DEFAULT_GRACE_S) -> list[int]:
+        """Signal every rank of a job (its whole process group); SIGKILL after ``grace_s``."""
+        pids = [pid for pid, p in self.procs.items()
+                if p.assignment.job_id == job_id and attempt in (None, p.assignment.attempt)]
+        for pid in pids:
+            _killpg(pid, sig)
+            if sig != signal.SIGKILL:
+                heapq.heappush(self._deadlines, (time.monotonic() + grace_s, pid))
+        return pids
+
+    def shutdown(self, *, grace_s: float) -> None:
+        """Stop every rank (SIGTERM, then SIGKILL after ``grace_s``), reap them all, then stop."""
+        for pid in list(self.procs):
+            _killpg(pid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while self.procs and time.monotonic() < end:
+            self._reap()
+            time.sleep(0.02)
+        for pid in list(self.procs):
+            _killpg(pid, signal.SIGKILL)
+        while self.procs:
+            self._reap(block=True)
+        self._stopping = True
+
+    # -- children -------------------------------------------------------------
+    def _reap(self, block: bool = False) -> None:
+        while self.procs:
+            try:
+                pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            proc = self.procs.pop(pid, None)
+            if proc is None:
+                continue
+            _killpg(pid, signal.SIGKILL)  # a rank's helpers do not outlive it
+            code = os.waitstatus_to_exitcode(status)
+            sig = signal_name(-code) if code < 0 else None
+            self.emit(_exited(proc.assignment, pid, code if code >= 0 else None, sig,
+                              tail_lines(proc.log, LOG_TAIL_LINES)))
+            block = False
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, pid = heapq.heappop(self._deadlines)
+            if pid in self.procs:
+                _killpg(pid, signal.SIGKILL)
+
+
+def _exited(a: RankAssignment, pid: int | None, code: int | None, sig: str | None,
+            tail: list[str], error: str | None = None) -> dict[str, Any]:
+    return {"event": "exited", "job_id": a.job_id, "attempt": a.attempt, "rank": a.rank, "pid": pid,
+            "exit_code": code, "signal": sig, "log_tail": tail, "error": error}
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _isolate(log_fd: int, parent: int) -> None:
+    """In the child: own session, die with the launcher, fds 0/1/2 = /dev/null, log, log."""
+    os.setsid()
+    set_parent_death_signal(signal.SIGKILL, expected_parent=parent)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    for name in os.listdir("/proc/self/fd"):  # the event pipe, stdin pipe, wake pipe, ...
+        if int(name) > 2:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
+def _child(a: RankAssignment, log_fd: int, parent: int, threads: int, timeout_s: float | None) -> NoReturn:
+    """Body of a forked rank process; never returns."""
+    code = 1
+    try:
+        gc.freeze()  # objects inherited from the launcher are never collected (no stray fd closes)
+        _isolate(log_fd, parent)
+        configure_logging(sys.stderr)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import torch
+
+        torch.set_num_threads(threads)
+        from rankctl.worker.rank import run_rank
+
+        code = run_rank(a, timeout_s=timeout_s)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)

@@ -1,0 +1,121 @@
+"""The warm launcher: a subprocess of the worker daemon that forks rank processes.
+
+The daemon (asyncio + gRPC) never forks itself; it runs ``python -m rankctl.worker.launcher``
+(see ``Launcher`` in ``launcher_client``), which imports torch once and then forks one rank
+process per assignment, so a rank starts in milliseconds with torch already loaded.
+
+Protocol: one JSON object per line, commands on stdin, events on stdout::
+
+    {"cmd": "launch", "assignments": [RankAssignment as dict, ...], "timeout_s": 300, "threads": 2}
+    {"cmd": "kill", "job_id": "j1", "attempt": 0, "signal": "SIGTERM", "grace_s": 10}
+    {"cmd": "shutdown", "grace_s": 5}
+
+    {"event": "ready", "pid": 123, "hardware": {"hostname", "cpu_count", "memory_bytes", "gpu_count", "gpus", ...}}
+    {"event": "started", "job_id", "attempt", "rank", "pid"}
+    {"event": "exited", "job_id", "attempt", "rank", "pid", "exit_code", "signal", "log_tail", "error"}
+    {"event": "error", "message"}                  # a command it could not carry out
+    {"event": "shutdown"}                          # last line before the launcher exits
+
+``exit_code`` is the rank's exit status, or null when a signal ended it (``signal`` names
+it) or the fork never happened (``error`` says why). Closing stdin is a ``shutdown``.
+
+Hardware facts never initialise CUDA (NVML-based device count, ``nvidia-smi`` for names):
+a process that has initialised CUDA cannot fork ranks that use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+from rankctl.worker.launcher_client import Launcher, LauncherError  # noqa: E402  (no torch)
+
+__all__ = ["Launcher", "LauncherError", "hardware_facts", "main"]
+
+
+def _memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _nvidia_smi_gpus() -> list[dict]:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        index, name, mib = (p.strip() for p in line.split(","))
+        gpus.append({"index": int(index), "name": name, "memory_bytes": int(float(mib)) * 2**20})
+    return gpus
+
+
+def hardware_facts() -> dict:
+    """What this node offers, without initialising CUDA in the launcher."""
+    import socket
+
+    import torch
+
+    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = _nvidia_smi_gpus() if gpu_count else []
+    if len(gpus) != gpu_count or "CUDA_VISIBLE_DEVICES" in os.environ:
+        gpus = [{"index": i} for i in range(gpu_count)]  # nvidia-smi numbers ignore the mask
+    return {
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count() or 1,
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_bytes": _memory_bytes(),
+        "gpu_count": gpu_count,
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rankctl.worker.launcher")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit at once if this is not our parent")
+    p.add_argument("--import", dest="imports", action="append", default=[],
+                   help="module to import at start-up (it may register job kinds)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: become the launcher and serve stdin until shutdown or EOF."""
+    args = _parse_args(argv)
+    from rankctl.worker.procutil import configure_logging, set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL, expected_parent=args.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    event_fd = os.dup(1)
+    os.set_inheritable(event_fd, False)
+    os.dup2(2, 1)  # stray prints (torch warnings) must not reach the event pipe
+    sys.stdout = sys.stderr
+    configure_logging(sys.stderr)
+
+    from rankctl.worker import rank
+    from rankctl.worker.forker import Forker
+
+    for module in args.imports:
+        importlib.import_module(module)
+    rank.preload_kinds()
+    forker = Forker(event_fd)
+    forker.emit({"event": "ready", "pid": os.getpid(), "hardware": hardware_facts()})
+    return forker.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

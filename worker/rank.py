@@ -1,0 +1,148 @@
+"""The rank runtime: rendezvous, groups, run one job kind, report status, exit.
+
+``run_rank(assignment)`` is what a rank process runs (the launcher forks it). Job kinds
+are functions ``(RankContext) -> dict`` (the result, JSON-serialisable) found by name in
+``JOB_KINDS``. A kind is either a callable or a ``"module:function"`` string imported on
+first use; add one with ``register_kind("train", "rankctl.worker.train:run")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from rankctl.parallel.groups import ProcessGroups
+from rankctl.worker.assignment import RankAssignment
+from rankctl.worker.status import StatusWriter
+
+DEFAULT_TIMEOUT_S = 300.0
+TRACEBACK_LINES = 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """Everything a job kind receives; no globals behind it."""
+
+    assignment: RankAssignment
+    groups: ProcessGroups
+    device: torch.device
+    backend: str
+    status: StatusWriter
+    log: Any  # structlog BoundLogger with job, node, rank bound
+
+
+JobFn = Callable[[RankContext], "dict[str, Any] | None"]
+
+JOB_KINDS: dict[str, "JobFn | str"] = {
+    "comm-check": "rankctl.worker.commcheck:run",
+}
+
+
+def register_kind(name: str, fn: "JobFn | str") -> None:
+    """Make job kind ``name`` runnable (a callable or a lazily imported ``"module:function"``)."""
+    JOB_KINDS[name] = fn
+
+
+def resolve_kind(name: str) -> JobFn:
+    """The function for job kind ``name``; imports it if registered as a string."""
+    try:
+        target = JOB_KINDS[name]
+    except KeyError:
+        raise ValueError(f"unknown job kind {name!r}; kinds are {', '.join(sorted(JOB_KINDS))}") from None
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+        JOB_KINDS[name] = target
+    return target
+
+
+def preload_kinds() -> None:
+    """Import every registered kind now (the launcher does this so forks start warm)."""
+    for name in list(JOB_KINDS):
+        resolve_kind(name)
+
+
+def resolve_backend(assignment: RankAssignment) -> tuple[str, torch.device]:
+    """(backend, device): nccl with the assigned GPU when CUDA is there, gloo on CPU otherwise."""
+    backend = assignment.backend
+    cuda = assignment.device is not None and torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"unknown backend {backend!r}; backends are auto, nccl, gloo")
+    if backend == "nccl" and not cuda:
+        raise RuntimeError(f"backend nccl needs a CUDA device, but device={assignment.device} "
+                           f"and torch.cuda.is_available()={torch.cuda.is_available()}")
+    device = torch.device("cuda", assignment.device) if cuda else torch.device("cpu")
+    return backend, device
+
+
+def init_distributed(assignment: RankAssignment, timeout: timedelta) -> tuple[str, torch.device]:
+    """Rendezvous through a TCPStore hosted by rank 0 and create the default group.
+
+    The device is set but deliberately not bound (no ``device_id``): see ``parallel.groups``.
+    """
+    backend, device = resolve_backend(assignment)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(
+        assignment.rendezvous_host, assignment.rendezvous_port, assignment.world_size,
+        is_master=assignment.rank == 0, timeout=timeout,
+    )
+    dist.init_process_group(
+        backend, store=store, rank=assignment.rank, world_size=assignment.world_size, timeout=timeout,
+    )
+    return backend, device
+
+
+def _error_fields(exc: BaseException) -> dict[str, Any]:
+    tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    lines = "".join(tb).splitlines()[-TRACEBACK_LINES:]
+    return {"error": f"{type(exc).__name__}: {exc}", "traceback": lines}
+
+
+def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> int:
+    """Run one rank to completion; 0 on success, 1 on failure (the status file says why).
+
+    On failure the process group is left for the process exit to tear down: destroying
+    a communicator whose peers are mid-collective can hang.
+    """
+    a = assignment
+    run_dir = a.run_dir or os.getcwd()
+    status = StatusWriter(run_dir, a.rank)
+    structlog.contextvars.bind_contextvars(job=a.job_id, attempt=a.attempt, node=a.node, rank=a.rank)
+    log = structlog.get_logger("rankctl.rank")
+    timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    try:
+        job = resolve_kind(a.kind)
+        status.write("rendezvous")
+        log.info("rendezvous", at=a.rendezvous, world_size=a.world_size)
+        backend, device = init_distributed(a, timeout)
+        status.write("groups")
+        pgs = ProcessGroups.build(a.rank, a.world_size, a.groups, timeout=timeout)
+        log.info("groups", backend=backend, device=str(device), groups=len(pgs.distinct()))
+        status.write("running")
+        ctx = RankContext(assignment=a, groups=pgs, device=device, backend=backend, status=status, log=log)
+        result = job(ctx) or {}
+        pgs.destroy()
+        dist.destroy_process_group()
+        status.write("done", result=result)
+        log.info("done")
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the status file
+        fields = _error_fields(exc)
+        log.error("failed", error=fields["error"])
+        print("\n".join(fields["traceback"]), file=sys.stderr, flush=True)
+        status.write("failed", **fields)
+        return 1
+    finally:
+        status.close()

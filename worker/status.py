@@ -1,0 +1,152 @@
+"""Per-rank status files and logs: what a rank reports and how the daemon reads it.
+
+A rank appends one JSON object per line to ``{run_dir}/rank-{rank}.status.jsonl``::
+
+    {"ts": 1712.3, "rank": 3, "phase": "running", "step": 12, "metrics": {"loss": 2.1},
+     "error": null, "result": null}
+
+Phases, in order: ``rendezvous``, ``groups``, ``running``, then ``done`` (with ``result``)
+or ``failed`` (with ``error`` and ``traceback``). Each line is flushed as it is written, so
+a reader never sees a torn record except for the line being written, which it keeps
+pending until the newline arrives. The rank's stdout and stderr go to
+``{run_dir}/rank-{rank}.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+PHASES = ("rendezvous", "groups", "running", "done", "failed")
+_STATUS_RE = re.compile(r"^rank-(\d+)\.status\.jsonl$")
+
+
+def status_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"rank-{rank}.status.jsonl")
+
+
+def log_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"rank-{rank}.log")
+
+
+class StatusWriter:
+    """Appends status records for one rank; every record is one flushed line."""
+
+    def __init__(self, run_dir: str, rank: int, *, clock: Callable[[], float] = time.time) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.rank = rank
+        self.path = status_path(run_dir, rank)
+        self._clock = clock
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(
+        self,
+        phase: str,
+        *,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        error: str | None = None,
+        result: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """Append one record and flush it; returns the record."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(PHASES)}")
+        record = {
+            "ts": self._clock(), "rank": self.rank, "phase": phase, "step": step,
+            "metrics": metrics or {}, "error": error, "result": result, **extra,
+        }
+        self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        self._file.flush()
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class FileTailer:
+    """Reads the complete lines appended to one file since the last call."""
+
+    path: str
+    offset: int = 0
+    _pending: bytes = field(default=b"", repr=False)
+
+    def read_lines(self) -> list[str]:
+        """New complete lines (without newline); a trailing partial line waits for the next call."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        chunks = (self._pending + data).split(b"\n")
+        self._pending = chunks.pop()
+        return [c.decode("utf-8", "replace") for c in chunks if c.strip()]
+
+
+class StatusTailer:
+    """Polls every ``rank-*.status.jsonl`` under one run directory for new records.
+
+    ``poll()`` returns new records in file order per rank; a line that is not JSON
+    becomes a record with phase ``None`` and the raw text under ``error``.
+    """
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self._tailers: dict[int, FileTailer] = {}
+
+    def _discover(self) -> None:
+        try:
+            names = os.listdir(self.run_dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            m = _STATUS_RE.match(name)
+            if m and int(m.group(1)) not in self._tailers:
+                self._tailers[int(m.group(1))] = FileTailer(os.path.join(self.run_dir, name))
+
+    def poll(self) -> list[dict[str, Any]]:
+        self._discover()
+        out: list[dict[str, Any]] = []
+        for rank in sorted(self._tailers):
+            for line in self._tailers[rank].read_lines():
+                out.append(_parse(rank, line))
+        return out
+
+
+def _parse(rank: int, line: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+        if isinstance(record, dict):
+            return record
+    except json.JSONDecodeError:
+        pass
+    return {"rank": rank, "phase": None, "error": f"unparseable status line: {line[:200]}"}
+
+
+def read_status(run_dir: str, rank: int) -> list[dict[str, Any]]:
+    """Every record one rank has written so far."""
+    return [_parse(rank, line) for line in FileTailer(status_path(run_dir, rank)).read_lines()]
+
+
+def tail_lines(path: str, n: int = 20, *, max_line: int = 500, block: int = 8192) -> list[str]:
+    """The last ``n`` lines of a file (each cut to ``max_line`` characters); [] if missing."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            pos, data = f.tell(), b""
+            while pos > 0 and data.count(b"\n") <= n:
+                step = min(block, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
+    except FileNotFoundError:
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()[-n:] if n > 0 else []
+    return [line[:max_line] for line in lines]
