@@ -1,0 +1,171 @@
+"""One rank's shard of the GPT: built from the model config, the TP group and the seed.
+
+Parameter metadata contract (``ShardedModel.meta[name]``, also ``param._rankctl_meta``),
+one ``ParamMeta`` per parameter, keyed by its name in ``module.named_parameters()``:
+
+* ``full_shape``: the logical full shape (the serial model's; the vocabulary unpadded).
+* ``shard_dim``: ``None`` = replicated across TP ranks (every rank holds the full tensor);
+  an ``int`` d = split along d: the full tensor is zero-padded along d to a multiple of
+  ``tp_size`` and TP rank r holds chunk r of ``tp_size`` equal chunks. Gather: concatenate
+  the chunks in TP rank order along d, then cut to ``full_shape`` (``gather_full``).
+* ``tp_grad_sum``: True when the gradient must be summed over the TP group before the
+  optimizer step. This is every replicated parameter under sequence parallelism (LayerNorms,
+  learned positions, row-parallel biases): each TP rank saw a different slice of the
+  sequence. Without SP, replicated parameters already get identical gradients.
+* ``tp_replicated`` (= ``shard_dim is None``): for the gradient norm, count such a
+  parameter once per TP group (e.g. only on TP rank 0), and sharded ones on every rank.
+* ``init_key``: the name whose seed initialises it (``wte.weight`` for a tied head that
+  lives on a pipeline stage without the embedding; see ``GPT.init_key``).
+
+Parameters are initialised as full tensors with ``gpt.full_init`` and sliced, so every
+layout starts from exactly the serial model's weights. Sharding rules come from
+``rankctl.parallel.tp_plan.GPT_TP_PLAN``; tp_group None (or of size 1) gives the serial model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rankctl.models.gpt import GPT, GPTConfig, MLP, MLPBuilder, SerialLayers, Stage, full_init
+from rankctl.parallel.tensor import TPContext, padded
+from rankctl.parallel.tp_plan import GPT_TP_PLAN, Plan, TPLayers
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    name: str
+    full_shape: tuple[int, ...]
+    shard_dim: int | None
+    tp_rank: int
+    tp_size: int
+    tp_grad_sum: bool
+    init_key: str
+
+    @property
+    def tp_replicated(self) -> bool:
+        return self.shard_dim is None
+
+
+def shard_slice(full: Tensor, shard_dim: int | None, rank: int, size: int) -> Tensor:
+    """This rank's chunk of a full tensor (zero-padded along ``shard_dim`` first)."""
+    if shard_dim is None or size == 1:
+        return full
+    n = full.size(shard_dim)
+    if n % size:
+        pad_shape = list(full.shape)
+        pad_shape[shard_dim] = padded(n, size) - n
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=shard_dim)
+    return full.chunk(size, shard_dim)[rank]
+
+
+def gather_full(local: Tensor, meta: ParamMeta, group: "dist.ProcessGroup | None") -> Tensor:
+    """The full tensor of a parameter (or of its gradient) from every TP rank's chunk.
+    A collective over the TP group for sharded parameters; every member must call it."""
+    if meta.shard_dim is None or meta.tp_size == 1:
+        return local.detach().clone()
+    local = local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(meta.tp_size)]
+    dist.all_gather(parts, local, group=group)
+    full = torch.cat(parts, dim=meta.shard_dim)
+    return full.narrow(meta.shard_dim, 0, meta.full_shape[meta.shard_dim])
+
+
+class ShardedModel:
+    """A rank's model (``module``), its parameter metadata and its TP context.
+
+    ``sharded(tokens, targets)`` calls the module (see the loss contract in ``models.gpt``).
+    """
+
+    def __init__(self, module: GPT, meta: dict[str, ParamMeta], tp: TPContext, styles: dict[str, str]) -> None:
+        self.module, self.meta, self.tp, self.styles = module, meta, tp, styles
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.module(*args, **kwargs)
+
+    @property
+    def config(self) -> GPTConfig:
+        return self.module.cfg
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.module.named_parameters())
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+    def tp_grad_sum_params(self) -> list[nn.Parameter]:
+        """Parameters whose gradients the DP/grad code must sum over the TP group."""
+        return [p for n, p in self.module.named_parameters() if self.meta[n].tp_grad_sum]
+
+    def full_state_dict(self, grads: bool = False) -> dict[str, Tensor]:
+        """Full (serial-shaped) parameters, or their gradients, on every TP rank (collective)."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            value = p.grad if grads else p
+            if value is None:
+                value = torch.zeros_like(p)
+            out[name] = gather_full(value, self.meta[name], self.tp.group)
+        return out
+
+
+def _collect_meta(module: GPT, tp: TPContext) -> dict[str, ParamMeta]:
+    meta: dict[str, ParamMeta] = {}
+    for mod_name, mod in module.named_modules():
+        specs = getattr(mod, "tp_shards", {})
+        for leaf, p in mod.named_parameters(recurse=False):
+            name = f"{mod_name}.{leaf}" if mod_name else leaf
+            spec = specs.get(leaf)
+            shard_dim = spec.dim if spec is not None and tp.size > 1 else None
+            meta[name] = ParamMeta(
+                name=name,
+                full_shape=tuple(spec.full_shape) if spec is not None else tuple(p.shape),
+                shard_dim=shard_dim,
+                tp_rank=tp.rank,
+                tp_size=tp.size,
+                tp_grad_sum=shard_dim is None and tp.sequence_parallel and tp.size > 1,
+                init_key=module.init_key(name),
+            )
+            p._rankctl_meta = meta[name]
+    return meta
+
+
+@torch.no_grad()
+def init_parameters(module: GPT, meta: dict[str, ParamMeta], seed: int) -> None:
+    """Fill every parameter with its slice of the full initial tensor."""
+    for name, p in module.named_parameters():
+        m = meta[name]
+        full = full_init(m.init_key, m.full_shape, seed, module.cfg)
+        p.copy_(shard_slice(full, m.shard_dim, m.tp_rank, m.tp_size))
+
+
+def check_divisible(cfg: GPTConfig, tp: TPContext) -> None:
+    problems = [f"model.{what}={n} is not divisible by tp={tp.size}"
+                for what, n in (("heads", cfg.heads), ("ffn_hidden", cfg.ffn)) if n % tp.size]
+    if tp.sequence_parallel and cfg.seq_len % tp.size:
+        problems.append(f"model.seq_len={cfg.seq_len} is not divisible by tp={tp.size} (sequence parallel)")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def build_shard(model_cfg: GPTConfig | Any, tp_group: "dist.ProcessGroup | None" = None,
+                sequence_parallel: bool = False, seed: int = 0, *, stage: Stage = Stage(),
+                mlp: MLPBuilder = MLP, plan: Plan = GPT_TP_PLAN, tp: TPContext | None = None,
+                device: torch.device | str | None = None) -> ShardedModel:
+    """This rank's shard. ``model_cfg``: a ``GPTConfig`` or a job file's ``model`` section.
+
+    ``tp`` overrides ``tp_group`` (tests build shards of any rank without processes).
+    """
+    cfg = model_cfg if isinstance(model_cfg, GPTConfig) else GPTConfig.from_spec(model_cfg)
+    tp = tp or TPContext.from_group(tp_group, sequence_parallel)
+    check_divisible(cfg, tp)
+    make = TPLayers(tp, plan) if tp.size > 1 else SerialLayers()
+    module = GPT(cfg, make, stage, mlp)
+    meta = _collect_meta(module, tp)
+    init_parameters(module, meta, seed)
+    if device is not None:
+        module.to(device)
+    return ShardedModel(module, meta, tp, getattr(make, "styles", {}))
