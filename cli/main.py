@@ -7,11 +7,22 @@ import sys
 
 import click
 
+from rankctl.cli.context import Ctx
 from rankctl.cli.errors import EXIT_USAGE
 
 # name -> (module, attribute, one-line help). Modules import only click at top level.
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("rankctl.cli.plan", "plan", "Validate and explain a rank layout before anything is allocated."),
+    "submit": ("rankctl.cli.jobs", "submit", "Submit a job file; print its id."),
+    "jobs": ("rankctl.cli.jobs", "jobs", "List jobs."),
+    "status": ("rankctl.cli.jobs", "status", "Show one job: state, reason, ranks, result."),
+    "watch": ("rankctl.cli.jobs", "watch", "Follow a job live until it ends."),
+    "logs": ("rankctl.cli.jobs", "logs", "Print (or follow) the ranks' output."),
+    "cancel": ("rankctl.cli.jobs", "cancel", "Cancel a job."),
+    "nodes": ("rankctl.cli.nodes", "nodes", "List worker nodes."),
+    "coordinator": ("rankctl.cli.daemons", "coordinator", "Run the coordinator service."),
+    "worker": ("rankctl.cli.daemons", "worker", "Run a worker daemon for this node."),
+    "up": ("rankctl.cli.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
 }
 
 
@@ -33,8 +44,12 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rankctl", prog_name="ctl")
-def cli() -> None:
+@click.option("--coordinator", envvar="RANKCTL_COORDINATOR", default="127.0.0.1:7420", show_default=True,
+              metavar="HOST:PORT", help="Coordinator address (env RANKCTL_COORDINATOR).")
+@click.pass_context
+def cli(ctx: click.Context, coordinator: str) -> None:
     """rankctl: a control plane for Megatron-style parallel training."""
+    ctx.obj = Ctx(coordinator=coordinator)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
     READY: _ClassVar[NodeState]
     LOST: _ClassVar[NodeState]
+    DISCONNECTED: _ClassVar[NodeState]
 JOB_STATE_UNSPECIFIED: JobState
 PENDING: JobState
 PLACED: JobState
@@ -36,6 +37,7 @@ RESTARTING: JobState
 NODE_STATE_UNSPECIFIED: NodeState
 READY: NodeState
 LOST: NodeState
+DISCONNECTED: NodeState
 
 class GpuInfo(_message.Message):
     __slots__ = ("index", "name", "memory_bytes")

@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from rankctl.coordinator.results import comm_check_result
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.worker import commcheck
 from rankctl.worker.commcheck import (
-    CommCheckConfig, CommCheckError, _Group, aggregate, format_table, metrics, verify_allgather,
+    CommCheckConfig, CommCheckError, _Group, metrics, verify_allgather,
     verify_allreduce,
 )
 
@@ -61,22 +62,6 @@ def test_config_from_spec() -> None:
 def _row(kinds: list[str], members: list[int], us: float) -> dict:
     return {"kinds": kinds, "members": members,
             **{op: metrics(op, 4096, len(members), us / 1e6) for op in commcheck.OPS}}
-
-
-def test_aggregate_takes_the_slowest_member_and_group() -> None:
-    results = {
-        0: {"groups": [_row(["tp", "tp_cp"], [0, 1], 10), _row(["world"], [0, 1, 2, 3], 50)]},
-        1: {"groups": [_row(["tp", "tp_cp"], [0, 1], 30), _row(["world"], [0, 1, 2, 3], 40)]},
-        2: {"groups": [_row(["tp", "tp_cp"], [2, 3], 20), _row(["world"], [0, 1, 2, 3], 40)]},
-        3: {"groups": [_row(["tp", "tp_cp"], [2, 3], 20), _row(["world"], [0, 1, 2, 3], 40)]},
-    }
-    rows = aggregate(results)
-    assert [r["kind"] for r in rows] == ["tp", "tp_cp", "world"]  # layout order, world last
-    tp = rows[0]
-    assert (tp["groups"], tp["size"], tp["allreduce_us"]) == (2, 2, pytest.approx(30))
-    assert tp["allreduce_busbw_gbps"] == pytest.approx(4096 / 30e-6 / 1e9 * 1.0)
-    assert rows[2]["allgather_us"] == pytest.approx(50) and rows[2]["size"] == 4
-    assert "world" in format_table(rows)
 
 
 def test_merge_rounds_keeps_the_slowest_and_the_first_error() -> None:
@@ -135,7 +120,7 @@ def test_clean_run_and_a_corrupted_collective(tmp_path) -> None:
     assert _fork(4, str(clean / "store"), None, str(clean)) == [0] * 4
     rows = {r: json.loads((clean / f"{r}.json").read_text()) for r in range(4)}
     assert not any(commcheck.errors(v) for v in rows.values())
-    table = aggregate({r: {"groups": v} for r, v in rows.items()})
+    table = comm_check_result({r: {"groups": v} for r, v in rows.items()})["comm"]
     assert {(t["kind"], t["groups"], t["size"]) for t in table} >= {("tp", 2, 2), ("dp", 2, 2), ("world", 1, 4)}
 
     assert _fork(4, str(bad / "store"), "allgather", str(bad)) == [0] * 4

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from rankctl.parallel.layout import KINDS
 
 if TYPE_CHECKING:
     from rankctl.parallel.groups import ProcessGroups
@@ -205,51 +204,3 @@ def run(ctx: "RankContext") -> dict[str, Any]:
     ctx.log.info("comm-check passed", groups=len(groups), rounds=rounds)
     return {"size_bytes": cfg.size_bytes, "iters": cfg.iters, "rounds": rounds, "groups": groups}
 
-
-def _kind_order(kind: str) -> tuple[int, str]:
-    return (KINDS.index(kind) if kind in KINDS else len(KINDS), kind)
-
-
-def aggregate(results: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per-kind table rows from per-rank results (rank -> ``run``'s result).
-
-    A group's time for an op is its slowest member's; a kind's row shows its slowest
-    group (latency in microseconds, bandwidths in GB/s from that time).
-    """
-    slowest: dict[tuple[int, ...], dict[str, Any]] = {}
-    for result in results.values():
-        for row in result.get("groups", []):
-            key = tuple(row["members"])
-            agg = slowest.setdefault(key, {"kinds": set(), **{op: row[op] for op in OPS}})
-            agg["kinds"].update(row["kinds"])
-            for op in OPS:
-                if row[op]["us"] > agg[op]["us"]:
-                    agg[op] = row[op]
-    by_kind: dict[str, list[tuple[tuple[int, ...], dict[str, Any]]]] = {}
-    for members, agg in slowest.items():
-        for kind in agg["kinds"]:
-            by_kind.setdefault(kind, []).append((members, agg))
-    return [_row(kind, by_kind[kind]) for kind in sorted(by_kind, key=_kind_order)]
-
-
-def _row(kind: str, groups: list[tuple[tuple[int, ...], dict[str, Any]]]) -> dict[str, Any]:
-    row: dict[str, Any] = {"kind": kind, "groups": len(groups), "size": len(groups[0][0])}
-    for op in OPS:
-        members, agg = max(groups, key=lambda g: g[1][op]["us"])
-        m = metrics(op, int(agg[op]["bytes"]), len(members), agg[op]["us"] / 1e6)
-        row.update({f"{op}_us": m["us"], f"{op}_busbw_gbps": m["busbw_gbps"], f"{op}_bytes": m["bytes"]})
-    return row
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Plain-text table of ``aggregate`` rows (the CLI may render its own)."""
-    lines = [
-        f"{'kind':<10}{'groups':>7}{'size':>6}"
-        f"{'allreduce us':>14}{'busbw GB/s':>12}{'allgather us':>14}{'busbw GB/s':>12}"
-    ]
-    for r in rows:
-        lines.append(
-            f"{r['kind']:<10}{r['groups']:>7}{r['size']:>6}{r['allreduce_us']:>14.1f}"
-            f"{r['allreduce_busbw_gbps']:>12.3f}{r['allgather_us']:>14.1f}{r['allgather_busbw_gbps']:>12.3f}"
-        )
-    return "\n".join(lines)

@@ -55,9 +55,14 @@ def parse_signal(value: str | int | None, default: int = signal.SIGTERM) -> int:
     return int(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
 
 
-def configure_logging(stream: TextIO | None = None, *, level: int = logging.INFO) -> None:
-    """Configure structlog once per entry point: console on a TTY, JSON lines otherwise."""
+def configure_logging(stream: TextIO | None = None, *, level: int | str = logging.INFO) -> None:
+    """Configure structlog once per entry point: console on a TTY, JSON lines otherwise.
+
+    Context (job, node, rank) comes from structlog's contextvars, bound by each entry point.
+    """
     stream = stream or sys.stderr
+    if isinstance(level, str):
+        level = logging.getLevelName(level.upper())
     renderer = (
         structlog.dev.ConsoleRenderer(colors=False)
         if stream.isatty() else structlog.processors.JSONRenderer()

@@ -1,0 +1,88 @@
+"""A thin synchronous gRPC client for ``ctl``: one channel, errors mapped to exit codes."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import grpc
+
+from rankctl.cli.errors import EXIT_UNREACHABLE, EXIT_USAGE, CtlError
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+
+DEFAULT_COORDINATOR = "127.0.0.1:7420"
+CONNECT_TIMEOUT = 5.0
+
+
+class Client:
+    """Talks to the coordinator's ClientService at ``address`` (HOST:PORT)."""
+
+    def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise CtlError(
+                f"cannot reach the coordinator at {address} (start one with `ctl coordinator`, "
+                "or set --coordinator / RANKCTL_COORDINATOR)",
+                EXIT_UNREACHABLE,
+            ) from None
+        self.stub = pb_grpc.ClientServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- calls -----------------------------------------------------------------------------
+    def submit(self, spec_yaml: str, overrides: list[str], source: str) -> pb.Job:
+        with rpc_errors(self.address):
+            req = pb.SubmitJobRequest(spec_yaml=spec_yaml, overrides=overrides, source=source)
+            return self.stub.SubmitJob(req).job
+
+    def get(self, job_id: str) -> pb.Job:
+        with rpc_errors(self.address):
+            return self.stub.GetJob(pb.GetJobRequest(job_id=job_id))
+
+    def jobs(self, limit: int = 0) -> list[pb.Job]:
+        with rpc_errors(self.address):
+            return list(self.stub.ListJobs(pb.ListJobsRequest(limit=limit)).jobs)
+
+    def cancel(self, job_id: str, reason: str) -> pb.Job:
+        with rpc_errors(self.address):
+            return self.stub.CancelJob(pb.CancelJobRequest(job_id=job_id, reason=reason)).job
+
+    def nodes(self) -> list[pb.Node]:
+        with rpc_errors(self.address):
+            return list(self.stub.ListNodes(pb.ListNodesRequest()).nodes)
+
+    def watch(self, job_id: str, after_seq: int = 0) -> Iterator[pb.JobEvent]:
+        with rpc_errors(self.address):
+            yield from self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id, after_seq=after_seq))
+
+    def logs(self, job_id: str, rank: int | None, follow: bool, tail: int) -> Iterator[pb.LogLine]:
+        req = pb.GetLogsRequest(job_id=job_id, rank=rank or 0, all_ranks=rank is None, follow=follow, tail=tail)
+        with rpc_errors(self.address):
+            yield from self.stub.GetLogs(req)
+
+
+@contextmanager
+def rpc_errors(address: str) -> Iterator[None]:
+    """Map gRPC failures to CtlError with the exit codes of ``ctl``."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details() or ""
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise CtlError(f"lost the coordinator at {address}: {details}", EXIT_UNREACHABLE) from None
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
+            raise CtlError(details, EXIT_USAGE) from None
+        raise CtlError(f"coordinator at {address} answered {code.name}: {details}", 1) from None

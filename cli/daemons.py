@@ -1,0 +1,91 @@
+"""Long-running services: ``ctl coordinator`` and ``ctl worker``."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from pathlib import Path
+
+import click
+
+from rankctl.cli.context import Ctx, pass_ctx
+from rankctl.cli.errors import CtlError
+
+log_level = click.option("--log-level", default="info", show_default=True,
+                         type=click.Choice(["debug", "info", "warning", "error"]))
+
+
+async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float) -> None:
+    import structlog
+
+    from rankctl.coordinator.server import start_coordinator
+
+    server = await start_coordinator(listen, state_dir, heartbeat_timeout=heartbeat_timeout)
+    (state_dir / "address").write_text(server.address + "\n")  # the bound address, for scripts and tests
+    structlog.get_logger("rankctl.coordinator").info(
+        "coordinator listening", address=server.address, state_dir=str(state_dir))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
+
+
+@click.command("coordinator")
+@click.option("--listen", default="127.0.0.1:7420", show_default=True, metavar="HOST:PORT",
+              help="Address to serve on (port 0 picks a free port and logs it).")
+@click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for the durable store (SQLite, WAL).")
+@click.option("--heartbeat-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds without a heartbeat before a node is lost.")
+@log_level
+def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, log_level: str) -> None:
+    """Run the coordinator service (gRPC) until SIGTERM/SIGINT."""
+    from rankctl.worker.procutil import configure_logging
+
+    configure_logging(level=log_level)
+    if heartbeat_timeout <= 0:
+        raise CtlError(f"--heartbeat-timeout={heartbeat_timeout} must be positive")
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CtlError(f"--state-dir {state_dir}: {exc.strerror}") from None
+    try:
+        asyncio.run(_serve_coordinator(listen, state_dir, heartbeat_timeout))
+    except OSError as exc:
+        raise CtlError(f"coordinator cannot serve on {listen}: {exc}") from None
+
+
+@click.command("worker")
+@click.option("--coordinator", "coordinator_address", default=None, metavar="HOST:PORT",
+              help="Coordinator address (default: ctl --coordinator / RANKCTL_COORDINATOR).")
+@click.option("--slots", type=int, default=None, help="Rank slots (default: GPUs on this node, or 1).")
+@click.option("--name", default=None, help="Node name (default: hostname).")
+@click.option("--advertise-address", default=None, help="Address other nodes reach this node on.")
+@click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for rank logs and status files.")
+@click.option("--health-listen", default="127.0.0.1:0", show_default=True, help="gRPC health service address.")
+@log_level
+@pass_ctx
+def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: str | None,
+           advertise_address: str | None, state_dir: Path, health_listen: str, log_level: str) -> None:
+    """Run the worker daemon for this node until SIGTERM/SIGINT."""
+    from rankctl.worker.procutil import configure_logging
+    from rankctl.worker.daemon import DaemonConfig
+    from rankctl.worker.serve import run_worker
+
+    configure_logging(level=log_level)
+    if slots is not None and slots < 1:
+        raise CtlError(f"--slots={slots} must be at least 1")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    cfg = DaemonConfig(
+        coordinator=coordinator_address or ctx.coordinator,
+        name=name or socket.gethostname(),
+        slots=slots or 0,
+        state_dir=state_dir.resolve(),
+        advertise_address=advertise_address or "127.0.0.1",
+        health_listen=health_listen,
+    )
+    asyncio.run(run_worker(cfg))

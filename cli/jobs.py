@@ -1,0 +1,189 @@
+"""Job commands: submit, jobs, status, watch, logs, cancel."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from rankctl.cli.context import Ctx, pass_ctx
+from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, CtlError
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+
+
+def read_job_file(path: str, overrides: tuple[str, ...]) -> str:
+    """Read and validate locally (same rules as the coordinator): fail fast, no round trip."""
+    from rankctl.coordinator.checks import check_job
+    from rankctl.coordinator.spec import SpecError, build_spec, load_yaml_text
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CtlError(f"{path}: cannot read the job file ({exc.strerror})") from None
+    try:
+        check_job(build_spec(load_yaml_text(text, path), list(overrides)))
+    except SpecError as exc:
+        raise CtlError(str(exc)) from None
+    return text
+
+
+def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120.0):
+    """Follow a job's events until it is terminal; survive coordinator restarts. Returns the job."""
+    from rankctl.cli.render import TERMINAL, job_view, state_name, stderr_console
+
+    after, down_since = 0, None
+    display = _LiveView(stderr_console(), job_view) if live else None
+    try:
+        while True:
+            try:
+                with ctx.client() as client:
+                    down_since = None
+                    job = client.get(job_id)
+                    if display:
+                        display.update(job)
+                    if state_name(job.state) in TERMINAL:
+                        return job
+                    for event in client.watch(job_id, after_seq=after):
+                        after = max(after, event.seq)
+                        if display:
+                            display.update(client.get(job_id), throttle=0.2)
+                        if state_name(event.state) in TERMINAL:
+                            return client.get(job_id)
+            except CtlError as exc:
+                if exc.exit_code != EXIT_UNREACHABLE:
+                    raise
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > reconnect_timeout:
+                    raise
+                click.echo(f"coordinator unreachable, retrying: {exc.message}", err=True)
+                time.sleep(1.0)
+    finally:
+        if display:
+            display.stop()
+
+
+class _LiveView:
+    """A rich Live display on stderr, refreshed at most every ``throttle`` seconds."""
+
+    def __init__(self, console, render) -> None:
+        from rich.live import Live
+
+        self._render, self._last = render, 0.0
+        self._live = Live(console=console, auto_refresh=False, transient=False)
+        self._live.start()
+
+    def update(self, job, throttle: float = 0.0) -> None:
+        now = time.monotonic()
+        if now - self._last >= throttle:
+            self._last = now
+            self._live.update(self._render(job), refresh=True)
+
+    def stop(self) -> None:
+        self._live.stop()
+
+
+def exit_for(job) -> None:
+    from rankctl.cli.render import state_name
+
+    state = state_name(job.state)
+    if state != "SUCCEEDED":
+        click.echo(f"job {job.id} {state}: {job.reason}", err=True)
+        sys.exit(EXIT_JOB_FAILED)
+
+
+@click.command("submit")
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a job-file field.")
+@click.option("--watch", "watch_", is_flag=True, help="Show live progress on stderr until the job ends.")
+@click.option("--wait", is_flag=True, help="Block until the job ends; exit 0 only on SUCCEEDED.")
+@pass_ctx
+def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wait: bool) -> None:
+    """Submit JOB_FILE; print the job id alone on stdout."""
+    text = read_job_file(job_file, overrides)
+    with ctx.client() as client:
+        job = client.submit(text, list(overrides), job_file)
+    click.echo(job.id)
+    sys.stdout.flush()
+    if watch_ or wait:
+        exit_for(follow_job(ctx, job.id, live=watch_))
+
+
+@click.command("jobs")
+@click.option("--limit", type=int, default=0, help="Newest N jobs (0: all).")
+@json_option
+@pass_ctx
+def jobs(ctx: Ctx, limit: int, as_json: bool) -> None:
+    """List jobs, newest first."""
+    from rankctl.cli.render import job_to_dict, print_json, rows_table, stdout_console, when
+
+    with ctx.client() as client:
+        found = [job_to_dict(j) for j in client.jobs(limit)]
+    if as_json:
+        print_json(found)
+        return
+    rows = [{"id": j["id"], "state": j["state"], "world": j["world_size"], "created": when(j["created_at"]),
+             "reason": j["reason"][:60]} for j in found]
+    stdout_console().print(rows_table("jobs", rows) if rows else "no jobs")
+
+
+@click.command("status")
+@click.argument("job_id")
+@json_option
+@pass_ctx
+def status(ctx: Ctx, job_id: str, as_json: bool) -> None:
+    """Show JOB_ID (id or name): state, reason, per-rank phase and step, result."""
+    from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
+
+    with ctx.client() as client:
+        job = client.get(job_id)
+    if as_json:
+        print_json(job_to_dict(job))
+    else:
+        stdout_console().print(job_view(job))
+
+
+@click.command("watch")
+@click.argument("job_id")
+@json_option
+@pass_ctx
+def watch(ctx: Ctx, job_id: str, as_json: bool) -> None:
+    """Follow JOB_ID live (state, per-rank phase and step) until it ends."""
+    from rankctl.cli.render import job_to_dict, print_json
+
+    job = follow_job(ctx, job_id, live=True)  # on stderr
+    if as_json:
+        print_json(job_to_dict(job))
+    exit_for(job)
+
+
+@click.command("logs")
+@click.argument("job_id")
+@click.option("--rank", type=int, default=None, help="Only this rank (default: all ranks, prefixed).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
+@click.option("--tail", type=int, default=0, help="Only the last N lines per rank (0: all kept).")
+@pass_ctx
+def logs(ctx: Ctx, job_id: str, rank: int | None, follow: bool, tail: int) -> None:
+    """Print the ranks' stdout and stderr."""
+    with ctx.client() as client:
+        for line in client.logs(job_id, rank, follow, tail):
+            click.echo(line.line if rank is not None else f"[{line.rank}] {line.line}")
+
+
+@click.command("cancel")
+@click.argument("job_id")
+@click.option("--reason", default="cancelled by user", show_default=True)
+@json_option
+@pass_ctx
+def cancel(ctx: Ctx, job_id: str, reason: str, as_json: bool) -> None:
+    """Cancel JOB_ID: its ranks are stopped on every node."""
+    from rankctl.cli.render import job_to_dict, print_json, state_name
+
+    with ctx.client() as client:
+        job = client.cancel(job_id, reason)
+    if as_json:
+        print_json(job_to_dict(job))
+    else:
+        click.echo(f"{job.id} {state_name(job.state)}")

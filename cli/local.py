@@ -1,0 +1,82 @@
+"""The embedded local default: a coordinator and N worker daemons on this machine.
+
+Runs on one background thread with its own event loop, so that callers (``ctl up`` and the
+end-to-end tests) use the ordinary synchronous client against ``address``. Each daemon has
+its own warm launcher subprocess, started before any gRPC server, as on a real node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
+
+
+class LocalCluster:
+    def __init__(self, nodes: int, slots: int, state_dir: Path, heartbeat_timeout: float = 10.0,
+                 name_prefix: str = "local") -> None:
+        self.nodes, self.slots, self.state_dir = nodes, slots, Path(state_dir)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.names = [f"{name_prefix}-{k}" for k in range(nodes)]
+        self.address = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="rankctl-local", daemon=True)
+
+    def start(self, timeout: float = 120.0) -> "LocalCluster":
+        """Start everything; return once every daemon has registered with the coordinator."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"local cluster did not come up within {timeout:.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # surfaced to start()
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        from rankctl.coordinator.server import start_coordinator
+        from rankctl.worker.launcher_client import Launcher
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        launchers = await asyncio.gather(*[Launcher.start() for _ in range(self.nodes)])
+        server = await start_coordinator("127.0.0.1:0", self.state_dir / "coordinator",
+                                         heartbeat_timeout=self.heartbeat_timeout)
+        self.address = server.address
+        daemons = [
+            WorkerDaemon(DaemonConfig(coordinator=self.address, name=name, slots=self.slots,
+                                      state_dir=self.state_dir / name), launcher)
+            for name, launcher in zip(self.names, launchers)
+        ]
+        tasks = [asyncio.create_task(d.run()) for d in daemons]
+        try:
+            await asyncio.wait_for(asyncio.gather(*[d.connected.wait() for d in daemons]), timeout=60)
+            self._ready.set()
+            await self._stop.wait()
+        finally:
+            for d in daemons:
+                d.stop()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*[lch.close() for lch in launchers], return_exceptions=True)
+            await server.stop(0.5)

@@ -1,0 +1,70 @@
+"""``ctl up``: run one job on this machine, start to finish, and tear everything down."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import click
+
+from rankctl.cli.context import Ctx
+from rankctl.cli.errors import CtlError
+
+
+def _cluster_shape(text: str, path: str, overrides: tuple[str, ...], nodes: int | None,
+                   slots: int | None) -> tuple[int, int]:
+    from rankctl.coordinator.spec import build_spec, load_yaml_text
+
+    spec = build_spec(load_yaml_text(text, path), list(overrides))
+    res = spec.resources
+    n, s = nodes or res.nodes, slots or res.slots_per_node
+    if n < 1 or s < 1:
+        raise CtlError(f"--nodes={n} and --slots={s} must be at least 1")
+    if n < res.nodes or s < res.slots_per_node:
+        raise CtlError(
+            f"the job needs resources.nodes={res.nodes} x resources.slots_per_node={res.slots_per_node}, "
+            f"but up would start {n} node(s) x {s} slot(s); raise --nodes/--slots or use --set resources..."
+        )
+    return n, s
+
+
+@click.command("up")
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--nodes", type=int, default=None, help="Local worker daemons (default: the job's resources.nodes).")
+@click.option("--slots", type=int, default=None, help="Slots per daemon (default: resources.slots_per_node).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a job-file field.")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep state, logs and checkpoints here (default: a temporary directory, removed).")
+@click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON alone on stdout.")
+@click.option("--log-level", default="warning", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str, ...],
+       state_dir: Path | None, as_json: bool, log_level: str) -> None:
+    """Start a coordinator and worker daemons here, run JOB_FILE to its end, print the result."""
+    from rankctl.cli.jobs import exit_for, follow_job, read_job_file
+    from rankctl.cli.local import LocalCluster
+    from rankctl.worker.procutil import configure_logging
+    from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
+
+    configure_logging(level=log_level)
+    text = read_job_file(job_file, overrides)
+    n, s = _cluster_shape(text, job_file, overrides, nodes, slots)
+    tmp = state_dir is None
+    root = Path(tempfile.mkdtemp(prefix="rankctl-up-")) if tmp else state_dir
+    click.echo(f"starting a coordinator and {n} worker daemon(s) x {s} slot(s) under {root}", err=True)
+    try:
+        with LocalCluster(n, s, root) as cluster:
+            ctx = Ctx(coordinator=cluster.address)
+            with ctx.client() as client:
+                job = client.submit(text, list(overrides), job_file)
+            click.echo(f"submitted {job.id}", err=True)
+            job = follow_job(ctx, job.id, live=True)  # progress on stderr; stdout stays JSON
+    finally:
+        if tmp:
+            shutil.rmtree(root, ignore_errors=True)
+    if as_json:
+        print_json(job_to_dict(job))
+    else:
+        stdout_console().print(job_view(job))
+    exit_for(job)

@@ -1,0 +1,118 @@
+"""Domain records <-> protobuf messages of ``rankctl.v1`` (no logic beyond the mapping)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rankctl.coordinator.nodes import NodeSession, NodeStatus
+from rankctl.coordinator.records import (
+    EventRecord, JobRecord, LogRecord, NodeHello, RankRecord, RankUpdate, RunningJob,
+)
+from rankctl.coordinator.states import JobState
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.worker.assignment import RankAssignment
+
+_NODE_STATE = {
+    NodeStatus.READY: pb.READY,
+    NodeStatus.LOST: pb.LOST,
+    NodeStatus.DISCONNECTED: pb.DISCONNECTED,
+}
+
+
+def job_state(state: JobState) -> int:
+    return pb.JobState.Value(state.value)
+
+
+def job_state_from_pb(value: int) -> JobState:
+    return JobState(pb.JobState.Name(value))
+
+
+# -- domain -> pb ---------------------------------------------------------------
+def rank_to_pb(r: RankRecord) -> pb.RankStatus:
+    return pb.RankStatus(
+        rank=r.rank, node=r.node, phase=r.phase, step=r.step, metrics_json=r.metrics_json, error=r.error,
+        exit_code=r.exit_code, exited=r.exited, updated_at=r.updated_at,
+    )
+
+
+def job_to_pb(job: JobRecord, ranks: list[RankRecord] = ()) -> pb.Job:
+    return pb.Job(
+        id=job.id, name=job.name, state=job_state(job.state), reason=job.reason, attempt=job.attempt,
+        world_size=job.world_size, created_at=job.created_at, finished_at=job.finished_at, nodes=job.nodes,
+        ranks=[rank_to_pb(r) for r in ranks], spec_json=json.dumps(job.spec),
+        result_json=json.dumps(job.result) if job.result is not None else "", kind=job.kind,
+    )
+
+
+def event_to_pb(ev: EventRecord) -> pb.JobEvent:
+    msg = pb.JobEvent(seq=ev.seq, job_id=ev.job_id, ts=ev.ts, state=job_state(ev.state), kind=ev.kind,
+                      message=ev.message)
+    if ev.rank is not None:
+        msg.rank.CopyFrom(rank_to_pb(ev.rank))
+    return msg
+
+
+def log_to_pb(rec: LogRecord) -> pb.LogLine:
+    return pb.LogLine(rank=rec.rank, line=rec.line, attempt=rec.attempt)
+
+
+def hardware_to_pb(hw: dict[str, Any]) -> pb.Hardware:
+    return pb.Hardware(
+        hostname=hw.get("hostname", ""), cpu_count=hw.get("cpu_count", 0), memory_bytes=hw.get("memory_bytes", 0),
+        gpus=[pb.GpuInfo(index=g.get("index", 0), name=g.get("name", ""), memory_bytes=g.get("memory_bytes", 0))
+              for g in hw.get("gpus") or []],
+    )
+
+
+def node_to_pb(session: NodeSession, free_slots: int) -> pb.Node:
+    r = session.record
+    return pb.Node(
+        name=r.name, address=r.address, slots=r.slots, free_slots=free_slots, state=_NODE_STATE[session.status],
+        hardware=hardware_to_pb(r.hardware), last_seen=r.last_seen,
+    )
+
+
+def registered_message(node: str, heartbeat_interval: float, last_seq: int) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(
+        registered=pb.Registered(node=node, heartbeat_interval=heartbeat_interval, last_seq=last_seq)
+    )
+
+
+def assign_message(job_id: str, attempt: int, assignments: list[RankAssignment]) -> pb.CoordinatorMessage:
+    ranks = [pb.RankAssignmentMsg(rank=a.rank, assignment_json=a.to_json()) for a in assignments]
+    return pb.CoordinatorMessage(assign=pb.Assign(job_id=job_id, attempt=attempt, ranks=ranks))
+
+
+def cancel_message(job_id: str, attempt: int, reason: str) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(cancel=pb.Cancel(job_id=job_id, attempt=attempt, reason=reason))
+
+
+# -- pb -> domain ---------------------------------------------------------------
+def hardware_from_pb(hw: pb.Hardware) -> dict[str, Any]:
+    return {
+        "hostname": hw.hostname, "cpu_count": hw.cpu_count, "memory_bytes": hw.memory_bytes,
+        "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in hw.gpus],
+    }
+
+
+def hello_from_pb(reg: pb.Register) -> NodeHello:
+    return NodeHello(
+        name=reg.name, address=reg.address, slots=reg.slots, hardware=hardware_from_pb(reg.hardware),
+        free_ports=tuple(reg.free_ports), session=reg.session,
+        running=tuple(RunningJob(r.job_id, r.attempt, tuple(r.ranks)) for r in reg.running),
+    )
+
+
+def rank_from_pb(st: pb.RankStatus) -> RankRecord:
+    return RankRecord(
+        rank=st.rank, node=st.node, phase=st.phase, step=st.step, metrics_json=st.metrics_json, error=st.error,
+        exit_code=st.exit_code, exited=st.exited, updated_at=st.updated_at,
+    )
+
+
+def update_from_pb(rep: pb.RankReport) -> RankUpdate:
+    return RankUpdate(
+        job_id=rep.job_id, attempt=rep.attempt, status=rank_from_pb(rep.status), result_json=rep.result_json,
+        seq=rep.seq,
+    )

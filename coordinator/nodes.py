@@ -1,0 +1,83 @@
+"""Live node sessions: which daemons are connected, their outboxes, ports and heartbeats.
+
+An *outbox* is a callable taking one ``CoordinatorMessage``; the NodeService servicer
+passes ``queue.put_nowait`` of the stream's asyncio.Queue, tests pass ``list.append``.
+Messages for a node that is not connected are dropped (it learns the truth when it
+registers again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Iterator
+
+from rankctl.coordinator.records import NodeHello, NodeRecord
+from rankctl.proto import rankctl_pb2 as pb
+
+Outbox = Callable[[pb.CoordinatorMessage], None]
+
+
+class NodeStatus(str, Enum):
+    READY = "READY"                # connected, heartbeating
+    LOST = "LOST"                  # stream broke or heartbeats stopped
+    DISCONNECTED = "DISCONNECTED"  # known from the store, not connected since the coordinator started
+
+
+@dataclass(eq=False)
+class NodeSession:
+    """One node's runtime state; a new object (a new stream) on every Register."""
+
+    record: NodeRecord
+    status: NodeStatus
+    outbox: Outbox | None = None
+    free_ports: tuple[int, ...] = ()
+    last_heartbeat: float = 0.0
+    detail: str = ""               # why LOST / since when DISCONNECTED
+    unverified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) not listed on Register
+
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+
+@dataclass
+class NodeTable:
+    """Every known node by name; the current session of each."""
+
+    sessions: dict[str, NodeSession] = field(default_factory=dict)
+
+    @classmethod
+    def from_records(cls, records: list[NodeRecord]) -> "NodeTable":
+        return cls({r.name: NodeSession(r, NodeStatus.DISCONNECTED, detail="waiting to reconnect") for r in records})
+
+    def get(self, name: str) -> NodeSession | None:
+        return self.sessions.get(name)
+
+    def __iter__(self) -> Iterator[NodeSession]:
+        return iter(sorted(self.sessions.values(), key=lambda s: s.name))
+
+    def ready(self) -> list[NodeSession]:
+        return [s for s in self if s.status is NodeStatus.READY]
+
+    def connect(self, hello: NodeHello, outbox: Outbox, now: float) -> NodeSession:
+        """Open a new session for ``hello``; a new daemon session restarts report numbering."""
+        old = self.sessions.get(hello.name)
+        last_seq = old.record.last_seq if old is not None and old.record.session == hello.session else 0
+        record = NodeRecord(
+            hello.name, hello.address, hello.slots, dict(hello.hardware), hello.session, last_seq, now
+        )
+        session = NodeSession(record, NodeStatus.READY, outbox, tuple(hello.free_ports), now)
+        self.sessions[hello.name] = session
+        return session
+
+    def is_current(self, session: NodeSession) -> bool:
+        return self.sessions.get(session.name) is session
+
+    def send(self, name: str, msg: pb.CoordinatorMessage) -> bool:
+        """Put ``msg`` in the node's outbox if it is connected; False when dropped."""
+        s = self.sessions.get(name)
+        if s is None or s.status is not NodeStatus.READY or s.outbox is None:
+            return False
+        s.outbox(msg)
+        return True

@@ -1,0 +1,50 @@
+"""From a placed job to what each node receives: rendezvous port and per-rank assignments.
+
+Pure: reads job and node records, returns ``RankAssignment``s grouped by node.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from rankctl.coordinator.checks import check_job
+from rankctl.coordinator.records import JobRecord, NodeRecord
+from rankctl.coordinator.spec import JobSpec
+from rankctl.parallel.layout import ParallelConfig, RankLayout
+from rankctl.worker.assignment import RankAssignment
+
+
+def job_config(job: JobRecord) -> ParallelConfig:
+    """The layout config of a stored (already validated) job spec."""
+    return check_job(JobSpec.model_validate(job.spec))
+
+
+def pick_port(free_ports: Iterable[int], in_use: set[int]) -> int | None:
+    """The first port the node reported free that no live job uses on it."""
+    return next((p for p in free_ports if p not in in_use), None)
+
+
+def build_assignments(job: JobRecord, nodes: dict[str, NodeRecord]) -> dict[str, list[RankAssignment]]:
+    """node name -> the assignments of its ranks; job node k runs ranks k*S .. k*S+S-1."""
+    layout = RankLayout(job_config(job))
+    s = job.slots_per_node
+    out: dict[str, list[RankAssignment]] = {}
+    for k, name in enumerate(job.nodes):
+        gpus = nodes[name].gpu_count
+        for local in range(s):
+            rank = k * s + local
+            out.setdefault(name, []).append(RankAssignment(
+                job_id=job.id, attempt=job.attempt, rank=rank, world_size=job.world_size, local_rank=local,
+                node=name, coords=layout.coords(rank), groups=layout.rank_groups(rank),
+                rendezvous=job.rendezvous, backend=job.spec.get("backend", "auto"), kind=job.kind,
+                spec=job.spec, device=local if gpus else None,
+            ))
+    return out
+
+
+def plan_layout(cfg: ParallelConfig, slots_per_node: int) -> dict:
+    """The layout document of ``ctl plan --json``: config, groups and node of every rank."""
+    doc = RankLayout(cfg).to_dict()
+    doc["gpus_per_node"] = slots_per_node
+    doc["node_of_rank"] = [r // slots_per_node for r in range(cfg.world_size)]
+    return doc

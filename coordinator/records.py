@@ -1,0 +1,137 @@
+"""Plain domain records shared by the coordinator core, its store and the pb conversion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankctl.coordinator.states import JobState
+
+# rank phases in order; a rank at index >= RUNNING_INDEX has passed "running"
+PHASES = ("pending", "starting", "rendezvous", "groups", "running", "done", "failed", "exited")
+RUNNING_INDEX = PHASES.index("running")
+
+
+@dataclass
+class JobRecord:
+    """One job as the coordinator holds it (mutable; the store persists every change)."""
+
+    id: str
+    name: str
+    kind: str
+    spec: dict[str, Any]
+    state: JobState
+    reason: str
+    world_size: int
+    slots_per_node: int
+    created_at: float
+    attempt: int = 1
+    finished_at: float = 0.0
+    nodes: list[str] = field(default_factory=list)   # job node k = nodes[k]
+    rendezvous: str = ""                             # "host:port" of rank 0's store
+    result: dict[str, Any] | None = None
+    seqno: int = 0                                   # submission order, set by the store
+
+    @property
+    def nodes_needed(self) -> int:
+        return self.world_size // self.slots_per_node
+
+    def ranks_on(self, node: str) -> list[int]:
+        """Global ranks the job runs on ``node`` (node-major placement)."""
+        s = self.slots_per_node
+        return [k * s + i for k, name in enumerate(self.nodes) if name == node for i in range(s)]
+
+
+@dataclass
+class RankRecord:
+    """Latest known status of one rank of a job."""
+
+    rank: int
+    node: str
+    phase: str = "pending"
+    step: int = 0
+    metrics_json: str = ""
+    error: str = ""
+    exit_code: int = 0
+    exited: bool = False
+    updated_at: float = 0.0
+    result_json: str = ""
+
+    def passed_running(self) -> bool:
+        """True once the rank reported ``running`` or any later phase (or exited)."""
+        return self.exited or (self.phase in PHASES and PHASES.index(self.phase) >= RUNNING_INDEX)
+
+
+@dataclass
+class NodeRecord:
+    """A worker node as stored: identity, capacity and report bookkeeping."""
+
+    name: str
+    address: str
+    slots: int
+    hardware: dict[str, Any] = field(default_factory=dict)
+    session: str = ""
+    last_seq: int = 0          # highest RankReport.seq stored from this node's session
+    last_seen: float = 0.0
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.hardware.get("gpus") or [])
+
+    @property
+    def host(self) -> str:
+        """The host part of ``address`` ("10.0.0.5", "node-1:7000" -> "node-1", "[::1]:7" -> "[::1]")."""
+        addr = self.address
+        if addr.startswith("["):
+            return addr.split("]", 1)[0] + "]"
+        return addr.rsplit(":", 1)[0] if addr.count(":") == 1 else addr
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    job_id: str
+    seq: int
+    ts: float
+    state: JobState
+    kind: str              # transition | waiting | rank | node | result
+    message: str
+    rank: RankRecord | None = None
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    id: int                # increasing across the store; the follow cursor
+    rank: int
+    attempt: int
+    line: str
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    job_id: str
+    attempt: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class NodeHello:
+    """A daemon's Register message, as domain data."""
+
+    name: str
+    address: str
+    slots: int
+    hardware: dict[str, Any] = field(default_factory=dict)
+    free_ports: tuple[int, ...] = ()
+    running: tuple[RunningJob, ...] = ()
+    session: str = ""
+
+
+@dataclass(frozen=True)
+class RankUpdate:
+    """A daemon's RankReport, as domain data (``status`` carries rank, node, phase ...)."""
+
+    job_id: str
+    attempt: int
+    status: RankRecord
+    result_json: str = ""
+    seq: int = 0           # 0 = not sequenced, never treated as a replay

@@ -1,0 +1,102 @@
+"""The coordinator process: grpc.aio server, health service, failure-detection monitor.
+
+``start_coordinator`` binds (``127.0.0.1:0`` picks a free port; ``.port`` is the one
+bound), loads the state under ``state_dir`` and starts serving. ``main`` is a small
+entry point (``python -m rankctl.coordinator.server --listen ... --state-dir ...``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from rankctl.coordinator.core import Coordinator
+from rankctl.coordinator.servicer import ClientServiceServicer, NodeServiceServicer
+from rankctl.coordinator.store import Store
+from rankctl.proto import rankctl_pb2_grpc
+
+log = structlog.get_logger("rankctl.coordinator")
+SERVICES = ("", "rankctl.v1.ClientService", "rankctl.v1.NodeService")
+
+
+@dataclass
+class CoordinatorServer:
+    """A running coordinator: ``.port`` and ``.address`` are where it listens."""
+
+    server: grpc.aio.Server
+    core: Coordinator
+    store: Store
+    health: health_aio.HealthServicer
+    host: str
+    port: int
+    monitor: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving without failing running jobs (their state stays for the next start)."""
+        self.core.shutdown()
+        if self.monitor is not None:
+            self.monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.monitor
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        self.store.close()
+        log.info("coordinator.stopped", address=self.address)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def _monitor(core: Coordinator, period: float) -> None:
+    """Failure detection: call ``core.tick()`` every ``period`` seconds."""
+    while True:
+        await asyncio.sleep(period)
+        try:
+            core.tick()
+        except Exception:
+            log.exception("coordinator.monitor_failed")
+
+
+def _split_listen(listen: str) -> str:
+    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
+    return host.strip("[]") if host not in ("", "0.0.0.0", "[::]") else "127.0.0.1"
+
+
+async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float = 10.0, *,
+                            clock: Callable[[], float] = time.time) -> CoordinatorServer:
+    """Load state from ``state_dir``, bind ``listen`` ("host:port", port 0 = any) and serve."""
+    store = Store(state_dir)
+    core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout)
+    server = grpc.aio.server()
+    rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core), server)
+    rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        store.close()
+        raise OSError(f"cannot listen on {listen}: {exc}") from None
+    await server.start()
+    for name in SERVICES:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    period = max(0.05, min(0.5, heartbeat_timeout / 4))
+    coord = CoordinatorServer(server, core, store, health, _split_listen(listen), port)
+    coord.monitor = asyncio.create_task(_monitor(core, period))
+    core.schedule()
+    log.info("coordinator.started", address=coord.address, state_dir=str(state_dir), jobs=len(core.list()))
+    return coord
+

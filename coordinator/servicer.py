@@ -1,0 +1,196 @@
+"""Thin grpc.aio servicers: protobuf in, core call, protobuf out, domain errors -> status codes.
+
+Errors clients see carry the domain message only; anything unexpected is logged with its
+traceback here and answered INTERNAL without details.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator, NoReturn
+
+import grpc
+import structlog
+
+from rankctl.coordinator import convert
+from rankctl.coordinator.core import Coordinator
+from rankctl.coordinator.errors import AmbiguousJob, JobNotFound, ProtocolError
+from rankctl.coordinator.nodes import NodeSession
+from rankctl.coordinator.spec import SpecError
+from rankctl.coordinator.states import is_terminal
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.proto import rankctl_pb2_grpc
+
+log = structlog.get_logger("rankctl.coordinator")
+FOLLOW_POLL_S = 1.0  # watchers re-check at least this often even without a wake-up
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (SpecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (AmbiguousJob, grpc.StatusCode.INVALID_ARGUMENT),
+    (JobNotFound, grpc.StatusCode.NOT_FOUND),
+    (ProtocolError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """Abort the RPC with the status code of ``exc``; never sends a traceback."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            details = "\n".join(exc.errors) if isinstance(exc, SpecError) else str(exc)
+            await context.abort(code, details)
+    log.exception("rpc.internal_error")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the coordinator log")
+
+
+class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
+    """ctl's API: submit, inspect, watch, cancel, logs, plan."""
+
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+
+    def _job(self, job_id: str) -> pb.Job:
+        job = self.core.get(job_id)
+        return convert.job_to_pb(job, self.core.ranks(job.id))
+
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        try:
+            job = self.core.submit(request.spec_yaml, list(request.overrides), request.source or "job file")
+            return pb.SubmitJobResponse(job=self._job(job.id))
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+        try:
+            return self._job(request.job_id)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        try:
+            jobs = self.core.list(request.limit)
+            return pb.ListJobsResponse(jobs=[convert.job_to_pb(j, self.core.ranks(j.id)) for j in jobs])
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
+        try:
+            job = self.core.cancel(request.job_id, request.reason)
+            return pb.CancelJobResponse(job=self._job(job.id))
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
+        try:
+            return pb.ListNodesResponse(nodes=[convert.node_to_pb(s, free) for s, free in self.core.node_views()])
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def PlanJob(self, request: pb.PlanJobRequest, context: grpc.aio.ServicerContext) -> pb.PlanJobResponse:
+        try:
+            layout, spec = self.core.plan(request.spec_yaml, list(request.overrides), request.source or "job file")
+            return pb.PlanJobResponse(layout_json=json.dumps(layout, separators=(",", ":")), spec_json=json.dumps(spec))
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def WatchJob(self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
+        """Stored events after ``after_seq``, then live ones, until the job is terminal."""
+        try:
+            job = self.core.get(request.job_id)
+            seq = request.after_seq
+            while True:
+                wake = self.core.signals.arm(job.id)
+                done = is_terminal(job.state)  # read before the events: the final event is then included
+                for ev in self.core.events(job.id, seq):
+                    seq = ev.seq
+                    yield convert.event_to_pb(ev)
+                if done:
+                    return
+                await self.core.signals.wait(wake, FOLLOW_POLL_S)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def GetLogs(self, request: pb.GetLogsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LogLine]:
+        """The stored tail (one rank or all); with ``follow``, new lines until the job is terminal."""
+        try:
+            job = self.core.get(request.job_id)
+            rank = None if request.all_ranks else request.rank
+            after, tail = 0, request.tail
+            while True:
+                wake = self.core.signals.arm(job.id)
+                done = is_terminal(job.state)
+                for rec in self.core.logs(job.id, rank, after_id=after, tail=tail):
+                    after = rec.id
+                    yield convert.log_to_pb(rec)
+                tail = 0
+                if done or not request.follow:
+                    return
+                await self.core.signals.wait(wake, FOLLOW_POLL_S)
+        except Exception as exc:
+            await _abort(context, exc)
+
+
+class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
+    """One bidirectional stream per worker daemon.
+
+    The first message must be Register; the core answers Registered through the
+    session's outbox (an asyncio.Queue drained here). A reader task feeds heartbeats,
+    reports and logs to the core; when the daemon's side ends, or the core puts ``None``
+    in the outbox (node lost, or replaced by a newer stream), the stream closes and
+    the core hears ``disconnect``.
+    """
+
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+
+    async def Connect(self, request_iterator: AsyncIterator[pb.NodeMessage],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CoordinatorMessage]:
+        messages = request_iterator.__aiter__()
+        try:
+            first = await anext(messages)
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("body") != "register":
+            await _abort(context, ProtocolError("the first message on a node stream must be Register"))
+        outbox: asyncio.Queue[pb.CoordinatorMessage | None] = asyncio.Queue()
+        with structlog.contextvars.bound_contextvars(node=first.register.name):
+            try:
+                session = self.core.register(convert.hello_from_pb(first.register), outbox.put_nowait)
+            except Exception as exc:
+                await _abort(context, exc)
+            reader = asyncio.create_task(self._read(messages, session, outbox))
+            try:
+                while (msg := await outbox.get()) is not None:
+                    yield msg
+            finally:
+                reader.cancel()
+                self.core.disconnect(session, "stream closed")
+
+    async def _read(self, messages: AsyncIterator[pb.NodeMessage], session: NodeSession,
+                    outbox: asyncio.Queue) -> None:
+        """Feed the daemon's messages to the core; end the stream when they stop."""
+        try:
+            async for msg in messages:
+                try:
+                    self._handle(session, msg)
+                except Exception:  # a bug or a bad message must not end the session
+                    log.exception("node.message_failed", node=session.name, body=msg.WhichOneof("body"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the stream broke: the session ends
+            log.warning("node.stream_error", node=session.name, error=str(exc) or type(exc).__name__)
+        outbox.put_nowait(None)
+
+    def _handle(self, session: NodeSession, msg: pb.NodeMessage) -> None:
+        body = msg.WhichOneof("body")
+        if body == "heartbeat":
+            self.core.heartbeat(session, list(msg.heartbeat.free_ports))
+        elif body == "report":
+            self.core.rank_report(session, convert.update_from_pb(msg.report))
+        elif body == "logs":
+            lg = msg.logs
+            self.core.append_logs(session, lg.job_id, lg.attempt, lg.rank, list(lg.lines))
+        else:
+            log.warning("node.unexpected_message", node=session.name, body=body)

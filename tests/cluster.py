@@ -1,0 +1,104 @@
+"""Helpers for end-to-end tests: real ``ctl coordinator`` / ``ctl worker`` processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CTL = [sys.executable, "-m", "rankctl.cli.main"]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Proc:
+    """A daemon subprocess with its stderr kept in a file for post-mortems."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
+        self.log = log
+        self._fh = open(log, "ab")
+        self.p = subprocess.Popen(CTL + args, stdout=self._fh, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **(env or {})}, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+        self.p.wait(timeout=30)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        self._fh.close()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_coordinator(state: Path, heartbeat_timeout: float = 3.0, listen: str = "127.0.0.1:0") -> tuple[Proc, str]:
+    state.mkdir(parents=True, exist_ok=True)
+    addr_file = state / "address"
+    addr_file.unlink(missing_ok=True)
+    proc = Proc(["coordinator", "--listen", listen, "--state-dir", str(state),
+                 "--heartbeat-timeout", str(heartbeat_timeout)], state.parent / f"{state.name}.log")
+    address = wait_for(lambda: addr_file.exists() and addr_file.read_text().strip(), 30, "coordinator address")
+    return proc, address
+
+
+def start_worker(address: str, name: str, slots: int, root: Path) -> Proc:
+    state = root / name
+    state.mkdir(parents=True, exist_ok=True)
+    return Proc(["worker", "--coordinator", address, "--slots", str(slots), "--name", name,
+                 "--state-dir", str(state)], root / f"{name}.log")
+
+
+def ctl(address: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(CTL + ["--coordinator", address, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def status(address: str, job: str) -> dict:
+    out = ctl(address, "status", job, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def ready_nodes(address: str) -> list[str]:
+    out = ctl(address, "nodes", "--json")
+    return [n["name"] for n in json.loads(out.stdout) if n["state"] == "READY"] if out.returncode == 0 else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def rank_pids(job_id: str) -> list[int]:
+    """PIDs of a job's rank processes: their stdout is the job's rank log under ``jobs/<job_id>/``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            target = os.readlink(f"/proc/{entry}/fd/1")
+        except OSError:
+            continue
+        if f"/jobs/{job_id}/" in target and alive(int(entry)):
+            pids.append(int(entry))
+    return pids

@@ -1,0 +1,174 @@
+"""End to end: a real coordinator and two real worker daemons (separate processes) on loopback.
+
+One cluster is shared by the module (each daemon's launcher imports torch once). The tests
+that break things (worker SIGKILL, coordinator restart) repair the cluster for the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import CTL, ctl, rank_pids, ready_nodes, start_coordinator, start_worker, status, wait_for
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+HEARTBEAT_TIMEOUT = 3.0
+pytestmark = pytest.mark.timeout(600)
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.coord, self.address = start_coordinator(root / "coord", HEARTBEAT_TIMEOUT)
+        self.workers = {name: start_worker(self.address, name, 4, root) for name in ("worker-0", "worker-1")}
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        wait_for(lambda: len(ready_nodes(self.address)) == 2, 60, "both workers READY")
+
+    def restart_worker(self, name: str) -> None:
+        self.workers[name] = start_worker(self.address, name, 4, self.root)
+        self.wait_ready()
+
+    def stop(self) -> None:
+        for w in self.workers.values():
+            w.stop()
+        self.coord.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(tmp_path_factory.mktemp("e2e"))
+    yield c
+    c.stop()
+
+
+def submit(c: Cluster, *args: str) -> str:
+    out = ctl(c.address, "submit", *args)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def long_job(c: Cluster, seconds: float) -> str:
+    return submit(c, str(EXAMPLES / "comm-check.yaml"), "--set", f"comm_check.duration={seconds}",
+                  "--set", "comm_check.size_bytes=4096")
+
+
+def wait_state(c: Cluster, job: str, states: set[str], timeout: float) -> dict:
+    return wait_for(lambda: (s := status(c.address, job))["state"] in states and s, timeout, f"{job} in {states}")
+
+
+def test_comm_check_through_separate_daemons(cluster: Cluster) -> None:
+    out = ctl(cluster.address, "submit", str(EXAMPLES / "comm-check.yaml"), "--wait")
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip()
+    assert "\n" not in job_id  # the id alone on stdout
+    st = status(cluster.address, job_id)
+    assert st["state"] == "SUCCEEDED", st
+    assert sorted(r["rank"] for r in st["ranks"]) == list(range(8))
+    assert {r["node"] for r in st["ranks"]} == {"worker-0", "worker-1"}
+    assert [r["node"] for r in sorted(st["ranks"], key=lambda r: r["rank"])][:4] == [st["nodes"][0]] * 4
+    kinds = {row["kind"] for row in st["result"]["comm"]}
+    assert {"tp", "pp", "dp", "mp", "tp_dp"} <= kinds
+    human = ctl(cluster.address, "status", job_id)
+    assert "allreduce" in human.stdout and "SUCCEEDED" in human.stdout
+    logs = ctl(cluster.address, "logs", job_id, "--rank", "0")
+    assert logs.returncode == 0
+    watched = ctl(cluster.address, "watch", job_id, "--json")
+    assert watched.returncode == 0 and json.loads(watched.stdout)["state"] == "SUCCEEDED"
+    for cmd in (["jobs"], ["nodes"]):
+        out = ctl(cluster.address, *cmd)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert job_id in ctl(cluster.address, "jobs").stdout
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("name: bad\nkind: comm-check\nparallel: {tp: 2\n", ["not valid YAML", "line"]),
+        ("name: bad\nkind: comm-check\ncolour: red\n", ["colour", "unknown field"]),
+        ("name: bad\nkind: comm-check\nparallel: {tp: two}\n", ["parallel.tp", "'two'", "integer"]),
+        ("name: bad\nkind: comm-check\nresources: {nodes: 1, slots_per_node: 6}\nparallel: {tp: 4}\n",
+         ["world_size=6", "tp*pp*cp=4"]),
+        ("name: Bad_Name\nkind: comm-check\n", ["name", "Bad_Name"]),
+    ],
+)
+def test_invalid_job_files_are_refused(cluster: Cluster, tmp_path: Path, text: str, words: list[str]) -> None:
+    before = json.loads(ctl(cluster.address, "jobs", "--json").stdout)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    out = ctl(cluster.address, "submit", str(bad))
+    assert out.returncode == 2, out
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    for w in words:
+        assert w in out.stderr, (w, out.stderr)
+    after = json.loads(ctl(cluster.address, "jobs", "--json").stdout)
+    assert len(after) == len(before)
+
+
+def test_unreachable_coordinator_exit_3() -> None:
+    out = subprocess.run(CTL + ["--coordinator", "127.0.0.1:1", "jobs"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3
+    assert "127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cancel_stops_every_rank(cluster: Cluster) -> None:
+    job = long_job(cluster, 120)
+    wait_state(cluster, job, {"RUNNING"}, 60)
+    out = ctl(cluster.address, "cancel", job)
+    assert out.returncode == 0, out.stderr
+    st = wait_state(cluster, job, {"CANCELLED"}, 10)
+    assert st["reason"]
+    wait_for(lambda: not rank_pids(job), 15, "every rank of the cancelled job to exit")
+
+
+def test_coordinator_restart_mid_job(cluster: Cluster) -> None:
+    job = long_job(cluster, 8)
+    wait_state(cluster, job, {"RUNNING"}, 60)
+    events_before = ctl(cluster.address, "status", job, "--json")
+    cluster.coord.kill(signal.SIGKILL)
+    time.sleep(1.0)
+    cluster.coord, address = start_coordinator(cluster.root / "coord", HEARTBEAT_TIMEOUT, listen=cluster.address)
+    assert address == cluster.address
+    st = status(cluster.address, job)  # the job survived the restart
+    assert st["state"] in {"RUNNING", "SUCCEEDED"}, st
+    cluster.wait_ready()  # daemons reconnected
+    st = wait_state(cluster, job, {"SUCCEEDED", "FAILED"}, 120)
+    assert st["state"] == "SUCCEEDED", st
+    assert sorted(r["rank"] for r in st["ranks"]) == list(range(8))
+    assert events_before.returncode == 0
+
+
+def test_worker_sigkill_fails_job_and_leaves_no_rank(cluster: Cluster) -> None:
+    job = long_job(cluster, 300)
+    st = wait_state(cluster, job, {"RUNNING"}, 60)
+    victim = st["nodes"][1]
+    assert rank_pids(job), "ranks should be running"
+    killed_at = time.monotonic()
+    cluster.workers[victim].kill(signal.SIGKILL)
+    st = wait_state(cluster, job, {"FAILED"}, HEARTBEAT_TIMEOUT + 10)
+    assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT + 10
+    assert victim in st["reason"] and "4-7" in st["reason"], st["reason"]
+    wait_for(lambda: not rank_pids(job), 15, "no rank of the failed job left on any node")
+    nodes = json.loads(ctl(cluster.address, "nodes", "--json").stdout)
+    assert {n["name"]: n["state"] for n in nodes}[victim] == "LOST"
+    cluster.restart_worker(victim)
+
+
+def test_ctl_up_comm_check(tmp_path: Path) -> None:
+    out = subprocess.run(CTL + ["up", str(EXAMPLES / "comm-check.yaml"), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    assert doc["state"] == "SUCCEEDED" and len(doc["ranks"]) == 8
+    assert {"tp", "pp", "dp"} <= {row["kind"] for row in doc["result"]["comm"]}
+    human = subprocess.run(CTL + ["up", str(EXAMPLES / "comm-check.yaml")], capture_output=True, text=True,
+                           timeout=300)
+    assert human.returncode == 0, human.stderr[-3000:]
+    assert "allreduce" in human.stdout and "SUCCEEDED" in human.stdout
+

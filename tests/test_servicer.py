@@ -1,0 +1,220 @@
+"""The coordinator over a real grpc.aio server on 127.0.0.1:0, with a fake daemon (raw stub)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rankctl.coordinator.server import CoordinatorServer, start_coordinator
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.proto import rankctl_pb2_grpc
+
+JOB = "name: cc\nkind: comm-check\nresources: {nodes: 1, slots_per_node: 2}\n"
+
+
+def run(test: Callable[[CoordinatorServer, grpc.aio.Channel], Awaitable[Any]], state_dir: Path,
+        timeout: float = 10.0) -> Any:
+    """Start a coordinator, open a channel, run ``test``, stop everything (bounded in time)."""
+    async def main() -> Any:
+        coord = await start_coordinator("127.0.0.1:0", state_dir, heartbeat_timeout=timeout)
+        try:
+            async with grpc.aio.insecure_channel(coord.address) as channel:
+                return await asyncio.wait_for(test(coord, channel), 10)
+        finally:
+            await coord.stop(grace=0.1)
+    return asyncio.run(main())
+
+
+class FakeDaemon:
+    """A node session driven by hand: queue NodeMessages, read CoordinatorMessages."""
+
+    def __init__(self, channel: grpc.aio.Channel, name: str = "n0", slots: int = 2, session: str = "s1",
+                 running: tuple[pb.RunningJob, ...] = ()) -> None:
+        self.name, self.seq = name, 0
+        self._out: asyncio.Queue[pb.NodeMessage | None] = asyncio.Queue()
+        self.call = rankctl_pb2_grpc.NodeServiceStub(channel).Connect(self._messages())
+        register = pb.Register(name=name, address="127.0.0.1", slots=slots, free_ports=[29555], session=session,
+                               running=list(running))
+        self.send(register=register)
+
+    async def _messages(self):
+        while (msg := await self._out.get()) is not None:
+            yield msg
+
+    def send(self, **body: Any) -> None:
+        self._out.put_nowait(pb.NodeMessage(**body))
+
+    def report(self, job: str, rank: int, phase: str, *, code: int | None = None, result: dict | None = None,
+               seq: int | None = None) -> None:
+        self.seq = seq if seq is not None else self.seq + 1
+        status = pb.RankStatus(rank=rank, node=self.name, phase=phase, exited=code is not None, exit_code=code or 0)
+        self.send(report=pb.RankReport(job_id=job, attempt=1, status=status, seq=self.seq,
+                                       result_json=json.dumps(result) if result else ""))
+
+    async def expect(self, kind: str) -> Any:
+        while True:
+            msg = await self.call.read()
+            assert msg is not grpc.aio.EOF, f"stream ended while waiting for {kind}"
+            if msg.WhichOneof("body") == kind:
+                return getattr(msg, kind)
+
+    def close(self) -> None:
+        self._out.put_nowait(None)
+
+
+async def wait_state(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str, state: int) -> pb.Job:
+    for _ in range(200):
+        job = await client.GetJob(pb.GetJobRequest(job_id=job_id))
+        if job.state == state:
+            return job
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"job {job_id} stayed {pb.JobState.Name(job.state)}: {job.reason}")
+
+
+def test_health_reports_serving(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "rankctl.v1.ClientService"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert coord.port > 0 and coord.address == f"127.0.0.1:{coord.port}"
+    run(test, tmp_path)
+
+
+def test_invalid_and_unknown_map_to_status_codes(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB + "parallel: {tp: 3}\n", source="cc.yaml"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tp" in err.value.details()
+        assert "Traceback" not in err.value.details()
+        for call in (client.GetJob(pb.GetJobRequest(job_id="nope")),
+                     client.CancelJob(pb.CancelJobRequest(job_id="nope"))):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert (await client.ListJobs(pb.ListJobsRequest())).jobs == []
+        plan = await client.PlanJob(pb.PlanJobRequest(spec_yaml=JOB, overrides=["parallel.tp=2"]))
+        assert json.loads(plan.layout_json)["groups"]["tp"] == [[0, 1]]
+        assert (await client.ListJobs(pb.ListJobsRequest())).jobs == []
+    run(test, tmp_path)
+
+
+def test_submit_assign_report_succeed_and_watch(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+        job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
+        assert job.state == pb.PENDING and "no nodes connected" in job.reason
+        watch = client.WatchJob(pb.WatchJobRequest(job_id=job.id))
+        daemon = FakeDaemon(channel)
+        registered = await daemon.expect("registered")
+        assert registered.node == "n0" and registered.last_seq == 0
+        assign = await daemon.expect("assign")
+        ranks = [json.loads(r.assignment_json) for r in assign.ranks]
+        assert assign.job_id == job.id and [r["rank"] for r in ranks] == [0, 1]
+        assert ranks[0]["rendezvous"] == "127.0.0.1:29555"
+        daemon.send(heartbeat=pb.Heartbeat(ts=1.0, free_ports=[29555]))
+        daemon.send(logs=pb.LogLines(job_id=job.id, attempt=1, rank=1, lines=["hello", "world"]))
+        for rank in (0, 1):
+            daemon.report(job.id, rank, "running")
+        await wait_state(client, job.id, pb.RUNNING)
+        for rank in (0, 1):
+            daemon.report(job.id, rank, "done", code=0, result={"groups": []})
+        done = await wait_state(client, job.id, pb.SUCCEEDED)
+        assert [r.exited for r in done.ranks] == [True, True] and json.loads(done.result_json)["comm"] == []
+        events = [ev async for ev in watch]
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert events[-1].state == pb.SUCCEEDED and "rank" in {e.kind for e in events}
+        replay = [ev async for ev in client.WatchJob(pb.WatchJobRequest(job_id=job.id, after_seq=len(events) - 1))]
+        assert [e.seq for e in replay] == [len(events)]
+        lines = [(ln.rank, ln.line) async for ln in client.GetLogs(pb.GetLogsRequest(job_id=job.id, all_ranks=True))]
+        assert lines == [(1, "hello"), (1, "world")]
+        nodes = (await client.ListNodes(pb.ListNodesRequest())).nodes
+        assert [(n.name, n.state, n.free_slots) for n in nodes] == [("n0", pb.READY, 2)]
+        daemon.close()
+    run(test, tmp_path)
+
+
+def test_a_broken_node_stream_fails_its_job(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+        daemon = FakeDaemon(channel)
+        await daemon.expect("registered")
+        job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
+        await daemon.expect("assign")
+        daemon.call.cancel()
+        failed = await wait_state(client, job.id, pb.FAILED)
+        assert failed.reason == "node n0 lost (stream closed); ranks 0-1 are gone"
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a stream must start with Register
+            bad = rankctl_pb2_grpc.NodeServiceStub(channel).Connect(iter([pb.NodeMessage(heartbeat=pb.Heartbeat())]))
+            await bad.read()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    run(test, tmp_path)
+
+
+def test_restart_keeps_the_running_job_and_the_node_reconnects(tmp_path: Path) -> None:
+    async def first(coord: CoordinatorServer, channel: grpc.aio.Channel) -> str:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+        daemon = FakeDaemon(channel)
+        job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
+        await daemon.expect("assign")
+        daemon.report(job.id, 0, "running")
+        daemon.report(job.id, 1, "running")
+        await wait_state(client, job.id, pb.RUNNING)
+        return job.id
+
+    job_id = run(first, tmp_path)
+
+    async def second(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+        assert (await client.GetJob(pb.GetJobRequest(job_id=job_id))).state == pb.RUNNING
+        nodes = (await client.ListNodes(pb.ListNodesRequest())).nodes
+        assert [(n.name, n.state) for n in nodes] == [("n0", pb.DISCONNECTED)]
+        daemon = FakeDaemon(channel, running=(pb.RunningJob(job_id=job_id, attempt=1, ranks=[0, 1]),))
+        assert (await daemon.expect("registered")).last_seq == 2
+        daemon.report(job_id, 1, "running", seq=2)            # a replay, dropped
+        daemon.report(job_id, 0, "done", code=0, seq=3)
+        daemon.report(job_id, 1, "done", code=0, seq=4)
+        await wait_state(client, job_id, pb.SUCCEEDED)
+        daemon.close()
+
+    run(second, tmp_path)
+
+
+def test_silent_node_is_lost_and_its_stream_closed(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+        daemon = FakeDaemon(channel)
+        assert (await daemon.expect("registered")).heartbeat_interval == pytest.approx(0.075)
+        job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
+        await daemon.expect("assign")
+        failed = await wait_state(client, job.id, pb.FAILED)      # no heartbeats are sent
+        assert failed.reason == "node n0 lost (no heartbeat for 0.3 s); ranks 0-1 are gone"
+        assert await daemon.call.read() is grpc.aio.EOF
+    run(test, tmp_path, timeout=0.3)
+
+
+def test_follow_logs_until_cancelled(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+        daemon = FakeDaemon(channel)
+        job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
+        await daemon.expect("assign")
+        daemon.send(logs=pb.LogLines(job_id=job.id, attempt=1, rank=0, lines=["one"]))
+        follow = client.GetLogs(pb.GetLogsRequest(job_id=job.id, rank=0, follow=True))
+        assert (await follow.read()).line == "one"
+        daemon.send(logs=pb.LogLines(job_id=job.id, attempt=1, rank=1, lines=["other rank"]))
+        daemon.send(logs=pb.LogLines(job_id=job.id, attempt=1, rank=0, lines=["two"]))
+        assert (await follow.read()).line == "two"
+        cancelled = (await client.CancelJob(pb.CancelJobRequest(job_id=job.id, reason="enough"))).job
+        assert cancelled.state == pb.CANCELLED and cancelled.reason == "cancelled: enough"
+        assert (await daemon.expect("cancel")).job_id == job.id
+        assert await follow.read() is grpc.aio.EOF
+        daemon.close()
+    run(test, tmp_path)

@@ -1,0 +1,73 @@
+"""The SQLite store: round trips, WAL mode, bounded log tails, state across reopen."""
+
+from pathlib import Path
+
+import pytest
+
+from rankctl.coordinator.records import EventRecord, JobRecord, NodeRecord, RankRecord
+from rankctl.coordinator.states import JobState
+from rankctl.coordinator.store import Store
+
+
+def _job(job_id: str = "a-000001", **kw) -> JobRecord:
+    base = dict(id=job_id, name="a", kind="comm-check", spec={"name": "a"}, state=JobState.PENDING,
+                reason="queued", world_size=4, slots_per_node=2, created_at=100.0)
+    return JobRecord(**{**base, **kw})
+
+
+def test_wal_mode_and_file_location(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state")
+    assert store.journal_mode() == "wal"
+    assert (tmp_path / "state" / "coordinator.db").exists()
+    store.close()
+
+
+def test_jobs_events_ranks_nodes_survive_reopen(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    first, second = _job("a-000001"), _job("b-000002", name="b")
+    store.insert_job(first)
+    store.insert_job(second)
+    first.state, first.nodes, first.rendezvous, first.result = JobState.RUNNING, ["n0", "n1"], "h:1", {"x": 1}
+    store.update_job(first)
+    store.append_event(EventRecord(first.id, 1, 1.0, JobState.PENDING, "transition", "submitted"))
+    rank = RankRecord(3, "n1", "running", step=7, exited=False, updated_at=2.0)
+    store.append_event(EventRecord(first.id, 2, 2.0, JobState.RUNNING, "rank", "rank 3 running", rank))
+    store.put_rank(first.id, rank)
+    store.put_node(NodeRecord("n0", "10.0.0.1", 4, {"gpus": [{"index": 0}]}, "s1", 17, 5.0))
+    store.put_attempt(first, 3.0)
+    store.close()
+
+    again = Store(tmp_path)
+    jobs = again.load_jobs()
+    assert [j.id for j in jobs] == ["a-000001", "b-000002"]          # submission order
+    assert jobs[0] == first and jobs[0].seqno < jobs[1].seqno
+    events = again.events(first.id)
+    assert [e.seq for e in events] == [1, 2] and events[1].rank == rank
+    assert again.events(first.id, after_seq=1) == events[1:]
+    assert again.last_event_seqs() == {first.id: 2}
+    assert again.ranks(first.id) == {3: rank}
+    assert again.load_nodes()[0].last_seq == 17 and again.load_nodes()[0].gpu_count == 1
+    assert again.attempts(first.id)[0]["rendezvous"] == "h:1"
+    again.close()
+
+
+def test_log_tail_is_bounded_per_rank(tmp_path: Path) -> None:
+    store = Store(tmp_path, log_lines_per_rank=5)
+    store.append_logs("j", 1, 0, [f"r0 {i}" for i in range(8)])
+    store.append_logs("j", 1, 1, ["r1 a", "r1 b"])
+    assert [r.line for r in store.logs("j", 0)] == [f"r0 {i}" for i in range(3, 8)]
+    assert [r.line for r in store.logs("j", 0, tail=2)] == ["r0 6", "r0 7"]
+    everything = store.logs("j")
+    assert len(everything) == 7
+    assert store.logs("j", after_id=everything[-2].id) == everything[-1:]
+    store.close()
+
+
+def test_failed_transaction_rolls_back(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    with pytest.raises(RuntimeError):
+        with store.transaction():
+            store.insert_job(_job())
+            raise RuntimeError("boom")
+    assert store.load_jobs() == []
+    store.close()

@@ -1,0 +1,283 @@
+"""The worker daemon: one per node, one bidirectional stream to the coordinator.
+
+It registers (name, address, slots, hardware, free ports, the jobs still alive here),
+heartbeats, hands assignments to its warm launcher (a subprocess; this process never
+forks), turns the ranks' status files and exits into numbered reports, and ships their
+log lines. While the coordinator is away it reconnects with backoff and keeps every
+report; after re-registering it replays those the coordinator has not yet stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+from rankctl.worker.assignment import RankAssignment
+from rankctl.worker.status import FileTailer, StatusTailer, log_path
+
+log = structlog.get_logger("rankctl.worker")
+
+MAX_BUFFERED_REPORTS = 200_000
+LOG_BATCH = 200
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    coordinator: str
+    name: str
+    slots: int
+    state_dir: Path
+    advertise_address: str = "127.0.0.1"
+    health_listen: str = "127.0.0.1:0"
+    poll_interval: float = 0.1
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0
+    free_ports: int = 8
+
+
+@dataclass
+class RunState:
+    """One job attempt with ranks on this node."""
+
+    job_id: str
+    attempt: int
+    run_dir: str
+    ranks: set[int]
+    alive: set[int] = field(default_factory=set)
+    status: StatusTailer | None = None
+    logs: dict[int, FileTailer] = field(default_factory=dict)
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """Ports the OS hands out right now on ``host`` (a rendezvous store can bind one)."""
+    ports, socks = [], []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    except OSError:
+        pass
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def exit_code(ev: dict[str, Any]) -> int:
+    """A launcher ``exited`` event's status: the exit code, or minus the signal number."""
+    if ev.get("exit_code") is not None:
+        return int(ev["exit_code"])
+    name = str(ev.get("signal") or "")
+    return -signal.Signals[name].value if name in signal.Signals.__members__ else -1
+
+
+def hardware_pb(facts: dict[str, Any]) -> pb.Hardware:
+    gpus = [pb.GpuInfo(index=g.get("index", i), name=g.get("name", ""), memory_bytes=int(g.get("memory_bytes", 0)))
+            for i, g in enumerate(facts.get("gpus", []))]
+    return pb.Hardware(hostname=facts.get("hostname", ""), cpu_count=int(facts.get("cpu_count", 0)),
+                       memory_bytes=int(facts.get("memory_bytes", 0)), gpus=gpus)
+
+
+class WorkerDaemon:
+    """Runs until ``stop()``; ``launcher`` is a started ``worker.launcher.Launcher``."""
+
+    def __init__(self, cfg: DaemonConfig, launcher: Any) -> None:
+        self.cfg = cfg
+        self.launcher = launcher
+        self.runs: dict[tuple[str, int], RunState] = {}
+        self._seq = 0
+        self._reports: deque[pb.RankReport] = deque(maxlen=MAX_BUFFERED_REPORTS)
+        self._outbox: asyncio.Queue[pb.NodeMessage] | None = None
+        self._stopping = asyncio.Event()
+        self._heartbeat_interval = 1.0
+        self.connected = asyncio.Event()
+        self._log = log.bind(node=cfg.name)
+
+    # -- reports -----------------------------------------------------------------------------
+    def _report(self, job_id: str, attempt: int, status: pb.RankStatus, result: Any = None) -> None:
+        self._seq += 1
+        rep = pb.RankReport(job_id=job_id, attempt=attempt, status=status, seq=self._seq,
+                            result_json=json.dumps(result) if result is not None else "")
+        self._reports.append(rep)
+        self._send(pb.NodeMessage(report=rep))
+
+    def _send(self, msg: pb.NodeMessage) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(msg)
+
+    def _status_record(self, run: RunState, rec: dict[str, Any]) -> None:
+        status = pb.RankStatus(
+            rank=int(rec.get("rank", -1)), node=self.cfg.name, phase=str(rec.get("phase") or "unknown"),
+            step=int(rec.get("step") or 0), metrics_json=json.dumps(rec.get("metrics") or {}),
+            error=str(rec.get("error") or ""), updated_at=float(rec.get("ts") or 0.0),
+        )
+        if rec.get("traceback"):
+            status.error = f"{status.error}\n{rec['traceback']}".strip()
+        self._report(run.job_id, run.attempt, status, rec.get("result"))
+
+    # -- launcher events ---------------------------------------------------------------------
+    async def _on_launcher_event(self, ev: dict[str, Any]) -> None:
+        run = self.runs.get((ev.get("job_id", ""), int(ev.get("attempt", 0))))
+        if run is None:
+            return
+        rank = int(ev["rank"])
+        if ev.get("event") == "started":
+            run.alive.add(rank)
+            return
+        if ev.get("event") != "exited":
+            return
+        run.alive.discard(rank)
+        self._drain(run)  # status lines written before the exit go first
+        code = exit_code(ev)
+        tail = "\n".join(ev.get("log_tail") or [])
+        status = pb.RankStatus(rank=rank, node=self.cfg.name, phase="exited", exited=True, exit_code=code,
+                               error=tail if code != 0 else "")
+        self._report(run.job_id, run.attempt, status)
+        self._log.info("rank exited", job=run.job_id, rank=rank, code=code)
+
+    async def _pump_launcher(self) -> None:
+        async for ev in self.launcher.events():
+            await self._on_launcher_event(ev)
+        self._log.error("launcher exited; its ranks are gone, stopping the daemon")
+        self.stop()
+
+    # -- polling files -----------------------------------------------------------------------
+    def _drain(self, run: RunState) -> None:
+        if run.status is not None:
+            for rec in run.status.poll():
+                self._status_record(run, rec)
+        if self._outbox is None:
+            return  # logs stay in their files until we are connected
+        for rank, tailer in run.logs.items():
+            lines = tailer.read_lines()
+            for i in range(0, len(lines), LOG_BATCH):
+                self._send(pb.NodeMessage(logs=pb.LogLines(job_id=run.job_id, attempt=run.attempt, rank=rank,
+                                                            lines=lines[i:i + LOG_BATCH])))
+
+    async def _poll_files(self) -> None:
+        while not self._stopping.is_set():
+            for key, run in list(self.runs.items()):
+                self._drain(run)
+                if not run.alive and self._outbox is not None:
+                    self.runs.pop(key, None)  # every exit reported and every log line shipped
+            await asyncio.sleep(self.cfg.poll_interval)
+
+    # -- coordinator messages ----------------------------------------------------------------
+    async def _assign(self, msg: pb.Assign) -> None:
+        run_dir = self.cfg.state_dir / "jobs" / msg.job_id / str(msg.attempt)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        assignments = [replace(RankAssignment.from_json(r.assignment_json), run_dir=str(run_dir)) for r in msg.ranks]
+        ranks = {a.rank for a in assignments}
+        run = RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
+                       status=StatusTailer(str(run_dir)),
+                       logs={r: FileTailer(log_path(str(run_dir), r)) for r in ranks})
+        run.alive |= ranks  # counted alive from the launch on; exits remove them
+        self.runs[(msg.job_id, msg.attempt)] = run
+        self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(ranks))
+        await self.launcher.launch(assignments)
+
+    async def _cancel(self, msg: pb.Cancel) -> None:
+        self._log.info("cancel", job=msg.job_id, reason=msg.reason)
+        await self.launcher.kill(msg.job_id)
+
+    async def _read(self, call: Any) -> None:
+        while (msg := await call.read()) is not grpc.aio.EOF:  # read() style only: aio forbids mixing
+            body = msg.WhichOneof("body")
+            if body == "assign":
+                await self._assign(msg.assign)
+            elif body == "cancel":
+                await self._cancel(msg.cancel)
+
+    async def _write(self, call: Any, outbox: asyncio.Queue) -> None:
+        while True:
+            await call.write(await outbox.get())
+
+    async def _heartbeats(self, outbox: asyncio.Queue) -> None:
+        beat = 0
+        while True:
+            await asyncio.sleep(self._heartbeat_interval)
+            beat += 1
+            ports = free_ports(self.cfg.advertise_address, self.cfg.free_ports) if beat % 5 == 0 else []
+            outbox.put_nowait(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=asyncio.get_running_loop().time(),
+                                                                    free_ports=ports)))
+
+    # -- session -----------------------------------------------------------------------------
+    def _register_msg(self) -> pb.NodeMessage:
+        running = [pb.RunningJob(job_id=r.job_id, attempt=r.attempt, ranks=sorted(r.alive))
+                   for r in self.runs.values() if r.alive]
+        return pb.NodeMessage(register=pb.Register(
+            name=self.cfg.name, address=self.cfg.advertise_address, slots=self.cfg.slots,
+            hardware=hardware_pb(self.launcher.hardware), running=running, session=self._session,
+            free_ports=free_ports(self.cfg.advertise_address, self.cfg.free_ports),
+        ))
+
+    async def _session_once(self) -> None:
+        async with grpc.aio.insecure_channel(self.cfg.coordinator) as channel:
+            call = pb_grpc.NodeServiceStub(channel).Connect()
+            await call.write(self._register_msg())
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
+                raise ConnectionError("coordinator did not acknowledge registration")
+            ack = first.registered
+            self._heartbeat_interval = ack.heartbeat_interval or 1.0
+            outbox: asyncio.Queue[pb.NodeMessage] = asyncio.Queue()
+            for rep in self._reports:
+                if rep.seq > ack.last_seq:
+                    outbox.put_nowait(pb.NodeMessage(report=rep))
+            while self._reports and self._reports[0].seq <= ack.last_seq:
+                self._reports.popleft()
+            self._outbox = outbox
+            self.connected.set()
+            self._log.info("registered", coordinator=self.cfg.coordinator, replayed=outbox.qsize())
+            tasks = [asyncio.create_task(c) for c in (self._read(call), self._write(call, outbox),
+                                                      self._heartbeats(outbox))]
+            try:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()
+            finally:
+                self._outbox = None
+                self.connected.clear()
+                for t in tasks:
+                    t.cancel()
+                call.cancel()
+
+    async def _connect_loop(self) -> None:
+        delay = self.cfg.backoff_initial
+        while not self._stopping.is_set():
+            try:
+                await self._session_once()
+                delay = self.cfg.backoff_initial
+            except (grpc.aio.AioRpcError, ConnectionError, OSError) as exc:
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                self._log.warning("coordinator unreachable", coordinator=self.cfg.coordinator,
+                                  error=detail, retry_in=round(delay, 2))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.cfg.backoff_max)
+
+    async def run(self) -> None:
+        self._session = f"{self.cfg.name}-{os.getpid()}-{id(self):x}"
+        tasks = [asyncio.create_task(c) for c in (self._connect_loop(), self._pump_launcher(), self._poll_files())]
+        try:
+            await self._stopping.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stop(self) -> None:
+        self._stopping.set()

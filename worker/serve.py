@@ -1,0 +1,57 @@
+"""Run one worker daemon: warm launcher first (before any gRPC), health service, session."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import replace
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
+
+log = structlog.get_logger("rankctl.worker")
+
+
+async def start_health(listen: str) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port(listen)
+    await server.start()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await servicer.set("rankctl.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launcher=None) -> None:
+    """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None); kills every rank on exit."""
+    from rankctl.worker.launcher_client import Launcher
+
+    own_launcher = launcher is None
+    if own_launcher:
+        launcher = await Launcher.start(python=sys.executable)
+    if cfg.slots < 1:  # one rank per GPU, or one slot on a CPU node
+        cfg = replace(cfg, slots=len(launcher.hardware.get("gpus", [])) or 1)
+    health_server, port = await start_health(cfg.health_listen)
+    daemon = WorkerDaemon(cfg, launcher)
+    log.info("worker started", node=cfg.name, slots=cfg.slots, coordinator=cfg.coordinator, health_port=port,
+             gpus=len(launcher.hardware.get("gpus", [])))
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    runner = asyncio.create_task(daemon.run())
+    try:
+        await stop.wait()
+    finally:
+        daemon.stop()
+        await runner
+        if own_launcher:
+            await launcher.close()
+        await health_server.stop(0.5)
+        log.info("worker stopped", node=cfg.name)
