@@ -75,6 +75,7 @@ class LocalCluster:
             self._ready.set()
             await self._stop.wait()
         finally:
+            server.core.shutdown()  # daemons leaving now is the end of the cluster, not a lost node
             for d in daemons:
                 d.stop()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -91,12 +91,32 @@ def _cell(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
+def comm_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """comm-check rows (one per kind and op) pivoted to one row per kind, readable units."""
+    by_kind: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        out = by_kind.setdefault(r["kind"], {"kind": r["kind"], "groups x size": f"{r['groups']} x {r['size']}"})
+        op = {"allreduce": "all-reduce", "allgather": "all-gather"}.get(r.get("op", ""), r.get("op", ""))
+        out[f"{op} us (mean/max)"] = f"{r['mean_us']:.0f} / {r['max_us']:.0f}"
+        out[f"{op} busbw GB/s (min)"] = f"{r['min_busbw_gbps']:.3g}"
+    return list(by_kind.values())
+
+
 def result_tables(result: Any) -> list:
     """Tables found in a job result: any list of dicts under a key becomes one table."""
     if not isinstance(result, dict):
         return []
-    return [rows_table(key, value) for key, value in result.items()
-            if isinstance(value, list) and value and all(isinstance(r, dict) for r in value)]
+    tables = []
+    for key, value in result.items():
+        if not (isinstance(value, list) and value and all(isinstance(r, dict) for r in value)):
+            continue
+        if key == "comm" and "min_busbw_gbps" in value[0]:
+            size = result.get("size_bytes")
+            title = f"comm-check per kind ({size} bytes per rank)" if size else "comm-check per kind"
+            tables.append(rows_table(title, comm_rows(value)))
+        else:
+            tables.append(rows_table(key, value))
+    return tables
 
 
 def job_view(job: pb.Job, max_ranks: int = 64):

@@ -76,7 +76,7 @@ def test_comm_check_through_separate_daemons(cluster: Cluster) -> None:
     kinds = {row["kind"] for row in st["result"]["comm"]}
     assert {"tp", "pp", "dp", "mp", "tp_dp"} <= kinds
     human = ctl(cluster.address, "status", job_id)
-    assert "allreduce" in human.stdout and "SUCCEEDED" in human.stdout
+    assert "all-reduce" in human.stdout and "SUCCEEDED" in human.stdout
     logs = ctl(cluster.address, "logs", job_id, "--rank", "0")
     assert logs.returncode == 0
     watched = ctl(cluster.address, "watch", job_id, "--json")
@@ -170,5 +170,5 @@ def test_ctl_up_comm_check(tmp_path: Path) -> None:
     human = subprocess.run(CTL + ["up", str(EXAMPLES / "comm-check.yaml")], capture_output=True, text=True,
                            timeout=300)
     assert human.returncode == 0, human.stderr[-3000:]
-    assert "allreduce" in human.stdout and "SUCCEEDED" in human.stdout
+    assert "all-reduce" in human.stdout and "SUCCEEDED" in human.stdout
 
