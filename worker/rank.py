@@ -44,6 +44,7 @@ JobFn = Callable[[RankContext], "dict[str, Any] | None"]
 
 JOB_KINDS: dict[str, "JobFn | str"] = {
     "comm-check": "rankctl.worker.commcheck:run",
+    "train": "rankctl.worker.train:run",
 }
 
 

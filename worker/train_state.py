@@ -1,0 +1,122 @@
+"""What a training rank saves and restores: glue between ``worker.train`` and ``worker.checkpoint``.
+
+A rank file holds the local shard (``model``, keyed as ``named_parameters``), its metadata
+(``meta``: ``models.shard.ParamMeta`` as dicts), the optimizer state, the RNG state, the step,
+the loss history, and the layout (``world_size``, ``coords``, ``parallel``, ``model_config``).
+Data are a pure function of (seed, step, i), so params + optimizer + step (+ RNG) are all a
+resumed run needs to reproduce the uninterrupted run's later losses.
+
+Resume (``train.resume: true``, or any restart attempt > 0): every rank lists the steps its
+own marker says it finished with the same fingerprint, the lists are all-gathered over the
+world, and the latest step common to all is loaded. A fresh run with checkpointing on first
+deletes this rank's files under the job name, so shards of an earlier run of the same name
+can never be mixed with new ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from rankctl.worker import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from rankctl.worker.train import Trainer
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # last finished step
+    losses: list[dict[str, float]] = field(default_factory=list)
+    val_losses: list[dict[str, float]] = field(default_factory=list)
+    resumed_from: int | None = None
+
+
+def _layout(t: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
+    spec = t.ctx.assignment.spec
+    par = spec.get("parallel") or {}
+    parallel = {k: par.get(k, d) for k, d in
+                (("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1), ("order", "tp-cp-ep-dp-pp"), ("sequence_parallel", False))}
+    return parallel, dataclasses.asdict(t.model.config)
+
+
+def root_of(t: Trainer) -> str:
+    a = t.ctx.assignment
+    return ckpt.checkpoint_root(a.run_dir, a.spec.get("name", a.job_id))
+
+
+def fingerprint_of(t: Trainer) -> str:
+    parallel, model = _layout(t)
+    return ckpt.fingerprint(t.ctx.assignment.world_size, parallel, model)
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    out = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def state_dict(t: Trainer, step: int) -> dict[str, Any]:
+    a = t.ctx.assignment
+    parallel, model = _layout(t)
+    return {
+        "step": step, "rank": a.rank, "world_size": a.world_size, "coords": dict(a.coords),
+        "parallel": parallel, "model_config": model,
+        "model": {n: p.detach().cpu() for n, p in t.model.named_parameters()},
+        "meta": {n: dataclasses.asdict(m) for n, m in t.model.meta.items()},
+        "optimizer": t.optimizer.state_dict(),
+        "rng": _rng_state(t.device),
+        "history": {"losses": list(t.state.losses), "val_losses": list(t.state.val_losses)},
+    }
+
+
+def save_checkpoint(t: Trainer, step: int) -> str:
+    return ckpt.save_rank(root_of(t), step, t.ctx.assignment.rank, state_dict(t, step), fingerprint_of(t))
+
+
+@torch.no_grad()
+def load_state(t: Trainer, state: dict[str, Any]) -> None:
+    for name, p in t.model.named_parameters():
+        p.copy_(state["model"][name].to(p.device))
+    t.optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and t.device.type == "cuda":
+        torch.cuda.set_rng_state(state["rng"]["cuda"], t.device)
+    t.state = TrainState(step=state["step"], losses=list(state["history"]["losses"]),
+                         val_losses=list(state["history"]["val_losses"]), resumed_from=state["step"])
+
+
+def agree_resume_step(root: str, rank: int, world_size: int, fp: str) -> int | None:
+    """The latest step every rank has finished with fingerprint ``fp`` (one world collective)."""
+    mine = (ckpt.complete_for(root, [rank], fp), ckpt.complete_for(root, [rank]))
+    views = [mine]
+    if world_size > 1:
+        views = [None] * world_size
+        dist.all_gather_object(views, mine)
+    common = set.intersection(*(set(v[0]) for v in views))
+    if common:
+        return max(common)
+    if any(v[1] for v in views):
+        raise RuntimeError(
+            f"cannot resume: the checkpoints under {root} were written by a different world size, "
+            "layout or model (export one with checkpoint.export_full_state_dict to re-slice it)"
+        )
+    return None
+
+
+def restore_or_reset(t: Trainer) -> None:
+    """Load the latest complete checkpoint when resuming; clear stale files on a fresh run."""
+    a, cfg = t.ctx.assignment, t.cfg
+    root = root_of(t)
+    if cfg.resume or a.attempt > 0:
+        step = agree_resume_step(root, a.rank, a.world_size, fingerprint_of(t))
+        if step is not None:
+            load_state(t, ckpt.load_rank(root, step, a.rank))
+            t.ctx.log.info("resumed", step=step, root=root)
+        return
+    if cfg.checkpoint_every > 0 and ckpt.remove_rank_files(root, a.rank):
+        t.ctx.log.info("removed stale checkpoint files", root=root)
