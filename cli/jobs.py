@@ -14,8 +14,12 @@ from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, CtlError
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 
 
-def read_job_file(path: str, overrides: tuple[str, ...]) -> str:
-    """Read and validate locally (same rules as the coordinator): fail fast, no round trip."""
+def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str]]:
+    """Read and validate locally (same rules as the coordinator): fail fast, no round trip.
+
+    Returns the text and the overrides to send; a relative ``train.data`` path is made
+    absolute against the current directory, since daemons do not share our working directory.
+    """
     from rankctl.coordinator.checks import check_job
     from rankctl.coordinator.spec import SpecError, build_spec, load_yaml_text
 
@@ -23,11 +27,17 @@ def read_job_file(path: str, overrides: tuple[str, ...]) -> str:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise CtlError(f"{path}: cannot read the job file ({exc.strerror})") from None
+    sets = list(overrides)
     try:
-        check_job(build_spec(load_yaml_text(text, path), list(overrides)))
+        spec = build_spec(load_yaml_text(text, path), sets)
+        data = spec.train.data if spec.train else "builtin:"
+        if not data.startswith("builtin:") and not Path(data).is_absolute():
+            sets.append(f"train.data={Path(data).resolve()}")
+            spec = build_spec(load_yaml_text(text, path), sets)
+        check_job(spec)
     except SpecError as exc:
         raise CtlError(str(exc)) from None
-    return text
+    return text, sets
 
 
 def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120.0):
@@ -102,9 +112,9 @@ def exit_for(job) -> None:
 @pass_ctx
 def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wait: bool) -> None:
     """Submit JOB_FILE; print the job id alone on stdout."""
-    text = read_job_file(job_file, overrides)
+    text, sets = read_job_file(job_file, overrides)
     with ctx.client() as client:
-        job = client.submit(text, list(overrides), job_file)
+        job = client.submit(text, sets, job_file)
     click.echo(job.id)
     sys.stdout.flush()
     if watch_ or wait:

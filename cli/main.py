@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "coordinator": ("rankctl.cli.daemons", "coordinator", "Run the coordinator service."),
     "worker": ("rankctl.cli.daemons", "worker", "Run a worker daemon for this node."),
     "up": ("rankctl.cli.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
+    "checkpoint": ("rankctl.cli.checkpoint", "checkpoint", "Work with training checkpoints (export)."),
 }
 
 

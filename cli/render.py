@@ -114,9 +114,19 @@ def result_tables(result: Any) -> list:
             size = result.get("size_bytes")
             title = f"comm-check per kind ({size} bytes per rank)" if size else "comm-check per kind"
             tables.append(rows_table(title, comm_rows(value)))
+        elif key in ("losses", "val_losses"):
+            tables.append(rows_table(f"{key.replace('_', ' ')} ({len(value)} steps)", _sample(value, 12)))
         else:
             tables.append(rows_table(key, value))
     return tables
+
+
+def _sample(rows: list, n: int) -> list:
+    """At most ``n`` rows spread evenly, always keeping the first and the last."""
+    if len(rows) <= n:
+        return rows
+    idx = sorted({round(i * (len(rows) - 1) / (n - 1)) for i in range(n)})
+    return [rows[i] for i in idx]
 
 
 def job_view(job: pb.Job, max_ranks: int = 64):
@@ -133,10 +143,41 @@ def job_view(job: pb.Job, max_ranks: int = 64):
     ranks = [{"rank": r["rank"], "node": r["node"], "phase": r["state"], "step": r["step"],
               "exit": r.get("exit_code", "")} for r in d["ranks"][:max_ranks]]
     parts = [head]
+    progress = train_progress(job)
+    if progress is not None:
+        parts.append(progress)
     if ranks:
         parts.append(rows_table("ranks", ranks))
     parts += result_tables(d["result"])
     return Group(*parts)
+
+
+def train_progress(job: pb.Job):
+    """A progress bar with the current loss and tokens/s, from the ranks' latest metrics."""
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+
+    if job.kind != "train":
+        return None
+    steps = (_loads(job.spec_json) or {}).get("train", {}).get("steps", 0)
+    latest = _latest_metrics(job)
+    if not steps or latest is None:
+        return None
+    step, m = latest
+    grid = Table.grid(padding=(0, 1))
+    grid.add_row(f"step {step}/{steps}", ProgressBar(total=steps, completed=step, width=30),
+                 f"loss {m.get('loss', float('nan')):.4f}", f"{m.get('tokens_per_s', 0):,.0f} tok/s",
+                 f"lr {m.get('lr', 0):.2e}")
+    return grid
+
+
+def _latest_metrics(job: pb.Job) -> tuple[int, dict] | None:
+    """(step, metrics) of the lowest rank that reports a loss (a last pipeline stage)."""
+    for r in sorted(job.ranks, key=lambda r: r.rank):
+        m = _loads(r.metrics_json) or {}
+        if isinstance(m, dict) and isinstance(m.get("loss"), (int, float)):
+            return r.step, m
+    return None
 
 
 def _state_style(state: str) -> str:

@@ -48,8 +48,8 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
 
     configure_logging(level=log_level)
-    text = read_job_file(job_file, overrides)
-    n, s = _cluster_shape(text, job_file, overrides, nodes, slots)
+    text, sets = read_job_file(job_file, overrides)
+    n, s = _cluster_shape(text, job_file, tuple(sets), nodes, slots)
     tmp = state_dir is None
     root = Path(tempfile.mkdtemp(prefix="rankctl-up-")) if tmp else state_dir
     click.echo(f"starting a coordinator and {n} worker daemon(s) x {s} slot(s) under {root}", err=True)
@@ -57,7 +57,7 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
         with LocalCluster(n, s, root) as cluster:
             ctx = Ctx(coordinator=cluster.address)
             with ctx.client() as client:
-                job = client.submit(text, list(overrides), job_file)
+                job = client.submit(text, sets, job_file)
             click.echo(f"submitted {job.id}", err=True)
             job = follow_job(ctx, job.id, live=True)  # progress on stderr; stdout stays JSON
     finally:

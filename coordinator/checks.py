@@ -28,6 +28,11 @@ def _model_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
         errors.append(f"model.heads={m.heads} is not divisible by parallel.tp={p.tp}: attention heads are split over tp")
     if m.hidden % m.heads:
         errors.append(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}")
+    elif m.position_embedding == "rope" and (m.hidden // m.heads) % 2:
+        errors.append(f"model.position_embedding=rope needs an even head size, got hidden/heads={m.hidden // m.heads}")
+    ffn = m.ffn_hidden or 4 * m.hidden
+    if ffn % p.tp:
+        errors.append(f"model.ffn_hidden={ffn} is not divisible by parallel.tp={p.tp}: the MLP is split over tp")
     chunks = p.pp * (p.vpp or 1)
     if m.layers % chunks:
         errors.append(
@@ -70,10 +75,20 @@ def _train_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
     return errors
 
 
+def _data_errors(spec: JobSpec) -> list[str]:
+    """The training data must exist where the job is submitted (nodes share the filesystem)."""
+    from rankctl.models.data import check_data_source  # numpy only, no torch
+
+    if spec.train is None:
+        return []
+    problem = check_data_source(spec.train.data)
+    return [problem] if problem else []
+
+
 def check_job(spec: JobSpec) -> ParallelConfig:
     """Validate everything that crosses sections; return the layout config or raise SpecError."""
     cfg = parallel_config(spec)
-    errors = _model_errors(spec, cfg) + _train_errors(spec, cfg)
+    errors = _model_errors(spec, cfg) + _train_errors(spec, cfg) + _data_errors(spec)
     if errors:
         raise SpecError(errors)
     return cfg

@@ -306,9 +306,13 @@ class Coordinator:
     def _apply_rank(self, job: JobRecord, node: str, update: RankUpdate) -> None:
         old = self.book.ranks(job.id).get(update.status.rank)
         st = update.status
+        # an exit report carries no step or metrics: keep the last ones the rank reported
+        keep_metrics = st.metrics_json in ("", "{}") and old is not None
         new = RankRecord(
-            rank=st.rank, node=node, phase=st.phase or (old.phase if old else "pending"), step=st.step,
-            metrics_json=st.metrics_json, error=st.error, exit_code=st.exit_code, exited=st.exited,
+            rank=st.rank, node=node, phase=st.phase or (old.phase if old else "pending"),
+            step=st.step or (old.step if old else 0),
+            metrics_json=old.metrics_json if keep_metrics else st.metrics_json,
+            error=st.error or (old.error if old else ""), exit_code=st.exit_code, exited=st.exited,
             updated_at=st.updated_at or self.clock(),
             result_json=update.result_json or (old.result_json if old else ""),
         )

@@ -39,7 +39,20 @@ def aggregate(kind: str, results: Mapping[int, Any]) -> dict[str, Any]:
     """The job result for ``kind`` from rank -> result."""
     if kind == "comm-check":
         return comm_check_result(results)
+    if kind == "train":
+        return train_result(results)
     return {"ranks": {str(r): results[r] for r in sorted(results)}}
+
+
+def train_result(results: Mapping[int, Any]) -> dict[str, Any]:
+    """The global losses as the lowest rank holding them reports (a last pipeline stage;
+    every DP rank of it holds the same dp-reduced loss)."""
+    for rank in sorted(results):
+        r = results[rank]
+        if isinstance(r, Mapping) and r.get("losses") and all(x.get("loss") is not None for x in r["losses"]):
+            return {"losses": r["losses"], "val_losses": r.get("val_losses", []), "final": r.get("final", {}),
+                    "resumed_from": r.get("resumed_from"), "reported_by": rank}
+    return {"losses": [], "val_losses": [], "final": {}, "reported_by": None}
 
 
 def _group_times(results: Mapping[int, Any]) -> dict[tuple[int, ...], dict[str, Any]]:

@@ -4,7 +4,9 @@ The model never talks to other ranks. Its linear, embedding, norm and output lay
 from a ``LayerFactory`` that is handed the module path of each layer (``layers.3.attn.qkv``):
 ``SerialLayers`` gives plain torch layers; ``rankctl.parallel.tp_plan.TPLayers`` looks the
 path up in a plan table and gives tensor-parallel ones. Attention reads its local head
-count from the qkv output, so a shard with heads/tp heads runs the same code.
+count from the qkv output, so a shard with heads/tp heads runs the same code. The attention
+core is injected the same way (``attention=``, see ``models.attention``): serial causal
+attention by default, ring attention over the CP group under context parallelism.
 
 Parameters are created uninitialised; ``rankctl.models.shard.build_shard`` fills them
 from full tensors drawn per parameter name (``full_init``), so every layout starts from
@@ -25,6 +27,8 @@ from typing import Any, Callable, Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from rankctl.models.attention import AttentionCore, causal_attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,12 +143,17 @@ def apply_rope(x: Tensor, positions: Tensor, base: float = 10000.0) -> Tensor:
 
 class CausalSelfAttention(nn.Module):
     """qkv's output features are laid out per head as (nh, 3, hs), so a contiguous split
-    of the output dim over TP gives each rank whole heads."""
+    of the output dim over TP gives each rank whole heads. ``core`` computes softmax(qkᵀ)v
+    (``models.attention``: serial by default, ring attention under context parallelism)."""
 
-    def __init__(self, cfg: GPTConfig, make: LayerFactory, prefix: str) -> None:
+    def __init__(self, cfg: GPTConfig, make: LayerFactory, prefix: str,
+                 core: AttentionCore = causal_attention) -> None:
         super().__init__()
         self.head_dim, self.rope, self.dropout = cfg.head_dim, cfg.position_embedding == "rope", cfg.dropout
-        self.qkv = make.linear(f"{prefix}.qkv", cfg.hidden, 3 * cfg.hidden)
+        self.core = core
+        # no qkv bias: a K bias is redundant under softmax (its gradient is exactly 0, so Adam
+        # would amplify rounding noise into it); Megatron also leaves qkv bias off by default
+        self.qkv = make.linear(f"{prefix}.qkv", cfg.hidden, 3 * cfg.hidden, bias=False)
         self.proj = make.linear(f"{prefix}.proj", cfg.hidden, cfg.hidden)
 
     def forward(self, x: Tensor, positions: Tensor | None) -> Tensor:
@@ -155,7 +164,7 @@ class CausalSelfAttention(nn.Module):
             pos = positions if positions is not None else torch.arange(T, device=x.device)
             q, k = apply_rope(q, pos), apply_rope(k, pos)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        y = self.core(q, k, v, positions, p)  # (B, nh, T, hs)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, C)
 
 
@@ -173,10 +182,11 @@ MLPBuilder = Callable[[GPTConfig, LayerFactory, str], nn.Module]  # (cfg, make, 
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, make: LayerFactory, prefix: str, mlp: MLPBuilder = MLP) -> None:
+    def __init__(self, cfg: GPTConfig, make: LayerFactory, prefix: str, mlp: MLPBuilder = MLP,
+                 attention: AttentionCore = causal_attention) -> None:
         super().__init__()
         self.ln1 = make.norm(f"{prefix}.ln1", cfg.hidden, eps=cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg, make, f"{prefix}.attn")
+        self.attn = CausalSelfAttention(cfg, make, f"{prefix}.attn", attention)
         self.ln2 = make.norm(f"{prefix}.ln2", cfg.hidden, eps=cfg.norm_eps)
         self.mlp = mlp(cfg, make, f"{prefix}.mlp")
         self.drop = nn.Dropout(cfg.dropout)
@@ -194,7 +204,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig, make: LayerFactory | None = None, stage: Stage = Stage(),
-                 mlp: MLPBuilder = MLP) -> None:
+                 mlp: MLPBuilder = MLP, attention: AttentionCore = causal_attention) -> None:
         super().__init__()
         make = make or SerialLayers()
         last = cfg.layers if stage.last is None else stage.last
@@ -208,7 +218,7 @@ class GPT(nn.Module):
                 self.wpe = make.embedding("wpe", cfg.seq_len, cfg.hidden)
             self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict(
-            {str(i): Block(cfg, make, f"layers.{i}", mlp) for i in range(stage.first, last)}
+            {str(i): Block(cfg, make, f"layers.{i}", mlp, attention) for i in range(stage.first, last)}
         )
         if self.has_head:
             self.ln_f = make.norm("ln_f", cfg.hidden, eps=cfg.norm_eps)

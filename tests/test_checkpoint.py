@@ -66,7 +66,7 @@ def test_export_gathers_tp_shards_into_the_serial_model(tmp_path, sp: bool) -> N
 def test_export_needs_every_rank_file(tmp_path) -> None:
     root = str(tmp_path)
     ckpt.save_rank(root, 1, 0, _rank_state(2, 0, False), "fp")
-    with pytest.raises(ValueError, match="holds 1 rank files, but the checkpoint's world size is 4"):
+    with pytest.raises(ValueError, match="hold 1 rank files, but the checkpoint's world size is 4"):
         ckpt.export_full_state_dict(ckpt.step_dir(root, 1))
     with pytest.raises(FileNotFoundError):
         ckpt.export_full_state_dict(ckpt.step_dir(root, 2))

@@ -323,7 +323,12 @@ def test_comm_check_result_takes_the_slowest_member_and_the_lowest_busbw() -> No
     dp = comm[0]
     assert (dp["op"], dp["groups"], dp["size"], dp["mean_us"], dp["max_us"]) == ("allreduce", 2, 2, 25.0, 30.0)
     assert dp["min_busbw_gbps"] == pytest.approx(4000 / 30e-6 / 1e9)
-    assert aggregate("train", {1: {"loss": 1.0}}) == {"ranks": {"1": {"loss": 1.0}}}
+    assert aggregate("other", {1: {"loss": 1.0}}) == {"ranks": {"1": {"loss": 1.0}}}
+    # train: the lowest rank that holds every step's loss reports for the job (a last pp stage)
+    losses = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
+    nan_stage = {"losses": [{"step": 1, "loss": None}, {"step": 2, "loss": None}]}
+    train = aggregate("train", {0: nan_stage, 2: {"losses": losses, "final": {"step": 2}}, 3: {"losses": losses}})
+    assert train["losses"] == losses and train["reported_by"] == 2 and train["final"] == {"step": 2}
 
 
 def test_register_needs_a_name_and_slots(world: World) -> None:

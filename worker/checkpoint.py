@@ -128,14 +128,17 @@ def remove_rank_files(root: str, rank: int) -> int:
 
 # -- export -----------------------------------------------------------------------------------
 
-def _load_all(step_path: str) -> list[dict[str, Any]]:
-    files = sorted(glob.glob(os.path.join(step_path, "rank-*.pt")))
-    if not files:
-        raise FileNotFoundError(f"no rank files in checkpoint directory {step_path}")
-    states = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+def _load_all(step_paths: list[str]) -> list[dict[str, Any]]:
+    """Every rank's file of one step, from one directory or several (nodes without a shared
+    filesystem each hold their own ranks' files)."""
+    by_name = {os.path.basename(f): f for p in step_paths for f in glob.glob(os.path.join(p, "rank-*.pt"))}
+    if not by_name:
+        raise FileNotFoundError(f"no rank files in checkpoint directory {', '.join(step_paths)}")
+    states = [torch.load(by_name[n], map_location="cpu", weights_only=True) for n in sorted(by_name)]
     world = states[0]["world_size"]
     if len(states) != world:
-        raise ValueError(f"{step_path} holds {len(states)} rank files, but the checkpoint's world size is {world}")
+        raise ValueError(f"{', '.join(step_paths)} hold {len(states)} rank files, "
+                         f"but the checkpoint's world size is {world}")
     return states
 
 
@@ -150,11 +153,12 @@ def _gather(name: str, parts: list[tuple[int, torch.Tensor]], meta: dict[str, An
     return full.narrow(dim, 0, full_shape[dim]).clone()
 
 
-def export_full_state_dict(step_path: str) -> dict[str, torch.Tensor]:
-    """Serial-shaped parameters from one step directory (every rank's file must be there)."""
+def export_full_state_dict(step_path: str | list[str]) -> dict[str, torch.Tensor]:
+    """Serial-shaped parameters from one step's directory, or its directories on several nodes
+    (between them every rank's file must be there)."""
     shards: dict[str, list[tuple[int, torch.Tensor]]] = {}
     metas: dict[str, dict[str, Any]] = {}
-    for state in _load_all(step_path):
+    for state in _load_all([step_path] if isinstance(step_path, str) else list(step_path)):
         coords = state["coords"]
         if any(coords.get(k, 0) != 0 for k in ("dp", "cp")):
             continue  # DP / CP replicas hold the same parameters

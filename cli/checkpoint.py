@@ -1,0 +1,35 @@
+"""``ctl checkpoint``: work with training checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from rankctl.cli.errors import CtlError
+
+
+@click.group("checkpoint")
+def checkpoint() -> None:
+    """Work with training checkpoints."""
+
+
+@checkpoint.command("export")
+@click.argument("step_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Where to write the full state_dict (torch.save).")
+def export(step_dirs: tuple[str, ...], out: Path) -> None:
+    """Gather one step's shards (STEP_DIRS: its directory, or one per node) into one full
+    state_dict that loads into the serial model and re-slices into any other layout."""
+    import torch
+
+    from rankctl.worker.checkpoint import export_full_state_dict
+
+    try:
+        full = export_full_state_dict(list(step_dirs))
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise CtlError(f"cannot export {', '.join(step_dirs)}: {exc}") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(full, out)
+    params = sum(t.numel() for t in full.values())
+    click.echo(f"wrote {out}: {len(full)} tensors, {params:,} parameters", err=True)
