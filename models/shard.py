@@ -16,6 +16,11 @@ one ``ParamMeta`` per parameter, keyed by its name in ``module.named_parameters(
   parameter once per TP group (e.g. only on TP rank 0), and sharded ones on every rank.
 * ``init_key``: the name whose seed initialises it (``wte.weight`` for a tied head that
   lives on a pipeline stage without the embedding; see ``GPT.init_key``).
+* ``expert``: a mixture-of-experts expert parameter (``models.moe``). For these, "TP" above
+  means the *expert* TP group ``expt_tp`` (tp_rank/tp_size/shard_dim/tp_grad_sum refer to
+  it), and the data-parallel gradient SUM runs over ``expt_dp`` instead of ``dp_cp``. The
+  MoE router is a dense parameter with ``tp_grad_sum`` whenever tp > 1 (each TP rank routes
+  its own share of the tokens).
 
 Parameters are initialised as full tensors with ``gpt.full_init`` and sliced, so every
 layout starts from exactly the serial model's weights. Sharding rules come from
@@ -32,6 +37,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rankctl.models.gpt import GPT, GPTConfig, MLP, MLPBuilder, SerialLayers, Stage, full_init
+from rankctl.models.moe import MoEConfig, MoETracker, moe_mlp_builder
+from rankctl.parallel.experts import ExpertGroups
 from rankctl.parallel.tensor import TPContext, padded
 from rankctl.parallel.tp_plan import GPT_TP_PLAN, Plan, TPLayers
 
@@ -45,6 +52,7 @@ class ParamMeta:
     tp_size: int
     tp_grad_sum: bool
     init_key: str
+    expert: bool = False
 
     @property
     def tp_replicated(self) -> bool:
@@ -79,10 +87,14 @@ class ShardedModel:
     """A rank's model (``module``), its parameter metadata and its TP context.
 
     ``sharded(tokens, targets)`` calls the module (see the loss contract in ``models.gpt``).
+    MoE shards also carry ``moe`` (the ``MoETracker``: aux-loss scale, expert statistics)
+    and ``expert_tp`` (the expert TP context); both are ``None`` for a dense model.
     """
 
-    def __init__(self, module: GPT, meta: dict[str, ParamMeta], tp: TPContext, styles: dict[str, str]) -> None:
+    def __init__(self, module: GPT, meta: dict[str, ParamMeta], tp: TPContext, styles: dict[str, str],
+                 moe: MoETracker | None = None, expert_tp: TPContext | None = None) -> None:
         self.module, self.meta, self.tp, self.styles = module, meta, tp, styles
+        self.moe, self.expert_tp = moe, expert_tp
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         return self.module(*args, **kwargs)
@@ -97,9 +109,15 @@ class ShardedModel:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
-    def tp_grad_sum_params(self) -> list[nn.Parameter]:
-        """Parameters whose gradients the DP/grad code must sum over the TP group."""
-        return [p for n, p in self.module.named_parameters() if self.meta[n].tp_grad_sum]
+    def tp_grad_sum_params(self, expert: bool = False) -> list[nn.Parameter]:
+        """Parameters whose gradients the DP/grad code must sum over the TP group (dense
+        ones), or with ``expert=True`` over the ``expt_tp`` group (expert ones)."""
+        return [p for n, p in self.module.named_parameters()
+                if self.meta[n].tp_grad_sum and self.meta[n].expert == expert]
+
+    def named_parameters_by_kind(self, expert: bool) -> list[tuple[str, nn.Parameter]]:
+        """Dense (reduce over ``dp_cp``) or expert (reduce over ``expt_dp``) parameters."""
+        return [(n, p) for n, p in self.module.named_parameters() if self.meta[n].expert == expert]
 
     def full_state_dict(self, grads: bool = False) -> dict[str, Tensor]:
         """Full (serial-shaped) parameters, or their gradients, on every TP rank (collective)."""
@@ -108,7 +126,9 @@ class ShardedModel:
             value = p.grad if grads else p
             if value is None:
                 value = torch.zeros_like(p)
-            out[name] = gather_full(value, self.meta[name], self.tp.group)
+            meta = self.meta[name]
+            group = self.expert_tp.group if meta.expert and self.expert_tp is not None else self.tp.group
+            out[name] = gather_full(value, meta, group)
         return out
 
 
@@ -116,18 +136,21 @@ def _collect_meta(module: GPT, tp: TPContext) -> dict[str, ParamMeta]:
     meta: dict[str, ParamMeta] = {}
     for mod_name, mod in module.named_modules():
         specs = getattr(mod, "tp_shards", {})
+        ctx = getattr(mod, "expert_tp", None) or tp  # expert layers are sliced over expt_tp
+        partial = ctx.sequence_parallel or getattr(mod, "partial_replicated_grads", False)
         for leaf, p in mod.named_parameters(recurse=False):
             name = f"{mod_name}.{leaf}" if mod_name else leaf
             spec = specs.get(leaf)
-            shard_dim = spec.dim if spec is not None and tp.size > 1 else None
+            shard_dim = spec.dim if spec is not None and ctx.size > 1 else None
             meta[name] = ParamMeta(
                 name=name,
                 full_shape=tuple(spec.full_shape) if spec is not None else tuple(p.shape),
                 shard_dim=shard_dim,
-                tp_rank=tp.rank,
-                tp_size=tp.size,
-                tp_grad_sum=shard_dim is None and tp.sequence_parallel and tp.size > 1,
+                tp_rank=ctx.rank,
+                tp_size=ctx.size,
+                tp_grad_sum=shard_dim is None and partial and ctx.size > 1,
                 init_key=module.init_key(name),
+                expert=hasattr(mod, "expert_tp"),
             )
             p._rankctl_meta = meta[name]
     return meta
@@ -151,21 +174,41 @@ def check_divisible(cfg: GPTConfig, tp: TPContext) -> None:
         raise ValueError("; ".join(problems))
 
 
+def _configs(model_cfg: GPTConfig | Any, moe: MoEConfig | None) -> tuple[GPTConfig, MoEConfig | None]:
+    """The GPT config and the MoE config (``moe`` wins over a spec's ``model.moe``)."""
+    if isinstance(model_cfg, GPTConfig):
+        return model_cfg, moe
+    spec_moe = getattr(model_cfg, "moe", None)
+    if spec_moe is not None:
+        moe = moe or MoEConfig.from_spec(spec_moe)
+        model_cfg = model_cfg.model_copy(update={"moe": None})
+    return GPTConfig.from_spec(model_cfg), moe
+
+
 def build_shard(model_cfg: GPTConfig | Any, tp_group: "dist.ProcessGroup | None" = None,
                 sequence_parallel: bool = False, seed: int = 0, *, stage: Stage = Stage(),
                 mlp: MLPBuilder = MLP, plan: Plan = GPT_TP_PLAN, tp: TPContext | None = None,
-                device: torch.device | str | None = None) -> ShardedModel:
+                device: torch.device | str | None = None, moe: MoEConfig | None = None,
+                expert_groups: ExpertGroups | None = None) -> ShardedModel:
     """This rank's shard. ``model_cfg``: a ``GPTConfig`` or a job file's ``model`` section.
 
     ``tp`` overrides ``tp_group`` (tests build shards of any rank without processes).
+    Mixture of experts: ``moe`` (or the spec's ``model.moe``) replaces ``mlp`` by
+    ``models.moe.moe_mlp_builder``; ``expert_groups`` (``ExpertGroups.from_pgs(pgs)``) gives
+    the ep / expt_tp / cp groups, ``None`` = all experts on this rank.
     """
-    cfg = model_cfg if isinstance(model_cfg, GPTConfig) else GPTConfig.from_spec(model_cfg)
+    cfg, moe = _configs(model_cfg, moe)
     tp = tp or TPContext.from_group(tp_group, sequence_parallel)
     check_divisible(cfg, tp)
+    tracker, expert_tp = None, None
+    if moe is not None:
+        groups = expert_groups or ExpertGroups()
+        tracker, expert_tp = MoETracker(), groups.etp_context
+        mlp = moe_mlp_builder(moe, tp, groups, tracker)
     make = TPLayers(tp, plan) if tp.size > 1 else SerialLayers()
     module = GPT(cfg, make, stage, mlp)
     meta = _collect_meta(module, tp)
     init_parameters(module, meta, seed)
     if device is not None:
         module.to(device)
-    return ShardedModel(module, meta, tp, getattr(make, "styles", {}))
+    return ShardedModel(module, meta, tp, getattr(make, "styles", {}), tracker, expert_tp)
