@@ -119,7 +119,7 @@ def test_comm_check_on_8_ranks(loop, launcher, tmp_path) -> None:
         "tp": (4, 2), "pp": (4, 2), "dp": (4, 2), "mp": (2, 4), "world": (1, 8)}
     phases = [rec["phase"] for rec in StatusTailer(str(tmp_path)).poll() if rec["rank"] == 5]
     assert phases[:3] == ["rendezvous", "groups", "running"] and phases[-1] == "done"
-    assert set(phases[3:-1]) == {"running"}  # one per soak round
+    assert set(phases[3:-1]) <= {"running"}  # one more per extra soak round (load decides how many)
 
 
 def test_failing_rank_reports_exit_code_and_log_tail(loop, launcher, tmp_path) -> None:
