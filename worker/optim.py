@@ -12,7 +12,9 @@ Clipping: the global norm is over the *full* model's gradients. Each rank sums t
 of its local gradients, counting a parameter replicated across TP (``meta.tp_replicated``)
 only on TP rank 0, and the sums are all-reduced over the model-parallel group ``mp``
 (tp x pp). DP and CP replicas hold identical gradients after the data-parallel reduction,
-so they are not summed. Every rank then applies the same coefficient, as
+so they are not summed. A parameter that two pipeline stages hold (the tied word embedding's
+copy on the last stage, ``parallel.embedding_sync.duplicate_params``) is left out of the norm
+(``exclude``) but clipped like the rest. Every rank then applies the same coefficient, as
 ``torch.nn.utils.clip_grad_norm_`` does on the serial model: ``min(1, max / (norm + 1e-6))``.
 """
 
@@ -85,11 +87,13 @@ def global_grad_norm(params: Iterable[nn.Parameter], mp_group: dist.ProcessGroup
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float,
-                   mp_group: dist.ProcessGroup | None) -> float:
+                   mp_group: dist.ProcessGroup | None, *, exclude: Iterable[nn.Parameter] = ()) -> float:
     """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``; returns the norm before
-    clipping. ``max_norm <= 0`` only measures."""
+    clipping. ``max_norm <= 0`` only measures. ``exclude``: parameters left out of the norm
+    (another rank counts the same gradient) but scaled all the same."""
     params = list(params)
-    norm = global_grad_norm(params, mp_group)
+    skip = {id(p) for p in exclude}
+    norm = global_grad_norm([p for p in params if id(p) not in skip], mp_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:

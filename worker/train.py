@@ -1,30 +1,41 @@
 """Job kind ``train``: one rank's training loop (``run(ctx)``).
 
 Per step ``s`` (1-based): this rank's micro-batches (its DP slice of the global batch,
-``models.data``), forward/backward through ``step_fn`` (loss sum / global token count per
-micro-batch; gradients reduced by ``GradReducer`` on the last one), global-norm clipping,
-AdamW with warm-up + cosine LR, then a status record with loss, lr, grad norm, tokens/s,
-step time and peak memory. Held-out loss every ``train.eval_every`` steps, a sharded
-checkpoint every ``train.checkpoint_every`` steps (``worker.checkpoint``).
+``models.data``; under context parallelism each CP rank's share of every sequence,
+``parallel.context.cp_shard_batch``, with the tokens' global positions), forward/backward
+through ``step_fn`` (loss sum / global token count per micro-batch; gradients reduced over
+``dp_cp`` by ``GradReducer`` during each chunk's last backward), the tied embedding's
+gradients summed between the first and last pipeline stage, global-norm clipping over
+``mp`` (tp x pp), AdamW with warm-up + cosine LR, then a status record with loss, lr, grad
+norm, tokens/s, step time and peak memory. Held-out loss every ``train.eval_every`` steps, a
+sharded checkpoint every ``train.checkpoint_every`` steps (``worker.checkpoint``).
 
-Seams for pipeline parallelism: ``StepFn`` maps a step's micro-batches to the local loss
-sum, or None on a stage without the loss; a schedule replaces ``plain_step``. The global
-loss is the sum over ``dp_cp`` of the local sums divided by the global token count.
+Layouts. A rank holds ``chunks``: its pipeline stage's model chunks (``models.stages``; one,
+the whole model, when pp = 1; ``parallel.vpp`` of them when set). pp = 1 runs ``plain_step``;
+pp > 1 runs ``pipelined_step``: the schedule ``parallel.schedule`` (gpipe | 1f1b, interleaved
+with vpp) interpreted by ``parallel.pipeline.pipeline_step`` over ``m = global_batch /
+(micro_batch * dp)`` micro-batches. cp > 1 swaps every chunk's attention core for ring
+attention over the ``cp`` group.
+
+Loss. ``step_fn`` returns the local loss sum, or None on a stage without the head; the
+global loss is the sum over ``dp_cp`` of the local sums divided by the global token count.
+Stages without the head report ``loss: null`` (metrics and result), so the coordinator takes
+the job's losses from a last-stage rank (``coordinator.results.train_result``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from rankctl.models.attention import RingAttention, set_attention
 from rankctl.models.data import (
     BUILTIN_PYDOC,
     TRAIN,
@@ -35,9 +46,15 @@ from rankctl.models.data import (
     micro_batches,
 )
 from rankctl.models.gpt import GPTConfig
-from rankctl.models.shard import ShardedModel, build_shard
+from rankctl.models.shard import ParamMeta, ShardedModel
+from rankctl.models.stages import build_chunks
 from rankctl.parallel import data_parallel
+from rankctl.parallel.context import cp_shard_batch
 from rankctl.parallel.data_parallel import GradReducer
+from rankctl.parallel.embedding_sync import duplicate_params, sync_embedding_grads
+from rankctl.parallel.groups import ProcessGroups
+from rankctl.parallel.pipeline import MicroBatch, init_p2p, pipeline_step
+from rankctl.parallel.schedules import Action, PipelineShape, stage_actions
 from rankctl.worker import optim
 from rankctl.worker.train_state import TrainState, restore_or_reset, save_checkpoint
 
@@ -45,7 +62,7 @@ if TYPE_CHECKING:
     from rankctl.worker.rank import RankContext
 
 EVAL_BATCHES = 2  # held-out global batches per evaluation (the same samples every time)
-Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets), each (micro_batch, T)
+Batch = MicroBatch  # (inputs, targets[, positions]): (micro_batch, T) each; T/cp and (T/cp,) under CP
 StepFn = Callable[[list[Batch]], "torch.Tensor | None"]
 
 
@@ -72,13 +89,37 @@ class TrainConfig:
         return cls(**{k: v for k, v in (spec.get("train") or {}).items() if k in known})
 
 
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What the loop itself needs of the layout (the groups carry the rest)."""
+
+    pp: int = 1
+    vpp: int | None = None
+    schedule: str = "1f1b"
+    stage: int = 0  # this rank's pipeline stage
+    cp: int = 1
+    cp_rank: int = 0
+
+    @classmethod
+    def of(cls, spec: Mapping[str, Any], pgs: ProcessGroups) -> Layout:
+        par = spec.get("parallel") or {}
+        pp, cp = par.get("pp", 1), par.get("cp", 1)
+        return cls(pp=pp, vpp=par.get("vpp"), schedule=par.get("schedule", "1f1b"),
+                   stage=pgs.local_rank("pp") if pp > 1 else 0, cp=cp, cp_rank=pgs.local_rank("cp") if cp > 1 else 0)
+
+    def actions(self, microbatches: int, schedule: str | None = None) -> list[Action]:
+        """This stage's action list for a step of ``microbatches``."""
+        shape = PipelineShape(pp=self.pp, vpp=self.vpp or 1, microbatches=microbatches)
+        return stage_actions(schedule or self.schedule, shape, self.stage)
+
+
 @dataclass
 class Trainer:
     """Everything one rank trains with; built by ``setup``."""
 
     ctx: RankContext
     cfg: TrainConfig
-    model: ShardedModel
+    chunks: list[ShardedModel]  # this rank's model chunks, in local chunk order
     optimizer: torch.optim.Optimizer
     reducer: GradReducer
     data: TokenDataset
@@ -86,22 +127,46 @@ class Trainer:
     dp_size: int
     use_bf16: bool
     state: TrainState
+    layout: Layout = field(default_factory=Layout)
 
     @property
     def device(self) -> torch.device:
         return self.ctx.device
 
     @property
+    def model_config(self) -> GPTConfig:
+        return self.chunks[0].config
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether this rank holds the head (the last pipeline stage; every rank when pp = 1)."""
+        return any(c.module.has_head for c in self.chunks)
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Every chunk's parameters; names are the serial model's, so they do not collide."""
+        return [np for c in self.chunks for np in c.named_parameters()]
+
+    def meta(self) -> dict[str, ParamMeta]:
+        return {n: m for c in self.chunks for n, m in c.meta.items()}
+
+    @property
     def params(self) -> list[torch.nn.Parameter]:
-        return [p for _, p in self.model.named_parameters()]
+        return [p for _, p in self.named_parameters()]
+
+    def tokens(self, global_batch: int | None = None) -> int:
+        return (global_batch or self.cfg.global_batch) * self.model_config.seq_len
 
     def autocast(self) -> Any:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16)
 
     def batches(self, step: int, split: int = TRAIN, global_batch: int | None = None) -> list[Batch]:
+        """This rank's micro-batches: its DP slice, and under CP its share of each sequence."""
         mine = dp_slice(global_batch or self.cfg.global_batch, self.dp_size, self.dp_rank)
-        return [as_tensors(*self.data.samples(self.cfg.seed, step, mb, split), device=self.device)
-                for mb in micro_batches(mine, self.cfg.micro_batch)]
+        out = [as_tensors(*self.data.samples(self.cfg.seed, step, mb, split), device=self.device)
+               for mb in micro_batches(mine, self.cfg.micro_batch)]
+        if self.layout.cp > 1:
+            return [cp_shard_batch(x, y, self.layout.cp, self.layout.cp_rank) for x, y in out]
+        return out
 
     def global_mean(self, local_sum: torch.Tensor, tokens: int) -> float:
         """Sum over ``dp_cp`` of the local loss sums, divided by the global token count."""
@@ -112,10 +177,20 @@ class Trainer:
 
 
 def check_layout(spec: Mapping[str, Any]) -> None:
-    par = spec.get("parallel") or {}
-    for dim in ("pp", "cp"):
-        if par.get(dim, 1) > 1:
-            raise NotImplementedError(f"the train kind does not support parallel.{dim}={par[dim]} yet")
+    """What the train kind cannot run yet (the coordinator checks the rest)."""
+    par, model = spec.get("parallel") or {}, spec.get("model") or {}
+    if par.get("ep", 1) > 1 and not model.get("moe"):
+        raise ValueError(f"parallel.ep={par['ep']} needs a mixture-of-experts model (model.moe is not set)")
+
+
+def _build_chunks(ctx: RankContext, model_cfg: GPTConfig, layout: Layout, sp: bool, seed: int) -> list[ShardedModel]:
+    chunks = build_chunks(model_cfg, pp=layout.pp, vpp=layout.vpp, stage=layout.stage, tp_group=ctx.groups.get("tp"),
+                          sequence_parallel=sp, seed=seed, device=ctx.device)
+    if layout.cp > 1:
+        core = RingAttention(ctx.groups.get("cp"))
+        for chunk in chunks:
+            set_attention(chunk.module, core)
+    return chunks
 
 
 def setup(ctx: RankContext) -> Trainer:
@@ -127,33 +202,56 @@ def setup(ctx: RankContext) -> Trainer:
         slots = (spec.get("resources") or {}).get("slots_per_node", 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // slots))
     torch.manual_seed(cfg.seed)
+    layout = Layout.of(spec, ctx.groups)
     sp = bool((spec.get("parallel") or {}).get("sequence_parallel", False))
-    model = build_shard(model_cfg, ctx.groups.get("tp"), sp, cfg.seed, device=ctx.device)
-    named = model.named_parameters()
+    chunks = _build_chunks(ctx, model_cfg, layout, sp, cfg.seed)
+    named = [np for c in chunks for np in c.named_parameters()]
     reducer = GradReducer(named, ctx.groups.get("dp_cp"), ctx.groups.get("tp"),
                           bucket_bytes=data_parallel.DEFAULT_BUCKET_BYTES)
+    if layout.pp > 1:
+        init_p2p(ctx.groups, ctx.device)
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and ctx.device.type == "cuda")
     return Trainer(
-        ctx=ctx, cfg=cfg, model=model, optimizer=optim.build_optimizer(named, cfg.lr), reducer=reducer,
+        ctx=ctx, cfg=cfg, chunks=chunks, optimizer=optim.build_optimizer(named, cfg.lr), reducer=reducer,
         data=TokenDataset.load(cfg.data, model_cfg.seq_len, model_cfg.vocab),
         dp_rank=ctx.assignment.coords.get("dp", 0), dp_size=ctx.groups.size("dp"), use_bf16=use_bf16,
-        state=TrainState(),
+        state=TrainState(), layout=layout,
     )
 
 
+def _positions(batch: Batch) -> torch.Tensor | None:
+    return batch[2] if len(batch) > 2 else None
+
+
 def plain_step(t: Trainer) -> StepFn:
-    """Forward/backward of every micro-batch in turn; the reducer syncs on the last one."""
-    tokens = t.cfg.global_batch * t.model.config.seq_len
+    """pp = 1: forward/backward of every micro-batch in turn; the reducer syncs on the last one."""
+    model, scale = t.chunks[0], 1.0 / t.tokens()
 
     def step(batches: list[Batch]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=t.device)
-        for m, (x, y) in enumerate(batches):
+        for m, batch in enumerate(batches):
             t.reducer.set_sync(m == len(batches) - 1)
             with t.autocast():
-                loss = t.model(x, y)  # fp32 sum over the micro-batch's tokens
-            (loss / tokens).backward()
+                loss = model(batch[0], batch[1], positions=_positions(batch))  # fp32 sum over the tokens
+            (loss * scale).backward()
             total += loss.detach().float()
         return total
+
+    return step
+
+
+def pipelined_step(t: Trainer) -> StepFn:
+    """pp > 1: the stage's schedule; DP sync on each chunk's last backward. Returns the loss
+    sum on the last stage, None elsewhere."""
+    actions = t.layout.actions(t.cfg.global_batch // (t.cfg.micro_batch * t.dp_size))
+
+    def step(batches: list[Batch]) -> torch.Tensor | None:
+        with t.autocast():
+            sums = pipeline_step(t.chunks, actions, batches, t.ctx.groups, loss_scale=1.0 / t.tokens(),
+                                 before_backward=lambda _chunk, last: t.reducer.set_sync(last))
+        if not t.has_loss:
+            return None
+        return torch.tensor(sums, dtype=torch.float32, device=t.device).sum()
 
     return step
 
@@ -169,36 +267,43 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def train_step(t: Trainer, step_fn: StepFn, step: int) -> dict[str, float]:
-    """One optimizer step; returns its metrics (``loss`` is NaN on a stage without it)."""
+def train_step(t: Trainer, step_fn: StepFn, step: int) -> dict[str, float | None]:
+    """One optimizer step; returns its metrics (``loss`` is None on a stage without it)."""
     _sync(t.device)
     t0 = time.perf_counter()
     local = step_fn(t.batches(step))
     t.reducer.finish()
-    tokens = t.cfg.global_batch * t.model.config.seq_len
-    loss = t.global_mean(local, tokens) if local is not None else math.nan
-    norm = optim.clip_grad_norm(t.params, t.cfg.grad_clip, t.ctx.groups.get("mp"))
+    sync_embedding_grads(t.chunks, t.ctx.groups)
+    loss = t.global_mean(local, t.tokens()) if local is not None else None
+    norm = optim.clip_grad_norm(t.params, t.cfg.grad_clip, t.ctx.groups.get("mp"), exclude=duplicate_params(t.chunks))
     lr = optim.lr_at(step, lr=t.cfg.lr, warmup=t.cfg.warmup, steps=t.cfg.steps)
     optim.set_lr(t.optimizer, lr)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     _sync(t.device)
     dt = time.perf_counter() - t0
-    return {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt, "step_time_s": dt,
+    return {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": t.tokens() / dt, "step_time_s": dt,
             "peak_mem_mb": peak_memory_mb(t.device)}
 
 
 @torch.no_grad()
-def evaluate(t: Trainer) -> float:
-    """Mean loss over ``EVAL_BATCHES`` fixed held-out global batches."""
-    t.model.module.eval()
+def evaluate(t: Trainer) -> float | None:
+    """Mean loss over ``EVAL_BATCHES`` fixed held-out global batches (None off the last stage)."""
     n = EVAL_BATCHES * t.cfg.global_batch
-    total = torch.zeros((), dtype=torch.float32, device=t.device)
-    for x, y in t.batches(0, VAL, global_batch=n):
-        with t.autocast():
-            total += t.model(x, y).float()
-    t.model.module.train()
-    return t.global_mean(total, n * t.model.config.seq_len)
+    batches = t.batches(0, VAL, global_batch=n)
+    for c in t.chunks:
+        c.module.eval()
+    with t.autocast():
+        if t.layout.pp > 1:  # the GPipe order runs every forward first, so its prefix is forward-only
+            actions = t.layout.actions(len(batches), schedule="gpipe")
+            sums = pipeline_step(t.chunks, actions, batches, t.ctx.groups, loss_scale=1.0, forward_only=True)
+            total = torch.tensor(sums, dtype=torch.float32, device=t.device).sum() if t.has_loss else None
+        else:
+            total = sum((t.chunks[0](b[0], b[1], positions=_positions(b)).float() for b in batches),
+                        torch.zeros((), dtype=torch.float32, device=t.device))
+    for c in t.chunks:
+        c.module.train()
+    return t.global_mean(total, t.tokens(n)) if total is not None else None
 
 
 def _every(n: int, step: int) -> bool:
@@ -207,9 +312,9 @@ def _every(n: int, step: int) -> bool:
 
 def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
     """Steps ``state.step + 1 .. steps``; returns the job result."""
-    step_fn = step_fn or plain_step(t)
+    step_fn = step_fn or (pipelined_step(t) if t.layout.pp > 1 else plain_step(t))
     st, log = t.state, t.ctx.log
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float | None] = {}
     for step in range(st.step + 1, t.cfg.steps + 1):
         metrics = train_step(t, step_fn, step)
         st.step = step
@@ -218,7 +323,7 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
             metrics["val_loss"] = evaluate(t)
             st.val_losses.append({"step": step, "loss": metrics["val_loss"]})
         t.ctx.status.write("running", step=step, metrics=metrics)
-        log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items()})
+        log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if v is not None})
         if _every(t.cfg.checkpoint_every, step):
             path = save_checkpoint(t, step)
             log.info("checkpoint", step=step, path=path)

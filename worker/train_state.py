@@ -1,6 +1,7 @@
 """What a training rank saves and restores: glue between ``worker.train`` and ``worker.checkpoint``.
 
-A rank file holds the local shard (``model``, keyed as ``named_parameters``), its metadata
+A rank file holds the local shard (``model``: every local pipeline chunk's parameters, keyed
+by their serial names, which never collide between chunks), its metadata
 (``meta``: ``models.shard.ParamMeta`` as dicts), the optimizer state, the RNG state, the step,
 the loss history, and the layout (``world_size``, ``coords``, ``parallel``, ``model_config``).
 Data are a pure function of (seed, step, i), so params + optimizer + step (+ RNG) are all a
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
 @dataclass
 class TrainState:
     step: int = 0  # last finished step
-    losses: list[dict[str, float]] = field(default_factory=list)
-    val_losses: list[dict[str, float]] = field(default_factory=list)
+    losses: list[dict[str, float | None]] = field(default_factory=list)  # loss None off the last stage
+    val_losses: list[dict[str, float | None]] = field(default_factory=list)
     resumed_from: int | None = None
 
 
@@ -40,7 +41,9 @@ def _layout(t: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
     par = spec.get("parallel") or {}
     parallel = {k: par.get(k, d) for k, d in
                 (("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1), ("order", "tp-cp-ep-dp-pp"), ("sequence_parallel", False))}
-    return parallel, dataclasses.asdict(t.model.config)
+    if par.get("vpp") is not None:  # which layers a stage holds (absent when unset: older fingerprints hold)
+        parallel["vpp"] = par["vpp"]
+    return parallel, dataclasses.asdict(t.model_config)
 
 
 def root_of(t: Trainer) -> str:
@@ -66,8 +69,8 @@ def state_dict(t: Trainer, step: int) -> dict[str, Any]:
     return {
         "step": step, "rank": a.rank, "world_size": a.world_size, "coords": dict(a.coords),
         "parallel": parallel, "model_config": model,
-        "model": {n: p.detach().cpu() for n, p in t.model.named_parameters()},
-        "meta": {n: dataclasses.asdict(m) for n, m in t.model.meta.items()},
+        "model": {n: p.detach().cpu() for n, p in t.named_parameters()},
+        "meta": {n: dataclasses.asdict(m) for n, m in t.meta().items()},
         "optimizer": t.optimizer.state_dict(),
         "rng": _rng_state(t.device),
         "history": {"losses": list(t.state.losses), "val_losses": list(t.state.val_losses)},
@@ -80,7 +83,7 @@ def save_checkpoint(t: Trainer, step: int) -> str:
 
 @torch.no_grad()
 def load_state(t: Trainer, state: dict[str, Any]) -> None:
-    for name, p in t.model.named_parameters():
+    for name, p in t.named_parameters():
         p.copy_(state["model"][name].to(p.device))
     t.optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
