@@ -148,10 +148,17 @@ def test_killed_job_resumes_with_the_same_losses(runner: Runner, serial: dict) -
         (("global_batch: 16", "global_batch: 10"), ["train.global_batch=10", "micro_batch*dp"]),
         (("data: builtin:pydoc", "data: /nonexistent/corpus.txt"), ["train.data", "no such file"]),
         (("vocab: 256", "vocab: 256, colour: red"), ["model.colour", "unknown field"]),
+        ([("tp: 2,", "tp: 1, pp: 2, vpp: 2,")], ["model.layers=2", "pp*vpp=4"]),
+        ([("tp: 2,", "tp: 1, pp: 2, vpp: 1,"), ("global_batch: 16", "global_batch: 12")],
+         ["parallel.vpp=1", "micro-batches per step (3)", "multiple of parallel.pp=2"]),
+        ([("tp: 2,", "tp: 1, cp: 4,"), ("seq_len: 16", "seq_len: 12")], ["model.seq_len=12", "2*parallel.cp=8"]),
     ],
 )
-def test_bad_train_jobs_are_refused(runner: Runner, edit: tuple[str, str], words: list[str]) -> None:
-    text = job_yaml("bad", tp=2, dp=2).replace(*edit)
+def test_bad_train_jobs_are_refused(runner: Runner, edit, words: list[str]) -> None:
+    text = job_yaml("bad", tp=2, dp=2)
+    for old, new in edit if isinstance(edit, list) else [edit]:
+        assert old in text
+        text = text.replace(old, new)
     with runner.ctx.client() as c:
         before = len(c.jobs())
         with pytest.raises(CtlError) as err:
