@@ -107,6 +107,10 @@ def result_tables(result: Any) -> list:
     if not isinstance(result, dict):
         return []
     tables = []
+    final = result.get("final")
+    if isinstance(final, dict) and isinstance(final.get("expert_tokens"), dict) and final["expert_tokens"]:
+        tables.append(rows_table(f"expert load balance (step {final.get('step', '?')}, tokens per expert)",
+                                 expert_rows(final["expert_tokens"])))
     for key, value in result.items():
         if not (isinstance(value, list) and value and all(isinstance(r, dict) for r in value)):
             continue
@@ -119,6 +123,16 @@ def result_tables(result: Any) -> list:
         else:
             tables.append(rows_table(key, value))
     return tables
+
+
+def expert_rows(expert_tokens: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """One row per MoE layer: tokens per expert, and max / mean (1.0 = perfectly balanced)."""
+    rows = []
+    for layer, tokens in expert_tokens.items():
+        mean = sum(tokens) / len(tokens) if tokens else 0.0
+        rows.append({"layer": layer, "tokens per expert": " ".join(str(t) for t in tokens),
+                     "max/mean": (max(tokens) / mean) if mean else None})
+    return rows
 
 
 def _sample(rows: list, n: int) -> list:

@@ -51,6 +51,15 @@ def _model_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
             errors.append(f"model.moe.experts={m.moe.experts} is not divisible by parallel.ep={p.ep}")
         if m.moe.top_k > m.moe.experts:
             errors.append(f"model.moe.top_k={m.moe.top_k} exceeds model.moe.experts={m.moe.experts}")
+        etp = p.etp if p.etp is not None else p.tp
+        if ffn % etp:
+            errors.append(f"model.ffn_hidden={ffn} is not divisible by parallel.etp={etp}: "
+                          "each expert's MLP is split over etp (etp defaults to tp)")
+        if p.tp > 1 and (m.seq_len % p.cp or (m.seq_len // p.cp) % p.tp):
+            errors.append(f"model.seq_len={m.seq_len} / parallel.cp={p.cp} is not divisible by parallel.tp={p.tp}: "
+                          "the MoE layers split each rank's tokens over tp")
+        if m.moe.capacity_factor is not None and p.cp > 1:
+            errors.append(f"model.moe.capacity_factor is not supported with context parallelism (parallel.cp={p.cp})")
     elif p.ep > 1:
         errors.append(f"parallel.ep={p.ep} needs a mixture-of-experts model (model.moe is not set)")
     return errors

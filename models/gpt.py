@@ -260,6 +260,13 @@ class GPT(nn.Module):
 # -- deterministic initialisation --------------------------------------------------------------
 
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
+
+
+def _is_expert_projection(name: str) -> bool:
+    """``layers.<i>.mlp.experts.<e>.proj.weight``: a MoE expert's output projection writes into
+    the residual stream like the dense MLP's, so it gets the same scaled std (GPT-2, Megatron)."""
+    parts = name.split(".")
+    return len(parts) >= 4 and parts[-4] == "experts" and parts[-2:] == ["proj", "weight"]
 NORMS = ("ln1", "ln2", "ln_f")
 
 
@@ -270,7 +277,7 @@ def init_rule(name: str, cfg: GPTConfig) -> tuple[Literal["normal", "zeros", "on
         return ("ones", 0.0) if leaf == "weight" else ("zeros", 0.0)
     if leaf == "bias":
         return "zeros", 0.0
-    if name.endswith(RESIDUAL_PROJECTIONS):
+    if name.endswith(RESIDUAL_PROJECTIONS) or _is_expert_projection(name):
         return "normal", cfg.init_std / math.sqrt(2 * cfg.layers)
     return "normal", cfg.init_std
 

@@ -21,6 +21,14 @@ the rest of backward. Buckets launch strictly in index order, so every rank issu
 collectives in the same order. ``finish()`` launches what is left (unused parameters count as
 zero), waits, copies the sums back into ``.grad`` and does the TP sums. With ``sync`` off
 (earlier micro-batches) gradients simply accumulate locally.
+
+Mixture of experts. Expert parameters (``ParamMeta.expert``) are replicated over a different
+group: their gradients are SUMmed over ``expt_dp`` (and, for ``tp_grad_sum`` ones, over
+``expt_tp``) instead of ``dp_cp``/``tp``. The trainer builds two reducers, one per kind
+(``named_parameters_by_kind``), and drives them together through ``GradReducers``. Every
+rank of a group creates the same reducers in the same order and backward fires the hooks
+in the same order, so the collectives on a communicator that both kinds share (e.g.
+``expt_dp`` == ``dp_cp`` when ep = 1) are still issued identically on every member.
 """
 
 from __future__ import annotations
@@ -157,3 +165,22 @@ class GradReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+class GradReducers:
+    """Several ``GradReducer`` s (dense and expert) driven as one: the same interface."""
+
+    def __init__(self, reducers: Iterable[GradReducer]) -> None:
+        self.reducers = list(reducers)
+
+    def set_sync(self, sync: bool) -> None:
+        for r in self.reducers:
+            r.set_sync(sync)
+
+    def finish(self) -> None:
+        for r in self.reducers:
+            r.finish()
+
+    def remove_hooks(self) -> None:
+        for r in self.reducers:
+            r.remove_hooks()

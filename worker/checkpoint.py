@@ -20,6 +20,11 @@ in one directory).
 ``export_full_state_dict(step_dir)`` gathers TP shards back into serial-shaped tensors
 (concatenate along the sharded dim in TP-rank order, trim the vocabulary padding; take
 TP rank 0 for replicated parameters), keyed as the serial ``GPT.named_parameters()``.
+Mixture-of-experts parameters (``meta["expert"]``, ``layers.<i>.mlp.experts.<e>.*``) live only
+on the ep rank that owns expert ``e``; they are read from the ranks with expert data-parallel
+coordinate ``edp == 0`` (every ep rank and every expt_tp slice has one) and gathered over
+expt_tp (``meta["tp_rank"]``/``tp_size`` refer to expt_tp for them), so the export holds every
+expert exactly as the serial model names it.
 """
 
 from __future__ import annotations
@@ -160,12 +165,16 @@ def export_full_state_dict(step_path: str | list[str]) -> dict[str, torch.Tensor
     metas: dict[str, dict[str, Any]] = {}
     for state in _load_all([step_path] if isinstance(step_path, str) else list(step_path)):
         coords = state["coords"]
-        if any(coords.get(k, 0) != 0 for k in ("dp", "cp")):
-            continue  # DP / CP replicas hold the same parameters
+        dense_replica = any(coords.get(k, 0) != 0 for k in ("dp", "cp"))  # DP / CP replicas: same parameters
+        expert_replica = coords.get("edp", 0) != 0  # expert DP replicas likewise
         for name, tensor in state["model"].items():
             meta = state["meta"][name]
+            expert = bool(meta.get("expert", False))
+            if expert_replica if expert else dense_replica:
+                continue
             metas[name] = meta
-            shards.setdefault(name, []).append((coords.get("tp", 0), tensor))
+            tp_rank = meta.get("tp_rank", coords.get("tp", 0)) if expert else coords.get("tp", 0)
+            shards.setdefault(name, []).append((tp_rank, tensor))
     out = {}
     for name, parts in shards.items():
         key = metas[name]["init_key"]

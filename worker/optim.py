@@ -16,6 +16,14 @@ so they are not summed. A parameter that two pipeline stages hold (the tied word
 copy on the last stage, ``parallel.embedding_sync.duplicate_params``) is left out of the norm
 (``exclude``) but clipped like the rest. Every rank then applies the same coefficient, as
 ``torch.nn.utils.clip_grad_norm_`` does on the serial model: ``min(1, max / (norm + 1e-6))``.
+
+Mixture of experts (``expert_group`` = ``tp_ep_pp``): expert parameters (``meta.expert``) are
+split over ep (different experts) and expt_tp, and replicated over expt_dp. Their squares are
+summed separately: a sharded one on every rank, a replicated one (over expt_tp) only on
+expt_tp rank 0 (``meta.tp_rank`` is the expt_tp rank for them), all-reduced over
+``tp_ep_pp``, which holds each distinct expert shard of every stage exactly once. The total
+square is dense + expert. Every member of ``expert_group`` must pass it (also a stage
+without MoE layers), since the all-reduce is a collective.
 """
 
 from __future__ import annotations
@@ -73,27 +81,42 @@ def _counts_here(p: nn.Parameter) -> bool:
     return meta is None or not meta.tp_replicated or meta.tp_rank == 0
 
 
-def global_grad_norm(params: Iterable[nn.Parameter], mp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The L2 norm of the full model's gradient (fp32 scalar, same on every rank)."""
-    params = list(params)
-    device = params[0].device if params else torch.device("cpu")
+def _is_expert(p: nn.Parameter) -> bool:
+    return bool(getattr(getattr(p, "_rankctl_meta", None), "expert", False))
+
+
+def _local_square(params: list[nn.Parameter], device: torch.device, group: dist.ProcessGroup | None) -> torch.Tensor:
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
         if p.grad is not None and _counts_here(p):
             sq += p.grad.detach().float().pow(2).sum()
-    if mp_group is not None and dist.get_world_size(mp_group) > 1:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mp_group)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+    return sq
+
+
+def global_grad_norm(params: Iterable[nn.Parameter], mp_group: dist.ProcessGroup | None, *,
+                     expert_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The L2 norm of the full model's gradient (fp32 scalar, same on every rank).
+    Expert parameters are summed over ``expert_group`` (``tp_ep_pp``), the rest over ``mp_group``."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    sq = _local_square([p for p in params if not _is_expert(p)], device, mp_group)
+    experts = [p for p in params if _is_expert(p)]
+    if experts or expert_group is not None:
+        sq = sq + _local_square(experts, device, expert_group)
     return sq.sqrt()
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float,
-                   mp_group: dist.ProcessGroup | None, *, exclude: Iterable[nn.Parameter] = ()) -> float:
+                   mp_group: dist.ProcessGroup | None, *, exclude: Iterable[nn.Parameter] = (),
+                   expert_group: dist.ProcessGroup | None = None) -> float:
     """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``; returns the norm before
     clipping. ``max_norm <= 0`` only measures. ``exclude``: parameters left out of the norm
     (another rank counts the same gradient) but scaled all the same."""
     params = list(params)
     skip = {id(p) for p in exclude}
-    norm = global_grad_norm([p for p in params if id(p) not in skip], mp_group)
+    norm = global_grad_norm([p for p in params if id(p) not in skip], mp_group, expert_group=expert_group)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:

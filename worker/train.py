@@ -21,6 +21,20 @@ Loss. ``step_fn`` returns the local loss sum, or None on a stage without the hea
 global loss is the sum over ``dp_cp`` of the local sums divided by the global token count.
 Stages without the head report ``loss: null`` (metrics and result), so the coordinator takes
 the job's losses from a last-stage rank (``coordinator.results.train_result``).
+
+Mixture of experts (``model.moe``, ``models.moe``). Every chunk is built with the MoE config
+and ``ExpertGroups.from_pgs``; each chunk's ``MoETracker.loss_scale`` is the loss sum's scale
+(1 / global tokens), so the auxiliary load-balancing loss enters backward on every stage.
+Gradients: two reducers (``GradReducers``), dense over ``dp_cp``/``tp`` and expert over
+``expt_dp``/``expt_tp``; the norm adds the expert part over ``tp_ep_pp`` (``worker.optim``).
+Per step the trackers' statistics (per MoE layer: tokens per expert, dropped copies, aux-loss
+sum) are all-reduced over the world in one fixed-size tensor (that is the sum over
+``tp_dp_cp`` of each stage, then over the stages), so every rank knows every layer's figures.
+The reported training ``loss`` is the cross-entropy mean plus the aux losses
+(``Σ_layers mean_b L_b``: the objective that is differentiated, and what the serial run
+reports); ``aux_loss`` in the metrics is the aux part alone, and ``expert_tokens`` maps each
+MoE layer (``layers.<i>.mlp``) to its tokens per expert over the step's global batch (the
+result's ``final`` holds the last step's). ``val_loss`` stays the plain cross-entropy.
 """
 
 from __future__ import annotations
@@ -46,12 +60,14 @@ from rankctl.models.data import (
     micro_batches,
 )
 from rankctl.models.gpt import GPTConfig
+from rankctl.models.moe import MoEConfig
 from rankctl.models.shard import ParamMeta, ShardedModel
 from rankctl.models.stages import build_chunks
 from rankctl.parallel import data_parallel
 from rankctl.parallel.context import cp_shard_batch
-from rankctl.parallel.data_parallel import GradReducer
+from rankctl.parallel.data_parallel import GradReducer, GradReducers
 from rankctl.parallel.embedding_sync import duplicate_params, sync_embedding_grads
+from rankctl.parallel.experts import ExpertGroups
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.pipeline import MicroBatch, init_p2p, pipeline_step
 from rankctl.parallel.schedules import Action, PipelineShape, stage_actions
@@ -121,13 +137,14 @@ class Trainer:
     cfg: TrainConfig
     chunks: list[ShardedModel]  # this rank's model chunks, in local chunk order
     optimizer: torch.optim.Optimizer
-    reducer: GradReducer
+    reducer: GradReducer | GradReducers
     data: TokenDataset
     dp_rank: int
     dp_size: int
     use_bf16: bool
     state: TrainState
     layout: Layout = field(default_factory=Layout)
+    moe: MoEConfig | None = None
 
     @property
     def device(self) -> torch.device:
@@ -175,6 +192,38 @@ class Trainer:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.ctx.groups["dp_cp"])
         return float(total) / tokens
 
+    def moe_layers(self) -> list[str]:
+        """Module paths of every MoE layer of the whole model (every stage), in order."""
+        if self.moe is None:
+            return []
+        return [f"layers.{i}.mlp" for i in range(self.model_config.layers) if self.moe.is_moe_layer(i)]
+
+    def set_moe_loss_scale(self, scale: float) -> None:
+        for c in self.chunks:
+            if c.moe is not None:
+                c.moe.loss_scale = scale
+
+    def moe_stats(self) -> dict[str, Any] | None:
+        """This step's MoE figures for the whole model and global batch (a world collective;
+        every rank calls it): ``{"aux_sum", "expert_tokens", "expert_dropped"}``."""
+        if self.moe is None:
+            return None
+        names, E = self.moe_layers(), self.moe.experts
+        table = torch.zeros((len(names), E + 2), dtype=torch.float64)
+        for c in self.chunks:
+            for name, s in (c.moe.take() if c.moe is not None else {}).items():
+                row = table[names.index(name)]
+                row[:E] += s.tokens.double().cpu()
+                row[E] += s.dropped
+                row[E + 1] += s.aux
+        if self.ctx.assignment.world_size > 1:
+            table = table.to(self.device)
+            dist.all_reduce(table, op=dist.ReduceOp.SUM)
+            table = table.cpu()
+        return {"aux_sum": float(table[:, E + 1].sum()),
+                "expert_tokens": {n: [round(v) for v in table[i, :E].tolist()] for i, n in enumerate(names)},
+                "expert_dropped": round(float(table[:, E].sum()))}
+
 
 def check_layout(spec: Mapping[str, Any]) -> None:
     """What the train kind cannot run yet (the coordinator checks the rest)."""
@@ -183,9 +232,13 @@ def check_layout(spec: Mapping[str, Any]) -> None:
         raise ValueError(f"parallel.ep={par['ep']} needs a mixture-of-experts model (model.moe is not set)")
 
 
-def _build_chunks(ctx: RankContext, model_cfg: GPTConfig, layout: Layout, sp: bool, seed: int) -> list[ShardedModel]:
+def _build_chunks(ctx: RankContext, model_cfg: GPTConfig, layout: Layout, sp: bool, seed: int,
+                  moe: MoEConfig | None = None) -> list[ShardedModel]:
+    extra: dict[str, Any] = {}
+    if moe is not None:
+        extra = {"moe": moe, "expert_groups": ExpertGroups.from_pgs(ctx.groups)}
     chunks = build_chunks(model_cfg, pp=layout.pp, vpp=layout.vpp, stage=layout.stage, tp_group=ctx.groups.get("tp"),
-                          sequence_parallel=sp, seed=seed, device=ctx.device)
+                          sequence_parallel=sp, seed=seed, device=ctx.device, **extra)
     if layout.cp > 1:
         core = RingAttention(ctx.groups.get("cp"))
         for chunk in chunks:
@@ -193,21 +246,44 @@ def _build_chunks(ctx: RankContext, model_cfg: GPTConfig, layout: Layout, sp: bo
     return chunks
 
 
+def moe_config(model: Mapping[str, Any]) -> MoEConfig | None:
+    """The job's ``model.moe`` as a ``MoEConfig`` (None for a dense model)."""
+    moe = model.get("moe")
+    if not moe:
+        return None
+    known = {f.name for f in fields(MoEConfig)}
+    return MoEConfig(**{k: v for k, v in dict(moe).items() if k in known})
+
+
+def reducers(ctx: RankContext, chunks: list[ShardedModel], moe: MoEConfig | None) -> GradReducer | GradReducers:
+    """One reducer for a dense model; dense + expert ones for a MoE model."""
+    named = [np for c in chunks for np in c.named_parameters()]
+    if moe is None:
+        return GradReducer(named, ctx.groups.get("dp_cp"), ctx.groups.get("tp"),
+                           bucket_bytes=data_parallel.DEFAULT_BUCKET_BYTES)
+    kinds = ((False, "dp_cp", "tp"), (True, "expt_dp", "expt_tp"))
+    return GradReducers(GradReducer([np for c in chunks for np in c.named_parameters_by_kind(expert)],
+                                    ctx.groups.get(dp_kind), ctx.groups.get(tp_kind),
+                                    bucket_bytes=data_parallel.DEFAULT_BUCKET_BYTES)
+                        for expert, dp_kind, tp_kind in kinds)
+
+
 def setup(ctx: RankContext) -> Trainer:
     spec = ctx.assignment.spec
     check_layout(spec)
     cfg = TrainConfig.from_spec(spec)
-    model_cfg = GPTConfig.from_spec(SimpleNamespace(**(spec.get("model") or {})))
+    model = dict(spec.get("model") or {})
+    moe = moe_config(model)
+    model_cfg = GPTConfig.from_spec(SimpleNamespace(**{**model, "moe": None}))
     if ctx.device.type == "cpu":
         slots = (spec.get("resources") or {}).get("slots_per_node", 1)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // slots))
     torch.manual_seed(cfg.seed)
     layout = Layout.of(spec, ctx.groups)
     sp = bool((spec.get("parallel") or {}).get("sequence_parallel", False))
-    chunks = _build_chunks(ctx, model_cfg, layout, sp, cfg.seed)
+    chunks = _build_chunks(ctx, model_cfg, layout, sp, cfg.seed, moe)
     named = [np for c in chunks for np in c.named_parameters()]
-    reducer = GradReducer(named, ctx.groups.get("dp_cp"), ctx.groups.get("tp"),
-                          bucket_bytes=data_parallel.DEFAULT_BUCKET_BYTES)
+    reducer = reducers(ctx, chunks, moe)
     if layout.pp > 1:
         init_p2p(ctx.groups, ctx.device)
     use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and ctx.device.type == "cuda")
@@ -215,7 +291,7 @@ def setup(ctx: RankContext) -> Trainer:
         ctx=ctx, cfg=cfg, chunks=chunks, optimizer=optim.build_optimizer(named, cfg.lr), reducer=reducer,
         data=TokenDataset.load(cfg.data, model_cfg.seq_len, model_cfg.vocab),
         dp_rank=ctx.assignment.coords.get("dp", 0), dp_size=ctx.groups.size("dp"), use_bf16=use_bf16,
-        state=TrainState(), layout=layout,
+        state=TrainState(), layout=layout, moe=moe,
     )
 
 
@@ -267,15 +343,23 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def train_step(t: Trainer, step_fn: StepFn, step: int) -> dict[str, float | None]:
+def train_step(t: Trainer, step_fn: StepFn, step: int) -> dict[str, Any]:
     """One optimizer step; returns its metrics (``loss`` is None on a stage without it)."""
     _sync(t.device)
     t0 = time.perf_counter()
+    t.set_moe_loss_scale(1.0 / t.tokens())
     local = step_fn(t.batches(step))
     t.reducer.finish()
     sync_embedding_grads(t.chunks, t.ctx.groups)
     loss = t.global_mean(local, t.tokens()) if local is not None else None
-    norm = optim.clip_grad_norm(t.params, t.cfg.grad_clip, t.ctx.groups.get("mp"), exclude=duplicate_params(t.chunks))
+    moe = t.moe_stats()
+    extra: dict[str, Any] = {}
+    if moe is not None:
+        aux = moe["aux_sum"] / t.tokens()
+        loss = None if loss is None else loss + aux
+        extra = {"aux_loss": aux, "expert_tokens": moe["expert_tokens"], "expert_dropped": moe["expert_dropped"]}
+    norm = optim.clip_grad_norm(t.params, t.cfg.grad_clip, t.ctx.groups.get("mp"), exclude=duplicate_params(t.chunks),
+                                expert_group=t.ctx.groups.get("tp_ep_pp") if t.moe is not None else None)
     lr = optim.lr_at(step, lr=t.cfg.lr, warmup=t.cfg.warmup, steps=t.cfg.steps)
     optim.set_lr(t.optimizer, lr)
     t.optimizer.step()
@@ -283,7 +367,7 @@ def train_step(t: Trainer, step_fn: StepFn, step: int) -> dict[str, float | None
     _sync(t.device)
     dt = time.perf_counter() - t0
     return {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": t.tokens() / dt, "step_time_s": dt,
-            "peak_mem_mb": peak_memory_mb(t.device)}
+            "peak_mem_mb": peak_memory_mb(t.device), **extra}
 
 
 @torch.no_grad()
@@ -314,7 +398,7 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
     """Steps ``state.step + 1 .. steps``; returns the job result."""
     step_fn = step_fn or (pipelined_step(t) if t.layout.pp > 1 else plain_step(t))
     st, log = t.state, t.ctx.log
-    metrics: dict[str, float | None] = {}
+    metrics: dict[str, Any] = {}
     for step in range(st.step + 1, t.cfg.steps + 1):
         metrics = train_step(t, step_fn, step)
         st.step = step
@@ -323,7 +407,7 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
             metrics["val_loss"] = evaluate(t)
             st.val_losses.append({"step": step, "loss": metrics["val_loss"]})
         t.ctx.status.write("running", step=step, metrics=metrics)
-        log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if v is not None})
+        log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if isinstance(v, (int, float))})
         if _every(t.cfg.checkpoint_every, step):
             path = save_checkpoint(t, step)
             log.info("checkpoint", step=step, path=path)

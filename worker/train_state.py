@@ -4,6 +4,9 @@ A rank file holds the local shard (``model``: every local pipeline chunk's param
 by their serial names, which never collide between chunks), its metadata
 (``meta``: ``models.shard.ParamMeta`` as dicts), the optimizer state, the RNG state, the step,
 the loss history, and the layout (``world_size``, ``coords``, ``parallel``, ``model_config``).
+Every rank writes its own file, so a MoE model's experts are saved by the ranks that own them
+(each ep rank, every expt_tp slice); ``worker.checkpoint.export_full_state_dict`` reads the
+expert parameters from the ranks with ``edp == 0`` and the dense ones from ``dp == cp == 0``.
 Data are a pure function of (seed, step, i), so params + optimizer + step (+ RNG) are all a
 resumed run needs to reproduce the uninterrupted run's later losses.
 
@@ -43,7 +46,12 @@ def _layout(t: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
                 (("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1), ("order", "tp-cp-ep-dp-pp"), ("sequence_parallel", False))}
     if par.get("vpp") is not None:  # which layers a stage holds (absent when unset: older fingerprints hold)
         parallel["vpp"] = par["vpp"]
-    return parallel, dataclasses.asdict(t.model_config)
+    if par.get("etp") is not None:  # how experts are sliced (likewise absent when unset)
+        parallel["etp"] = par["etp"]
+    model = dataclasses.asdict(t.model_config)
+    if t.moe is not None:
+        model["moe"] = dataclasses.asdict(t.moe)
+    return parallel, model
 
 
 def root_of(t: Trainer) -> str:
