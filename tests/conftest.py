@@ -1,5 +1,10 @@
 """Shared test set-up.
 
+Ranks are forked from the pytest process in several multi-rank tests. Forking is only safe
+from a process that has not started gRPC (its threads and locks do not survive a fork: a
+forked rank hung joining a thread that only existed in the parent). Modules marked
+``grpc_in_process`` (in-process coordinator or client) therefore run after every other test.
+
 Several multi-rank tests fork ranks from the pytest process. A process whose OpenMP thread
 pool has started cannot fork safely (the child waits for pool threads that do not exist), so
 the test process runs torch single-threaded from the start: no pool is ever created. Ranks
@@ -13,3 +18,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook
+    """Run tests that start gRPC inside the pytest process last (see above); order otherwise kept."""
+    items.sort(key=lambda item: item.get_closest_marker("grpc_in_process") is not None)

@@ -22,7 +22,7 @@ from rankctl.cli.errors import CtlError
 from rankctl.worker.checkpoint import export_full_state_dict
 from test_e2e_train import Runner, close
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.grpc_in_process]
 STEPS = 8
 BASE = """
 name: {name}

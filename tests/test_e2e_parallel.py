@@ -23,7 +23,7 @@ import torch
 from rankctl.worker.checkpoint import export_full_state_dict
 from test_e2e_train import Runner, close
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.grpc_in_process]
 STEPS = 10
 BASE = """
 name: {name}

@@ -20,7 +20,7 @@ from rankctl.cli.local import LocalCluster
 from rankctl.cli.render import job_to_dict
 from rankctl.worker.checkpoint import export_full_state_dict, step_dir
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.grpc_in_process]
 STEPS = 20
 BASE = """
 name: {name}

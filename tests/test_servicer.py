@@ -15,6 +15,7 @@ from rankctl.coordinator.server import CoordinatorServer, start_coordinator
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
 
+pytestmark = pytest.mark.grpc_in_process
 JOB = "name: cc\nkind: comm-check\nresources: {nodes: 1, slots_per_node: 2}\n"
 
 
