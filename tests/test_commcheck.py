@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 from datetime import timedelta
 
 import pytest
@@ -15,6 +14,7 @@ from rankctl.coordinator.results import comm_check_result
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.worker import commcheck
+from ranks import fork_ranks
 from rankctl.worker.commcheck import (
     CommCheckConfig, CommCheckError, _Group, metrics, verify_allgather,
     verify_allreduce,
@@ -96,34 +96,18 @@ def _check_rank(rank: int, world: int, store_path: str, corrupt: str | None, res
         json.dump(rows, f)
 
 
-def _fork(world: int, *args: object) -> list[int]:
-    pids = []
-    for rank in range(world):
-        if (pid := os.fork()) == 0:
-            code = 0
-            try:
-                torch.set_num_threads(1)
-                _check_rank(rank, world, *args)
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        pids.append(pid)
-    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-
-
 def test_clean_run_and_a_corrupted_collective(tmp_path) -> None:
     """Clean: no errors, aggregate has every kind. Then rank 1 puts 100 into its all-gather
     chunk: every group holding rank 1 reports it, tp group [2, 3] stays clean, nobody hangs."""
     clean, bad = tmp_path / "clean", tmp_path / "bad"
     clean.mkdir(), bad.mkdir()
-    assert _fork(4, str(clean / "store"), None, str(clean)) == [0] * 4
+    assert fork_ranks(4, _check_rank, str(clean / "store"), None, str(clean)) == [0] * 4
     rows = {r: json.loads((clean / f"{r}.json").read_text()) for r in range(4)}
     assert not any(commcheck.errors(v) for v in rows.values())
     table = comm_check_result({r: {"groups": v} for r, v in rows.items()})["comm"]
     assert {(t["kind"], t["groups"], t["size"]) for t in table} >= {("tp", 2, 2), ("dp", 2, 2), ("world", 1, 4)}
 
-    assert _fork(4, str(bad / "store"), "allgather", str(bad)) == [0] * 4
+    assert fork_ranks(4, _check_rank, str(bad / "store"), "allgather", str(bad)) == [0] * 4
     errs = {r: commcheck.errors(json.loads((bad / f"{r}.json").read_text())) for r in range(4)}
     assert any(e.startswith("allgather wrong on tp/") and "group [0, 1] (observed on rank 0): "
                "the chunk from rank 1 has element 0 = 100.0, expected 2.0" in e for e in errs[0]), errs[0]

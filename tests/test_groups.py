@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import traceback
 from datetime import timedelta
 
 import pytest
@@ -12,6 +10,7 @@ import torch.distributed as dist
 
 from rankctl.parallel.groups import ProcessGroups, SingletonGroupError, creation_order, group_name
 from rankctl.parallel.layout import ParallelConfig, RankLayout
+from ranks import fork_ranks
 
 
 def layout(world: int, **sizes: int) -> RankLayout:
@@ -94,24 +93,6 @@ def _rank_main(rank: int, world: int, store_path: str, cfg: ParallelConfig) -> N
         assert dist.get_process_group_ranks(pgs[kinds[0]]) == list(members)
     pgs.destroy()
     dist.destroy_process_group()
-
-
-def fork_ranks(world: int, fn, *args: object) -> list[int]:
-    """Run ``fn(rank, world, *args)`` in ``world`` forked processes; their exit codes."""
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                torch.set_num_threads(1)
-                fn(rank, world, *args)
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        pids.append(pid)
-    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
 
 
 def test_overlapping_groups_with_gloo(tmp_path) -> None:

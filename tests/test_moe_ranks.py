@@ -11,11 +11,9 @@ expert token counts (summed over the stage) with the serial counts, all within 1
 
 from __future__ import annotations
 
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rankctl.models.gpt import GPTConfig
 from rankctl.models.moe import MoEConfig
@@ -23,6 +21,7 @@ from rankctl.models.shard import build_shard
 from rankctl.parallel.experts import ExpertGroups
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.layout import ParallelConfig, RankLayout
+from ranks import fork_ranks, run_cases
 
 WORLD = 4
 RTOL = 1e-5
@@ -107,28 +106,5 @@ def run_case(rank: int, case: tuple, new_group) -> None:
         assert_close(g, want_grads[name], f"grad of {name} on {where}")
 
 
-class CachedGroups:
-    """``new_group`` that reuses the communicator of a member list built for an earlier case."""
-
-    def __init__(self) -> None:
-        self.cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-    def __call__(self, ranks: list[int], **kwargs) -> dist.ProcessGroup:
-        key = tuple(ranks)
-        if key not in self.cache:
-            self.cache[key] = dist.new_group(ranks, **kwargs)
-        return self.cache[key]
-
-
-def _rank_main(rank: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    new_group = CachedGroups()
-    for case in CASES:
-        run_case(rank, case, new_group)
-    dist.destroy_process_group()
-
-
 def test_expert_parallel_matches_serial(tmp_path) -> None:
-    mp.start_processes(_rank_main, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True, start_method="fork")
+    assert fork_ranks(WORLD, run_cases, str(tmp_path / "store"), CASES, run_case) == [0] * WORLD

@@ -9,11 +9,9 @@ vpp 1 and 2, gpipe and 1f1b, and tp=2 x pp=2 with and without sequence paralleli
 
 from __future__ import annotations
 
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rankctl.models.gpt import GPTConfig
 from rankctl.models.shard import build_shard
@@ -21,6 +19,7 @@ from rankctl.models.stages import build_chunks
 from rankctl.parallel.embedding_sync import sync_embedding_grads
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.layout import ParallelConfig, RankLayout
+from ranks import CachedGroups, fork_ranks, run_cases
 from rankctl.parallel.pipeline import pipeline_step
 from rankctl.parallel.schedules import PipelineShape, stage_actions
 
@@ -64,19 +63,6 @@ def serial_step(cfg: GPTConfig, batches: list) -> tuple[float, dict[str, torch.T
 def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     atol = RTOL * max(want.abs().max().item(), 1e-12)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
-
-
-class CachedGroups:
-    """``new_group`` that reuses the communicator of a member list built for an earlier case."""
-
-    def __init__(self) -> None:
-        self.cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-    def __call__(self, ranks: list[int], **kwargs) -> dist.ProcessGroup:
-        key = tuple(ranks)
-        if key not in self.cache:
-            self.cache[key] = dist.new_group(ranks, **kwargs)
-        return self.cache[key]
 
 
 def run_case(rank: int, case: tuple, new_group: CachedGroups) -> None:
@@ -125,15 +111,5 @@ def test_single_stage_runs_without_processes() -> None:
         assert_close(p.grad, want_grads[n], f"grad of {n}")
 
 
-def _rank_main(rank: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    new_group = CachedGroups()
-    for case in CASES:
-        run_case(rank, case, new_group)
-    dist.destroy_process_group()
-
-
 def test_pipeline_matches_serial(tmp_path) -> None:
-    mp.start_processes(_rank_main, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True, start_method="fork")
+    assert fork_ranks(WORLD, run_cases, str(tmp_path / "store"), CASES, run_case) == [0] * WORLD
