@@ -13,6 +13,8 @@ set their own thread count after the fork, as the launcher's ranks do.
 
 import os
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
@@ -23,3 +25,13 @@ torch.set_num_threads(1)
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook
     """Run tests that start gRPC inside the pytest process last (see above); order otherwise kept."""
     items.sort(key=lambda item: item.get_closest_marker("grpc_in_process") is not None)
+
+
+@pytest.fixture(scope="module")
+def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The embedded local cluster (2 nodes x 4 slots) that one end-to-end module shares."""
+    from test_e2e_train import Runner
+
+    r = Runner(tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_e2e_")))
+    yield r
+    r.cluster.stop()

@@ -59,13 +59,6 @@ def summary(runner: Runner, name: str, job: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory):
-    r = Runner(tmp_path_factory.mktemp("moe"))
-    yield r
-    r.cluster.stop()
-
-
-@pytest.fixture(scope="module")
 def jobs(runner: Runner) -> dict[str, dict]:
     """Every job submitted at once (FIFO on the cluster), the serial references first."""
     texts = {f"serial-l{n}": job_yaml(f"serial-l{n}", {}, layers=n) for n in (2, 4)}

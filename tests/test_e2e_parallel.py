@@ -64,13 +64,6 @@ def summary(runner: Runner, name: str, job: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory):
-    r = Runner(tmp_path_factory.mktemp("parallel"))
-    yield r
-    r.cluster.stop()
-
-
-@pytest.fixture(scope="module")
 def jobs(runner: Runner) -> dict[str, dict]:
     """Every job submitted at once (they queue FIFO and share the cluster), the serial
     references (learned positions and RoPE) first."""

@@ -70,13 +70,6 @@ class Runner:
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory: pytest.TempPathFactory):
-    r = Runner(tmp_path_factory.mktemp("train"))
-    yield r
-    r.cluster.stop()
-
-
-@pytest.fixture(scope="module")
 def serial(runner: Runner) -> dict:
     job = runner.wait(runner.submit(job_yaml("serial")))
     assert job["state"] == "SUCCEEDED", job
