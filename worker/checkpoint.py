@@ -3,11 +3,13 @@
 Layout on disk::
 
     {root}/step-{s:08d}/rank-{r:05d}.pt     this rank's shard, optimizer, RNG, step, layout
-    {root}/step-{s:08d}/rank-{r:05d}.done   JSON {step, rank, fingerprint}, written after the .pt
+    {root}/step-{s:08d}/rank-{r:05d}.done   JSON {step, rank, fingerprint, identity}, after the .pt
 
 Both are written to a temporary name and ``os.replace``d, so a reader never sees a torn
 file. A step counts as complete only when every rank of the world has its marker with the
-same ``fingerprint`` (world size, parallel layout, model config): ``latest_complete``.
+same ``fingerprint``: a hash of the run's identity (world size, layout, model, seed, data; see
+``worker.train_state.identity_of``), which the marker also keeps so that a refused resume
+can name what differs (``differences``): ``latest_complete``.
 
 Where ``root`` is (``checkpoint_root``): ranks run in ``run_dir = {state}/jobs/{job_id}/{attempt}``
 (the worker daemon's layout), and checkpoints go to ``{state}/checkpoints/{job name}``: a
@@ -59,10 +61,27 @@ def marker_file(root: str, step: int, rank: int) -> str:
     return os.path.join(step_dir(root, step), f"rank-{rank:05d}.done")
 
 
-def fingerprint(world_size: int, parallel: dict[str, Any], model: dict[str, Any]) -> str:
-    """What must match for a checkpoint to be resumed as is."""
-    text = json.dumps({"world_size": world_size, "parallel": parallel, "model": model}, sort_keys=True)
+def fingerprint(identity: dict[str, Any]) -> str:
+    """A short hash of ``identity`` (what must match for a checkpoint to be resumed as is)."""
+    text = json.dumps(identity, sort_keys=True)
     return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``"train.seed: checkpoint 7, this job 8"`` for every dotted field that differs."""
+    old, new = _flat(saved), _flat(current)
+    return [f"{k}: checkpoint {old.get(k)!r}, this job {new.get(k)!r}"
+            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
 
 def _atomic_write(path: str, write: Any) -> None:
@@ -74,12 +93,14 @@ def _atomic_write(path: str, write: Any) -> None:
     os.replace(tmp, path)
 
 
-def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str) -> str:
-    """Write this rank's state for ``step`` and then its done-marker; returns the .pt path."""
+def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
+              identity: dict[str, Any] | None = None) -> str:
+    """Write this rank's state for ``step`` and then its done-marker (``fp`` and ``identity``);
+    returns the .pt path."""
     os.makedirs(step_dir(root, step), exist_ok=True)
     path = rank_file(root, step, rank)
     _atomic_write(path, lambda f: torch.save(state, f))
-    marker = json.dumps({"step": step, "rank": rank, "fingerprint": fp}).encode()
+    marker = json.dumps({"step": step, "rank": rank, "fingerprint": fp, "identity": identity}).encode()
     _atomic_write(marker_file(root, step, rank), lambda f: f.write(marker))
     return path
 

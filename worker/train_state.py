@@ -10,16 +10,19 @@ expert parameters from the ranks with ``edp == 0`` and the dense ones from ``dp 
 Data are a pure function of (seed, step, i), so params + optimizer + step (+ RNG) are all a
 resumed run needs to reproduce the uninterrupted run's later losses.
 
-Resume (``train.resume: true``, or any restart attempt > 0): every rank lists the steps its
-own marker says it finished with the same fingerprint, the lists are all-gathered over the
-world, and the latest step common to all is loaded. A fresh run with checkpointing on first
-deletes this rank's files under the job name, so shards of an earlier run of the same name
-can never be mixed with new ones.
+Resume (``train.resume: true``, or a restart of the same job: ``restore_or_reset(restart=True)``;
+never inferred from attempt numbers, which count from 1 for every job): every rank lists the
+steps its own marker says it finished with the same fingerprint (``identity_of``), the lists
+are all-gathered over the world, and the latest step common to all is loaded; checkpoints of
+a different identity are refused with the fields that differ. A fresh run with checkpointing
+on first deletes this rank's files under the job name, so shards of an earlier run of the same
+name can never be mixed with new ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,9 +62,30 @@ def root_of(t: Trainer) -> str:
     return ckpt.checkpoint_root(a.run_dir, a.spec.get("name", a.job_id))
 
 
-def fingerprint_of(t: Trainer) -> str:
+DIGEST_TOKENS = 1 << 19  # tokens hashed at each end of each split
+
+
+def data_identity(t: Trainer) -> dict[str, Any]:
+    """The corpus: its source, size and a digest of both ends of each split (cheap for any size,
+    and a file replaced under the same path shows)."""
+    h = hashlib.sha1(usedforsecurity=False)
+    for tokens in (t.data.train, t.data.val):
+        h.update(tokens[:DIGEST_TOKENS].tobytes())
+        h.update(tokens[-DIGEST_TOKENS:].tobytes())
+    return {"source": t.cfg.data, "tokens": len(t.data.train) + len(t.data.val), "digest": h.hexdigest()[:16]}
+
+
+def identity_of(t: Trainer) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: world size, layout and model (what the shards
+    hold), the seed and the data (samples are a pure function of (seed, step, i): another seed
+    or corpus would continue these weights on another run's samples).
+
+    Left out on purpose: lr, warmup, steps, grad_clip, batch sizes, dtype, eval and checkpoint
+    cadence. They steer the optimisation from here on but do not change what the saved tensors
+    mean, and changing them on resume is legitimate (train longer, lower the lr)."""
     parallel, model = _layout(t)
-    return ckpt.fingerprint(t.ctx.assignment.world_size, parallel, model)
+    return {"world_size": t.ctx.assignment.world_size, "parallel": parallel, "model": model,
+            "train": {"seed": t.cfg.seed, "data": data_identity(t)}}
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,7 +110,9 @@ def state_dict(t: Trainer, step: int) -> dict[str, Any]:
 
 
 def save_checkpoint(t: Trainer, step: int) -> str:
-    return ckpt.save_rank(root_of(t), step, t.ctx.assignment.rank, state_dict(t, step), fingerprint_of(t))
+    identity = identity_of(t)
+    return ckpt.save_rank(root_of(t), step, t.ctx.assignment.rank, state_dict(t, step), ckpt.fingerprint(identity),
+                          identity)
 
 
 @torch.no_grad()
@@ -101,9 +127,25 @@ def load_state(t: Trainer, state: dict[str, Any]) -> None:
                          val_losses=list(state["history"]["val_losses"]), resumed_from=state["step"])
 
 
-def agree_resume_step(root: str, rank: int, world_size: int, fp: str) -> int | None:
-    """The latest step every rank has finished with fingerprint ``fp`` (one world collective)."""
-    mine = (ckpt.complete_for(root, [rank], fp), ckpt.complete_for(root, [rank]))
+def _latest_identity(root: str, rank: int, steps: list[int]) -> dict[str, Any] | None:
+    marker = ckpt.read_marker(root, steps[-1], rank) if steps else None
+    return (marker or {}).get("identity")
+
+
+def refusal(root: str, saved: dict[str, Any] | None, identity: dict[str, Any]) -> str:
+    """One line: why the checkpoints under ``root`` cannot be resumed by this job."""
+    diffs = ckpt.differences(saved, identity) if saved else []
+    what = "; ".join(diffs) if diffs else "a different world size, layout, model, seed or data"
+    hint = ("resume with the same settings, or submit with train.resume: false to start afresh "
+            "(checkpoint.export_full_state_dict re-slices a checkpoint for another layout)")
+    return f"cannot resume from {root}: its checkpoints were written by another run ({what}); {hint}"
+
+
+def agree_resume_step(root: str, rank: int, world_size: int, identity: dict[str, Any]) -> int | None:
+    """The latest step every rank has finished with this ``identity`` (one world collective);
+    None when there is no checkpoint at all; RuntimeError naming what differs otherwise."""
+    fp, every = ckpt.fingerprint(identity), ckpt.complete_for(root, [rank])
+    mine = (ckpt.complete_for(root, [rank], fp), every, _latest_identity(root, rank, every))
     views = [mine]
     if world_size > 1:
         views = [None] * world_size
@@ -112,19 +154,21 @@ def agree_resume_step(root: str, rank: int, world_size: int, fp: str) -> int | N
     if common:
         return max(common)
     if any(v[1] for v in views):
-        raise RuntimeError(
-            f"cannot resume: the checkpoints under {root} were written by a different world size, "
-            "layout or model (export one with checkpoint.export_full_state_dict to re-slice it)"
-        )
+        saved = next((v[2] for v in views if v[2] is not None), None)
+        raise RuntimeError(refusal(root, saved, identity))
     return None
 
 
-def restore_or_reset(t: Trainer) -> None:
-    """Load the latest complete checkpoint when resuming; clear stale files on a fresh run."""
+def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
+    """Load the latest complete checkpoint when resuming; clear stale files on a fresh run.
+
+    ``restart``: this attempt restarts the same job after a failure, so it continues from the
+    job's own checkpoints even without ``train.resume`` (the one place to pass that in).
+    """
     a, cfg = t.ctx.assignment, t.cfg
     root = root_of(t)
-    if cfg.resume or a.attempt > 0:
-        step = agree_resume_step(root, a.rank, a.world_size, fingerprint_of(t))
+    if cfg.resume or restart:
+        step = agree_resume_step(root, a.rank, a.world_size, identity_of(t))
         if step is not None:
             load_state(t, ckpt.load_rank(root, step, a.rank))
             t.ctx.log.info("resumed", step=step, root=root)
