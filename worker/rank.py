@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -24,8 +25,9 @@ from rankctl.parallel.groups import ProcessGroups
 from rankctl.worker.assignment import RankAssignment
 from rankctl.worker.status import StatusWriter
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 300.0  # the job's restart.collective_timeout when it has none
 TRACEBACK_LINES = 30
+_TIMEOUT_RE = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,33 +107,60 @@ def init_distributed(assignment: RankAssignment, timeout: timedelta) -> tuple[st
     return backend, device
 
 
-def _error_fields(exc: BaseException) -> dict[str, Any]:
+def collective_timeout_s(spec: dict[str, Any]) -> float:
+    """The job's ``restart.collective_timeout`` (seconds): the store, the default group and
+    every other group wait this long for a peer before failing."""
+    value = (spec.get("restart") or {}).get("collective_timeout")
+    return float(value) if value else DEFAULT_TIMEOUT_S
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """A store or collective that gave up waiting (gloo, TCPStore), anywhere in the chain."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (RuntimeError, TimeoutError)) and _TIMEOUT_RE.search(str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def victim_line(rank: int, timeout_s: float, phase: str) -> str:
+    """The last line of a timed-out rank's error (the job's failure reason quotes it)."""
+    return (f"CollectiveTimeout: rank {rank} timed out after {timeout_s:g} s waiting in a collective ({phase}); "
+            "it is a victim, not necessarily the cause: a peer in its group may have hung or died")
+
+
+def _error_fields(exc: BaseException, victim: str | None = None) -> dict[str, Any]:
     tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    lines = "".join(tb).splitlines()[-TRACEBACK_LINES:]
+    lines = "".join(tb).splitlines()[-TRACEBACK_LINES:] + ([victim] if victim else [])
     return {"error": f"{type(exc).__name__}: {exc}", "traceback": lines}
 
 
 def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> int:
     """Run one rank to completion; 0 on success, 1 on failure (the status file says why).
 
-    On failure the process group is left for the process exit to tear down: destroying
-    a communicator whose peers are mid-collective can hang.
+    ``timeout_s`` overrides the job's ``restart.collective_timeout``. On failure the process
+    group is left for the process exit to tear down: destroying a communicator whose peers
+    are mid-collective can hang.
     """
     a = assignment
     run_dir = a.run_dir or os.getcwd()
     status = StatusWriter(run_dir, a.rank)
     structlog.contextvars.bind_contextvars(job=a.job_id, attempt=a.attempt, node=a.node, rank=a.rank)
     log = structlog.get_logger("rankctl.rank")
-    timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    seconds = timeout_s or collective_timeout_s(a.spec)
+    timeout = timedelta(seconds=seconds)
+    phase = "starting"
     try:
         job = resolve_kind(a.kind)
-        status.write("rendezvous")
-        log.info("rendezvous", at=a.rendezvous, world_size=a.world_size)
+        status.write(phase := "rendezvous")
+        log.info("rendezvous", at=a.rendezvous, world_size=a.world_size, timeout_s=seconds)
         backend, device = init_distributed(a, timeout)
-        status.write("groups")
+        status.write(phase := "groups")
         pgs = ProcessGroups.build(a.rank, a.world_size, a.groups, timeout=timeout)
         log.info("groups", backend=backend, device=str(device), groups=len(pgs.distinct()))
-        status.write("running")
+        status.write(phase := "running")
         ctx = RankContext(assignment=a, groups=pgs, device=device, backend=backend, status=status, log=log)
         result = job(ctx) or {}
         pgs.destroy()
@@ -140,9 +169,10 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
         log.info("done")
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the status file
-        fields = _error_fields(exc)
-        log.error("failed", error=fields["error"])
-        print("\n".join(fields["traceback"]), file=sys.stderr, flush=True)
+        victim = victim_line(a.rank, seconds, phase) if is_collective_timeout(exc) else None
+        fields = _error_fields(exc, victim)
+        log.error("failed", error=fields["error"], victim=victim is not None)
+        print("\n".join(fields["traceback"]), file=sys.stderr, flush=True)  # the last line is the reason
         status.write("failed", **fields)
         return 1
     finally:

@@ -1,0 +1,88 @@
+"""End to end: a hung rank and a dead launcher, through a real ``ctl coordinator`` and ``ctl worker``.
+
+One coordinator and one worker daemon (2 slots) serve the module; every job is a 2-rank
+comm-check soak that runs until something breaks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster import ctl, ready_nodes, start_coordinator, start_worker, status, wait_for
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]
+NODE = "node-a"
+JOB = """
+name: {name}
+kind: comm-check
+resources: {{nodes: 1, slots_per_node: 2}}
+parallel: {{tp: 2}}
+comm_check: {{size_bytes: 4096, iters: 1, warmup: 0, duration: {duration}}}
+restart: {{collective_timeout: {timeout}}}
+"""
+
+
+class Node:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.coord, self.address = start_coordinator(root / "coord", 3.0)
+        self.worker = start_worker(self.address, NODE, 2, root)
+        wait_for(lambda: ready_nodes(self.address) == [NODE], 60, f"{NODE} READY")
+
+    def submit(self, name: str, duration: float = 120, timeout: float = 300) -> str:
+        path = self.root / f"{name}.yaml"
+        path.write_text(JOB.format(name=name, duration=duration, timeout=timeout))
+        out = ctl(self.address, "submit", str(path))
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def wait_state(self, job: str, states: set[str], timeout: float) -> dict:
+        return wait_for(lambda: (s := status(self.address, job))["state"] in states and s, timeout, f"{job} in {states}")
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.coord.stop()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory):
+    n = Node(tmp_path_factory.mktemp("faults"))
+    yield n
+    n.stop()
+
+
+def rank_pid(job_id: str, rank: int) -> int | None:
+    """The rank process whose stdout is ``jobs/<job_id>/<attempt>/rank-<rank>.log``."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            target = os.readlink(f"/proc/{entry}/fd/1")
+        except OSError:
+            continue
+        if f"/jobs/{job_id}/" in target and target.endswith(f"/rank-{rank}.log"):
+            return int(entry)
+    return None
+
+
+def test_hung_rank_fails_the_job_within_its_collective_timeout_blaming_no_one(node: Node) -> None:
+    job = node.submit("hang", timeout=5)
+    node.wait_state(job, {"RUNNING"}, 60)
+    pid = wait_for(lambda: rank_pid(job, 1), 30, "rank 1's process")
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        st = node.wait_state(job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 60)
+        took = time.monotonic() - stopped
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert st["state"] == "FAILED" and took < 60, (st, took)
+    reason = st["reason"]
+    assert reason.startswith("rank 0 on node node-a"), reason
+    assert "timed out after 5 s waiting in a collective" in reason and "victim, not necessarily the cause" in reason, reason
