@@ -86,3 +86,55 @@ def test_hung_rank_fails_the_job_within_its_collective_timeout_blaming_no_one(no
     reason = st["reason"]
     assert reason.startswith("rank 0 on node node-a"), reason
     assert "timed out after 5 s waiting in a collective" in reason and "victim, not necessarily the cause" in reason, reason
+
+
+def launcher_pid(daemon_pid: int) -> int | None:
+    """The daemon's launcher: its child running ``python -m rankctl.worker.launcher``."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid and b"rankctl.worker.launcher" in cmdline:
+            return int(entry)
+    return None
+
+
+def health_port(log: str) -> int:
+    for line in log.splitlines():
+        if '"worker started"' in line:
+            return int(json.loads(line)["health_port"])
+    raise AssertionError(f"no 'worker started' line in the worker's log:\n{log[-2000:]}")
+
+
+def health(port: int) -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def test_dead_launcher_fails_its_job_and_the_daemon_serves_again(node: Node) -> None:
+    port = health_port(node.worker.output())
+    assert health(port) == "SERVING"
+    job = node.submit("orphaned")
+    node.wait_state(job, {"RUNNING"}, 60)
+    old = launcher_pid(node.worker.pid)
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    seen: list[str] = []
+
+    def serving_again() -> bool:
+        seen.append(health(port))
+        return "NOT_SERVING" in seen and seen[-1] == "SERVING"
+
+    wait_for(serving_again, 60, "the health service: NOT_SERVING, then SERVING again", interval=0.05)
+    st = node.wait_state(job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 10)
+    assert st["state"] == "FAILED" and "on node node-a" in st["reason"] and "launcher" in st["reason"], st
+    assert node.worker.p.poll() is None and launcher_pid(node.worker.pid) not in (None, old)
+    wait_for(lambda: ready_nodes(node.address) == [NODE], 30, f"{NODE} READY again")
+    after = node.submit("after", duration=0)
+    assert node.wait_state(after, {"SUCCEEDED", "FAILED"}, 120)["state"] == "SUCCEEDED"

@@ -5,6 +5,11 @@ heartbeats, hands assignments to its warm launcher (a subprocess; this process n
 forks), turns the ranks' status files and exits into numbered reports, and ships their
 log lines. While the coordinator is away it reconnects with backoff and keeps every
 report; after re-registering it replays those the coordinator has not yet stored.
+
+When the launcher dies, every rank it had forked died with it (``PR_SET_PDEATHSIG``): the
+daemon reports them killed, reports NOT_SERVING (``set_serving``), starts a new launcher and
+serves again; ``LauncherLost`` ends ``run()`` when no launcher starts after a few tries, so
+that the process exits and its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import socket
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import grpc
 import structlog
@@ -25,6 +30,7 @@ import structlog
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.assignment import RankAssignment
+from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.status import FileTailer, StatusTailer, log_path
 
 log = structlog.get_logger("rankctl.worker")
@@ -45,6 +51,12 @@ class DaemonConfig:
     backoff_initial: float = 0.2
     backoff_max: float = 5.0
     free_ports: int = 8
+    launcher_restarts: int = 4  # tries to start a new launcher before the daemon gives up
+    launcher_backoff: float = 1.0  # seconds before the second try; doubles each time
+
+
+class LauncherLost(RuntimeError):
+    """The launcher died and no new one would start: the daemon must exit (non-zero)."""
 
 
 @dataclass
@@ -92,12 +104,31 @@ def hardware_pb(facts: dict[str, Any]) -> pb.Hardware:
                        memory_bytes=int(facts.get("memory_bytes", 0)), gpus=gpus)
 
 
-class WorkerDaemon:
-    """Runs until ``stop()``; ``launcher`` is a started ``worker.launcher.Launcher``."""
+def launcher_status(launcher: Any) -> str:
+    """How a dead launcher ended, in words (``killed by SIGKILL``, ``exit 1``)."""
+    rc = getattr(getattr(launcher, "proc", None), "returncode", None)
+    if rc is None:
+        return "exit status unknown"
+    return f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else f"exit {rc}"
 
-    def __init__(self, cfg: DaemonConfig, launcher: Any) -> None:
+
+class WorkerDaemon:
+    """Runs until ``stop()``; ``launcher`` is a started ``worker.launcher.Launcher``.
+
+    ``start_launcher`` starts a replacement when the launcher dies (the daemon closes those it
+    started); ``set_serving`` reports the health service's status (False while no launcher).
+    """
+
+    def __init__(self, cfg: DaemonConfig, launcher: Any, *,
+                 start_launcher: Callable[[], Awaitable[Any]] | None = None,
+                 set_serving: Callable[[bool], Awaitable[None]] | None = None) -> None:
         self.cfg = cfg
         self.launcher = launcher
+        self._start_launcher = start_launcher or Launcher.start
+        self._set_serving = set_serving
+        self._own_launcher: Any = None  # a replacement this daemon started
+        self._launcher_up = asyncio.Event()
+        self._launcher_up.set()
         self.runs: dict[tuple[str, int], RunState] = {}
         self._seq = 0
         self._reports: deque[pb.RankReport] = deque(maxlen=MAX_BUFFERED_REPORTS)
@@ -150,10 +181,53 @@ class WorkerDaemon:
         self._log.info("rank exited", job=run.job_id, rank=rank, code=code)
 
     async def _pump_launcher(self) -> None:
-        async for ev in self.launcher.events():
-            await self._on_launcher_event(ev)
-        self._log.error("launcher exited; its ranks are gone, stopping the daemon")
-        self.stop()
+        """Launcher events in order; when the launcher dies, fail its ranks and start another."""
+        while True:
+            async for ev in self.launcher.events():
+                await self._on_launcher_event(ev)
+            if self._stopping.is_set():
+                return
+            await self._launcher_died()
+            await self._restart_launcher()
+
+    async def _serving(self, ok: bool) -> None:
+        if self._set_serving is not None:
+            await self._set_serving(ok)
+
+    async def _launcher_died(self) -> None:
+        """Report every rank the dead launcher had forked as killed (they died with it)."""
+        self._launcher_up.clear()
+        await self._serving(False)
+        why = (f"the launcher on node {self.cfg.name} died ({launcher_status(self.launcher)}); "
+               "every rank it had forked was killed with it")
+        self._log.error("launcher died; restarting it", status=launcher_status(self.launcher),
+                        jobs=sorted({r.job_id for r in self.runs.values() if r.alive}))
+        for run in list(self.runs.values()):
+            self._drain(run)
+            for rank in sorted(run.alive):
+                self._report(run.job_id, run.attempt, pb.RankStatus(
+                    rank=rank, node=self.cfg.name, phase="exited", exited=True, exit_code=-signal.SIGKILL, error=why))
+            run.alive.clear()
+
+    async def _restart_launcher(self) -> None:
+        delay, error = self.cfg.launcher_backoff, ""
+        for attempt in range(1, self.cfg.launcher_restarts + 1):
+            try:
+                launcher = await self._start_launcher()
+            except (LauncherError, OSError) as exc:
+                error = str(exc)
+                self._log.warning("launcher did not start", attempt=attempt, error=error, retry_in=delay)
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            if self._own_launcher is not None:
+                await self._own_launcher.close()  # the dead replacement: reap it
+            self.launcher = self._own_launcher = launcher
+            self._launcher_up.set()
+            await self._serving(True)
+            self._log.info("launcher restarted", pid=launcher.pid, attempt=attempt)
+            return
+        raise LauncherLost(f"the launcher died and did not restart after {self.cfg.launcher_restarts} tries: {error}")
 
     # -- polling files -----------------------------------------------------------------------
     def _drain(self, run: RunState) -> None:
@@ -188,11 +262,18 @@ class WorkerDaemon:
         run.alive |= ranks  # counted alive from the launch on; exits remove them
         self.runs[(msg.job_id, msg.attempt)] = run
         self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(ranks))
-        await self.launcher.launch(assignments)
+        await self._launcher_up.wait()
+        try:
+            await self.launcher.launch(assignments)
+        except LauncherError as exc:  # it just died: _launcher_died reports these ranks
+            self._log.warning("launch failed", job=msg.job_id, error=str(exc))
 
     async def _cancel(self, msg: pb.Cancel) -> None:
         self._log.info("cancel", job=msg.job_id, reason=msg.reason)
-        await self.launcher.kill(msg.job_id)
+        try:
+            await self.launcher.kill(msg.job_id)
+        except LauncherError:
+            pass  # no launcher, so none of its ranks is left
 
     async def _read(self, call: Any) -> None:
         while (msg := await call.read()) is not grpc.aio.EOF:  # read() style only: aio forbids mixing
@@ -270,14 +351,21 @@ class WorkerDaemon:
             delay = min(delay * 2, self.cfg.backoff_max)
 
     async def run(self) -> None:
+        """Until ``stop()``; raises ``LauncherLost`` when the daemon must exit."""
         self._session = f"{self.cfg.name}-{os.getpid()}-{id(self):x}"
         tasks = [asyncio.create_task(c) for c in (self._connect_loop(), self._pump_launcher(), self._poll_files())]
+        stopping = asyncio.create_task(self._stopping.wait())
         try:
-            await self._stopping.wait()
+            done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopping and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()
         finally:
-            for t in tasks:
+            for t in (stopping, *tasks):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._own_launcher is not None:
+                await self._own_launcher.close()
 
     def stop(self) -> None:
         self._stopping.set()

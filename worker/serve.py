@@ -6,6 +6,7 @@ import asyncio
 import signal
 import sys
 from dataclasses import replace
+from typing import Awaitable, Callable
 
 import grpc
 import structlog
@@ -16,19 +17,31 @@ from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 log = structlog.get_logger("rankctl.worker")
 
 
-async def start_health(listen: str) -> tuple[grpc.aio.Server, int]:
+SERVICES = ("", "rankctl.v1.Worker")
+
+
+async def start_health(listen: str) -> tuple[grpc.aio.Server, int, Callable[[bool], Awaitable[None]]]:
+    """The gRPC health service: (server, bound port, ``set_serving(ok)``)."""
     server = grpc.aio.server()
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_insecure_port(listen)
     await server.start()
-    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await servicer.set("rankctl.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+
+    async def set_serving(ok: bool) -> None:
+        state = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in SERVICES:
+            await servicer.set(service, state)
+
+    await set_serving(True)
+    return server, port, set_serving
 
 
 async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launcher=None) -> None:
-    """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None); kills every rank on exit."""
+    """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None); kills every rank on exit.
+
+    Raises ``LauncherLost`` when the launcher died and no new one would start.
+    """
     from rankctl.worker.launcher_client import Launcher
 
     own_launcher = launcher is None
@@ -36,8 +49,9 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
         launcher = await Launcher.start(python=sys.executable)
     if cfg.slots < 1:  # one rank per GPU, or one slot on a CPU node
         cfg = replace(cfg, slots=len(launcher.hardware.get("gpus", [])) or 1)
-    health_server, port = await start_health(cfg.health_listen)
-    daemon = WorkerDaemon(cfg, launcher)
+    health_server, port, set_serving = await start_health(cfg.health_listen)
+    daemon = WorkerDaemon(cfg, launcher, start_launcher=lambda: Launcher.start(python=sys.executable),
+                          set_serving=set_serving)
     log.info("worker started", node=cfg.name, slots=cfg.slots, coordinator=cfg.coordinator, health_port=port,
              gpus=len(launcher.hardware.get("gpus", [])))
     if stop is None:
@@ -46,12 +60,17 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     runner = asyncio.create_task(daemon.run())
+    stopped = asyncio.create_task(stop.wait())
     try:
-        await stop.wait()
+        await asyncio.wait([runner, stopped], return_when=asyncio.FIRST_COMPLETED)
     finally:
         daemon.stop()
-        await runner
-        if own_launcher:
-            await launcher.close()
-        await health_server.stop(0.5)
-        log.info("worker stopped", node=cfg.name)
+        stopped.cancel()
+        try:
+            await runner  # re-raises why the daemon ended on its own
+        finally:
+            if own_launcher:
+                await launcher.close()
+            await set_serving(False)
+            await health_server.stop(0.5)
+            log.info("worker stopped", node=cfg.name)
