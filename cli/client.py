@@ -13,6 +13,7 @@ from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 
 DEFAULT_COORDINATOR = "127.0.0.1:7420"
 CONNECT_TIMEOUT = 5.0
+PAGE_SIZE = 500
 
 
 class Client:
@@ -42,18 +43,33 @@ class Client:
         self.close()
 
     # -- calls -----------------------------------------------------------------------------
-    def submit(self, spec_yaml: str, overrides: list[str], source: str) -> pb.Job:
+    def submit(self, spec_yaml: str, overrides: list[str], source: str, queue_anyway: bool = False) -> pb.Job:
         with rpc_errors(self.address):
-            req = pb.SubmitJobRequest(spec_yaml=spec_yaml, overrides=overrides, source=source)
+            req = pb.SubmitJobRequest(spec_yaml=spec_yaml, overrides=overrides, source=source,
+                                      queue_anyway=queue_anyway)
             return self.stub.SubmitJob(req).job
 
     def get(self, job_id: str) -> pb.Job:
         with rpc_errors(self.address):
             return self.stub.GetJob(pb.GetJobRequest(job_id=job_id))
 
-    def jobs(self, limit: int = 0) -> list[pb.Job]:
-        with rpc_errors(self.address):
-            return list(self.stub.ListJobs(pb.ListJobsRequest(limit=limit)).jobs)
+    def jobs(self, limit: int = 0, states: list[str] = ()) -> list[pb.Job]:
+        return list(self.iter_jobs(limit, states))
+
+    def iter_jobs(self, limit: int = 0, states: list[str] = ()) -> Iterator[pb.Job]:
+        """Job summaries, newest first, page by page; ``limit`` > 0 stops after that many."""
+        token, seen = "", 0
+        wanted = [pb.JobState.Value(s) for s in states]
+        while True:
+            size = min(limit - seen, PAGE_SIZE) if limit > 0 else PAGE_SIZE
+            with rpc_errors(self.address):
+                page = self.stub.ListJobs(pb.ListJobsRequest(page_size=size, page_token=token, states=wanted))
+            for job in page.jobs:
+                yield job
+            seen += len(page.jobs)
+            token = page.next_page_token
+            if not token or (limit > 0 and seen >= limit):
+                return
 
     def cancel(self, job_id: str, reason: str) -> pb.Job:
         with rpc_errors(self.address):
@@ -85,4 +101,6 @@ def rpc_errors(address: str) -> Iterator[None]:
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
             raise CtlError(details, EXIT_USAGE) from None
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise CtlError(f"the coordinator at {address} cannot take this now: {details}", 1) from None
         raise CtlError(f"coordinator at {address} answered {code.name}: {details}", 1) from None

@@ -53,6 +53,7 @@ def node_to_dict(node: pb.Node) -> dict[str, Any]:
         "free_slots": node.free_slots,
         "state": pb.NodeState.Name(node.state),
         "last_seen": node.last_seen,
+        "rejected_reports": node.rejected_reports,
         "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in hw.gpus],
         "hostname": hw.hostname,
     }

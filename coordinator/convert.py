@@ -45,6 +45,15 @@ def job_to_pb(job: JobRecord, ranks: list[RankRecord] = ()) -> pb.Job:
     )
 
 
+def job_summary_pb(job: JobRecord) -> pb.Job:
+    """A job for lists: no ranks, no result, no node list (their size grows with the job)."""
+    return pb.Job(
+        id=job.id, name=job.name, state=job_state(job.state), reason=job.reason, attempt=job.attempt,
+        world_size=job.world_size, created_at=job.created_at, finished_at=job.finished_at,
+        spec_json=json.dumps(job.spec), kind=job.kind,
+    )
+
+
 def event_to_pb(ev: EventRecord) -> pb.JobEvent:
     msg = pb.JobEvent(seq=ev.seq, job_id=ev.job_id, ts=ev.ts, state=job_state(ev.state), kind=ev.kind,
                       message=ev.message)
@@ -65,11 +74,11 @@ def hardware_to_pb(hw: dict[str, Any]) -> pb.Hardware:
     )
 
 
-def node_to_pb(session: NodeSession, free_slots: int) -> pb.Node:
+def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0) -> pb.Node:
     r = session.record
     return pb.Node(
         name=r.name, address=r.address, slots=r.slots, free_slots=free_slots, state=_NODE_STATE[session.status],
-        hardware=hardware_to_pb(r.hardware), last_seen=r.last_seen,
+        hardware=hardware_to_pb(r.hardware), last_seen=r.last_seen, rejected_reports=rejected_reports,
     )
 
 

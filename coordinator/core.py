@@ -3,7 +3,11 @@
 Plain Python (no grpc), one instance per coordinator, called from the event loop
 thread only. Time comes from an injected ``clock`` (unix seconds) and everything
 that must survive a restart goes through the injected ``Store``; each public
-operation commits its writes before it returns.
+operation commits its writes before it returns. When the store refuses a write
+(``StoreError``: disk full, I/O error), the operation's memory changes are undone
+(``_consistent``: the job book is reloaded from the store) and the error is raised to
+the caller; work the coordinator owes itself (scheduling, advancing a job, failing the
+jobs of a lost node, rank reports received meanwhile) is retried by ``tick``.
 
 Nodes talk to the core through an *outbox* per session (see ``nodes.Outbox``): a
 callable that takes a ``CoordinatorMessage`` to send, or ``None`` meaning "close this
@@ -14,14 +18,17 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import structlog
 
-from rankctl.coordinator import convert
+from rankctl.contract.names import node_name_problem
+from rankctl.coordinator import capacity, convert
 from rankctl.coordinator.checks import check_job
-from rankctl.coordinator.errors import ProtocolError
+from rankctl.coordinator.errors import CapacityError, NodeNameTaken, ProtocolError
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable, Outbox
 from rankctl.coordinator.planner import build_assignments, pick_port, plan_layout
@@ -33,11 +40,14 @@ from rankctl.coordinator.results import aggregate, parse_rank_results
 from rankctl.coordinator.signals import Signals
 from rankctl.coordinator.spec import JobSpec, build_spec, load_yaml_text
 from rankctl.coordinator.states import JobState, is_active, is_terminal
-from rankctl.coordinator.store import Store
+from rankctl.coordinator.store import Store, StoreError
 from rankctl.parallel.placement import NodeSlots, PlacementError, place
 
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
+HEAD_WAIT_S = 60.0          # how long the first job that cannot start holds back the jobs behind it
+MAX_UNSTORED_REPORTS = 100_000  # reports held per node while the store refuses writes
+MAX_SLOTS_PER_NODE = 1024
 
 
 def _gone(ranks: list[int]) -> str:
@@ -48,13 +58,19 @@ class Coordinator:
     """Jobs and nodes of one coordinator; see the module docstring for the threading contract."""
 
     def __init__(self, store: Store, *, clock: Callable[[], float] = time.time,
-                 heartbeat_timeout: float = 10.0, signals: Signals | None = None) -> None:
+                 heartbeat_timeout: float = 10.0, signals: Signals | None = None,
+                 head_wait: float = HEAD_WAIT_S) -> None:
         self.store, self.clock, self.heartbeat_timeout = store, clock, heartbeat_timeout
+        self.head_wait = head_wait
         self.signals = signals or Signals()
         self.book = JobBook(store, clock, self.signals)
         self.nodes = NodeTable.from_records(store.load_nodes())
         self.started_at = clock()
         self.stopping = False
+        self.rejected_reports: Counter[str] = Counter()  # node -> reports for ranks it does not own
+        self._head_since: dict[str, float] = {}          # job id -> when it first could not start
+        self._owed: set[str] = set()                     # jobs whose advance failed to store: retried by tick
+        self._reschedule = False                         # a schedule pass failed to store: retried by tick
 
     @property
     def heartbeat_interval(self) -> float:
@@ -65,27 +81,53 @@ class Coordinator:
         """Stop reacting to closing streams: a coordinator going down must not fail its jobs."""
         self.stopping = True
 
+    @contextmanager
+    def _consistent(self) -> Iterator[None]:
+        """Undo memory changes of a block whose writes did not all commit (the store is the truth)."""
+        try:
+            yield
+        except StoreError:
+            if not self.store.in_transaction:  # else the outermost block, once rolled back, resyncs
+                self.book.resync()
+                stored = {r.name: r.last_seq for r in self.store.load_nodes()}
+                for session in self.nodes:
+                    session.record.last_seq = stored.get(session.name, 0)
+            raise
+
     # -- client operations ---------------------------------------------------
     def validate(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> JobSpec:
-        """Build and check a spec; raises SpecError with one line per problem."""
+        """Build and check a spec; raises SpecError with one line per problem. Pure: any thread may call it."""
         spec = build_spec(load_yaml_text(spec_yaml, source), list(overrides))
         check_job(spec)
         return spec
 
     def plan(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> tuple[dict, dict]:
-        """(layout document, spec dict) of a job file, without storing anything."""
+        """(layout document, spec dict) of a job file, without storing anything. Pure: any thread may call it."""
         spec = self.validate(spec_yaml, overrides, source)
         return plan_layout(check_job(spec), spec.resources.slots_per_node), spec.to_dict()
 
-    def submit(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> JobRecord:
-        """Validate (SpecError: nothing stored), store the job PENDING and run a schedule pass."""
-        spec = self.validate(spec_yaml, overrides, source)
+    def submit(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file", *,
+               queue_anyway: bool = False) -> JobRecord:
+        """Validate and submit (see ``submit_spec``)."""
+        return self.submit_spec(self.validate(spec_yaml, overrides, source), queue_anyway=queue_anyway)
+
+    def submit_spec(self, spec: JobSpec, *, queue_anyway: bool = False) -> JobRecord:
+        """Store a validated job PENDING and run a schedule pass.
+
+        A job larger than every node the cluster knows could hold is refused (CapacityError,
+        nothing stored) unless ``queue_anyway``: then it waits for nodes and holds no one back.
+        """
+        res = spec.resources
+        short = capacity.shortfall(list(self.nodes), res.nodes, res.slots_per_node)
+        if short is not None and not queue_anyway:
+            raise CapacityError(f"{short}; submit with --queue-anyway to wait for more nodes")
         job = JobRecord(
             id=self._new_id(spec.name), name=spec.name, kind=spec.kind, spec=spec.to_dict(), state=S.PENDING,
-            reason="queued", world_size=spec.world_size, slots_per_node=spec.resources.slots_per_node,
-            created_at=self.clock(),
+            reason="queued" if short is None else f"queued for nodes: {short}", world_size=spec.world_size,
+            slots_per_node=res.slots_per_node, created_at=self.clock(),
         )
-        self.book.add(job)
+        with self._consistent():
+            self.book.add(job)
         self.schedule()
         return job
 
@@ -116,7 +158,8 @@ class Coordinator:
         """CANCELLED plus a Cancel to every node of the job; a terminal job is returned unchanged."""
         job = self.book.get(id_or_name)
         if not is_terminal(job.state):
-            self._finish(job, S.CANCELLED, f"cancelled: {reason}" if reason else "cancelled by user")
+            with self._consistent():
+                self._finish(job, S.CANCELLED, f"cancelled: {reason}" if reason else "cancelled by user")
         return job
 
     def node_views(self) -> list[tuple[NodeSession, int]]:
@@ -126,28 +169,40 @@ class Coordinator:
 
     # -- scheduling ----------------------------------------------------------
     def schedule(self) -> None:
-        """Start pending jobs in submission order; the first that does not fit blocks the rest."""
+        """Start pending jobs in queue order (see ``capacity``); a pass that cannot store is retried by tick."""
         if self.stopping:
             return
-        blocker: JobRecord | None = None
+        if self.store.in_transaction:  # never inside another change's transaction: right after it, by tick
+            self._reschedule = True
+            return
+        try:
+            with self._consistent():
+                self._schedule_pass()
+            self._reschedule = False
+        except StoreError as exc:
+            self._reschedule = True
+            log.warning("schedule.store_failed", error=str(exc))
+
+    def _schedule_pass(self) -> None:
+        head: JobRecord | None = None
+        sessions, now = list(self.nodes), self.clock()
         for job in self.book.pending():
             if job.state is not S.PENDING:
                 continue
-            if blocker is not None:
-                self.book.set_waiting(job, f"queued behind {blocker.id}")
+            if head is not None and not capacity.may_pass(head, sessions, now - self._head_since[head.id],
+                                                          self.head_wait):
+                self.book.set_waiting(job, f"queued behind {head.id}")
                 continue
             why = self._try_start(job)
-            if why is not None:
-                self.book.set_waiting(job, why)
-                blocker = job
+            if why is None:
+                self._head_since.pop(job.id, None)
+                continue
+            self.book.set_waiting(job, why)
+            self._head_since.setdefault(job.id, now)
+            head = head or job
 
     def _free_slots(self) -> dict[str, int]:
-        free = {s.name: s.record.slots for s in self.nodes.ready()}
-        for job in self.book.active():
-            for name in job.nodes:
-                if name in free:
-                    free[name] -= job.slots_per_node
-        return free
+        return capacity.free_slots(self.nodes.ready(), self.book.active())
 
     def _ports_in_use(self, node: str) -> set[int]:
         return {int(j.rendezvous.rsplit(":", 1)[1]) for j in self.book.active() if j.nodes[:1] == [node]}
@@ -174,7 +229,7 @@ class Coordinator:
             log.exception("job.assignments_failed", job=job.id)
             self.book.transition(job, S.FAILED, f"cannot build rank assignments: {exc}")
             return
-        with self.store.transaction():
+        with self.store.transaction(f"the placement of job {job.id}"):
             job.nodes, job.rendezvous = names, rendezvous
             self.book.transition(job, S.PLACED, f"placed on {', '.join(names)}; rendezvous {job.rendezvous}")
             self.store.put_attempt(job, self.clock())
@@ -195,26 +250,46 @@ class Coordinator:
     def register(self, hello: NodeHello, outbox: Outbox) -> NodeSession:
         """Open a node session: answer Registered, reconcile the jobs it runs, schedule.
 
+        A name held by a live session of another daemon is refused (NodeNameTaken); the
+        same daemon reconnecting (same session id) replaces its old stream. The node's
+        record is stored before the session opens, so a failed write changes nothing.
         A job of ours that the node does not list in ``running`` may have finished while
         the stream was down, its exit reports still buffered: the same daemon session
         gets until its first heartbeat (after the replay) before such a job is FAILED.
         """
-        if not hello.name or hello.slots < 1:
-            raise ProtocolError(f"Register needs a node name and at least one slot (got {hello.name!r}, "
-                                f"slots={hello.slots})")
+        self._check_hello(hello)
         old = self.nodes.get(hello.name)
-        if old is not None and old.outbox is not None and old.status is NodeStatus.READY:
-            old.outbox(None)  # a newer connection replaces this stream
+        live = old is not None and old.outbox is not None and old.status is NodeStatus.READY
         same_daemon = old is not None and old.record.session == hello.session
-        session = self.nodes.connect(hello, outbox, self.clock())
-        self.store.put_node(session.record)
+        if live and not same_daemon:
+            raise NodeNameTaken(
+                f"node name {hello.name!r} is held by another live daemon (address {old.record.address}, "
+                f"last heard {self.clock() - old.last_heartbeat:.1f} s ago); stop it or give this daemon "
+                "another --name")
+        record = self.nodes.record_for(hello, self.clock())
+        self.store.put_node(record)
+        if live:
+            old.outbox(None)  # the same daemon's newer connection replaces this stream
+        session = self.nodes.connect(record, hello, outbox, self.clock())
         outbox(convert.registered_message(hello.name, self.heartbeat_interval, session.record.last_seq))
         log.info("node.registered", node=hello.name, slots=hello.slots, running=len(hello.running))
-        self._reconcile(session, hello.running)
-        if not same_daemon:  # a new daemon instance has no buffered reports to replay
-            self._verify(session)
+        try:
+            with self._consistent():
+                self._reconcile(session, hello.running)
+                if not same_daemon:  # a new daemon instance has no buffered reports to replay
+                    self._verify(session)
+        except StoreError as exc:  # the session stands; the jobs it concerns are re-checked by tick
+            log.warning("node.reconcile_store_failed", node=hello.name, error=str(exc))
         self.schedule()
         return session
+
+    @staticmethod
+    def _check_hello(hello: NodeHello) -> None:
+        problem = node_name_problem(hello.name)
+        if problem is not None:
+            raise ProtocolError(f"Register: {problem}")
+        if not 1 <= hello.slots <= MAX_SLOTS_PER_NODE:
+            raise ProtocolError(f"Register: slots={hello.slots} must be between 1 and {MAX_SLOTS_PER_NODE}")
 
     def _reconcile(self, session: NodeSession, running: Iterable[RunningJob]) -> None:
         """Note our jobs the node did not list (checked by ``_verify``); cancel the ones we do not run."""
@@ -234,15 +309,15 @@ class Coordinator:
 
     def _verify(self, session: NodeSession) -> None:
         """Fail the unlisted jobs whose ranks on this node did not all exit (after the replay)."""
-        pending, session.unverified = session.unverified, set()
+        pending = set(session.unverified)
         for job_id, attempt in sorted(pending):
             job = self.book.jobs[job_id]
-            if not is_active(job.state) or job.attempt != attempt:
-                continue
-            ranks = self.book.ranks(job.id)
-            missing = [r for r in job.ranks_on(session.name) if not (r in ranks and ranks[r].exited)]
-            if missing:
-                self._finish(job, S.FAILED, f"node {session.name} reconnected without this job; {_gone(missing)}")
+            if is_active(job.state) and job.attempt == attempt:
+                ranks = self.book.ranks(job.id)
+                missing = [r for r in job.ranks_on(session.name) if not (r in ranks and ranks[r].exited)]
+                if missing:
+                    self._finish(job, S.FAILED, f"node {session.name} reconnected without this job; {_gone(missing)}")
+            session.unverified.discard((job_id, attempt))
 
     def disconnect(self, session: NodeSession, detail: str = "stream closed") -> None:
         """The session's stream ended: the node is LOST unless a newer session replaced it."""
@@ -255,53 +330,138 @@ class Coordinator:
         if not self.nodes.is_current(session) or session.status is not NodeStatus.READY:
             return
         session.last_heartbeat = session.record.last_seen = self.clock()
-        if session.unverified:  # the replay of buffered reports came before this heartbeat
-            self._verify(session)
+        if session.unverified and not session.unstored:  # the replay came before this heartbeat
+            with self._consistent():
+                self._verify(session)
         if free_ports and tuple(free_ports) != session.free_ports:
             session.free_ports = tuple(free_ports)
             self.schedule()
 
     def tick(self) -> None:
-        """Failure detection, called periodically: silent nodes and nodes that never came back."""
+        """Failure detection, called periodically; then whatever a refused write left owed."""
         now, timeout = self.clock(), self.heartbeat_timeout
         for s in list(self.nodes):
             if s.status is NodeStatus.READY and now - s.last_heartbeat > timeout:
                 self._node_lost(s, f"no heartbeat for {timeout:.1f} s")
-            elif s.status is NodeStatus.DISCONNECTED and now - self.started_at > timeout:
-                self._node_lost(s, f"did not reconnect within {timeout:.1f} s of the coordinator start")
+            elif s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > timeout:
+                since = "of the coordinator start" if s.since == 0 else "of being asked to reconnect"
+                self._node_lost(s, f"did not reconnect within {timeout:.1f} s {since}")
+        self._settle()
+
+    def _settle(self) -> None:
+        """Retry what a refused write left undone: held reports, owed job advances, lost nodes' jobs, scheduling."""
+        for s in list(self.nodes):
+            if s.unstored and self.nodes.is_current(s):
+                self._flush_unstored(s)
+            if s.status is NodeStatus.LOST and s.owes_failures:
+                self._fail_jobs_of(s)
+        for job_id in sorted(self._owed):
+            self._owed.discard(job_id)
+            self._advance(self.book.jobs[job_id])
+        if self._reschedule:
+            self.schedule()
 
     def _node_lost(self, session: NodeSession, detail: str) -> None:
         session.status, session.detail = NodeStatus.LOST, detail
         if session.outbox is not None:
             session.outbox(None)
             session.outbox = None
-        self.store.put_node(session.record)
         log.warning("node.lost", node=session.name, detail=detail)
-        for job in self.book.active():
-            if session.name in job.nodes:
-                ranks = job.ranks_on(session.name)
-                self._finish(job, S.FAILED, f"node {session.name} lost ({detail}); {_gone(ranks)}")
+        session.owes_failures = True
+        self._fail_jobs_of(session)
+
+    def _fail_jobs_of(self, session: NodeSession) -> None:
+        """FAILED for every active job with ranks on a lost node (retried by tick if the store refuses)."""
+        try:
+            with self._consistent():
+                for job in self.book.active():
+                    if session.name in job.nodes:
+                        ranks = job.ranks_on(session.name)
+                        self._finish(job, S.FAILED, f"node {session.name} lost ({session.detail}); {_gone(ranks)}")
+            session.owes_failures = False
+        except StoreError as exc:
+            log.warning("node.lost_store_failed", node=session.name, error=str(exc))
 
     # -- reports -------------------------------------------------------------
     def rank_report(self, session: NodeSession, update: RankUpdate) -> bool:
-        """Apply one rank report; False when dropped (a replay already seen, or a stale stream)."""
+        """Apply one rank report; False when dropped (a replay already seen, or a stale stream).
+
+        A report the store refuses is held, in order, with every later one of the session,
+        until tick can store them (the node is not told: it would replay them anyway after
+        a reconnect, since its last stored report number is what the store holds).
+        """
         if not self.nodes.is_current(session):
             return False
         rec = session.record
         session.last_heartbeat = rec.last_seen = self.clock()  # a report shows the node is alive
         if update.seq and update.seq <= rec.last_seq:
             return False
-        job = self.book.jobs.get(update.job_id)
-        with self.store.transaction():
+        if session.unstored:
+            self._hold(session, update)
+            return True
+        try:
+            self._store_report(session, update)
+        except StoreError as exc:
+            log.warning("report.store_failed", node=rec.name, error=str(exc))
+            self._hold(session, update)
+        return True
+
+    def _hold(self, session: NodeSession, update: RankUpdate) -> None:
+        if len(session.unstored) >= MAX_UNSTORED_REPORTS:  # the daemon still has them: make it replay
+            log.warning("report.hold_full", node=session.name, held=len(session.unstored))
+            session.unstored.clear()
+            self._resync_node(session)
+            return
+        session.unstored.append(update)
+
+    def _resync_node(self, session: NodeSession) -> None:
+        """Close the stream without losing the node: it reconnects and replays what the store lacks."""
+        session.status, session.detail = NodeStatus.DISCONNECTED, "asked to reconnect and replay its reports"
+        session.since = self.clock()
+        if session.outbox is not None:
+            session.outbox(None)
+            session.outbox = None
+
+    def _flush_unstored(self, session: NodeSession) -> None:
+        while session.unstored:
+            try:
+                self._store_report(session, session.unstored[0])
+            except StoreError as exc:
+                log.warning("report.flush_failed", node=session.name, held=len(session.unstored), error=str(exc))
+                return
+            session.unstored.popleft()
+
+    def _owner_of(self, job: JobRecord, rank: int) -> str | None:
+        return job.nodes[rank // job.slots_per_node] if 0 <= rank < job.world_size and job.nodes else None
+
+    def _store_report(self, session: NodeSession, update: RankUpdate) -> None:
+        """Store one report (raises StoreError, memory unchanged); then move its job along."""
+        rec, job = session.record, self.book.jobs.get(update.job_id)
+        rank = update.status.rank
+        owned = (job is not None and update.attempt == job.attempt and self._owner_of(job, rank) == session.name)
+        with self._consistent():
+            with self.store.transaction(f"a report of node {rec.name}"):
+                if update.seq:
+                    self.store.set_node_seq(rec.name, update.seq)
+                if owned:
+                    self._apply_rank(job, session.name, update)
             if update.seq:
                 rec.last_seq = update.seq
-                self.store.set_node_seq(rec.name, update.seq)
-            if job is None or update.attempt != job.attempt or not 0 <= update.status.rank < job.world_size:
-                log.warning("report.ignored", node=rec.name, job=update.job_id, attempt=update.attempt)
-                return True
-            self._apply_rank(job, session.name, update)
+        if not owned:
+            self._reject(session, update, job)
+            return
         self._advance(job)
-        return True
+
+    def _reject(self, session: NodeSession, update: RankUpdate, job: JobRecord | None) -> None:
+        """Count (and log, sparingly) a report for a rank this node does not run in this attempt."""
+        if job is not None and update.attempt == job.attempt:
+            self.rejected_reports[session.name] += 1
+            n = self.rejected_reports[session.name]
+            if n == 1 or n % 1000 == 0:
+                log.warning("report.not_owner", node=session.name, job=job.id, rank=update.status.rank,
+                            owner=self._owner_of(job, update.status.rank), rejected=n)
+        else:  # an older attempt's or a forgotten job's report: normal after a restart or a cancel
+            log.debug("report.ignored", node=session.name, job=update.job_id, attempt=update.attempt)
 
     def _apply_rank(self, job: JobRecord, node: str, update: RankUpdate) -> None:
         old = self.book.ranks(job.id).get(update.status.rank)
@@ -321,9 +481,17 @@ class Coordinator:
             self.book.event(job, "rank", f"rank {new.rank} {'exited' if new.exited else new.phase}", new)
 
     def _advance(self, job: JobRecord) -> None:
-        """Move an active job along from its rank statuses."""
+        """Move an active job along from its rank statuses (owed to tick when the store refuses)."""
         if not is_active(job.state):
             return
+        try:
+            with self._consistent():
+                self._advance_once(job)
+        except StoreError as exc:
+            self._owed.add(job.id)
+            log.warning("job.advance_store_failed", job=job.id, error=str(exc))
+
+    def _advance_once(self, job: JobRecord) -> None:
         ranks = self.book.ranks(job.id)
         bad = first_failure(ranks)
         if bad is not None:
@@ -333,15 +501,28 @@ class Coordinator:
             self.book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
         if job.state is S.RUNNING and all_succeeded(ranks, job.world_size):
             results = parse_rank_results({r: rec.result_json for r, rec in ranks.items()})
-            with self.store.transaction():
+            with self.store.transaction(f"the result of job {job.id}"):
                 job.result = aggregate(job.kind, results)
                 self.book.save(job)
                 self.book.event(job, "result", f"result from {len(results)} rank(s)")
             self._finish(job, S.SUCCEEDED, f"all {job.world_size} ranks exited 0")
 
     def append_logs(self, session: NodeSession, job_id: str, attempt: int, rank: int, lines: list[str]) -> None:
-        """Store a batch of a rank's log lines (bounded tail) and wake log followers."""
-        if not lines or job_id not in self.book.jobs or not self.nodes.is_current(session):
+        """Store a batch of a rank's log lines (bounded tail) and wake log followers.
+
+        Lines of a rank this node does not run are counted and dropped; lines the store
+        refuses are dropped with a warning (the rank's full log stays in its file on the node).
+        """
+        job = self.book.jobs.get(job_id)
+        if not lines or job is None or not self.nodes.is_current(session):
             return
-        self.store.append_logs(job_id, attempt, rank, lines)
+        if attempt != job.attempt or self._owner_of(job, rank) != session.name:
+            self.rejected_reports[session.name] += 1
+            return
+        try:
+            self.store.append_logs(job_id, attempt, rank, lines)
+        except StoreError as exc:
+            log.warning("logs.store_failed", node=session.name, job=job_id, rank=rank, lines=len(lines),
+                        error=str(exc))
+            return
         self.signals.notify(job_id)

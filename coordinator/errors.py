@@ -17,3 +17,15 @@ class AmbiguousJob(CoordinatorError):
 
 class ProtocolError(CoordinatorError):
     """A node broke the session protocol, e.g. did not start with Register (FAILED_PRECONDITION)."""
+
+
+class NodeNameTaken(CoordinatorError):
+    """Another live daemon holds this node name (ALREADY_EXISTS)."""
+
+
+class CapacityError(CoordinatorError):
+    """The job can never fit the cluster's nodes (FAILED_PRECONDITION); nothing was stored."""
+
+
+class InvalidRequest(CoordinatorError):
+    """A request field the coordinator cannot use (INVALID_ARGUMENT)."""

@@ -2,15 +2,19 @@
 
 Every change goes through here so that state, event and store stay consistent: a
 transition checks the state machine, updates the job row, appends an event and wakes
-the job's watchers. Callers group several changes in ``store.transaction()``.
+the job's watchers. Callers group several changes in ``store.transaction()``. When a
+write fails (``StoreError``), the caller runs ``resync()``: memory goes back to what the
+store holds, in place, so that references held elsewhere stay valid.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import bisect
+from typing import Callable, Iterable
 
 import structlog
 
+from rankctl.contract.names import shown as shown_value
 from rankctl.coordinator.errors import AmbiguousJob, JobNotFound
 from rankctl.coordinator.records import EventRecord, JobRecord, RankRecord
 from rankctl.coordinator.signals import Signals
@@ -18,6 +22,13 @@ from rankctl.coordinator.states import JobState, is_active, is_terminal, transit
 from rankctl.coordinator.store import Store
 
 log = structlog.get_logger("rankctl.coordinator")
+REASON_MAX = 2000      # characters of a reason kept (rank errors can be long)
+AMBIGUOUS_SHOWN = 5    # job ids listed in an ambiguous-name error
+MAX_PAGE = 1000        # jobs in one ListJobs page
+
+
+def _cap(reason: str) -> str:
+    return reason if len(reason) <= REASON_MAX else reason[:REASON_MAX - 1] + "…"
 
 
 class JobBook:
@@ -26,8 +37,30 @@ class JobBook:
     def __init__(self, store: Store, clock: Callable[[], float], signals: Signals) -> None:
         self.store, self.clock, self.signals = store, clock, signals
         self.jobs: dict[str, JobRecord] = {j.id: j for j in store.load_jobs()}
-        self._ranks: dict[str, dict[int, RankRecord]] = {j: store.ranks(j) for j in self.jobs}
+        self._ranks: dict[str, dict[int, RankRecord]] = store.all_ranks()
         self._seq: dict[str, int] = store.last_event_seqs()
+        self._index()
+
+    def _index(self) -> None:
+        """Jobs in submission order, with their seqnos (ascending) for paging by bisection."""
+        self._order: list[JobRecord] = list(self.jobs.values())
+        self._seqnos: list[int] = [j.seqno for j in self._order]
+
+    def resync(self) -> None:
+        """Bring memory back to the store after a failed write: jobs updated in place, ranks, event numbers."""
+        stored = {j.id: j for j in self.store.load_jobs()}
+        for job_id in [j for j in self.jobs if j not in stored]:
+            del self.jobs[job_id]  # added in memory, never committed
+        for job_id, fresh in stored.items():
+            job = self.jobs.setdefault(job_id, fresh)
+            if job is not fresh:
+                job.__dict__.update(fresh.__dict__)
+        self._ranks = self.store.all_ranks()
+        self._seq = self.store.last_event_seqs()
+        self._index()
+        for job_id in self.jobs:
+            self.signals.notify(job_id)
+        log.warning("store.resynced", jobs=len(self.jobs))
 
     # -- lookup --------------------------------------------------------------
     def get(self, id_or_name: str) -> JobRecord:
@@ -37,15 +70,29 @@ class JobBook:
         named = [j for j in self.jobs.values() if j.name == id_or_name]
         if len(named) == 1:
             return named[0]
+        shown = shown_value(id_or_name)
         if named:
-            raise AmbiguousJob(f"{len(named)} jobs are named {id_or_name!r}: {', '.join(j.id for j in named)}; "
-                               "give the job id")
-        raise JobNotFound(f"no job {id_or_name!r}")
+            ids = ", ".join(j.id for j in named[-AMBIGUOUS_SHOWN:][::-1])
+            more = f" and {len(named) - AMBIGUOUS_SHOWN} older" if len(named) > AMBIGUOUS_SHOWN else ""
+            raise AmbiguousJob(f"{len(named)} jobs are named {shown}: {ids}{more}; give the job id")
+        raise JobNotFound(f"no job {shown}")
 
     def list(self, limit: int = 0) -> list[JobRecord]:
         """Jobs in submission order; ``limit`` > 0 keeps the most recent."""
         jobs = list(self.jobs.values())
         return jobs[-limit:] if limit > 0 else jobs
+
+    def page(self, size: int, before: int = 0, states: Iterable[JobState] = ()) -> tuple[list[JobRecord], int]:
+        """Up to ``size`` jobs, newest first, submitted before seqno ``before`` (0: from the newest),
+        in one of ``states`` (all when empty); and the cursor of the next page (0: no more)."""
+        wanted, out = frozenset(states), []
+        i = bisect.bisect_left(self._seqnos, before) if before > 0 else len(self._order)
+        while i > 0 and len(out) < size:
+            i -= 1
+            if not wanted or self._order[i].state in wanted:
+                out.append(self._order[i])
+        more = i > 0 and len(out) == size
+        return out, (out[-1].seqno if more else 0)
 
     def pending(self) -> list[JobRecord]:
         return [j for j in self.jobs.values() if j.state is JobState.PENDING]
@@ -58,15 +105,21 @@ class JobBook:
 
     # -- changes -------------------------------------------------------------
     def add(self, job: JobRecord) -> None:
-        with self.store.transaction():
+        """Store a new job and its first event; memory changes only once both are committed."""
+        ev = EventRecord(job.id, 1, self.clock(), job.state, "transition", _cap(f"submitted: {job.reason}"))
+        with self.store.transaction("the new job"):
             self.store.insert_job(job)
-            self.jobs[job.id] = job
-            self.event(job, "transition", f"submitted: {job.reason}")
+            self.store.append_event(ev)
+        self.jobs[job.id] = job
+        self._order.append(job)
+        self._seqnos.append(job.seqno)
+        self._seq[job.id] = ev.seq
+        self.signals.notify(job.id)
         log.info("job.submitted", job=job.id, world_size=job.world_size)
 
     def event(self, job: JobRecord, kind: str, message: str, rank: RankRecord | None = None) -> EventRecord:
         seq = self._seq.get(job.id, 0) + 1
-        ev = EventRecord(job.id, seq, self.clock(), job.state, kind, message, rank)
+        ev = EventRecord(job.id, seq, self.clock(), job.state, kind, _cap(message), rank)
         self.store.append_event(ev)
         self._seq[job.id] = seq
         self.signals.notify(job.id)
@@ -75,7 +128,8 @@ class JobBook:
     def transition(self, job: JobRecord, dst: JobState, reason: str) -> None:
         """Move ``job`` to ``dst`` (raises IllegalTransition), store it and write an event."""
         transition(job.state, dst, reason)
-        with self.store.transaction():
+        reason = _cap(reason)
+        with self.store.transaction(f"job {job.id} moving to {dst.value}"):
             job.state, job.reason = dst, reason
             if is_terminal(dst):
                 job.finished_at = self.clock()
@@ -87,6 +141,7 @@ class JobBook:
 
     def set_waiting(self, job: JobRecord, reason: str) -> None:
         """Update a pending job's reason, with an event, only when it changes."""
+        reason = _cap(reason)
         if job.reason == reason:
             return
         with self.store.transaction():

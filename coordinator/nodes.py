@@ -8,11 +8,12 @@ registers again).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterator
 
-from rankctl.coordinator.records import NodeHello, NodeRecord
+from rankctl.coordinator.records import NodeHello, NodeRecord, RankUpdate
 from rankctl.proto import rankctl_pb2 as pb
 
 Outbox = Callable[[pb.CoordinatorMessage], None]
@@ -35,6 +36,9 @@ class NodeSession:
     last_heartbeat: float = 0.0
     detail: str = ""               # why LOST / since when DISCONNECTED
     unverified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) not listed on Register
+    unstored: deque[RankUpdate] = field(default_factory=deque)  # reports the store refused, in order
+    owes_failures: bool = False    # LOST, but failing its jobs could not be stored yet
+    since: float = 0.0             # when it became DISCONNECTED (0: since the coordinator started)
 
     @property
     def name(self) -> str:
@@ -60,13 +64,14 @@ class NodeTable:
     def ready(self) -> list[NodeSession]:
         return [s for s in self if s.status is NodeStatus.READY]
 
-    def connect(self, hello: NodeHello, outbox: Outbox, now: float) -> NodeSession:
-        """Open a new session for ``hello``; a new daemon session restarts report numbering."""
+    def record_for(self, hello: NodeHello, now: float) -> NodeRecord:
+        """The record a session for ``hello`` would have; a new daemon session restarts report numbering."""
         old = self.sessions.get(hello.name)
         last_seq = old.record.last_seq if old is not None and old.record.session == hello.session else 0
-        record = NodeRecord(
-            hello.name, hello.address, hello.slots, dict(hello.hardware), hello.session, last_seq, now
-        )
+        return NodeRecord(hello.name, hello.address, hello.slots, dict(hello.hardware), hello.session, last_seq, now)
+
+    def connect(self, record: NodeRecord, hello: NodeHello, outbox: Outbox, now: float) -> NodeSession:
+        """Open a new session (``record`` from ``record_for``, already stored)."""
         session = NodeSession(record, NodeStatus.READY, outbox, tuple(hello.free_ports), now)
         self.sessions[hello.name] = session
         return session

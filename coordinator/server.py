@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,14 @@ from rankctl.proto import rankctl_pb2_grpc
 
 log = structlog.get_logger("rankctl.coordinator")
 SERVICES = ("", "rankctl.v1.ClientService", "rankctl.v1.NodeService")
+MAX_MESSAGE_BYTES = 16 << 20
+# grpc enables SO_REUSEPORT by default: a second coordinator on a used address would start
+# silently and split the clients between the two. Bind exclusively instead.
+SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
 
 
 @dataclass
@@ -70,26 +80,46 @@ async def _monitor(core: Coordinator, period: float) -> None:
             log.exception("coordinator.monitor_failed")
 
 
+def _bind_problem(listen: str) -> str:
+    """Why ``listen`` cannot be bound, as the OS says it (after grpc's bind failed)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as exc:
+        return f"not a usable HOST:PORT ({exc})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            return "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return "grpc could not bind it"
+
+
 def _split_listen(listen: str) -> str:
     host = listen.rsplit(":", 1)[0] if ":" in listen else listen
     return host.strip("[]") if host not in ("", "0.0.0.0", "[::]") else "127.0.0.1"
 
 
 async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float = 10.0, *,
-                            clock: Callable[[], float] = time.time) -> CoordinatorServer:
-    """Load state from ``state_dir``, bind ``listen`` ("host:port", port 0 = any) and serve."""
+                            clock: Callable[[], float] = time.time, head_wait: float | None = None
+                            ) -> CoordinatorServer:
+    """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
+    ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken."""
     store = Store(state_dir)
-    core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout)
-    server = grpc.aio.server()
+    extra = {} if head_wait is None else {"head_wait": head_wait}
+    core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout, **extra)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core), server)
     rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
         port = server.add_insecure_port(listen)
-    except RuntimeError as exc:
+    except RuntimeError:
         store.close()
-        raise OSError(f"cannot listen on {listen}: {exc}") from None
+        raise OSError(f"cannot listen on {listen}: {_bind_problem(listen)}") from None
     await server.start()
     for name in SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -1,7 +1,9 @@
 """Thin grpc.aio servicers: protobuf in, core call, protobuf out, domain errors -> status codes.
 
 Errors clients see carry the domain message only; anything unexpected is logged with its
-traceback here and answered INTERNAL without details.
+traceback here and answered INTERNAL without details. Parsing and checking a job file is
+pure CPU work of bounded but real cost: it runs on a worker thread (``_off_loop``), never on
+the event loop, so a hostile job file cannot stall heartbeats, reports or other clients.
 """
 
 from __future__ import annotations
@@ -15,34 +17,63 @@ import structlog
 
 from rankctl.coordinator import convert
 from rankctl.coordinator.core import Coordinator
-from rankctl.coordinator.errors import AmbiguousJob, JobNotFound, ProtocolError
+from rankctl.coordinator.errors import (
+    AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, ProtocolError,
+)
+from rankctl.coordinator.jobs import MAX_PAGE
 from rankctl.coordinator.nodes import NodeSession
 from rankctl.coordinator.spec import SpecError
 from rankctl.coordinator.states import is_terminal
+from rankctl.coordinator.store import StoreError
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
 
 log = structlog.get_logger("rankctl.coordinator")
 FOLLOW_POLL_S = 1.0  # watchers re-check at least this often even without a wake-up
+DEFAULT_PAGE = 100
+PAGE_BYTES = 1 << 20  # a ListJobs page stops near this size, whatever page_size says
+DETAILS_MAX = 8192    # characters of an error's details sent to a client
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (SpecError, grpc.StatusCode.INVALID_ARGUMENT),
     (AmbiguousJob, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (JobNotFound, grpc.StatusCode.NOT_FOUND),
     (ProtocolError, grpc.StatusCode.FAILED_PRECONDITION),
+    (CapacityError, grpc.StatusCode.FAILED_PRECONDITION),
+    (NodeNameTaken, grpc.StatusCode.ALREADY_EXISTS),
 )
+
+
+def _store_code(exc: StoreError) -> grpc.StatusCode:
+    return grpc.StatusCode.RESOURCE_EXHAUSTED if exc.full else grpc.StatusCode.UNAVAILABLE
+
+
+async def _off_loop(fn, *args):  # noqa: ANN001, ANN202 - a thin wrapper over to_thread
+    """Run pure CPU work (job-file parsing, layout planning) on a worker thread."""
+    return await asyncio.to_thread(fn, *args)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """Abort the RPC with the status code of ``exc``; never sends a traceback."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
+    if isinstance(exc, StoreError):
+        await context.abort(_store_code(exc), str(exc)[:DETAILS_MAX])
     for kind, code in _CODES:
         if isinstance(exc, kind):
             details = "\n".join(exc.errors) if isinstance(exc, SpecError) else str(exc)
-            await context.abort(code, details)
+            await context.abort(code, details[:DETAILS_MAX])
     log.exception("rpc.internal_error")
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the coordinator log")
+
+
+def _page_token(token: str) -> int:
+    if not token:
+        return 0
+    if not token.isdigit() or len(token) > 18:
+        raise InvalidRequest(f"page_token {token[:20]!r} is not one this coordinator gave out")
+    return int(token)
 
 
 class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
@@ -57,7 +88,9 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         try:
-            job = self.core.submit(request.spec_yaml, list(request.overrides), request.source or "job file")
+            spec = await _off_loop(self.core.validate, request.spec_yaml, list(request.overrides),
+                                   request.source or "job file")
+            job = self.core.submit_spec(spec, queue_anyway=request.queue_anyway)
             return pb.SubmitJobResponse(job=self._job(job.id))
         except Exception as exc:
             await _abort(context, exc)
@@ -70,8 +103,21 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
         try:
-            jobs = self.core.list(request.limit)
-            return pb.ListJobsResponse(jobs=[convert.job_to_pb(j, self.core.ranks(j.id)) for j in jobs])
+            size = min(request.page_size or request.limit or DEFAULT_PAGE, MAX_PAGE)
+            before = _page_token(request.page_token)
+            states = [convert.job_state_from_pb(s) for s in request.states]
+            jobs, cursor = self.core.book.page(size, before, states)
+            out, used = pb.ListJobsResponse(), 0
+            for i, job in enumerate(jobs):
+                msg = convert.job_summary_pb(job)
+                used += msg.ByteSize()
+                if used > PAGE_BYTES and i > 0:  # bounded whatever the page size: continue from here
+                    cursor = jobs[i - 1].seqno
+                    break
+                out.jobs.append(msg)
+            if cursor and not request.limit:
+                out.next_page_token = str(cursor)
+            return out
         except Exception as exc:
             await _abort(context, exc)
 
@@ -84,13 +130,16 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
         try:
-            return pb.ListNodesResponse(nodes=[convert.node_to_pb(s, free) for s, free in self.core.node_views()])
+            rejected = self.core.rejected_reports
+            return pb.ListNodesResponse(nodes=[convert.node_to_pb(s, free, rejected[s.name])
+                                               for s, free in self.core.node_views()])
         except Exception as exc:
             await _abort(context, exc)
 
     async def PlanJob(self, request: pb.PlanJobRequest, context: grpc.aio.ServicerContext) -> pb.PlanJobResponse:
         try:
-            layout, spec = self.core.plan(request.spec_yaml, list(request.overrides), request.source or "job file")
+            layout, spec = await _off_loop(self.core.plan, request.spec_yaml, list(request.overrides),
+                                           request.source or "job file")
             return pb.PlanJobResponse(layout_json=json.dumps(layout, separators=(",", ":")), spec_json=json.dumps(spec))
         except Exception as exc:
             await _abort(context, exc)
@@ -155,7 +204,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
         if first.WhichOneof("body") != "register":
             await _abort(context, ProtocolError("the first message on a node stream must be Register"))
         outbox: asyncio.Queue[pb.CoordinatorMessage | None] = asyncio.Queue()
-        with structlog.contextvars.bound_contextvars(node=first.register.name):
+        with structlog.contextvars.bound_contextvars(node=first.register.name[:64]):
             try:
                 session = self.core.register(convert.hello_from_pb(first.register), outbox.put_nowait)
             except Exception as exc:

@@ -3,21 +3,35 @@
 One connection, owned by the coordinator and used from the event loop thread. Writes
 happen inside ``transaction()``; the outermost block commits before it returns, so a
 write that an RPC acknowledges is on disk first. Each method opens its own (nested)
-transaction, so a single call outside a block also commits at once.
+transaction, so a single call outside a block also commits at once. A write that SQLite
+refuses (disk full, I/O error) rolls the whole outermost transaction back and raises
+``StoreError``; the core then brings its memory back to what the store holds.
+
+Opening a store takes an exclusive lock on ``state_dir/coordinator.lock`` for the life of
+the process (two coordinators never share one database), checks the database
+(``PRAGMA quick_check``) and its schema version (``PRAGMA user_version``).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
 import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from rankctl.coordinator.errors import CoordinatorError
 from rankctl.coordinator.records import EventRecord, JobRecord, LogRecord, NodeRecord, RankRecord
 from rankctl.coordinator.states import JobState
 
 DB_NAME = "coordinator.db"
+LOCK_NAME = "coordinator.lock"
+SCHEMA_VERSION = 1  # PRAGMA user_version of a database this code writes
+WAL_CHECKPOINT_PAGES = 128  # checkpoint the WAL into the database every ~512 KiB
+WAL_SIZE_LIMIT = 1 << 20    # and truncate it back to 1 MiB after a checkpoint
 LOG_LINES_PER_RANK = 5000
 
 SCHEMA = """
@@ -54,6 +68,46 @@ _JOB_COLS = (
 _RANK_COLS = "rank, node, phase, step, metrics_json, error, exit_code, exited, updated_at, result_json"
 
 
+class StoreError(CoordinatorError):
+    """A write the database refused; nothing of the operation was kept."""
+
+    def __init__(self, message: str, *, full: bool = False) -> None:
+        super().__init__(message)
+        self.full = full
+
+
+class StateDirInUse(OSError):
+    """Another process holds the state directory's lock."""
+
+
+class StoreUnusable(OSError):
+    """The database is corrupt or from a newer rankctl: refused at start."""
+
+
+def _lock_state_dir(state_dir: Path) -> int:
+    """An exclusive, non-blocking flock on the state dir's lock file, holding our PID; returns its fd."""
+    path = state_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise StateDirInUse(f"state dir {state_dir} is in use by another coordinator (pid {holder}); "
+                                "stop it or choose another --state-dir") from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _store_error(exc: sqlite3.Error, what: str) -> StoreError:
+    text = str(exc)
+    full = "full" in text.lower() or getattr(exc, "sqlite_errorcode", None) == 13  # SQLITE_FULL
+    return StoreError(f"the coordinator could not store {what}: {text}; nothing was changed", full=full)
+
+
 def _job_from_row(row: tuple) -> JobRecord:
     (seqno, jid, name, kind, spec, state, reason, attempt, world, spn, created, finished, nodes, rdv, res) = row
     return JobRecord(
@@ -79,35 +133,96 @@ class Store:
         self.path = Path(state_dir) / DB_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.log_lines_per_rank = log_lines_per_rank
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._lock_fd = _lock_state_dir(self.path.parent)
+        self._depth = 0
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._open()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self) -> None:
+        """Check the database and its schema version; create the schema in a new one."""
+        try:
+            check = self._db.execute("PRAGMA quick_check").fetchall()
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            raise StoreUnusable(f"{self.path} is not a usable rankctl database ({exc}); move it away to start "
+                                "with an empty state, or restore a backup") from None
+        if check != [("ok",)]:
+            first = "; ".join(str(row[0]) for row in check[:3])
+            raise StoreUnusable(f"{self.path} is corrupt (PRAGMA quick_check: {first}); move it away to start "
+                                "with an empty state, or restore a backup")
+        if version > SCHEMA_VERSION:
+            raise StoreUnusable(f"{self.path} has schema version {version}, newer than this rankctl's "
+                                f"{SCHEMA_VERSION}; run the rankctl that wrote it")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
+        # Keep the WAL small: a WAL that outgrows the free space can never be checkpointed into
+        # the database again, and the store stays full after space is freed.
+        self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
+        self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         self._db.executescript(SCHEMA)
-        self._depth = 0
+        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     def close(self) -> None:
         self._db.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def schema_version(self) -> int:
+        return self._db.execute("PRAGMA user_version").fetchone()[0]
 
     def journal_mode(self) -> str:
         return self._db.execute("PRAGMA journal_mode").fetchone()[0]
 
     @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """Group writes; the outermost block commits on success and rolls back on error."""
-        if self._depth == 0:
-            self._db.execute("BEGIN IMMEDIATE")
+    def transaction(self, what: str = "a change") -> Iterator[None]:
+        """Group writes; the outermost block commits on success and rolls back on error.
+
+        Any SQLite error inside (or at COMMIT) rolls back and is raised as ``StoreError``.
+        """
+        outer = self._depth == 0
+        if outer:
+            self._run("BEGIN IMMEDIATE", what)
         self._depth += 1
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             self._depth -= 1
-            if self._depth == 0:
-                self._db.execute("ROLLBACK")
+            if outer:
+                self._rollback()
+            if isinstance(exc, sqlite3.Error):
+                raise _store_error(exc, what) from None
             raise
         self._depth -= 1
-        if self._depth == 0:
-            self._db.execute("COMMIT")
+        if outer:
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._rollback()
+                raise _store_error(exc, what) from None
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a ``transaction()`` block is open."""
+        return self._depth > 0
+
+    def _run(self, sql: str, what: str) -> None:
+        try:
+            self._db.execute(sql)
+        except sqlite3.Error as exc:
+            raise _store_error(exc, what) from None
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # SQLite may have rolled back already (e.g. SQLITE_FULL at COMMIT)
 
     def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with self.transaction():
@@ -188,6 +303,13 @@ class Store:
             (job_id, r.rank, r.node, r.phase, r.step, r.metrics_json, r.error, r.exit_code, int(r.exited),
              r.updated_at, r.result_json),
         )
+
+    def all_ranks(self) -> dict[str, dict[int, RankRecord]]:
+        """job id -> rank -> record, for every job (one query)."""
+        out: dict[str, dict[int, RankRecord]] = {}
+        for row in self._db.execute(f"SELECT job_id, {_RANK_COLS} FROM ranks ORDER BY job_id, rank"):
+            out.setdefault(row[0], {})[row[1]] = _rank_from_row(row[1:])
+        return out
 
     def clear_ranks(self, job_id: str) -> None:
         self._write("DELETE FROM ranks WHERE job_id=?", (job_id,))

@@ -62,7 +62,7 @@ class Hardware(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen")
+    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen", "rejected_reports")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class Node(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_REPORTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -77,7 +78,8 @@ class Node(_message.Message):
     state: NodeState
     hardware: Hardware
     last_seen: float
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ...) -> None: ...
+    rejected_reports: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ..., rejected_reports: _Optional[int] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "updated_at")
@@ -272,14 +274,16 @@ class CoordinatorMessage(_message.Message):
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec_yaml", "overrides", "source")
+    __slots__ = ("spec_yaml", "overrides", "source", "queue_anyway")
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_ANYWAY_FIELD_NUMBER: _ClassVar[int]
     spec_yaml: str
     overrides: _containers.RepeatedScalarFieldContainer[str]
     source: str
-    def __init__(self, spec_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ...) -> None: ...
+    queue_anyway: bool
+    def __init__(self, spec_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., queue_anyway: _Optional[bool] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job",)
@@ -294,16 +298,24 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("limit",)
+    __slots__ = ("limit", "page_size", "page_token", "states")
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
     limit: int
-    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    states: _containers.RepeatedScalarFieldContainer[JobState]
+    def __init__(self, limit: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., states: _Optional[_Iterable[_Union[JobState, str]]] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "next_page_token")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[Job]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class CancelJobRequest(_message.Message):
     __slots__ = ("job_id", "reason")

@@ -100,8 +100,13 @@ def kinds(core: Coordinator, job_id: str) -> list[tuple[str, str]]:
     return [(e.kind, e.state.value) for e in core.events(job_id)]
 
 
-def test_submit_without_nodes_waits_with_the_shortfall(world: World) -> None:
-    job = world.core.submit(job_yaml())
+def test_submit_without_nodes_is_refused_unless_queued_anyway(world: World) -> None:
+    from rankctl.coordinator.errors import CapacityError
+
+    with pytest.raises(CapacityError, match=r"needs 2 node\(s\) with 2 slots each; the cluster has 0 such node"):
+        world.core.submit(job_yaml())
+    assert world.core.list() == [] and world.store.load_jobs() == []
+    job = world.core.submit(job_yaml(), queue_anyway=True)
     assert job.id.startswith("cc-") and len(job.id) == len("cc-") + 6
     assert job.state is S.PENDING
     assert "needs 2 node(s) with 2 free slots each, 0 available (no nodes connected)" in job.reason
@@ -290,14 +295,19 @@ def test_restart_node_that_does_not_come_back_is_lost(tmp_path: Path) -> None:
     w2.store.close()
 
 
-def test_reconnect_without_the_job_fails_it_and_unknown_jobs_are_cancelled(world: World) -> None:
-    n0, n1 = world.connect("n0"), world.connect("n1")
-    job = world.core.submit(job_yaml())
-    n0 = world.connect("n0", running=(RunningJob("ghost-000000", 1, (0,)),), session="s2")
-    assert job.state is S.FAILED and job.reason == "node n0 reconnected without this job; ranks 0-1 are gone"
+def test_reconnect_without_the_job_fails_it_and_unknown_jobs_are_cancelled(tmp_path: Path) -> None:
+    w = make_world(tmp_path)
+    w.connect("n0"), w.connect("n1")
+    job = w.core.submit(job_yaml())
+    w2 = _restarted(w, tmp_path)                     # n0's daemon restarted too (a new session)
+    n1 = w2.connect("n1", running=(RunningJob(job.id, 1, (2, 3)),))
+    n0 = w2.connect("n0", running=(RunningJob("ghost-000000", 1, (0,)),), session="s2")
+    again = w2.core.get(job.id)
+    assert again.state is S.FAILED and again.reason == "node n0 reconnected without this job; ranks 0-1 are gone"
     assert sorted(c.job_id for c in n0.bodies("cancel")) == sorted([job.id, "ghost-000000"])
     assert [c.job_id for c in n1.bodies("cancel")] == [job.id]
     assert n0.bodies("registered")[-1].last_seq == 0   # a new daemon session restarts numbering
+    w2.store.close()
 
 
 def test_logs_are_stored_per_rank(world: World) -> None:

@@ -110,7 +110,7 @@ def test_invalid_and_unknown_map_to_status_codes(tmp_path: Path) -> None:
 def test_submit_assign_report_succeed_and_watch(tmp_path: Path) -> None:
     async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
         client = rankctl_pb2_grpc.ClientServiceStub(channel)
-        job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
+        job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB, queue_anyway=True))).job
         assert job.state == pb.PENDING and "no nodes connected" in job.reason
         watch = client.WatchJob(pb.WatchJobRequest(job_id=job.id))
         daemon = FakeDaemon(channel)

@@ -1,0 +1,173 @@
+"""Regression tests of the coordinator core for the adversarial pass (issue 10), without a network.
+
+Each test names the defect it pins: forged reports, duplicate node names, memory and store out
+of step on a refused write, jobs that can never fit, unbounded lists and errors.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from rankctl.coordinator.errors import AmbiguousJob, CapacityError, NodeNameTaken
+from rankctl.coordinator.nodes import NodeStatus
+from rankctl.coordinator.states import JobState
+from rankctl.coordinator.store import StoreError
+from test_core import World, job_yaml, make_world
+
+S = JobState
+
+
+class FullDisk:
+    """A proxy of the store's SQLite connection that refuses every COMMIT while ``full``."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db, self.full = db, False
+
+    def execute(self, sql: str, *args):  # noqa: ANN002, ANN201
+        if self.full and sql.strip().upper() == "COMMIT":
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.db, name)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    w = make_world(tmp_path)
+    yield w
+    w.store.close()
+
+
+def full_disk(world: World) -> FullDisk:
+    proxy = FullDisk(world.store._db)
+    world.store._db = proxy
+    return proxy
+
+
+def test_a_node_cannot_report_for_ranks_it_does_not_run(world: World) -> None:
+    n0, n1 = world.connect("n0"), world.connect("n1")
+    stranger = world.connect("stranger")
+    job = world.core.submit(job_yaml())            # ranks 0-1 on n0, 2-3 on n1
+    assert job.nodes == ["n0", "n1"]
+    assert world.report(job.id, 0, "failed", code=1, error="forged", node="n1")      # n1 claims n0's rank
+    assert world.report(job.id, 2, "failed", code=1, error="forged", node="stranger")
+    for r in range(4):
+        world.report(job.id, r, "done", code=0, result={"loss": 0.0001}, node="stranger")
+    assert job.state is S.STARTING and job.result is None
+    assert world.core.rejected_reports == {"n1": 1, "stranger": 5}
+    assert {r.phase for r in world.core.ranks(job.id)} == {"pending"}
+    world.core.append_logs(stranger.session, job.id, 1, 0, ["forged line"])
+    assert world.core.logs(job.id) == [] and world.core.rejected_reports["stranger"] == 6
+    world.run_all(job.id, result={"x": 1})          # the real owners still decide
+    assert job.state is S.SUCCEEDED
+    assert n0.session.record.last_seq > 0 and n1.session.record.last_seq > 0
+
+
+def test_a_second_live_daemon_cannot_take_a_node_name(world: World) -> None:
+    n0 = world.connect("n0")
+    job = world.core.submit(job_yaml(nodes=1, slots=2, tp=2))
+    with pytest.raises(NodeNameTaken, match="node name 'n0' is held by another live daemon"):
+        world.connect("n0", session="other-daemon")
+    assert job.state is S.STARTING and not n0.closed  # the stray Register changed nothing
+    world.connect("n0")                               # the same daemon reconnecting replaces its stream
+    assert n0.sent.count(None) == 1                   # its old stream was closed
+    assert job.state is S.STARTING
+    world.core.disconnect(world.nodes["n0"].session)  # once its stream is gone, a new daemon may take the name
+    world.connect("n0", session="other-daemon")
+    assert world.core.nodes.get("n0").status is NodeStatus.READY
+
+
+def test_a_refused_submit_leaves_nothing_in_memory_or_store(world: World) -> None:
+    world.connect("n0"), world.connect("n1")
+    disk = full_disk(world)
+    disk.full = True
+    with pytest.raises(StoreError, match="could not store the new job: database or disk is full"):
+        world.core.submit(job_yaml())
+    assert world.core.list() == [] and world.store.load_jobs() == []
+    disk.full = False
+    job = world.core.submit(job_yaml())
+    assert [j.id for j in world.core.list()] == [job.id] and job.state is S.STARTING
+    assert [e.seq for e in world.core.events(job.id)] == [1, 2, 3]
+
+
+def test_reports_the_store_refused_are_stored_once_it_writes_again(world: World) -> None:
+    world.connect("n0"), world.connect("n1")
+    job = world.core.submit(job_yaml())
+    for r in range(4):
+        world.report(job.id, r, "running")
+    assert job.state is S.RUNNING
+    disk = full_disk(world)
+    disk.full = True
+    for r in range(4):
+        world.report(job.id, r, "done", code=0, result={"x": r})
+    world.core.tick()
+    assert job.state is S.RUNNING                      # memory says what the store holds
+    assert world.store.load_jobs()[0].state is S.RUNNING
+    assert {r.phase for r in world.core.ranks(job.id)} == {"running"}
+    assert sum(len(s.unstored) for s in world.core.nodes) == 4
+    disk.full = False
+    world.core.tick()                                  # no restart needed
+    assert job.state is S.SUCCEEDED and world.store.load_jobs()[0].state is S.SUCCEEDED
+    assert all(not s.unstored for s in world.core.nodes)
+
+
+def test_a_transition_the_store_refused_is_retried(world: World) -> None:
+    world.connect("n0"), world.connect("n1")
+    job = world.core.submit(job_yaml())
+    disk = full_disk(world)
+    disk.full = True
+    with pytest.raises(StoreError):
+        world.core.cancel(job.id)
+    assert job.state is S.STARTING and world.store.load_jobs()[0].state is S.STARTING
+    world.core.disconnect(world.nodes["n1"].session)   # the node is lost, failing its job cannot be stored
+    assert job.state is S.STARTING
+    disk.full = False
+    world.core.tick()
+    assert job.state is S.FAILED and job.reason.startswith("node n1 lost")
+
+
+def test_a_job_larger_than_the_cluster_is_refused_and_never_blocks_the_queue(world: World) -> None:
+    world.connect("n0", slots=2), world.connect("n1", slots=2)
+    with pytest.raises(CapacityError, match=r"needs 3 node\(s\) with 2 slots each; the cluster has 2"):
+        world.core.submit(job_yaml("big", nodes=3, slots=2, tp=1))
+    with pytest.raises(CapacityError, match=r"with 4 slots each; the cluster has 0 such node"):
+        world.core.submit(job_yaml("wide", nodes=1, slots=4, tp=1))
+    assert world.core.list() == []
+    big = world.core.submit(job_yaml("big", nodes=3, slots=2, tp=1), queue_anyway=True)
+    small = world.core.submit(job_yaml("small", nodes=1, slots=2, tp=1))
+    assert big.state is S.PENDING and small.state is S.STARTING
+
+
+def test_the_head_of_the_queue_holds_others_back_for_a_bounded_time(world: World) -> None:
+    world.connect("n0", slots=2), world.connect("n1", slots=2)
+    first = world.core.submit(job_yaml("first", nodes=1, slots=2, tp=1))    # takes n0
+    wide = world.core.submit(job_yaml("wide", nodes=2, slots=2, tp=1))      # fits the cluster, not now
+    small = world.core.submit(job_yaml("small", nodes=1, slots=2, tp=1))    # would fit n1 now
+    assert first.state is S.STARTING and wide.state is S.PENDING
+    assert small.state is S.PENDING and small.reason == f"queued behind {wide.id}"
+    world.clock.t += world.core.head_wait - 1
+    world.core.schedule()
+    assert small.state is S.PENDING
+    world.clock.t += 2
+    world.core.schedule()
+    assert small.state is S.STARTING and wide.state is S.PENDING            # backfilled around the head
+
+
+def test_job_lists_are_paged_and_errors_stay_short(world: World) -> None:
+    world.connect("n0", slots=2)
+    jobs = [world.core.submit(job_yaml("same", nodes=1, slots=2, tp=1), queue_anyway=True) for _ in range(30)]
+    page, cursor = world.core.book.page(10)
+    assert [j.id for j in page] == [j.id for j in jobs[::-1][:10]] and cursor == jobs[20].seqno
+    page2, cursor2 = world.core.book.page(10, cursor)
+    assert [j.id for j in page2] == [j.id for j in jobs[::-1][10:20]]
+    rest, end = world.core.book.page(100, cursor2)
+    assert len(rest) == 10 and end == 0
+    starting, _ = world.core.book.page(100, states=[S.STARTING])
+    assert [j.id for j in starting] == [jobs[0].id]
+    with pytest.raises(AmbiguousJob) as err:
+        world.core.get("same")
+    assert len(str(err.value)) < 200 and "30 jobs are named 'same'" in str(err.value) and "25 older" in str(err.value)

@@ -1,0 +1,179 @@
+"""End to end, the coordinator-side defects of the adversarial pass (issue 10), through real
+``ctl coordinator`` / ``ctl worker`` processes and the real ``ctl``:
+
+- a node stream that registers under a name of its own cannot decide another node's ranks;
+- a second coordinator on a used address or state dir exits 2 instead of splitting clients;
+- a second daemon with a live node's name exits 2 and the node's job is untouched;
+- a full state disk refuses submits cleanly (nothing phantom) and every job completes once
+  space is freed, without a restart.
+
+The forged stream speaks gRPC from this process, so the module runs with the in-process ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster import CTL, Proc, ctl, ready_nodes, start_coordinator, start_worker, status, wait_for
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.proto import rankctl_pb2_grpc
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+HEARTBEAT_TIMEOUT = 3.0
+pytestmark = [pytest.mark.timeout(600), pytest.mark.grpc_in_process]
+
+
+class TwoNodes:
+    """A coordinator and two 2-slot workers, shared by the module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.coord, self.address = start_coordinator(root / "coord", HEARTBEAT_TIMEOUT)
+        self.workers = [start_worker(self.address, f"node-{k}", 2, root) for k in range(2)]
+        wait_for(lambda: len(ready_nodes(self.address)) == 2, 60, "both workers READY")
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.coord.stop()
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory):
+    c = TwoNodes(tmp_path_factory.mktemp("defects"))
+    yield c
+    c.stop()
+
+
+def submit(address: str, *args: str) -> str:
+    out = ctl(address, "submit", *args)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def comm_check(address: str, seconds: float, *extra: str) -> str:
+    return submit(address, str(EXAMPLES / "comm-check.yaml"), "--set", "resources.slots_per_node=2",
+                  "--set", "parallel.tp=2", "--set", "parallel.pp=1", "--set", f"comm_check.duration={seconds}",
+                  "--set", "comm_check.size_bytes=4096", *extra)
+
+
+def wait_state(address: str, job: str, states: set[str], timeout: float) -> dict:
+    return wait_for(lambda: (s := status(address, job))["state"] in states and s, timeout, f"{job} in {states}")
+
+
+def forge(address: str, job_id: str, world: int) -> None:
+    """Register as node 'stranger' and claim every rank of ``job_id``: one failure, then success."""
+    def messages():
+        yield pb.NodeMessage(register=pb.Register(name="stranger", address="127.0.0.1", slots=1, session="x"))
+        bad = pb.RankStatus(rank=0, node="stranger", phase="failed", exited=True, exit_code=1, error="forged failure")
+        yield pb.NodeMessage(report=pb.RankReport(job_id=job_id, attempt=1, status=bad, seq=1))
+        for rank in range(world):
+            ok = pb.RankStatus(rank=rank, node="stranger", phase="done", exited=True, exit_code=0)
+            yield pb.NodeMessage(report=pb.RankReport(job_id=job_id, attempt=1, status=ok, seq=2 + rank,
+                                                      result_json=json.dumps({"loss": 0.0001})))
+        yield pb.NodeMessage(logs=pb.LogLines(job_id=job_id, attempt=1, rank=0, lines=["forged line"]))
+        time.sleep(1.0)  # keep the stream open while the coordinator reads
+
+    with grpc.insecure_channel(address) as channel:
+        replies = rankctl_pb2_grpc.NodeServiceStub(channel).Connect(messages())
+        assert next(replies).WhichOneof("body") == "registered"
+        for _ in replies:
+            pass
+
+
+def test_a_forged_node_stream_cannot_fail_or_finish_a_job(two: TwoNodes) -> None:
+    job = comm_check(two.address, 6)
+    wait_state(two.address, job, {"RUNNING"}, 60)
+    forge(two.address, job, 4)
+    st = status(two.address, job)
+    assert st["state"] == "RUNNING" and "forged" not in st["reason"], st
+    nodes = {n["name"]: n for n in json.loads(ctl(two.address, "nodes", "--json").stdout)}
+    assert nodes["stranger"]["rejected_reports"] == 6, nodes["stranger"]   # 5 reports + 1 log batch
+    assert nodes["node-0"]["rejected_reports"] == 0
+    done = wait_state(two.address, job, {"SUCCEEDED", "FAILED"}, 120)
+    assert done["state"] == "SUCCEEDED" and done["result"].get("loss") is None, done
+    logs = ctl(two.address, "logs", job)
+    assert "forged line" not in logs.stdout
+
+
+def test_a_second_coordinator_on_a_used_address_or_state_dir_exits_2(two: TwoNodes, tmp_path: Path) -> None:
+    other = subprocess.run(CTL + ["coordinator", "--listen", two.address, "--state-dir", str(tmp_path / "s2")],
+                           capture_output=True, text=True, timeout=60)
+    assert other.returncode == 2 and "address in use" in other.stderr, other.stderr
+    shared = subprocess.run(CTL + ["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(two.root / "coord")],
+                            capture_output=True, text=True, timeout=60)
+    assert shared.returncode == 2, shared.stderr
+    assert f"in use by another coordinator (pid {two.coord.pid})" in shared.stderr, shared.stderr
+    assert "Traceback" not in other.stderr + shared.stderr
+    counts = {len(json.loads(ctl(two.address, "jobs", "--json").stdout)) for _ in range(8)}
+    assert len(counts) == 1, counts  # every client reaches the one coordinator
+
+
+def test_a_second_daemon_with_a_live_nodes_name_exits_2(two: TwoNodes) -> None:
+    job = comm_check(two.address, 4)
+    wait_state(two.address, job, {"RUNNING"}, 60)
+    twin = start_worker(two.address, "node-0", 2, two.root / "twin")
+    code = twin.p.wait(timeout=120)
+    assert code == 2, twin.output()[-2000:]
+    assert "node name 'node-0' is held by another live daemon" in twin.output()
+    assert "Traceback" not in twin.output()
+    done = wait_state(two.address, job, {"SUCCEEDED", "FAILED"}, 120)
+    assert done["state"] == "SUCCEEDED", done
+    assert sorted(ready_nodes(two.address)) == ["node-0", "node-1"]
+
+
+def _fill(path: Path) -> None:
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path):
+    mount = tmp_path / "state"
+    mount.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a 3 MB tmpfs here ({out.stderr.strip() or 'mount failed'})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_state_disk_refuses_submits_cleanly_and_loses_nothing(tmpfs: Path, tmp_path: Path) -> None:
+    coord, address = start_coordinator(tmpfs, HEARTBEAT_TIMEOUT)   # its log file lies beside the mount
+    worker = start_worker(address, "disk-0", 2, tmp_path / "workers")
+    try:
+        wait_for(lambda: ready_nodes(address) == ["disk-0"], 60, "the worker READY")
+        running = comm_check(address, 6, "--set", "resources.nodes=1")
+        wait_state(address, running, {"RUNNING"}, 60)
+        _fill(tmpfs / "filler")
+        refused = ctl(address, "submit", str(EXAMPLES / "comm-check.yaml"), "--set", "resources.nodes=1",
+                      "--set", "resources.slots_per_node=2", "--set", "parallel.pp=1")
+        assert refused.returncode == 1, refused.stderr
+        assert "could not store the new job" in refused.stderr and "full" in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        listed = json.loads(ctl(address, "jobs", "--json").stdout)
+        assert [j["id"] for j in listed] == [running], listed      # nothing phantom
+        time.sleep(8)                                             # the running job ends while the disk is full
+        assert status(address, running)["state"] == "RUNNING"      # its exits are held, not lost
+        os.unlink(tmpfs / "filler")
+        assert wait_state(address, running, {"SUCCEEDED", "FAILED"}, 30)["state"] == "SUCCEEDED"
+        later = comm_check(address, 0, "--set", "resources.nodes=1")
+        assert wait_state(address, later, {"SUCCEEDED", "FAILED"}, 60)["state"] == "SUCCEEDED"
+        assert coord.p.poll() is None                              # no restart happened
+    finally:
+        worker.stop()
+        coord.stop()
+        shutil.rmtree(tmp_path / "workers", ignore_errors=True)
