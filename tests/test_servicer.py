@@ -163,6 +163,7 @@ def test_restart_keeps_the_running_job_and_the_node_reconnects(tmp_path: Path) -
     async def first(coord: CoordinatorServer, channel: grpc.aio.Channel) -> str:
         client = rankctl_pb2_grpc.ClientServiceStub(channel)
         daemon = FakeDaemon(channel)
+        await daemon.expect("registered")  # a job larger than the known cluster would be refused
         job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
         await daemon.expect("assign")
         daemon.report(job.id, 0, "running")
@@ -205,6 +206,7 @@ def test_follow_logs_until_cancelled(tmp_path: Path) -> None:
     async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
         client = rankctl_pb2_grpc.ClientServiceStub(channel)
         daemon = FakeDaemon(channel)
+        await daemon.expect("registered")  # a job larger than the known cluster would be refused
         job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
         await daemon.expect("assign")
         daemon.send(logs=pb.LogLines(job_id=job.id, attempt=1, rank=0, lines=["one"]))
