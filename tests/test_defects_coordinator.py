@@ -6,6 +6,7 @@ of step on a refused write, jobs that can never fit, unbounded lists and errors.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -171,3 +172,22 @@ def test_job_lists_are_paged_and_errors_stay_short(world: World) -> None:
     with pytest.raises(AmbiguousJob) as err:
         world.core.get("same")
     assert len(str(err.value)) < 200 and "30 jobs are named 'same'" in str(err.value) and "25 older" in str(err.value)
+
+
+def test_the_store_refuses_a_corrupt_or_newer_database_and_a_second_opener(tmp_path: Path) -> None:
+    from rankctl.coordinator.store import SCHEMA_VERSION, StateDirInUse, Store, StoreUnusable
+
+    store = Store(tmp_path / "ok")
+    assert store.schema_version() == SCHEMA_VERSION
+    with pytest.raises(StateDirInUse, match=rf"in use by another coordinator \(pid {os.getpid()}\)"):
+        Store(tmp_path / "ok")
+    store._db.execute("PRAGMA user_version=99")
+    store.close()
+    with pytest.raises(StoreUnusable, match="schema version 99, newer than this rankctl's"):
+        Store(tmp_path / "ok")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "coordinator.db").write_bytes(b"SQLite format 3\0" + b"\xff" * 5000)
+    for _ in range(2):  # the lock is released when opening fails (else the second try says "in use")
+        with pytest.raises(StoreUnusable, match="not a usable rankctl database|is corrupt"):
+            Store(bad)
