@@ -32,10 +32,9 @@ from rankctl.coordinator.errors import CapacityError, NodeNameTaken, ProtocolErr
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable, Outbox
 from rankctl.coordinator.planner import build_assignments, pick_port, plan_layout
-from rankctl.coordinator.progress import all_running, all_succeeded, changed, failure_reason, first_failure, rank_span
-from rankctl.coordinator.records import (
-    EventRecord, JobRecord, LogRecord, NodeHello, RankRecord, RankUpdate, RunningJob,
-)
+from rankctl.coordinator.progress import all_running, all_succeeded, failure_reason, first_failure, rank_span
+from rankctl.coordinator.records import EventRecord, JobRecord, LogRecord, NodeHello, RankRecord, RunningJob
+from rankctl.coordinator.reports import ReportsMixin
 from rankctl.coordinator.results import aggregate, parse_rank_results
 from rankctl.coordinator.signals import Signals
 from rankctl.coordinator.spec import JobSpec, build_spec, load_yaml_text
@@ -46,7 +45,6 @@ from rankctl.parallel.placement import NodeSlots, PlacementError, place
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
 HEAD_WAIT_S = 60.0          # how long the first job that cannot start holds back the jobs behind it
-MAX_UNSTORED_REPORTS = 100_000  # reports held per node while the store refuses writes
 MAX_SLOTS_PER_NODE = 1024
 
 
@@ -54,7 +52,7 @@ def _gone(ranks: list[int]) -> str:
     return f"{rank_span(ranks)} {'is' if len(ranks) == 1 else 'are'} gone"
 
 
-class Coordinator:
+class Coordinator(ReportsMixin):
     """Jobs and nodes of one coordinator; see the module docstring for the threading contract."""
 
     def __init__(self, store: Store, *, clock: Callable[[], float] = time.time,
@@ -382,104 +380,6 @@ class Coordinator:
         except StoreError as exc:
             log.warning("node.lost_store_failed", node=session.name, error=str(exc))
 
-    # -- reports -------------------------------------------------------------
-    def rank_report(self, session: NodeSession, update: RankUpdate) -> bool:
-        """Apply one rank report; False when dropped (a replay already seen, or a stale stream).
-
-        A report the store refuses is held, in order, with every later one of the session,
-        until tick can store them (the node is not told: it would replay them anyway after
-        a reconnect, since its last stored report number is what the store holds).
-        """
-        if not self.nodes.is_current(session):
-            return False
-        rec = session.record
-        session.last_heartbeat = rec.last_seen = self.clock()  # a report shows the node is alive
-        if update.seq and update.seq <= rec.last_seq:
-            return False
-        if session.unstored:
-            self._hold(session, update)
-            return True
-        try:
-            self._store_report(session, update)
-        except StoreError as exc:
-            log.warning("report.store_failed", node=rec.name, error=str(exc))
-            self._hold(session, update)
-        return True
-
-    def _hold(self, session: NodeSession, update: RankUpdate) -> None:
-        if len(session.unstored) >= MAX_UNSTORED_REPORTS:  # the daemon still has them: make it replay
-            log.warning("report.hold_full", node=session.name, held=len(session.unstored))
-            session.unstored.clear()
-            self._resync_node(session)
-            return
-        session.unstored.append(update)
-
-    def _resync_node(self, session: NodeSession) -> None:
-        """Close the stream without losing the node: it reconnects and replays what the store lacks."""
-        session.status, session.detail = NodeStatus.DISCONNECTED, "asked to reconnect and replay its reports"
-        session.since = self.clock()
-        if session.outbox is not None:
-            session.outbox(None)
-            session.outbox = None
-
-    def _flush_unstored(self, session: NodeSession) -> None:
-        while session.unstored:
-            try:
-                self._store_report(session, session.unstored[0])
-            except StoreError as exc:
-                log.warning("report.flush_failed", node=session.name, held=len(session.unstored), error=str(exc))
-                return
-            session.unstored.popleft()
-
-    def _owner_of(self, job: JobRecord, rank: int) -> str | None:
-        return job.nodes[rank // job.slots_per_node] if 0 <= rank < job.world_size and job.nodes else None
-
-    def _store_report(self, session: NodeSession, update: RankUpdate) -> None:
-        """Store one report (raises StoreError, memory unchanged); then move its job along."""
-        rec, job = session.record, self.book.jobs.get(update.job_id)
-        rank = update.status.rank
-        owned = (job is not None and update.attempt == job.attempt and self._owner_of(job, rank) == session.name)
-        with self._consistent():
-            with self.store.transaction(f"a report of node {rec.name}"):
-                if update.seq:
-                    self.store.set_node_seq(rec.name, update.seq)
-                if owned:
-                    self._apply_rank(job, session.name, update)
-            if update.seq:
-                rec.last_seq = update.seq
-        if not owned:
-            self._reject(session, update, job)
-            return
-        self._advance(job)
-
-    def _reject(self, session: NodeSession, update: RankUpdate, job: JobRecord | None) -> None:
-        """Count (and log, sparingly) a report for a rank this node does not run in this attempt."""
-        if job is not None and update.attempt == job.attempt:
-            self.rejected_reports[session.name] += 1
-            n = self.rejected_reports[session.name]
-            if n == 1 or n % 1000 == 0:
-                log.warning("report.not_owner", node=session.name, job=job.id, rank=update.status.rank,
-                            owner=self._owner_of(job, update.status.rank), rejected=n)
-        else:  # an older attempt's or a forgotten job's report: normal after a restart or a cancel
-            log.debug("report.ignored", node=session.name, job=update.job_id, attempt=update.attempt)
-
-    def _apply_rank(self, job: JobRecord, node: str, update: RankUpdate) -> None:
-        old = self.book.ranks(job.id).get(update.status.rank)
-        st = update.status
-        # an exit report carries no step or metrics: keep the last ones the rank reported
-        keep_metrics = st.metrics_json in ("", "{}") and old is not None
-        new = RankRecord(
-            rank=st.rank, node=node, phase=st.phase or (old.phase if old else "pending"),
-            step=st.step or (old.step if old else 0),
-            metrics_json=old.metrics_json if keep_metrics else st.metrics_json,
-            error=st.error or (old.error if old else ""), exit_code=st.exit_code, exited=st.exited,
-            updated_at=st.updated_at or self.clock(),
-            result_json=update.result_json or (old.result_json if old else ""),
-        )
-        self.book.put_rank(job, new)
-        if changed(old, new):
-            self.book.event(job, "rank", f"rank {new.rank} {'exited' if new.exited else new.phase}", new)
-
     def _advance(self, job: JobRecord) -> None:
         """Move an active job along from its rank statuses (owed to tick when the store refuses)."""
         if not is_active(job.state):
@@ -506,23 +406,3 @@ class Coordinator:
                 self.book.save(job)
                 self.book.event(job, "result", f"result from {len(results)} rank(s)")
             self._finish(job, S.SUCCEEDED, f"all {job.world_size} ranks exited 0")
-
-    def append_logs(self, session: NodeSession, job_id: str, attempt: int, rank: int, lines: list[str]) -> None:
-        """Store a batch of a rank's log lines (bounded tail) and wake log followers.
-
-        Lines of a rank this node does not run are counted and dropped; lines the store
-        refuses are dropped with a warning (the rank's full log stays in its file on the node).
-        """
-        job = self.book.jobs.get(job_id)
-        if not lines or job is None or not self.nodes.is_current(session):
-            return
-        if attempt != job.attempt or self._owner_of(job, rank) != session.name:
-            self.rejected_reports[session.name] += 1
-            return
-        try:
-            self.store.append_logs(job_id, attempt, rank, lines)
-        except StoreError as exc:
-            log.warning("logs.store_failed", node=session.name, job=job_id, rank=rank, lines=len(lines),
-                        error=str(exc))
-            return
-        self.signals.notify(job_id)
