@@ -1,6 +1,9 @@
 """End to end: train jobs through the public path (coordinator + daemons + launchers + ranks)
 equal the serial run: per-step losses within 1e-5 relative and the final parameters, exported
-from the checkpoints to full tensors, within 1e-5.
+from the checkpoints to full tensors, within 1e-5 except for at most a few elements within
+what AdamW can do (``compare.assert_params_close``: the argument is there). At lr 1e-2 this
+config has 4 elements whose Adam denominator falls below eps, where rounding is amplified by
+``lr / eps`` (``bench/adam_drift.py --config train`` lists them).
 
 One embedded local cluster (2 nodes x 4 slots) serves the module; every layout is submitted
 once and the jobs queue FIFO on it.
@@ -12,23 +15,23 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from rankctl.cli.context import Ctx
 from rankctl.cli.errors import CtlError
 from rankctl.cli.local import LocalCluster
 from rankctl.cli.render import job_to_dict
 from rankctl.worker.checkpoint import export_full_state_dict, step_dir
+from compare import assert_params_close, lr_schedule
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.grpc_in_process]
-STEPS = 20
+STEPS, LR, WARMUP = 20, 1.0e-2, 2
 BASE = """
 name: {name}
 kind: train
 resources: {{nodes: {nodes}, slots_per_node: {slots}}}
 parallel: {{tp: {tp}, sequence_parallel: {sp}}}
 model: {{layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 256, position_embedding: {pos}}}
-train: {{steps: {steps}, global_batch: 16, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 7,
+train: {{steps: {steps}, global_batch: 16, micro_batch: 2, lr: {lr}, warmup: {warmup}, seed: 7,
          checkpoint_every: {ckpt}, data: builtin:pydoc}}
 """
 # (tp, sequence_parallel, dp): tp in {1, 2, 4} with and without SP, dp in {1, 2, 4}, world <= 8
@@ -41,7 +44,7 @@ def job_yaml(name: str, tp: int = 1, sp: bool = False, dp: int = 1, steps: int =
     world = tp * dp
     nodes, slots = (2, world // 2) if world == 8 else (1, world)
     return BASE.format(name=name, nodes=nodes, slots=slots, tp=tp, sp=str(sp).lower(), steps=steps, ckpt=ckpt,
-                       pos=pos)
+                       pos=pos, lr=LR, warmup=WARMUP)
 
 
 class Runner:
@@ -103,11 +106,7 @@ def test_layout_equals_serial(runner: Runner, serial: dict, layout_jobs: dict, l
     bad = [(s + 1, a, b) for s, (a, b) in enumerate(zip(losses, serial["losses"])) if not close(a, b)]
     assert not bad, f"steps whose loss differs from the serial run (step, ours, serial): {bad}"
     params = export_full_state_dict(runner.step_dirs(f"tp{tp}-sp{int(sp)}-dp{dp}", STEPS))
-    assert params.keys() == serial["params"].keys()
-    for name, full in params.items():
-        ref = serial["params"][name]
-        assert full.shape == ref.shape, name
-        torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert_params_close(params, serial["params"], lr_schedule(LR, WARMUP, STEPS))
 
 
 def test_killed_job_resumes_with_the_same_losses(runner: Runner) -> None:
