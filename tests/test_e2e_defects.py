@@ -177,3 +177,35 @@ def test_a_full_state_disk_refuses_submits_cleanly_and_loses_nothing(tmpfs: Path
         worker.stop()
         coord.stop()
         shutil.rmtree(tmp_path / "workers", ignore_errors=True)
+
+
+def test_nine_thousand_jobs_list_in_pages_and_errors_stay_short(tmp_path: Path) -> None:
+    """Before: one ListJobs response held every job with its ranks (4.7 MB at ~9,000 jobs, over
+    gRPC's 4 MiB), and an ambiguous-name error listed every id (120 KB)."""
+    from rankctl.coordinator.records import JobRecord
+    from rankctl.coordinator.spec import build_spec
+    from rankctl.coordinator.states import JobState
+    from rankctl.coordinator.store import Store
+
+    spec = build_spec({"name": "same", "kind": "comm-check", "resources": {"nodes": 2, "slots_per_node": 4}}).to_dict()
+    store = Store(tmp_path / "coord")
+    with store.transaction():
+        for i in range(9000):
+            store.insert_job(JobRecord(id=f"same-{i:06x}", name="same", kind="comm-check", spec=spec,
+                                       state=JobState.SUCCEEDED, reason="all 8 ranks exited 0 " + "x" * 300,
+                                       world_size=8, slots_per_node=4, created_at=1000.0 + i,
+                                       nodes=[f"node-{k}" for k in range(2)], result={"comm": []}))
+    store.close()
+    coord, address = start_coordinator(tmp_path / "coord", HEARTBEAT_TIMEOUT)
+    try:
+        listed = ctl(address, "jobs", "--json")
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        ids = [j["id"] for j in json.loads(listed.stdout)]
+        assert len(ids) == 9000 and ids[0] == "same-002327" and ids[-1] == "same-000000"  # newest first
+        newest = json.loads(ctl(address, "jobs", "--json", "--limit", "3").stdout)
+        assert [j["id"] for j in newest] == ["same-002327", "same-002326", "same-002325"]
+        ambiguous = ctl(address, "status", "same")
+        assert ambiguous.returncode == 2 and len(ambiguous.stderr) < 400, ambiguous.stderr
+        assert "9000 jobs are named 'same'" in ambiguous.stderr and "8995 older" in ambiguous.stderr
+    finally:
+        coord.stop()
