@@ -21,14 +21,11 @@ def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str]
     absolute against the current directory, since daemons do not share our working directory.
     """
     from rankctl.coordinator.checks import check_job
-    from rankctl.coordinator.spec import SpecError, build_spec, load_yaml_text
+    from rankctl.coordinator.spec import SpecError, build_spec, load_yaml_text, read_job_text
 
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise CtlError(f"{path}: cannot read the job file ({exc.strerror})") from None
     sets = list(overrides)
     try:
+        text = read_job_text(path)
         spec = build_spec(load_yaml_text(text, path), sets)
         data = spec.train.data if spec.train else "builtin:"
         if not data.startswith("builtin:") and not Path(data).is_absolute():

@@ -66,17 +66,16 @@ def _rank_table(layout: "RankLayout", gpn: int, all_ranks: bool) -> list[str]:
 
 
 def _kind_table(layout: "RankLayout", gpn: int) -> tuple[list[str], list[str]]:
-    from rankctl.parallel.placement import INTRA_NODE_KINDS, cross_node_groups
+    from rankctl.parallel.placement import INTRA_NODE_KINDS, kind_summary
 
-    cross = cross_node_groups(layout, gpn)
     lines = [f"  {'kind':<9} {'groups':>7} {'size':>6} {'cross-node':>11}"]
     warnings = []
-    for kind, groups in layout.iter_groups():
-        n, size = groups.shape
-        lines.append(f"  {kind:<9} {n:>7} {size:>6} {cross[kind]:>11}")
-        if kind in INTRA_NODE_KINDS and cross[kind] and size > 1:
+    for kind, k in kind_summary(layout, gpn).items():
+        n, size, cross = k["groups"], k["size"], k["cross_node"]
+        lines.append(f"  {kind:<9} {n:>7} {size:>6} {cross:>11}")
+        if kind in INTRA_NODE_KINDS and cross and size > 1:
             warnings.append(
-                f"warning: {cross[kind]} of {n} {kind} groups cross a node boundary "
+                f"warning: {cross} of {n} {kind} groups cross a node boundary "
                 f"({kind} traffic is heavy; keep {kind} groups inside a node of {gpn} gpus)"
             )
     return lines, warnings
@@ -115,11 +114,13 @@ def _one_rank(layout: "RankLayout", rank: int, gpn: int, as_json: bool) -> str:
 @click.option("--order", type=str, help="Rank order, first token fastest (default tp-cp-ep-dp-pp).")
 @click.option("--gpus-per-node", type=int, default=None, help="Slots per node (default 8, or the job's).")
 @click.option("--rank", "one_rank", type=int, default=None, help="Show one rank's coordinates and groups.")
-@click.option("--all-ranks", is_flag=True, help=f"List every rank even past {MAX_RANKS_LISTED}.")
+@click.option("--all-ranks", is_flag=True,
+              help=f"List every rank even past {MAX_RANKS_LISTED} (with --json: every group's members at any size).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable layout on stdout.")
 def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None, all_ranks: bool,
          as_json: bool, gpus_per_node: int | None, **flags: object) -> None:
     """Validate and explain a rank layout (from JOB_FILE or flags)."""
+    from rankctl.contract.limits import MAX_SLOTS_PER_NODE
     from rankctl.coordinator.spec import SpecError
     from rankctl.parallel.layout import LayoutError, RankLayout
 
@@ -131,17 +132,16 @@ def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None,
                 raise CtlError("--set needs a job file")
             cfg, gpn = _config_from_flags(flags), 8
         gpn = gpus_per_node or gpn
-        if gpn < 1:
-            raise CtlError(f"--gpus-per-node={gpn} must be at least 1")
+        if not 1 <= gpn <= MAX_SLOTS_PER_NODE:
+            raise CtlError(f"--gpus-per-node={gpn} must be between 1 and {MAX_SLOTS_PER_NODE}")
         layout = RankLayout(cfg)
         if one_rank is not None:
             layout.coords(one_rank)  # validates the rank
             click.echo(_one_rank(layout, one_rank, gpn, as_json))
         elif as_json:
-            doc = layout.to_dict()
-            doc["gpus_per_node"] = gpn
-            doc["node_of_rank"] = [r // gpn for r in range(cfg.world_size)]
-            json.dump(doc, sys.stdout, separators=(",", ":"))
+            from rankctl.parallel.placement import layout_document
+
+            json.dump(layout_document(layout, gpn, all_ranks), sys.stdout, separators=(",", ":"))
             sys.stdout.write("\n")
         else:
             click.echo(_human(layout, gpn, all_ranks))

@@ -14,13 +14,17 @@ from rankctl.cli.errors import CtlError
 
 def _cluster_shape(text: str, path: str, overrides: tuple[str, ...], nodes: int | None,
                    slots: int | None) -> tuple[int, int]:
+    from rankctl.contract.limits import MAX_SLOTS_PER_NODE, MAX_WORLD_SIZE
     from rankctl.coordinator.spec import build_spec, load_yaml_text
 
-    spec = build_spec(load_yaml_text(text, path), list(overrides))
+    spec = build_spec(load_yaml_text(text, path), list(overrides))  # read_job_file checked text and overrides
     res = spec.resources
     n, s = nodes or res.nodes, slots or res.slots_per_node
     if n < 1 or s < 1:
         raise CtlError(f"--nodes={n} and --slots={s} must be at least 1")
+    if s > MAX_SLOTS_PER_NODE or n * s > MAX_WORLD_SIZE:
+        raise CtlError(f"--nodes={n} x --slots={s}: at most {MAX_SLOTS_PER_NODE} slots per node "
+                       f"and {MAX_WORLD_SIZE} in all")
     if n < res.nodes or s < res.slots_per_node:
         raise CtlError(
             f"the job needs resources.nodes={res.nodes} x resources.slots_per_node={res.slots_per_node}, "

@@ -9,6 +9,7 @@ one path component. Errors quote at most a short prefix of the bad value.
 from __future__ import annotations
 
 import re
+import reprlib
 
 JOB_NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 JOB_ID_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?-[0-9a-f]{6}")
@@ -21,12 +22,25 @@ NODE_NAME_RULE = ("must be 1-253 characters of a-z, 0-9, '-' and '.', in dot-sep
 
 SHOWN_PREFIX = 40  # characters of a bad value quoted back in an error
 
+# repr that visits a few items per level and a few levels: bounded work on any value
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 3, SHOWN_PREFIX, SHOWN_PREFIX, SHOWN_PREFIX
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
+
 
 def shown(value: object, limit: int = SHOWN_PREFIX) -> str:
     """``repr`` of at most ``limit`` characters of ``value``, marked when cut."""
-    text = value if isinstance(value, str) else repr(value)
+    text = value if isinstance(value, str) else _REPR.repr(value)
     cut = text[:limit]
     return repr(cut) + (f"... ({len(text)} characters)" if len(text) > limit else "")
+
+
+def brief(value: object, limit: int = SHOWN_PREFIX) -> str:
+    """``repr`` of ``value`` in about ``limit`` characters without walking all of it (strings as ``shown``)."""
+    if isinstance(value, str):
+        return shown(value, limit)
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _problem(value: object, regex: re.Pattern[str], what: str, rule: str) -> str | None:

@@ -11,6 +11,7 @@ from rankctl.coordinator.checks import check_job
 from rankctl.coordinator.records import JobRecord, NodeRecord
 from rankctl.coordinator.spec import JobSpec
 from rankctl.parallel.layout import ParallelConfig, RankLayout
+from rankctl.parallel.placement import layout_document
 from rankctl.worker.assignment import RankAssignment
 
 
@@ -43,8 +44,5 @@ def build_assignments(job: JobRecord, nodes: dict[str, NodeRecord]) -> dict[str,
 
 
 def plan_layout(cfg: ParallelConfig, slots_per_node: int) -> dict:
-    """The layout document of ``ctl plan --json``: config, groups and node of every rank."""
-    doc = RankLayout(cfg).to_dict()
-    doc["gpus_per_node"] = slots_per_node
-    doc["node_of_rank"] = [r // slots_per_node for r in range(cfg.world_size)]
-    return doc
+    """The PlanJob document: config and per-kind summary; per-rank lists only for small worlds."""
+    return layout_document(RankLayout(cfg), slots_per_node)

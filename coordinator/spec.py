@@ -1,20 +1,26 @@
 """The job file (YAML, version 1): schema, ``--set`` overrides and field-path errors.
 
 Schema only: cross-field rules (layout, model shape, batch) live in ``coordinator.checks``.
-Unknown fields are errors; integers are strict (YAML ``"2"`` is not 2).
+Unknown fields are errors; integers are strict (YAML ``"2"`` is not 2); numbers are finite;
+every size and count is bounded (``contract.limits``), and so is the YAML itself: its size,
+nesting depth, aliases and node count after alias expansion are checked before it is built.
 """
 
 from __future__ import annotations
 
 import copy
-import re
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+from rankctl.contract import limits as L
+from rankctl.contract.names import JOB_NAME_RULE, brief, job_name_problem
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: fast and iterative
 
 
 class SpecError(ValueError):
@@ -31,70 +37,79 @@ class SpecError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Resources(_Section):
-    nodes: StrictInt = Field(1, ge=1)
-    slots_per_node: StrictInt = Field(1, ge=1)
+    nodes: StrictInt = Field(1, ge=1, le=L.MAX_NODES)
+    slots_per_node: StrictInt = Field(1, ge=1, le=L.MAX_SLOTS_PER_NODE)
+
+    @model_validator(mode="after")
+    def _world(self) -> "Resources":
+        if self.nodes * self.slots_per_node > L.MAX_WORLD_SIZE:
+            raise ValueError(f"nodes*slots_per_node = {self.nodes * self.slots_per_node} ranks exceeds "
+                             f"the maximum world size of {L.MAX_WORLD_SIZE}")
+        return self
 
 
 class ParallelSpec(_Section):
-    tp: StrictInt = Field(1, ge=1)
-    pp: StrictInt = Field(1, ge=1)
-    cp: StrictInt = Field(1, ge=1)
-    ep: StrictInt = Field(1, ge=1)
-    etp: StrictInt | None = Field(None, ge=1)
-    vpp: StrictInt | None = Field(None, ge=1)
+    tp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    pp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    cp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    ep: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    etp: StrictInt | None = Field(None, ge=1, le=L.MAX_PARALLEL_SIZE)
+    vpp: StrictInt | None = Field(None, ge=1, le=L.MAX_VPP)
     order: str = "tp-cp-ep-dp-pp"
     sequence_parallel: StrictBool = False
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
 
 
 class MoeSpec(_Section):
-    experts: StrictInt = Field(ge=1)
-    top_k: StrictInt = Field(2, ge=1)
-    every: StrictInt = Field(1, ge=1)
+    experts: StrictInt = Field(ge=1, le=L.MAX_EXPERTS)
+    top_k: StrictInt = Field(2, ge=1, le=L.MAX_EXPERTS)
+    every: StrictInt = Field(1, ge=1, le=L.MAX_LAYERS)
     aux_loss: float = Field(0.01, ge=0)
-    capacity_factor: float | None = Field(None, gt=0)
+    capacity_factor: float | None = Field(None, gt=0, le=L.MAX_CAPACITY_FACTOR)
 
 
 class ModelSpec(_Section):
-    layers: StrictInt = Field(4, ge=1)
-    hidden: StrictInt = Field(128, ge=1)
-    heads: StrictInt = Field(4, ge=1)
-    ffn_hidden: StrictInt | None = Field(None, ge=1)
-    seq_len: StrictInt = Field(128, ge=1)
-    vocab: StrictInt = Field(256, ge=1)
+    layers: StrictInt = Field(4, ge=1, le=L.MAX_LAYERS)
+    hidden: StrictInt = Field(128, ge=1, le=L.MAX_HIDDEN)
+    heads: StrictInt = Field(4, ge=1, le=L.MAX_HEADS)
+    ffn_hidden: StrictInt | None = Field(None, ge=1, le=L.MAX_FFN_HIDDEN)
+    seq_len: StrictInt = Field(128, ge=1, le=L.MAX_SEQ_LEN)
+    vocab: StrictInt = Field(256, ge=1, le=L.MAX_VOCAB)
     position_embedding: Literal["learned", "rope"] = "learned"
     tie_embeddings: StrictBool = True
     moe: MoeSpec | None = None
 
 
 class TrainSpec(_Section):
-    steps: StrictInt = Field(20, ge=1)
-    global_batch: StrictInt = Field(16, ge=1)
-    micro_batch: StrictInt = Field(2, ge=1)
+    steps: StrictInt = Field(20, ge=1, le=L.MAX_STEPS)
+    global_batch: StrictInt = Field(16, ge=1, le=L.MAX_BATCH)
+    micro_batch: StrictInt = Field(2, ge=1, le=L.MAX_BATCH)
     lr: float = Field(3.0e-4, gt=0)
-    warmup: StrictInt = Field(2, ge=0)
+    warmup: StrictInt = Field(2, ge=0, le=L.MAX_STEPS)
     grad_clip: float = Field(1.0, ge=0)
-    seed: StrictInt = 1234
+    seed: StrictInt = Field(1234, ge=L.MIN_SEED, le=L.MAX_SEED)
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     data: str = "builtin:pydoc"
-    eval_every: StrictInt = Field(0, ge=0)
-    checkpoint_every: StrictInt = Field(0, ge=0)
+    eval_every: StrictInt = Field(0, ge=0, le=L.MAX_STEPS)
+    checkpoint_every: StrictInt = Field(0, ge=0, le=L.MAX_STEPS)
     resume: StrictBool = False
 
 
 class CommCheckSpec(_Section):
-    size_bytes: StrictInt = Field(1 << 20, ge=4, le=1 << 30)
-    iters: StrictInt = Field(5, ge=1, le=10_000)
-    warmup: StrictInt = Field(2, ge=0, le=1_000)
-    duration: float = Field(0.0, ge=0, le=7 * 24 * 3600)  # soak: repeat the check this many seconds
+    size_bytes: StrictInt = Field(1 << 20, ge=4, le=L.MAX_COMM_BYTES)
+    iters: StrictInt = Field(5, ge=1, le=L.MAX_COMM_ITERS)
+    warmup: StrictInt = Field(2, ge=0, le=L.MAX_COMM_WARMUP)
+    duration: float = Field(0.0, ge=0, le=L.MAX_SOAK_S)  # soak: repeat the check this many seconds
 
 
 class RestartSpec(_Section):
-    max_restarts: StrictInt = Field(0, ge=0)
+    max_restarts: StrictInt = Field(0, ge=0, le=L.MAX_RESTARTS)
+    # seconds every rank's process groups wait in one collective before giving up
+    collective_timeout: float = Field(300.0, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
 
 
 class JobSpec(_Section):
@@ -111,8 +126,8 @@ class JobSpec(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
-            raise ValueError("must be 1-63 characters of a-z, 0-9 and '-', starting and ending with a letter or digit")
+        if job_name_problem(v):
+            raise ValueError(JOB_NAME_RULE)
         return v
 
     @property
@@ -148,6 +163,12 @@ def _rule(err: dict) -> str:
         return "must be true or false"
     if kind in ("float_type", "float_parsing"):
         return "must be a number"
+    if kind == "finite_number":
+        return "must be a finite number"
+    bound = {"less_than_equal": ("le", "at most"), "greater_than_equal": ("ge", "at least"),
+             "greater_than": ("gt", "greater than"), "less_than": ("lt", "less than")}.get(kind)
+    if bound and bound[0] in ctx:
+        return f"must be {bound[1]} {ctx[bound[0]]}"
     if kind in ("string_type",):
         return "must be a string"
     if kind == "literal_error":
@@ -158,31 +179,143 @@ def _rule(err: dict) -> str:
 
 
 def spec_errors(exc: ValidationError) -> list[str]:
-    out = []
-    for err in exc.errors():
+    """One line per problem; a bad value is quoted by a short prefix only (never ``repr``'d whole)."""
+    out, errors = [], exc.errors(include_url=False)
+    for err in errors[:L.MAX_ERRORS_SHOWN]:
         value = err.get("input")
-        shown = "" if err["type"] in ("missing",) else f" (got {value!r})"
+        shown = "" if err["type"] in ("missing",) else f" (got {brief(value)})"
         if isinstance(value, dict) and err["type"] != "extra_forbidden":
             shown = ""
         out.append(f"{_path(err['loc'])}{shown}: {_rule(err)}")
+    if len(errors) > L.MAX_ERRORS_SHOWN:
+        out.append(f"... and {len(errors) - L.MAX_ERRORS_SHOWN} more problems")
     return out
+
+
+# -- reading and bounded YAML -------------------------------------------------
+
+def _too_big(source: str, size: int | str) -> SpecError:
+    return SpecError([f"{source}: job file is {size} bytes; the limit is {L.MAX_JOB_FILE_BYTES}"])
+
+
+def read_job_text(path: str | Path) -> str:
+    """A job file's text: size-capped before it is read whole, UTF-8 (errors name the byte offset)."""
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size > L.MAX_JOB_FILE_BYTES:
+                raise _too_big(str(path), size)
+            data = fh.read(L.MAX_JOB_FILE_BYTES + 1)  # a file that grows, or /dev/zero, stops here
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read the job file ({exc.strerror or exc})"]) from None
+    if len(data) > L.MAX_JOB_FILE_BYTES:
+        raise _too_big(str(path), f"more than {L.MAX_JOB_FILE_BYTES}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise SpecError([f"{path}: not UTF-8 text: byte 0x{data[exc.start]:02x} at byte offset {exc.start} "
+                         f"(line {line}) {exc.reason}"]) from None
+
+
+class _Shape:
+    """Expanded node count, nesting depth and aliases of a YAML stream, from its events alone.
+
+    The event parser is iterative and builds nothing, so a hostile document (an alias bomb,
+    10,000 nested brackets) is refused after a bounded walk, before any object exists. The
+    expanded size of each anchor is remembered, so shared nodes are counted without walking them.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.frames: list[list] = [[0, None]]  # [expanded nodes so far, anchor] per open collection
+        self.anchored: dict[str, int] = {}
+        self.aliases = 0
+
+    def _refuse(self, problem: str, event: yaml.Event) -> SpecError:
+        mark = event.start_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return SpecError([f"{self.source}: refused YAML{where}: {problem}"])
+
+    def _add(self, count: int, anchor: str | None, event: yaml.Event) -> None:
+        if anchor is not None:
+            self.anchored[anchor] = count
+        frame = self.frames[-1]
+        frame[0] += count
+        if frame[0] > L.MAX_YAML_NODES:
+            raise self._refuse(f"more than {L.MAX_YAML_NODES} values (an alias counts the values it repeats)", event)
+
+    def feed(self, event: yaml.Event) -> None:
+        if isinstance(event, yaml.CollectionStartEvent):
+            if len(self.frames) > L.MAX_YAML_DEPTH:
+                raise self._refuse(f"nested deeper than the limit of {L.MAX_YAML_DEPTH} levels", event)
+            self.frames.append([1, event.anchor])
+        elif isinstance(event, yaml.CollectionEndEvent):
+            count, anchor = self.frames.pop()
+            self._add(count, anchor, event)
+        elif isinstance(event, yaml.ScalarEvent):
+            self._add(1, event.anchor, event)
+        elif isinstance(event, yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > L.MAX_YAML_ALIASES:
+                raise self._refuse(f"more than {L.MAX_YAML_ALIASES} aliases", event)
+            self._add(self.anchored.get(event.anchor, 1), None, event)
+
+
+class _NotYaml(SpecError):
+    """Text that does not parse as YAML (``--set`` then takes it as a plain string)."""
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _yaml_error(exc: Exception, source: str) -> SpecError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(exc, "problem", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    if "maximum nesting depth" in problem:  # libyaml's own limit (1000) can fire before ours
+        return SpecError([f"{source}: refused YAML{where}: nested deeper than the limit of {L.MAX_YAML_DEPTH} levels"])
+    return _NotYaml([f"{source}: not valid YAML{where}: {_clip(problem)}"])
+
+
+def bounded_yaml(text: str, source: str) -> Any:
+    """``yaml.safe_load`` of ``text`` after checking its size, depth, aliases and expanded size."""
+    source = _clip(source, 256)  # a client names the source; keep the echo short
+    if len(text) > L.MAX_JOB_FILE_BYTES or len(text.encode("utf-8", "surrogatepass")) > L.MAX_JOB_FILE_BYTES:
+        raise _too_big(source, len(text.encode("utf-8", "surrogatepass")))
+    try:
+        shape = _Shape(source)
+        for event in yaml.parse(text, Loader=_Loader):
+            shape.feed(event)
+        return yaml.load(text, Loader=_Loader)
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: e.g. an int of 5,000 digits
+        if isinstance(exc, SpecError):
+            raise
+        raise _yaml_error(exc, source) from None
 
 
 # -- loading ------------------------------------------------------------------
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """``parallel.tp=4`` -> (["parallel", "tp"], 4); the value is read as YAML."""
+    """``parallel.tp=4`` -> (["parallel", "tp"], 4); the value is read as (bounded) YAML."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
-        raise SpecError([f"--set {item!r}: expected KEY.PATH=VALUE, e.g. parallel.tp=2"])
+        raise SpecError([f"--set {brief(item)}: expected KEY.PATH=VALUE, e.g. parallel.tp=2"])
+    path = key.strip().split(".")
+    if len(path) > L.MAX_YAML_DEPTH:
+        raise SpecError([f"--set {brief(item)}: nested deeper than the limit of {L.MAX_YAML_DEPTH} levels"])
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+        value = bounded_yaml(raw, f"--set {brief(key)}") if raw.strip() else None
+    except _NotYaml:
         value = raw
-    return [p for p in key.strip().split(".")], value
+    return path, value
 
 
 def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    total = sum(len(item) for item in overrides)
+    if total > L.MAX_JOB_FILE_BYTES:
+        raise SpecError([f"--set: {total} characters of overrides; the limit is {L.MAX_JOB_FILE_BYTES}"])
     for item in overrides:
         path, value = parse_override(item)
         node = doc
@@ -191,20 +324,15 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise SpecError([f"--set {item!r}: {'.'.join(path[: i + 1])} is not a mapping"])
+                raise SpecError([f"--set {brief(item)}: {_clip('.'.join(path[: i + 1]))} is not a mapping"])
             node = child
         node[path[-1]] = value
     return doc
 
 
 def load_yaml_text(text: str, source: str = "job file") -> dict[str, Any]:
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError([f"{source}: not valid YAML{where}: {problem}"]) from None
+    """The mapping a job file holds; size, depth, aliases and expanded size are bounded first."""
+    doc = bounded_yaml(text, source)
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -221,9 +349,4 @@ def build_spec(doc: dict[str, Any], overrides: list[str] = ()) -> JobSpec:
 
 
 def load_spec(path: str | Path, overrides: list[str] = ()) -> JobSpec:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError([f"{path}: cannot read the job file ({exc.strerror})"]) from None
-    return build_spec(load_yaml_text(text, str(path)), overrides)
+    return build_spec(load_yaml_text(read_job_text(path), str(path)), overrides)

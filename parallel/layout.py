@@ -22,6 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
+from rankctl.contract.limits import MAX_PARALLEL_SIZE, MAX_VPP, MAX_WORLD_SIZE
+
 TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Megatron's RankGenerator appends tokens missing from ``order`` in this order.
 _APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp")
@@ -181,6 +183,10 @@ class ParallelConfig:
                 raise LayoutError(f"{name}={value!r} must be an integer")
             if value < 1:
                 raise LayoutError(f"{name}={value} must be at least 1")
+            most = MAX_WORLD_SIZE if name == "world_size" else MAX_VPP if name == "vpp" else MAX_PARALLEL_SIZE
+            if value > most:
+                raise LayoutError(f"{name}={value} exceeds the maximum of {most}"
+                                  + (" ranks" if name == "world_size" else ""))
         if not isinstance(self.order, str):
             raise LayoutError(f"order={self.order!r} must be a string such as 'tp-cp-ep-dp-pp'")
 
@@ -276,9 +282,10 @@ class RankLayout:
     def groups(self, kind: str) -> list[list[int]]:
         return self.group_array(kind).tolist()
 
-    def iter_groups(self) -> Iterator[tuple[str, np.ndarray]]:
+    def iter_groups(self, cache: bool = True) -> Iterator[tuple[str, np.ndarray]]:
+        """(kind, groups) for every kind; ``cache=False`` keeps one kind's array alive at a time."""
         for kind in self.kinds:
-            yield kind, self.group_array(kind)
+            yield kind, self.group_array(kind) if cache or kind in self._cache else self._build(kind)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rankctl.contract.limits import PLAN_MAX_RANKS_LISTED
 from rankctl.parallel.layout import RankLayout
 
 # kinds whose traffic is too heavy to cross a node boundary comfortably
@@ -29,13 +30,34 @@ def node_of_rank(rank: int, slots_per_node: int) -> int:
     return rank // slots_per_node
 
 
-def cross_node_groups(layout: RankLayout, slots_per_node: int) -> dict[str, int]:
-    """How many groups of each kind span more than one node."""
+def kind_summary(layout: RankLayout, slots_per_node: int) -> dict[str, dict[str, int]]:
+    """kind -> groups, size and cross-node groups; one kind's array in memory at a time."""
     out = {}
-    for kind, groups in layout.iter_groups():
+    for kind, groups in layout.iter_groups(cache=False):
         nodes = groups // slots_per_node
-        out[kind] = int(np.count_nonzero(nodes.min(axis=1) != nodes.max(axis=1)))
+        cross = int(np.count_nonzero(nodes.min(axis=1) != nodes.max(axis=1)))
+        out[kind] = {"groups": int(groups.shape[0]), "size": int(groups.shape[1]), "cross_node": cross}
     return out
+
+
+def layout_document(layout: RankLayout, slots_per_node: int, all_ranks: bool = False) -> dict:
+    """The layout as JSON-ready data (``ctl plan --json``, the coordinator's PlanJob).
+
+    Always the config and a per-kind summary; every group's members and ``node_of_rank`` only up to
+    ``PLAN_MAX_RANKS_LISTED`` ranks (or with ``all_ranks``), so the answer stays proportional to a
+    question, not to the world.
+    """
+    world = layout.world_size
+    doc: dict = {"config": layout.config.to_dict(), "gpus_per_node": slots_per_node,
+                 "kinds": kind_summary(layout, slots_per_node)}
+    if all_ranks or world <= PLAN_MAX_RANKS_LISTED:
+        doc["groups"] = {k: layout.groups(k) for k in layout.kinds}
+        doc["node_of_rank"] = [r // slots_per_node for r in range(world)]
+    else:
+        doc["omitted"] = ["groups", "node_of_rank"]
+        doc["note"] = (f"world_size={world} is above {PLAN_MAX_RANKS_LISTED} ranks: per-rank lists are omitted; "
+                       "ask for one rank (ctl plan --rank R) or every rank (ctl plan --json --all-ranks)")
+    return doc
 
 
 def place(nodes_needed: int, slots_per_node: int, nodes: list[NodeSlots]) -> list[str]:
