@@ -106,12 +106,14 @@ def exit_for(job) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a job-file field.")
 @click.option("--watch", "watch_", is_flag=True, help="Show live progress on stderr until the job ends.")
 @click.option("--wait", is_flag=True, help="Block until the job ends; exit 0 only on SUCCEEDED.")
+@click.option("--queue-anyway", is_flag=True,
+              help="Accept a job larger than the cluster's nodes and let it wait for nodes.")
 @pass_ctx
-def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wait: bool) -> None:
+def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wait: bool, queue_anyway: bool) -> None:
     """Submit JOB_FILE; print the job id alone on stdout."""
     text, sets = read_job_file(job_file, overrides)
     with ctx.client() as client:
-        job = client.submit(text, sets, job_file)
+        job = client.submit(text, sets, job_file, queue_anyway=queue_anyway)
     click.echo(job.id)
     sys.stdout.flush()
     if watch_ or wait:
@@ -119,15 +121,19 @@ def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wa
 
 
 @click.command("jobs")
-@click.option("--limit", type=int, default=0, help="Newest N jobs (0: all).")
+@click.option("--limit", type=int, default=0, help="Newest N jobs (0: all, fetched page by page).")
+@click.option("--state", "states", multiple=True, metavar="STATE",
+              type=click.Choice(["PENDING", "PLACED", "STARTING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED",
+                                 "RESTARTING"], case_sensitive=False),
+              help="Only jobs in this state (repeatable).")
 @json_option
 @pass_ctx
-def jobs(ctx: Ctx, limit: int, as_json: bool) -> None:
+def jobs(ctx: Ctx, limit: int, states: tuple[str, ...], as_json: bool) -> None:
     """List jobs, newest first."""
     from rankctl.cli.render import job_to_dict, print_json, rows_table, stdout_console, when
 
     with ctx.client() as client:
-        found = [job_to_dict(j) for j in client.jobs(limit)]
+        found = [job_to_dict(j) for j in client.jobs(limit, [s.upper() for s in states])]
     if as_json:
         print_json(found)
         return

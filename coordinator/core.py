@@ -101,7 +101,7 @@ class Coordinator(ReportsMixin):
 
     def plan(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> tuple[dict, dict]:
         """(layout document, spec dict) of a job file, without storing anything. Pure: any thread may call it."""
-        spec = self.validate(spec_yaml, overrides, source)
+        spec = build_spec(load_yaml_text(spec_yaml, source), list(overrides))
         return plan_layout(check_job(spec), spec.resources.slots_per_node), spec.to_dict()
 
     def submit(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file", *,

@@ -209,3 +209,19 @@ def test_nine_thousand_jobs_list_in_pages_and_errors_stay_short(tmp_path: Path) 
         assert "9000 jobs are named 'same'" in ambiguous.stderr and "8995 older" in ambiguous.stderr
     finally:
         coord.stop()
+
+
+def test_a_job_larger_than_the_cluster_is_refused_or_waits_without_blocking(two: TwoNodes) -> None:
+    too_big = ("--set", "resources.nodes=3")
+    refused = ctl(two.address, "submit", str(EXAMPLES / "comm-check.yaml"), "--set", "resources.slots_per_node=2",
+                  "--set", "parallel.tp=2", "--set", "parallel.pp=1", *too_big)
+    assert refused.returncode == 2, refused.stderr
+    assert "needs 3 node(s) with 2 slots each; the cluster has" in refused.stderr and "--queue-anyway" in refused.stderr
+    big = comm_check(two.address, 0, *too_big, "--queue-anyway")
+    small = comm_check(two.address, 0)
+    assert wait_state(two.address, small, {"SUCCEEDED", "FAILED"}, 120)["state"] == "SUCCEEDED"
+    st = status(two.address, big)
+    assert st["state"] == "PENDING" and "waiting for capacity" in st["reason"], st
+    pending = json.loads(ctl(two.address, "jobs", "--json", "--state", "pending").stdout)
+    assert [j["id"] for j in pending] == [big]
+    assert ctl(two.address, "cancel", big).returncode == 0
