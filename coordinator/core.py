@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import structlog
 
+from rankctl.contract.limits import MAX_SLOTS_PER_NODE
 from rankctl.contract.names import node_name_problem
 from rankctl.coordinator import capacity, convert
 from rankctl.coordinator.checks import check_job
@@ -45,7 +46,6 @@ from rankctl.parallel.placement import NodeSlots, PlacementError, place
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
 HEAD_WAIT_S = 60.0          # how long the first job that cannot start holds back the jobs behind it
-MAX_SLOTS_PER_NODE = 1024
 
 
 def _gone(ranks: list[int]) -> str:
