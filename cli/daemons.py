@@ -58,11 +58,26 @@ def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, log_leve
         raise CtlError(f"coordinator cannot serve on {listen}: {exc}") from None
 
 
+def node_name(name: str | None) -> str:
+    """``--name``, or the lower-cased hostname; either must follow the node-name rule."""
+    from rankctl.contract.names import node_name_problem
+
+    if name is not None:
+        problem = node_name_problem(name, "--name")
+    else:
+        name = socket.gethostname().lower()
+        problem = node_name_problem(name, "the hostname")
+        problem = problem and f"{problem}; pass --name"
+    if problem:
+        raise CtlError(problem)
+    return name
+
+
 @click.command("worker")
 @click.option("--coordinator", "coordinator_address", default=None, metavar="HOST:PORT",
               help="Coordinator address (default: ctl --coordinator / RANKCTL_COORDINATOR).")
 @click.option("--slots", type=int, default=None, help="Rank slots (default: GPUs on this node, or 1).")
-@click.option("--name", default=None, help="Node name (default: hostname).")
+@click.option("--name", default=None, help="Node name (default: the lower-cased hostname).")
 @click.option("--advertise-address", default=None, help="Address other nodes reach this node on.")
 @click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory for rank logs and status files.")
@@ -79,10 +94,11 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
     configure_logging(level=log_level)
     if slots is not None and slots < 1:
         raise CtlError(f"--slots={slots} must be at least 1")
+    node = node_name(name)
     state_dir.mkdir(parents=True, exist_ok=True)
     cfg = DaemonConfig(
         coordinator=coordinator_address or ctx.coordinator,
-        name=name or socket.gethostname(),
+        name=node,
         slots=slots or 0,
         state_dir=state_dir.resolve(),
         advertise_address=advertise_address or "127.0.0.1",

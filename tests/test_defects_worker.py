@@ -1,17 +1,29 @@
-"""The worker daemon against misbehaving parts: a launcher that will not start again, ...
+"""The worker daemon against misbehaving parts: a launcher that will not start again, a
+coordinator that sends ids that are not safe paths, a rank that floods its log.
 
-No coordinator process here: fakes stand in for the parts around the daemon.
+No coordinator process here: a small grpc.aio NodeService in the test stands in for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import textwrap
+import time
 from pathlib import Path
+from typing import Callable
 
+import grpc
 import pytest
+from structlog.testing import capture_logs
 
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+from rankctl.worker.assignment import RankAssignment
 from rankctl.worker.daemon import DaemonConfig, LauncherLost, WorkerDaemon
-from rankctl.worker.launcher_client import LauncherError
+from rankctl.worker.launcher_client import Launcher, LauncherError
+from rankctl.worker.logship import BURST, LINES_PER_S, MAX_LINE_BYTES
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.grpc_in_process]
 
@@ -58,3 +70,176 @@ def test_daemon_gives_up_when_no_new_launcher_starts(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert serving == [False]
+
+
+class FakeCoordinator(pb_grpc.NodeServiceServicer):
+    """Acknowledges a Register, then sends what the test puts in ``outbox``; keeps what comes in."""
+
+    def __init__(self) -> None:
+        self.inbox: list[pb.NodeMessage] = []
+        self.outbox: asyncio.Queue[pb.CoordinatorMessage] = asyncio.Queue()
+
+    async def _read(self, requests) -> None:
+        async for msg in requests:
+            self.inbox.append(msg)
+
+    async def Connect(self, requests, context):  # noqa: N802 - the gRPC method name
+        self.inbox.append(await anext(requests))
+        yield pb.CoordinatorMessage(registered=pb.Registered(node="node-a", heartbeat_interval=1.0))
+        reader = asyncio.create_task(self._read(requests))
+        try:
+            while True:
+                yield await self.outbox.get()
+        finally:
+            reader.cancel()
+
+    def reports(self) -> list[pb.RankReport]:
+        return [m.report for m in self.inbox if m.WhichOneof("body") == "report"]
+
+    def log_lines(self) -> list[str]:
+        return [line for m in self.inbox if m.WhichOneof("body") == "logs" for line in m.logs.lines]
+
+
+async def serve(servicer: pb_grpc.NodeServiceServicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    pb_grpc.add_NodeServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def assign(job_id: str, attempt: int = 1, *, rank: int = 0, name: str = "ok", kind: str = "comm-check",
+           rank_job_id: str | None = None) -> pb.CoordinatorMessage:
+    a = RankAssignment(job_id=rank_job_id or job_id, attempt=attempt, rank=rank, world_size=1, local_rank=0,
+                       node="node-a", coords={}, groups={}, rendezvous="127.0.0.1:0", backend="gloo", kind=kind,
+                       spec={"name": name})
+    return pb.CoordinatorMessage(assign=pb.Assign(job_id=job_id, attempt=attempt, ranks=[
+        pb.RankAssignmentMsg(rank=rank, assignment_json=a.to_json())]))
+
+
+class RecordingLauncher(DeadLauncher):
+    def __init__(self) -> None:
+        self.launched: list = []
+
+    async def events(self):
+        await asyncio.Event().wait()  # alive, and quiet
+        yield
+
+    async def launch(self, assignments) -> None:
+        self.launched.extend(assignments)
+
+
+ESCAPE = "../../../escaped"
+BAD = [assign(ESCAPE), assign("ok-0a1b2c", name=ESCAPE), assign("ok-0a1b2c", rank_job_id=ESCAPE),
+       assign("ok-0a1b2c", attempt=-1), assign("ok-0a1b2c", rank=-1), assign("Ok/../x-0a1b2c")]
+
+
+def test_ids_that_are_not_safe_paths_are_refused_and_nothing_leaves_the_state_dir(tmp_path: Path) -> None:
+    state, launcher = tmp_path / "a" / "state", RecordingLauncher()
+    state.mkdir(parents=True)
+
+    async def main() -> tuple[int, list[pb.RankReport]]:
+        fake = FakeCoordinator()
+        server, address = await serve(fake)
+        daemon = WorkerDaemon(config(state, address), launcher)
+        task = asyncio.create_task(daemon.run())
+        await asyncio.wait_for(daemon.connected.wait(), 30)
+        for msg in BAD:
+            fake.outbox.put_nowait(msg)
+        deadline = time.monotonic() + 5
+        while getattr(daemon, "refused", 0) < len(BAD) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        daemon.stop()
+        await task
+        await server.stop(0)
+        return getattr(daemon, "refused", 0), fake.reports()
+
+    with capture_logs() as logs:
+        refused, reports = asyncio.run(main())
+    assert sorted(os.listdir(tmp_path)) == ["a"] and os.listdir(tmp_path / "a") == ["state"]
+    assert not (state / "jobs").exists() and launcher.launched == []
+    assert refused == len(BAD)
+    assert {r.status.error.split(": ", 1)[0] for r in reports if r.status.exited} == {
+        "node node-a refused the assignment"}
+    errors = [e for e in logs if e["event"] == "assignment refused" and e["log_level"] == "error"]
+    assert len(errors) == len(BAD) and "job id '../../../escaped'" in errors[0]["error"], errors
+
+
+FLOOD_KIND = '''
+import sys
+from rankctl.worker.rank import register_kind
+
+def flood(ctx):
+    print("x" * (1 << 20), flush=True)
+    for i in range(100_000):
+        print(f"line {i}")
+    sys.stdout.flush()
+    return {}
+
+register_kind("test-flood", flood)
+'''
+DROPPED = re.compile(r"^\[rankctl: (\d+) lines dropped")
+
+
+def test_a_flooding_rank_is_capped_and_its_full_log_stays_on_the_node(tmp_path: Path) -> None:
+    (tmp_path / "rankctl_test_flood.py").write_text(textwrap.dedent(FLOOD_KIND))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    state = tmp_path / "state"
+
+    async def main() -> tuple[list[str], float]:
+        fake = FakeCoordinator()
+        server, address = await serve(fake)
+        launcher = await Launcher.start(env=env, imports=["rankctl_test_flood"])
+        daemon = WorkerDaemon(config(state, address), launcher)
+        task = asyncio.create_task(daemon.run())
+        await asyncio.wait_for(daemon.connected.wait(), 30)
+        started = time.monotonic()
+        fake.outbox.put_nowait(assign("flood-0a1b2c", name="flood", kind="test-flood"))
+        await until(lambda: any(r.status.exited for r in fake.reports()), 60, "the flooding rank to exit")
+        await until(lambda: not daemon.runs, 30, "its log to be shipped")
+        took = time.monotonic() - started
+        daemon.stop()
+        await task
+        await launcher.close()
+        await server.stop(0)
+        assert [r.status.exit_code for r in fake.reports() if r.status.exited] == [0]
+        return fake.log_lines(), took
+
+    shipped, took = asyncio.run(main())
+    on_node = [ln for ln in (state / "jobs" / "flood-0a1b2c" / "1" / "rank-0.log").read_text().splitlines()
+               if ln.strip()]
+    assert len(on_node) > 100_000 and max(map(len, on_node)) == 1 << 20
+    markers = [int(m.group(1)) for ln in shipped if (m := DROPPED.match(ln))]
+    lines = [ln for ln in shipped if not DROPPED.match(ln)]
+    assert markers and len(lines) + sum(markers) == len(on_node)
+    assert len(lines) <= BURST + LINES_PER_S * took
+    assert max(map(len, lines)) < MAX_LINE_BYTES + 100
+    assert any(ln.startswith("x" * MAX_LINE_BYTES) and "line cut at 4096 bytes" in ln for ln in lines)
+
+
+def test_ctl_worker_refuses_a_bad_node_name(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from rankctl.cli.main import cli
+
+    out = CliRunner().invoke(cli, ["worker", "--name", "Bad/Name", "--state-dir", str(tmp_path / "state")])
+    assert out.exit_code == 2, out.output
+    assert "--name 'Bad/Name' must be" in out.output and "Traceback" not in out.output
+    assert not (tmp_path / "state").exists()
+
+
+def test_ctl_worker_names_the_node_after_the_lower_cased_hostname(monkeypatch) -> None:
+    from rankctl.cli import daemons
+
+    monkeypatch.setattr(daemons.socket, "gethostname", lambda: "GPU-Node-07.Cluster")
+    assert daemons.node_name(None) == "gpu-node-07.cluster"
+    monkeypatch.setattr(daemons.socket, "gethostname", lambda: "node_7")
+    with pytest.raises(daemons.CtlError, match="the hostname 'node_7' must be .*; pass --name"):
+        daemons.node_name(None)

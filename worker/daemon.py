@@ -31,7 +31,9 @@ from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.assignment import RankAssignment
 from rankctl.worker.launcher_client import Launcher, LauncherError
-from rankctl.worker.status import FileTailer, StatusTailer, log_path
+from rankctl.worker.logship import RankLog
+from rankctl.worker.paths import Refused, check_assignment, run_dir_for
+from rankctl.worker.status import StatusTailer, log_path
 
 log = structlog.get_logger("rankctl.worker")
 
@@ -69,7 +71,7 @@ class RunState:
     ranks: set[int]
     alive: set[int] = field(default_factory=set)
     status: StatusTailer | None = None
-    logs: dict[int, FileTailer] = field(default_factory=dict)
+    logs: dict[int, RankLog] = field(default_factory=dict)
 
 
 def free_ports(host: str, count: int) -> list[int]:
@@ -134,6 +136,7 @@ class WorkerDaemon:
         self._reports: deque[pb.RankReport] = deque(maxlen=MAX_BUFFERED_REPORTS)
         self._outbox: asyncio.Queue[pb.NodeMessage] | None = None
         self._stopping = asyncio.Event()
+        self.refused = 0  # Assign messages refused (bad ids)
         self._heartbeat_interval = 1.0
         self.connected = asyncio.Event()
         self._log = log.bind(node=cfg.name)
@@ -236,8 +239,8 @@ class WorkerDaemon:
                 self._status_record(run, rec)
         if self._outbox is None:
             return  # logs stay in their files until we are connected
-        for rank, tailer in run.logs.items():
-            lines = tailer.read_lines()
+        for rank, rank_log in run.logs.items():
+            lines = rank_log.read()
             for i in range(0, len(lines), LOG_BATCH):
                 self._send(pb.NodeMessage(logs=pb.LogLines(job_id=run.job_id, attempt=run.attempt, rank=rank,
                                                             lines=lines[i:i + LOG_BATCH])))
@@ -246,19 +249,44 @@ class WorkerDaemon:
         while not self._stopping.is_set():
             for key, run in list(self.runs.items()):
                 self._drain(run)
-                if not run.alive and self._outbox is not None:
+                if not run.alive and self._outbox is not None and all(lg.drained() for lg in run.logs.values()):
                     self.runs.pop(key, None)  # every exit reported and every log line shipped
             await asyncio.sleep(self.cfg.poll_interval)
 
     # -- coordinator messages ----------------------------------------------------------------
+    def _checked(self, msg: pb.Assign) -> tuple[Path, list[RankAssignment]]:
+        """The run dir and assignments of an Assign whose every id is safe as a path."""
+        run_dir = run_dir_for(self.cfg.state_dir, msg.job_id, msg.attempt)
+        try:
+            assignments = [RankAssignment.from_json(r.assignment_json) for r in msg.ranks]
+        except (ValueError, TypeError) as exc:
+            raise Refused(f"unreadable rank assignment: {str(exc)[:200]}") from None
+        for a in assignments:
+            check_assignment(a, msg.job_id, msg.attempt)
+        return run_dir, [replace(a, run_dir=str(run_dir)) for a in assignments]
+
+    def _refuse(self, msg: pb.Assign, why: str) -> None:
+        """Count and log a refused Assign; its ranks are reported as never started."""
+        self.refused += 1
+        self._log.error("assignment refused", job=msg.job_id[:80], attempt=msg.attempt, error=why,
+                        refused=self.refused)
+        for r in msg.ranks:
+            if r.rank >= 0:
+                self._report(msg.job_id, msg.attempt, pb.RankStatus(
+                    rank=r.rank, node=self.cfg.name, phase="exited", exited=True, exit_code=1,
+                    error=f"node {self.cfg.name} refused the assignment: {why}"))
+
     async def _assign(self, msg: pb.Assign) -> None:
-        run_dir = self.cfg.state_dir / "jobs" / msg.job_id / str(msg.attempt)
+        try:
+            run_dir, assignments = self._checked(msg)
+        except Refused as exc:
+            self._refuse(msg, str(exc))
+            return
         run_dir.mkdir(parents=True, exist_ok=True)
-        assignments = [replace(RankAssignment.from_json(r.assignment_json), run_dir=str(run_dir)) for r in msg.ranks]
         ranks = {a.rank for a in assignments}
         run = RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
                        status=StatusTailer(str(run_dir)),
-                       logs={r: FileTailer(log_path(str(run_dir), r)) for r in ranks})
+                       logs={r: RankLog(log_path(str(run_dir), r), self.cfg.name) for r in ranks})
         run.alive |= ranks  # counted alive from the launch on; exits remove them
         self.runs[(msg.job_id, msg.attempt)] = run
         self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(ranks))

@@ -70,24 +70,51 @@ class StatusWriter:
 
 @dataclass
 class FileTailer:
-    """Reads the complete lines appended to one file since the last call."""
+    """Reads the complete lines appended to one file since the last call.
+
+    ``max_line`` (bytes) cuts a longer line, marked, and skips its rest, even before its
+    newline arrives; ``max_read`` bounds the bytes read per call (the rest waits).
+    """
 
     path: str
     offset: int = 0
+    max_line: int | None = None
+    max_read: int = -1
     _pending: bytes = field(default=b"", repr=False)
+    _cutting: bool = field(default=False, repr=False)  # inside a line already shipped cut
 
     def read_lines(self) -> list[str]:
         """New complete lines (without newline); a trailing partial line waits for the next call."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                data = f.read()
+                data = f.read(self.max_read)
         except FileNotFoundError:
             return []
         self.offset += len(data)
         chunks = (self._pending + data).split(b"\n")
         self._pending = chunks.pop()
-        return [c.decode("utf-8", "replace") for c in chunks if c.strip()]
+        if self._cutting and chunks:
+            chunks.pop(0)  # the end of the cut line
+            self._cutting = False
+        lines = [self._text(c) for c in chunks]
+        if self.max_line is not None and len(self._pending) > self.max_line:
+            if not self._cutting:
+                lines.append(self._text(self._pending))
+            self._pending, self._cutting = b"", True
+        return [line for line in lines if line.strip()]
+
+    def at_end(self) -> bool:
+        """Whether every byte written so far has been read."""
+        try:
+            return self.offset >= os.path.getsize(self.path)
+        except OSError:
+            return True
+
+    def _text(self, raw: bytes) -> str:
+        if self.max_line is None or len(raw) <= self.max_line:
+            return raw.decode("utf-8", "replace")
+        return raw[: self.max_line].decode("utf-8", "replace") + f" [rankctl: line cut at {self.max_line} bytes]"
 
 
 class StatusTailer:

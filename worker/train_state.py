@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from rankctl.contract.names import job_id_problem, job_name_problem
 from rankctl.worker import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -58,8 +59,13 @@ def _layout(t: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def root_of(t: Trainer) -> str:
+    """``{state}/checkpoints/{job name}``; the name must be one safe path component."""
     a = t.ctx.assignment
-    return ckpt.checkpoint_root(a.run_dir, a.spec.get("name", a.job_id))
+    name = a.spec.get("name", a.job_id)
+    problem = job_name_problem(name) if "name" in a.spec else job_id_problem(name)
+    if problem:
+        raise ValueError(f"no checkpoint directory: {problem}")
+    return ckpt.checkpoint_root(a.run_dir, name)
 
 
 DIGEST_TOKENS = 1 << 19  # tokens hashed at each end of each split
