@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from rankctl.cli.context import Ctx, pass_ctx
-from rankctl.cli.errors import EXIT_JOB_FAILED, CtlError
+from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_USAGE, CtlError
 
 log_level = click.option("--log-level", default="info", show_default=True,
                          type=click.Choice(["debug", "info", "warning", "error"]))
@@ -88,7 +88,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
            advertise_address: str | None, state_dir: Path, health_listen: str, log_level: str) -> None:
     """Run the worker daemon for this node until SIGTERM/SIGINT."""
     from rankctl.worker.procutil import configure_logging
-    from rankctl.worker.daemon import DaemonConfig, LauncherLost
+    from rankctl.worker.daemon import DaemonConfig, LauncherLost, NodeNameTaken
     from rankctl.worker.serve import run_worker
 
     configure_logging(level=log_level)
@@ -108,3 +108,5 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         asyncio.run(run_worker(cfg))
     except LauncherLost as exc:  # exit non-zero so that a supervisor restarts the daemon
         raise CtlError(str(exc), code=EXIT_JOB_FAILED) from None
+    except NodeNameTaken as exc:  # a usage error: another daemon holds this name
+        raise CtlError(str(exc), code=EXIT_USAGE) from None

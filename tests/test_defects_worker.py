@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -243,3 +244,54 @@ def test_ctl_worker_names_the_node_after_the_lower_cased_hostname(monkeypatch) -
     monkeypatch.setattr(daemons.socket, "gethostname", lambda: "node_7")
     with pytest.raises(daemons.CtlError, match="the hostname 'node_7' must be .*; pass --name"):
         daemons.node_name(None)
+
+
+TAKEN = "node name 'node-a' is held by a live daemon (session node-a-123 from 10.0.0.7)"
+
+
+class NameTakenCoordinator(pb_grpc.NodeServiceServicer):
+    """Refuses every session, as the coordinator does a second live daemon under one name."""
+
+    def __init__(self) -> None:
+        self.connects = 0
+
+    async def Connect(self, requests, context):  # noqa: N802 - the gRPC method name
+        self.connects += 1
+        await anext(requests)
+        await context.abort(grpc.StatusCode.ALREADY_EXISTS, TAKEN)
+        yield pb.CoordinatorMessage()
+
+
+def test_daemon_stops_when_its_node_name_is_taken(tmp_path: Path) -> None:
+    from rankctl.worker.daemon import NodeNameTaken
+
+    async def main() -> int:
+        fake = NameTakenCoordinator()
+        server, address = await serve(fake)
+        daemon = WorkerDaemon(config(tmp_path, address), RecordingLauncher())
+        with pytest.raises(NodeNameTaken, match="^node name 'node-a' is held"):
+            await asyncio.wait_for(daemon.run(), 30)
+        await asyncio.sleep(0.5)  # a retry loop would connect again by now (backoff 0.05 s)
+        await server.stop(0)
+        return fake.connects
+
+    assert asyncio.run(main()) == 1
+
+
+def test_ctl_worker_exits_2_printing_why_its_name_is_taken(tmp_path: Path) -> None:
+    async def main() -> tuple[int, str]:
+        server, address = await serve(NameTakenCoordinator())
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rankctl.cli.main", "worker", "--coordinator", address, "--name", "node-a",
+            "--state-dir", str(tmp_path / "state"), stderr=asyncio.subprocess.PIPE)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 90)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await server.stop(0)
+        return proc.returncode, err.decode()
+
+    code, err = asyncio.run(main())
+    assert code == 2, err[-2000:]
+    assert f"error: {TAKEN}" in err and "Traceback" not in err

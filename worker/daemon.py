@@ -61,6 +61,15 @@ class LauncherLost(RuntimeError):
     """The launcher died and no new one would start: the daemon must exit (non-zero)."""
 
 
+class NodeNameTaken(RuntimeError):
+    """The coordinator refused this node's name: another live daemon holds it. Retrying cannot help."""
+
+
+def name_taken(exc: grpc.aio.AioRpcError) -> bool:
+    """The coordinator's refusal of a second live session under one node name."""
+    return exc.code() == grpc.StatusCode.ALREADY_EXISTS and (exc.details() or "").startswith("node name")
+
+
 @dataclass
 class RunState:
     """One job attempt with ranks on this node."""
@@ -372,6 +381,9 @@ class WorkerDaemon:
                 await self._session_once()
                 delay = self.cfg.backoff_initial
             except (grpc.aio.AioRpcError, ConnectionError, OSError) as exc:
+                if isinstance(exc, grpc.aio.AioRpcError) and name_taken(exc):
+                    self._log.error("node name taken; stopping", error=exc.details())
+                    raise NodeNameTaken(exc.details()) from None
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self._log.warning("coordinator unreachable", coordinator=self.cfg.coordinator,
                                   error=detail, retry_in=round(delay, 2))
@@ -379,7 +391,7 @@ class WorkerDaemon:
             delay = min(delay * 2, self.cfg.backoff_max)
 
     async def run(self) -> None:
-        """Until ``stop()``; raises ``LauncherLost`` when the daemon must exit."""
+        """Until ``stop()``; raises ``LauncherLost`` or ``NodeNameTaken`` when the daemon must exit."""
         self._session = f"{self.cfg.name}-{os.getpid()}-{id(self):x}"
         tasks = [asyncio.create_task(c) for c in (self._connect_loop(), self._pump_launcher(), self._poll_files())]
         stopping = asyncio.create_task(self._stopping.wait())

@@ -40,7 +40,8 @@ async def start_health(listen: str) -> tuple[grpc.aio.Server, int, Callable[[boo
 async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launcher=None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None); kills every rank on exit.
 
-    Raises ``LauncherLost`` when the launcher died and no new one would start.
+    Raises ``LauncherLost`` when the launcher died and no new one would start, ``NodeNameTaken``
+    when the coordinator refuses the node's name.
     """
     from rankctl.worker.launcher_client import Launcher
 
