@@ -9,7 +9,9 @@ report; after re-registering it replays those the coordinator has not yet stored
 When the launcher dies, every rank it had forked died with it (``PR_SET_PDEATHSIG``): the
 daemon reports them killed, reports NOT_SERVING (``set_serving``), starts a new launcher and
 serves again; ``LauncherLost`` ends ``run()`` when no launcher starts after a few tries, so
-that the process exits and its supervisor restarts it.
+that the process exits and its supervisor restarts it. ``NodeNameTaken`` ends it when the
+coordinator refuses the node's name. A coordinator's ids become paths only once
+``worker.paths`` has checked them; rank logs ship within ``worker.logship``'s limits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ from rankctl.worker.assignment import RankAssignment
 from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.logship import RankLog
 from rankctl.worker.paths import Refused, check_assignment, run_dir_for
+from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status
 from rankctl.worker.status import StatusTailer, log_path
 
 log = structlog.get_logger("rankctl.worker")
@@ -81,46 +83,6 @@ class RunState:
     alive: set[int] = field(default_factory=set)
     status: StatusTailer | None = None
     logs: dict[int, RankLog] = field(default_factory=dict)
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """Ports the OS hands out right now on ``host`` (a rendezvous store can bind one)."""
-    ports, socks = [], []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    except OSError:
-        pass
-    finally:
-        for s in socks:
-            s.close()
-    return ports
-
-
-def exit_code(ev: dict[str, Any]) -> int:
-    """A launcher ``exited`` event's status: the exit code, or minus the signal number."""
-    if ev.get("exit_code") is not None:
-        return int(ev["exit_code"])
-    name = str(ev.get("signal") or "")
-    return -signal.Signals[name].value if name in signal.Signals.__members__ else -1
-
-
-def hardware_pb(facts: dict[str, Any]) -> pb.Hardware:
-    gpus = [pb.GpuInfo(index=g.get("index", i), name=g.get("name", ""), memory_bytes=int(g.get("memory_bytes", 0)))
-            for i, g in enumerate(facts.get("gpus", []))]
-    return pb.Hardware(hostname=facts.get("hostname", ""), cpu_count=int(facts.get("cpu_count", 0)),
-                       memory_bytes=int(facts.get("memory_bytes", 0)), gpus=gpus)
-
-
-def launcher_status(launcher: Any) -> str:
-    """How a dead launcher ended, in words (``killed by SIGKILL``, ``exit 1``)."""
-    rc = getattr(getattr(launcher, "proc", None), "returncode", None)
-    if rc is None:
-        return "exit status unknown"
-    return f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else f"exit {rc}"
 
 
 class WorkerDaemon:

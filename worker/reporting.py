@@ -1,0 +1,49 @@
+"""What the daemon says about its node and its processes: free ports, hardware, exit statuses."""
+
+from __future__ import annotations
+
+import signal
+import socket
+from typing import Any
+
+from rankctl.proto import rankctl_pb2 as pb
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """Ports the OS hands out right now on ``host`` (a rendezvous store can bind one)."""
+    ports, socks = [], []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    except OSError:
+        pass
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def exit_code(ev: dict[str, Any]) -> int:
+    """A launcher ``exited`` event's status: the exit code, or minus the signal number."""
+    if ev.get("exit_code") is not None:
+        return int(ev["exit_code"])
+    name = str(ev.get("signal") or "")
+    return -signal.Signals[name].value if name in signal.Signals.__members__ else -1
+
+
+def hardware_pb(facts: dict[str, Any]) -> pb.Hardware:
+    gpus = [pb.GpuInfo(index=g.get("index", i), name=g.get("name", ""), memory_bytes=int(g.get("memory_bytes", 0)))
+            for i, g in enumerate(facts.get("gpus", []))]
+    return pb.Hardware(hostname=facts.get("hostname", ""), cpu_count=int(facts.get("cpu_count", 0)),
+                       memory_bytes=int(facts.get("memory_bytes", 0)), gpus=gpus)
+
+
+def launcher_status(launcher: Any) -> str:
+    """How a dead launcher ended, in words (``killed by SIGKILL``, ``exit 1``)."""
+    rc = getattr(getattr(launcher, "proc", None), "returncode", None)
+    if rc is None:
+        return "exit status unknown"
+    return f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else f"exit {rc}"
