@@ -295,3 +295,20 @@ def test_ctl_worker_exits_2_printing_why_its_name_is_taken(tmp_path: Path) -> No
     code, err = asyncio.run(main())
     assert code == 2, err[-2000:]
     assert f"error: {TAKEN}" in err and "Traceback" not in err
+
+
+def test_daemon_gives_up_on_a_launcher_that_keeps_dying(tmp_path: Path) -> None:
+    starts: list[int] = []
+
+    async def main() -> None:
+        async def start() -> DeadLauncher:  # starts, then dies at once, every time
+            starts.append(1)
+            return DeadLauncher()
+
+        daemon = WorkerDaemon(config(tmp_path, launcher_restarts=2, launcher_backoff=0.01), DeadLauncher(),
+                              start_launcher=start)
+        with pytest.raises(LauncherLost, match="died 3 times in a row"):
+            await asyncio.wait_for(daemon.run(), 30)
+
+    asyncio.run(main())
+    assert len(starts) == 2

@@ -17,9 +17,11 @@ coordinator refuses the node's name. A coordinator's ids become paths only once
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,6 +59,7 @@ class DaemonConfig:
     free_ports: int = 8
     launcher_restarts: int = 4  # tries to start a new launcher before the daemon gives up
     launcher_backoff: float = 1.0  # seconds before the second try; doubles each time
+    launcher_stable_s: float = 30.0  # a launcher that dies sooner than this counts towards giving up
 
 
 class LauncherLost(RuntimeError):
@@ -156,12 +159,20 @@ class WorkerDaemon:
 
     async def _pump_launcher(self) -> None:
         """Launcher events in order; when the launcher dies, fail its ranks and start another."""
+        quick_deaths = 0  # in a row, each within launcher_stable_s of its start: a crash loop
         while True:
+            started = time.monotonic()
             async for ev in self.launcher.events():
                 await self._on_launcher_event(ev)
             if self._stopping.is_set():
                 return
             await self._launcher_died()
+            quick_deaths = quick_deaths + 1 if time.monotonic() - started < self.cfg.launcher_stable_s else 0
+            if quick_deaths > self.cfg.launcher_restarts:
+                raise LauncherLost(f"the launcher died {quick_deaths} times in a row, each within "
+                                   f"{self.cfg.launcher_stable_s:g} s of its start")
+            if quick_deaths > 1:
+                await asyncio.sleep(self.cfg.launcher_backoff * 2 ** (quick_deaths - 2))
             await self._restart_launcher()
 
     async def _serving(self, ok: bool) -> None:
@@ -172,6 +183,10 @@ class WorkerDaemon:
         """Report every rank the dead launcher had forked as killed (they died with it)."""
         self._launcher_up.clear()
         await self._serving(False)
+        proc = getattr(self.launcher, "proc", None)
+        if proc is not None:  # its exit status, once reaped
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(proc.wait(), 2.0)
         why = (f"the launcher on node {self.cfg.name} died ({launcher_status(self.launcher)}); "
                "every rank it had forked was killed with it")
         self._log.error("launcher died; restarting it", status=launcher_status(self.launcher),
