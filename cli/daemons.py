@@ -16,12 +16,12 @@ log_level = click.option("--log-level", default="info", show_default=True,
                          type=click.Choice(["debug", "info", "warning", "error"]))
 
 
-async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float) -> None:
+async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float) -> None:
     import structlog
 
     from rankctl.coordinator.server import start_coordinator
 
-    server = await start_coordinator(listen, state_dir, heartbeat_timeout=heartbeat_timeout)
+    server = await start_coordinator(listen, state_dir, heartbeat_timeout=heartbeat_timeout, head_wait=head_wait)
     (state_dir / "address").write_text(server.address + "\n")  # the bound address, for scripts and tests
     structlog.get_logger("rankctl.coordinator").info(
         "coordinator listening", address=server.address, state_dir=str(state_dir))
@@ -40,20 +40,27 @@ async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: fl
               help="Directory for the durable store (SQLite, WAL).")
 @click.option("--heartbeat-timeout", default=10.0, show_default=True, type=float,
               help="Seconds without a heartbeat before a node is lost.")
+@click.option("--head-wait", default=60.0, show_default=True, type=float,
+              help="Seconds the first job that cannot start holds back later jobs that could (then they backfill).")
 @log_level
-def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, log_level: str) -> None:
+def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float, log_level: str) -> None:
     """Run the coordinator service (gRPC) until SIGTERM/SIGINT."""
+    from rankctl.coordinator.store import StateDirInUse, StoreUnusable
     from rankctl.worker.procutil import configure_logging
 
     configure_logging(level=log_level)
     if heartbeat_timeout <= 0:
         raise CtlError(f"--heartbeat-timeout={heartbeat_timeout} must be positive")
+    if not 0 <= head_wait < float("inf"):
+        raise CtlError(f"--head-wait={head_wait} must be a finite number of seconds, 0 or more")
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CtlError(f"--state-dir {state_dir}: {exc.strerror}") from None
     try:
-        asyncio.run(_serve_coordinator(listen, state_dir, heartbeat_timeout))
+        asyncio.run(_serve_coordinator(listen, state_dir, heartbeat_timeout, head_wait))
+    except (StateDirInUse, StoreUnusable) as exc:
+        raise CtlError(str(exc)) from None
     except OSError as exc:
         raise CtlError(f"coordinator cannot serve on {listen}: {exc}") from None
 

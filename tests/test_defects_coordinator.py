@@ -191,3 +191,23 @@ def test_the_store_refuses_a_corrupt_or_newer_database_and_a_second_opener(tmp_p
     for _ in range(2):  # the lock is released when opening fails (else the second try says "in use")
         with pytest.raises(StoreUnusable, match="not a usable rankctl database|is corrupt"):
             Store(bad)
+
+
+def test_a_log_line_that_cannot_be_written_is_dropped_not_raised() -> None:
+    import io
+
+    import structlog
+
+    from rankctl.worker.procutil import SafePrintLogger, configure_logging
+
+    class FullDisk(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    before = SafePrintLogger.dropped
+    configure_logging(FullDisk())
+    try:
+        structlog.get_logger("rankctl.coordinator").warning("report.store_failed", node="n0")
+    finally:
+        configure_logging()
+    assert SafePrintLogger.dropped == before + 1

@@ -152,7 +152,7 @@ def tmpfs(tmp_path: Path):
 
 
 def test_a_full_state_disk_refuses_submits_cleanly_and_loses_nothing(tmpfs: Path, tmp_path: Path) -> None:
-    coord, address = start_coordinator(tmpfs, HEARTBEAT_TIMEOUT)   # its log file lies beside the mount
+    coord, address = start_coordinator(tmpfs / "coord", HEARTBEAT_TIMEOUT)  # its log file is on the full disk too
     worker = start_worker(address, "disk-0", 2, tmp_path / "workers")
     try:
         wait_for(lambda: ready_nodes(address) == ["disk-0"], 60, "the worker READY")

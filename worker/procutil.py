@@ -55,6 +55,21 @@ def parse_signal(value: str | int | None, default: int = signal.SIGTERM) -> int:
     return int(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
 
 
+class SafePrintLogger(structlog.PrintLogger):
+    """A print logger that never raises: a log line that cannot be written (a full disk, a closed
+    pipe) is dropped, so that logging can never break the operation that logs."""
+
+    dropped = 0
+
+    def msg(self, message: str) -> None:
+        try:
+            super().msg(message)
+        except (OSError, ValueError):
+            SafePrintLogger.dropped += 1
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = failure = msg
+
+
 def configure_logging(stream: TextIO | None = None, *, level: int | str = logging.INFO) -> None:
     """Configure structlog once per entry point: console on a TTY, JSON lines otherwise.
 
@@ -76,6 +91,6 @@ def configure_logging(stream: TextIO | None = None, *, level: int | str = loggin
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=lambda *_: SafePrintLogger(stream),
         cache_logger_on_first_use=False,
     )
