@@ -76,6 +76,11 @@ def status(address: str, job: str) -> dict:
     return json.loads(out.stdout)
 
 
+def wait_state(address: str, job: str, states: set[str], timeout: float) -> dict:
+    """The job's status once its state is one of ``states``."""
+    return wait_for(lambda: (s := status(address, job))["state"] in states and s, timeout, f"{job} in {states}")
+
+
 def ready_nodes(address: str) -> list[str]:
     out = ctl(address, "nodes", "--json")
     return [n["name"] for n in json.loads(out.stdout) if n["state"] == "READY"] if out.returncode == 0 else []
@@ -102,3 +107,34 @@ def rank_pids(job_id: str) -> list[int]:
         if f"/jobs/{job_id}/" in target and alive(int(entry)):
             pids.append(int(entry))
     return pids
+
+
+class ProcCluster:
+    """A real ``ctl coordinator`` and worker daemons (one process each) on loopback."""
+
+    def __init__(self, root: Path, names: list[str], slots: int, heartbeat_timeout: float = 3.0) -> None:
+        self.root, self.slots, self.heartbeat_timeout = root, slots, heartbeat_timeout
+        self.coord, self.address = start_coordinator(root / "coord", heartbeat_timeout)
+        self.workers = {name: start_worker(self.address, name, slots, root) for name in names}
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        names = sorted(self.workers)
+        wait_for(lambda: sorted(ready_nodes(self.address)) == names, 60, f"workers {names} READY")
+
+    def restart_worker(self, name: str) -> None:
+        self.workers[name] = start_worker(self.address, name, self.slots, self.root)
+        self.wait_ready()
+
+    def submit(self, *args: str) -> str:
+        out = ctl(self.address, "submit", *args)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def wait_state(self, job: str, states: set[str], timeout: float) -> dict:
+        return wait_state(self.address, job, states, timeout)
+
+    def stop(self) -> None:
+        for w in self.workers.values():
+            w.stop()
+        self.coord.stop()

@@ -14,56 +14,26 @@ from pathlib import Path
 
 import pytest
 
-from cluster import CTL, ctl, rank_pids, ready_nodes, start_coordinator, start_worker, status, wait_for
+from cluster import CTL, ProcCluster, ctl, rank_pids, start_coordinator, status, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 HEARTBEAT_TIMEOUT = 3.0
 pytestmark = pytest.mark.timeout(600)
 
 
-class Cluster:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.coord, self.address = start_coordinator(root / "coord", HEARTBEAT_TIMEOUT)
-        self.workers = {name: start_worker(self.address, name, 4, root) for name in ("worker-0", "worker-1")}
-        self.wait_ready()
-
-    def wait_ready(self) -> None:
-        wait_for(lambda: len(ready_nodes(self.address)) == 2, 60, "both workers READY")
-
-    def restart_worker(self, name: str) -> None:
-        self.workers[name] = start_worker(self.address, name, 4, self.root)
-        self.wait_ready()
-
-    def stop(self) -> None:
-        for w in self.workers.values():
-            w.stop()
-        self.coord.stop()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    c = Cluster(tmp_path_factory.mktemp("e2e"))
+    c = ProcCluster(tmp_path_factory.mktemp("e2e"), ["worker-0", "worker-1"], 4, HEARTBEAT_TIMEOUT)
     yield c
     c.stop()
 
 
-def submit(c: Cluster, *args: str) -> str:
-    out = ctl(c.address, "submit", *args)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
-
-
-def long_job(c: Cluster, seconds: float) -> str:
-    return submit(c, str(EXAMPLES / "comm-check.yaml"), "--set", f"comm_check.duration={seconds}",
+def long_job(c: ProcCluster, seconds: float) -> str:
+    return c.submit(str(EXAMPLES / "comm-check.yaml"), "--set", f"comm_check.duration={seconds}",
                   "--set", "comm_check.size_bytes=4096")
 
 
-def wait_state(c: Cluster, job: str, states: set[str], timeout: float) -> dict:
-    return wait_for(lambda: (s := status(c.address, job))["state"] in states and s, timeout, f"{job} in {states}")
-
-
-def test_comm_check_through_separate_daemons(cluster: Cluster) -> None:
+def test_comm_check_through_separate_daemons(cluster: ProcCluster) -> None:
     out = ctl(cluster.address, "submit", str(EXAMPLES / "comm-check.yaml"), "--wait")
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.strip()
@@ -98,7 +68,7 @@ def test_comm_check_through_separate_daemons(cluster: Cluster) -> None:
         ("name: Bad_Name\nkind: comm-check\n", ["name", "Bad_Name"]),
     ],
 )
-def test_invalid_job_files_are_refused(cluster: Cluster, tmp_path: Path, text: str, words: list[str]) -> None:
+def test_invalid_job_files_are_refused(cluster: ProcCluster, tmp_path: Path, text: str, words: list[str]) -> None:
     before = json.loads(ctl(cluster.address, "jobs", "--json").stdout)
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
@@ -117,19 +87,19 @@ def test_unreachable_coordinator_exit_3() -> None:
     assert "127.0.0.1:1" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_cancel_stops_every_rank(cluster: Cluster) -> None:
+def test_cancel_stops_every_rank(cluster: ProcCluster) -> None:
     job = long_job(cluster, 120)
-    wait_state(cluster, job, {"RUNNING"}, 60)
+    cluster.wait_state(job, {"RUNNING"}, 60)
     out = ctl(cluster.address, "cancel", job)
     assert out.returncode == 0, out.stderr
-    st = wait_state(cluster, job, {"CANCELLED"}, 10)
+    st = cluster.wait_state(job, {"CANCELLED"}, 10)
     assert st["reason"]
     wait_for(lambda: not rank_pids(job), 15, "every rank of the cancelled job to exit")
 
 
-def test_coordinator_restart_mid_job(cluster: Cluster) -> None:
+def test_coordinator_restart_mid_job(cluster: ProcCluster) -> None:
     job = long_job(cluster, 8)
-    wait_state(cluster, job, {"RUNNING"}, 60)
+    cluster.wait_state(job, {"RUNNING"}, 60)
     events_before = ctl(cluster.address, "status", job, "--json")
     cluster.coord.kill(signal.SIGKILL)
     time.sleep(1.0)
@@ -138,20 +108,20 @@ def test_coordinator_restart_mid_job(cluster: Cluster) -> None:
     st = status(cluster.address, job)  # the job survived the restart
     assert st["state"] in {"RUNNING", "SUCCEEDED"}, st
     cluster.wait_ready()  # daemons reconnected
-    st = wait_state(cluster, job, {"SUCCEEDED", "FAILED"}, 120)
+    st = cluster.wait_state(job, {"SUCCEEDED", "FAILED"}, 120)
     assert st["state"] == "SUCCEEDED", st
     assert sorted(r["rank"] for r in st["ranks"]) == list(range(8))
     assert events_before.returncode == 0
 
 
-def test_worker_sigkill_fails_job_and_leaves_no_rank(cluster: Cluster) -> None:
+def test_worker_sigkill_fails_job_and_leaves_no_rank(cluster: ProcCluster) -> None:
     job = long_job(cluster, 300)
-    st = wait_state(cluster, job, {"RUNNING"}, 60)
+    st = cluster.wait_state(job, {"RUNNING"}, 60)
     victim = st["nodes"][1]
     assert rank_pids(job), "ranks should be running"
     killed_at = time.monotonic()
     cluster.workers[victim].kill(signal.SIGKILL)
-    st = wait_state(cluster, job, {"FAILED"}, HEARTBEAT_TIMEOUT + 10)
+    st = cluster.wait_state(job, {"FAILED"}, HEARTBEAT_TIMEOUT + 10)
     assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT + 10
     assert victim in st["reason"] and "4-7" in st["reason"], st["reason"]
     wait_for(lambda: not rank_pids(job), 15, "no rank of the failed job left on any node")

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster import CTL, Proc, ctl, ready_nodes, start_coordinator, start_worker, status, wait_for
+from cluster import CTL, ProcCluster, ctl, ready_nodes, start_coordinator, start_worker, status, wait_for, wait_state
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
 
@@ -31,42 +31,19 @@ HEARTBEAT_TIMEOUT = 3.0
 pytestmark = [pytest.mark.timeout(600), pytest.mark.grpc_in_process]
 
 
-class TwoNodes:
-    """A coordinator and two 2-slot workers, shared by the module."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.coord, self.address = start_coordinator(root / "coord", HEARTBEAT_TIMEOUT)
-        self.workers = [start_worker(self.address, f"node-{k}", 2, root) for k in range(2)]
-        wait_for(lambda: len(ready_nodes(self.address)) == 2, 60, "both workers READY")
-
-    def stop(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.coord.stop()
-
-
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory):
-    c = TwoNodes(tmp_path_factory.mktemp("defects"))
+    c = ProcCluster(tmp_path_factory.mktemp("defects"), ["node-0", "node-1"], 2, HEARTBEAT_TIMEOUT)
     yield c
     c.stop()
 
 
-def submit(address: str, *args: str) -> str:
-    out = ctl(address, "submit", *args)
+def comm_check(address: str, seconds: float, *extra: str) -> str:
+    out = ctl(address, "submit", str(EXAMPLES / "comm-check.yaml"), "--set", "resources.slots_per_node=2",
+              "--set", "parallel.tp=2", "--set", "parallel.pp=1", "--set", f"comm_check.duration={seconds}",
+              "--set", "comm_check.size_bytes=4096", *extra)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
-
-
-def comm_check(address: str, seconds: float, *extra: str) -> str:
-    return submit(address, str(EXAMPLES / "comm-check.yaml"), "--set", "resources.slots_per_node=2",
-                  "--set", "parallel.tp=2", "--set", "parallel.pp=1", "--set", f"comm_check.duration={seconds}",
-                  "--set", "comm_check.size_bytes=4096", *extra)
-
-
-def wait_state(address: str, job: str, states: set[str], timeout: float) -> dict:
-    return wait_for(lambda: (s := status(address, job))["state"] in states and s, timeout, f"{job} in {states}")
 
 
 def forge(address: str, job_id: str, world: int) -> None:
@@ -89,7 +66,7 @@ def forge(address: str, job_id: str, world: int) -> None:
             pass
 
 
-def test_a_forged_node_stream_cannot_fail_or_finish_a_job(two: TwoNodes) -> None:
+def test_a_forged_node_stream_cannot_fail_or_finish_a_job(two: ProcCluster) -> None:
     job = comm_check(two.address, 6)
     wait_state(two.address, job, {"RUNNING"}, 60)
     forge(two.address, job, 4)
@@ -104,7 +81,7 @@ def test_a_forged_node_stream_cannot_fail_or_finish_a_job(two: TwoNodes) -> None
     assert "forged line" not in logs.stdout
 
 
-def test_a_second_coordinator_on_a_used_address_or_state_dir_exits_2(two: TwoNodes, tmp_path: Path) -> None:
+def test_a_second_coordinator_on_a_used_address_or_state_dir_exits_2(two: ProcCluster, tmp_path: Path) -> None:
     other = subprocess.run(CTL + ["coordinator", "--listen", two.address, "--state-dir", str(tmp_path / "s2")],
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 2 and "address in use" in other.stderr, other.stderr
@@ -117,7 +94,7 @@ def test_a_second_coordinator_on_a_used_address_or_state_dir_exits_2(two: TwoNod
     assert len(counts) == 1, counts  # every client reaches the one coordinator
 
 
-def test_a_second_daemon_with_a_live_nodes_name_exits_2(two: TwoNodes) -> None:
+def test_a_second_daemon_with_a_live_nodes_name_exits_2(two: ProcCluster) -> None:
     job = comm_check(two.address, 4)
     wait_state(two.address, job, {"RUNNING"}, 60)
     twin = start_worker(two.address, "node-0", 2, two.root / "twin")
@@ -211,7 +188,7 @@ def test_nine_thousand_jobs_list_in_pages_and_errors_stay_short(tmp_path: Path) 
         coord.stop()
 
 
-def test_a_job_larger_than_the_cluster_is_refused_or_waits_without_blocking(two: TwoNodes) -> None:
+def test_a_job_larger_than_the_cluster_is_refused_or_waits_without_blocking(two: ProcCluster) -> None:
     too_big = ("--set", "resources.nodes=3")
     refused = ctl(two.address, "submit", str(EXAMPLES / "comm-check.yaml"), "--set", "resources.slots_per_node=2",
                   "--set", "parallel.tp=2", "--set", "parallel.pp=1", *too_big)

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster import ctl, ready_nodes, start_coordinator, start_worker, status, wait_for
+from cluster import Proc, ProcCluster, ready_nodes, wait_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]
 NODE = "node-a"
@@ -30,26 +30,20 @@ restart: {{collective_timeout: {timeout}}}
 """
 
 
-class Node:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.coord, self.address = start_coordinator(root / "coord", 3.0)
-        self.worker = start_worker(self.address, NODE, 2, root)
-        wait_for(lambda: ready_nodes(self.address) == [NODE], 60, f"{NODE} READY")
+class Node(ProcCluster):
+    """A coordinator and one worker daemon, ``NODE``, with 2 slots."""
 
-    def submit(self, name: str, duration: float = 120, timeout: float = 300) -> str:
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, [NODE], 2)
+
+    @property
+    def worker(self) -> Proc:
+        return self.workers[NODE]
+
+    def submit_job(self, name: str, duration: float = 120, timeout: float = 300) -> str:
         path = self.root / f"{name}.yaml"
         path.write_text(JOB.format(name=name, duration=duration, timeout=timeout))
-        out = ctl(self.address, "submit", str(path))
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip()
-
-    def wait_state(self, job: str, states: set[str], timeout: float) -> dict:
-        return wait_for(lambda: (s := status(self.address, job))["state"] in states and s, timeout, f"{job} in {states}")
-
-    def stop(self) -> None:
-        self.worker.stop()
-        self.coord.stop()
+        return self.submit(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +66,7 @@ def rank_pid(job_id: str, rank: int) -> int | None:
 
 
 def test_hung_rank_fails_the_job_within_its_collective_timeout_blaming_no_one(node: Node) -> None:
-    job = node.submit("hang", timeout=5)
+    job = node.submit_job("hang", timeout=5)
     node.wait_state(job, {"RUNNING"}, 60)
     pid = wait_for(lambda: rank_pid(job, 1), 30, "rank 1's process")
     os.kill(pid, signal.SIGSTOP)
@@ -120,7 +114,7 @@ def health(port: int) -> str:
 def test_dead_launcher_fails_its_job_and_the_daemon_serves_again(node: Node) -> None:
     port = health_port(node.worker.output())
     assert health(port) == "SERVING"
-    job = node.submit("orphaned")
+    job = node.submit_job("orphaned")
     node.wait_state(job, {"RUNNING"}, 60)
     old = launcher_pid(node.worker.pid)
     assert old is not None
@@ -136,5 +130,5 @@ def test_dead_launcher_fails_its_job_and_the_daemon_serves_again(node: Node) -> 
     assert st["state"] == "FAILED" and "on node node-a" in st["reason"] and "launcher" in st["reason"], st
     assert node.worker.p.poll() is None and launcher_pid(node.worker.pid) not in (None, old)
     wait_for(lambda: ready_nodes(node.address) == [NODE], 30, f"{NODE} READY again")
-    after = node.submit("after", duration=0)
+    after = node.submit_job("after", duration=0)
     assert node.wait_state(after, {"SUCCEEDED", "FAILED"}, 120)["state"] == "SUCCEEDED"
