@@ -15,6 +15,8 @@ from rankctl.coordinator.store import StoreError
 
 log = structlog.get_logger("rankctl.coordinator")
 MAX_UNSTORED_REPORTS = 100_000  # reports held per node while the store refuses writes
+MAX_LOG_LINE = 4096             # characters of a log line stored
+MAX_LOG_BATCH = 1000            # lines of one LogLines message stored
 
 
 class ReportsMixin:
@@ -129,6 +131,8 @@ class ReportsMixin:
         if attempt != job.attempt or self._owner_of(job, rank) != session.name:
             self.rejected_reports[session.name] += 1
             return
+        lines = [ln if len(ln) <= MAX_LOG_LINE else ln[:MAX_LOG_LINE] + " [rankctl: line cut]"
+                 for ln in lines[:MAX_LOG_BATCH]]  # daemons cut first; a stream that does not is cut here
         try:
             self.store.append_logs(job_id, attempt, rank, lines)
         except StoreError as exc:

@@ -103,6 +103,8 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
         try:
+            if request.page_size < 0 or request.limit < 0:
+                raise InvalidRequest(f"page_size={request.page_size} and limit={request.limit} must not be negative")
             size = min(request.page_size or request.limit or DEFAULT_PAGE, MAX_PAGE)
             before = _page_token(request.page_token)
             states = [convert.job_state_from_pb(s) for s in request.states]

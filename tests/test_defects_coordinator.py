@@ -211,3 +211,11 @@ def test_a_log_line_that_cannot_be_written_is_dropped_not_raised() -> None:
     finally:
         configure_logging()
     assert SafePrintLogger.dropped == before + 1
+
+
+def test_log_lines_from_a_stream_are_cut_to_size(world: World) -> None:
+    n0 = world.connect("n0", slots=2)
+    job = world.core.submit(job_yaml(nodes=1, slots=2, tp=1))
+    world.core.append_logs(n0.session, job.id, 1, 0, ["x" * 100_000] + ["y"] * 5000)
+    stored = world.core.logs(job.id)
+    assert len(stored) == 1000 and len(stored[0].line) < 4200 and stored[0].line.endswith("[rankctl: line cut]")

@@ -101,9 +101,17 @@ def test_invalid_and_unknown_map_to_status_codes(tmp_path: Path) -> None:
                 await call
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert (await client.ListJobs(pb.ListJobsRequest())).jobs == []
+        for bad in (pb.ListJobsRequest(page_size=-1), pb.ListJobsRequest(page_token="../x")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.ListJobs(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         plan = await client.PlanJob(pb.PlanJobRequest(spec_yaml=JOB, overrides=["parallel.tp=2"]))
         assert json.loads(plan.layout_json)["groups"]["tp"] == [[0, 1]]
         assert (await client.ListJobs(pb.ListJobsRequest())).jobs == []
+        for bad in (pb.ListJobsRequest(page_size=-1), pb.ListJobsRequest(page_token="../x")):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.ListJobs(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     run(test, tmp_path)
 
 
