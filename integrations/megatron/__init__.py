@@ -1,0 +1,1 @@
+"""Megatron-Core on rankctl's process groups (``pip install 'rankctl[megatron]'``)."""
