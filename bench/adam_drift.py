@@ -49,7 +49,7 @@ from rankctl.coordinator.spec import build_spec, load_yaml_text  # noqa: E402
 from rankctl.parallel.groups import ProcessGroups  # noqa: E402
 from rankctl.parallel.layout import ParallelConfig, RankLayout  # noqa: E402
 from rankctl.worker import optim, train  # noqa: E402
-from rankctl.worker.assignment import RankAssignment  # noqa: E402
+from rankctl.contract.assignment import RankAssignment  # noqa: E402
 from rankctl.worker.rank import RankContext  # noqa: E402
 from rankctl.worker.status import StatusWriter  # noqa: E402
 

@@ -11,7 +11,7 @@ from rankctl.coordinator.records import (
 )
 from rankctl.coordinator.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 
 _NODE_STATE = {
     NodeStatus.READY: pb.READY,

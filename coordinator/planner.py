@@ -12,7 +12,7 @@ from rankctl.coordinator.records import JobRecord, NodeRecord
 from rankctl.coordinator.spec import JobSpec
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.parallel.placement import layout_document
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 
 
 def job_config(job: JobRecord) -> ParallelConfig:

@@ -14,7 +14,7 @@ from rankctl.coordinator.records import NodeHello, RankRecord, RankUpdate, Runni
 from rankctl.coordinator.spec import SpecError
 from rankctl.coordinator.states import JobState
 from rankctl.coordinator.store import Store
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 
 S = JobState
 

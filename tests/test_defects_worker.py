@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 from rankctl.worker.daemon import DaemonConfig, LauncherLost, WorkerDaemon
 from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.logship import BURST, LINES_PER_S, MAX_LINE_BYTES

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from rankctl.parallel.layout import ParallelConfig, RankLayout
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 from rankctl.coordinator.results import comm_check_result
 from rankctl.worker.launcher import Launcher
 from rankctl.worker.procutil import pid_alive

@@ -21,7 +21,7 @@ from rankctl.parallel import data_parallel
 from rankctl.parallel.data_parallel import plan_buckets
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.worker import checkpoint as ckpt
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 from rankctl.worker.rank import run_rank
 from rankctl.worker.status import read_status
 

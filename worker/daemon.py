@@ -32,7 +32,7 @@ import structlog
 
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.logship import RankLog
 from rankctl.worker.paths import Refused, check_assignment, run_dir_for

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, NoReturn
 
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 from rankctl.worker.procutil import configure_logging, parse_signal, set_parent_death_signal, signal_name
 from rankctl.worker.status import log_path, tail_lines
 

@@ -23,7 +23,7 @@ import signal
 import sys
 from typing import Any, AsyncIterator, Iterable, Mapping
 
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 
 _EOF: dict[str, Any] = {"event": "eof"}
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rankctl.parallel.groups import ProcessGroups
-from rankctl.worker.assignment import RankAssignment
+from rankctl.contract.assignment import RankAssignment
 from rankctl.worker.status import StatusWriter
 
 DEFAULT_TIMEOUT_S = 300.0  # the job's restart.collective_timeout when it has none

@@ -1,4 +1,4 @@
-"""What one rank process needs to start: the coordinator's assignment, as plain data.
+"""The wire contract between coordinator, daemon and rank: one rank's assignment, as plain data.
 
 The coordinator builds these (one per rank, sent only to the rank's node); the daemon
 hands them to its launcher, which forks a rank process that receives exactly this.
