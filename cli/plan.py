@@ -50,12 +50,14 @@ def _header(cfg: "ParallelConfig", gpn: int) -> str:
 
 
 def _rank_table(layout: "RankLayout", gpn: int, all_ranks: bool) -> list[str]:
+    from rankctl.parallel.placement import local_rank, node_of_rank
+
     world = layout.world_size
     shown = world if all_ranks or world <= MAX_RANKS_LISTED else min(world, 2 * gpn)
     lines = []
     for rank in range(shown):
-        if rank % gpn == 0:
-            lines.append(f"node {rank // gpn} (ranks {rank}-{min(rank + gpn, world) - 1})")
+        if local_rank(rank, gpn) == 0:
+            lines.append(f"node {node_of_rank(rank, gpn)} (ranks {rank}-{min(rank + gpn, world) - 1})")
             lines.append("  rank " + " ".join(f"{k:>4}" for k in COORD_KEYS))
         c = layout.coords(rank)
         lines.append(f"  {rank:>4} " + " ".join(f"{c[k]:>4}" for k in COORD_KEYS))
@@ -93,10 +95,12 @@ def _human(layout: "RankLayout", gpn: int, all_ranks: bool) -> str:
 
 
 def _one_rank(layout: "RankLayout", rank: int, gpn: int, as_json: bool) -> str:
+    from rankctl.parallel.placement import node_of_rank
+
     coords, groups = layout.coords(rank), layout.rank_groups(rank)
     if as_json:
-        return json.dumps({"rank": rank, "node": rank // gpn, "coords": coords, "groups": groups})
-    lines = [f"rank {rank} on node {rank // gpn}", "  " + " ".join(f"{k}={coords[k]}" for k in COORD_KEYS)]
+        return json.dumps({"rank": rank, "node": node_of_rank(rank, gpn), "coords": coords, "groups": groups})
+    lines = [f"rank {rank} on node {node_of_rank(rank, gpn)}", "  " + " ".join(f"{k}={coords[k]}" for k in COORD_KEYS)]
     lines += [f"  {kind:<9} {members}" for kind, members in groups.items()]
     return "\n".join(lines)
 

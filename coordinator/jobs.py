@@ -20,6 +20,7 @@ from rankctl.coordinator.records import EventRecord, JobRecord, RankRecord
 from rankctl.coordinator.signals import Signals
 from rankctl.coordinator.states import JobState, is_active, is_terminal, transition
 from rankctl.coordinator.store import Store
+from rankctl.parallel.placement import node_of_rank
 
 log = structlog.get_logger("rankctl.coordinator")
 REASON_MAX = 2000      # characters of a reason kept (rank errors can be long)
@@ -155,7 +156,7 @@ class JobBook:
     def start_ranks(self, job: JobRecord) -> None:
         """Fresh ``pending`` statuses for every rank of a just-placed job."""
         s = job.slots_per_node
-        ranks = {r: RankRecord(r, job.nodes[r // s], updated_at=self.clock()) for r in range(job.world_size)}
+        ranks = {r: RankRecord(r, job.nodes[node_of_rank(r, s)], updated_at=self.clock()) for r in range(job.world_size)}
         with self.store.transaction():
             self.store.clear_ranks(job.id)
             for r in ranks.values():

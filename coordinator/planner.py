@@ -11,7 +11,7 @@ from rankctl.coordinator.checks import check_job
 from rankctl.coordinator.records import JobRecord, NodeRecord
 from rankctl.coordinator.spec import JobSpec
 from rankctl.parallel.layout import ParallelConfig, RankLayout
-from rankctl.parallel.placement import layout_document
+from rankctl.parallel.placement import layout_document, local_rank, ranks_of_node
 from rankctl.contract.assignment import RankAssignment
 
 
@@ -32,8 +32,8 @@ def build_assignments(job: JobRecord, nodes: dict[str, NodeRecord]) -> dict[str,
     out: dict[str, list[RankAssignment]] = {}
     for k, name in enumerate(job.nodes):
         gpus = nodes[name].gpu_count
-        for local in range(s):
-            rank = k * s + local
+        for rank in ranks_of_node(k, s):
+            local = local_rank(rank, s)
             out.setdefault(name, []).append(RankAssignment(
                 job_id=job.id, attempt=job.attempt, rank=rank, world_size=job.world_size, local_rank=local,
                 node=name, coords=layout.coords(rank), groups=layout.rank_groups(rank),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankctl.coordinator.states import JobState
+from rankctl.parallel.placement import ranks_of_node
 
 # rank phases in order; a rank at index >= RUNNING_INDEX has passed "running"
 PHASES = ("pending", "starting", "rendezvous", "groups", "running", "done", "failed", "exited")
@@ -38,8 +39,7 @@ class JobRecord:
 
     def ranks_on(self, node: str) -> list[int]:
         """Global ranks the job runs on ``node`` (node-major placement)."""
-        s = self.slots_per_node
-        return [k * s + i for k, name in enumerate(self.nodes) if name == node for i in range(s)]
+        return [r for k, name in enumerate(self.nodes) if name == node for r in ranks_of_node(k, self.slots_per_node)]
 
 
 @dataclass

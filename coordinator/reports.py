@@ -12,6 +12,7 @@ from rankctl.coordinator.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.progress import changed
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
 from rankctl.coordinator.store import StoreError
+from rankctl.parallel.placement import node_of_rank
 
 log = structlog.get_logger("rankctl.coordinator")
 MAX_UNSTORED_REPORTS = 100_000  # reports held per node while the store refuses writes
@@ -71,7 +72,7 @@ class ReportsMixin:
             session.unstored.popleft()
 
     def _owner_of(self, job: JobRecord, rank: int) -> str | None:
-        return job.nodes[rank // job.slots_per_node] if 0 <= rank < job.world_size and job.nodes else None
+        return job.nodes[node_of_rank(rank, job.slots_per_node)] if 0 <= rank < job.world_size and job.nodes else None
 
     def _store_report(self, session: NodeSession, update: RankUpdate) -> None:
         """Store one report (raises StoreError, memory unchanged); then move its job along."""

@@ -41,7 +41,7 @@ Trainer use (one rank; ``p`` = spec.parallel, ``m`` = global_batch / (micro_batc
                              loss_scale=1 / (global_batch * seq_len),
                              before_backward=lambda c, last: reducer.set_sync(last))
         reducer.finish()
-        sync_embedding_grads(chunks, pgs)        # parallel.embedding_sync
+        sync_embedding_grads(chunks, pgs)        # models.embedding_sync
         clip (norm over tp and pp, without embedding_sync.duplicate_params), optimizer step
         loss = sum(sums) / (global_batch * seq_len) on the last stage, summed over dp_cp
 """
@@ -50,18 +50,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rankctl.models.shard import ShardedModel
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.schedules import Action, Kind, batches, last_backward
 
 MicroBatch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor | None]  # tokens, targets[, positions]
 BackwardHook = Callable[[int, bool], None]
 Key = tuple[int, int]  # (micro-batch, local chunk)
+
+
+class ShardedModel(Protocol):
+    """What the interpreter needs of a model chunk (``models.shard.ShardedModel`` is one);
+    a protocol, so that ``parallel`` does not import ``models``."""
+
+    module: Any  # has_embedding, has_head, parameters()
+    tp: Any      # sequence_parallel, size
+    config: Any  # hidden
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor: ...
 
 
 def activation_shape(chunk: ShardedModel, tokens: Tensor) -> tuple[int, int, int]:

@@ -26,15 +26,26 @@ class PlacementError(RuntimeError):
     """Not enough free capacity; the message names what is missing."""
 
 
-def node_of_rank(rank: int, slots_per_node: int) -> int:
+def node_of_rank(rank, slots_per_node: int):
+    """The job node (0-based) that runs ``rank``; works element-wise on numpy arrays too."""
     return rank // slots_per_node
+
+
+def local_rank(rank: int, slots_per_node: int) -> int:
+    """The slot index of ``rank`` on its node."""
+    return rank % slots_per_node
+
+
+def ranks_of_node(node: int, slots_per_node: int) -> range:
+    """The global ranks job node ``node`` runs: ``node*S .. node*S+S-1``."""
+    return range(node * slots_per_node, (node + 1) * slots_per_node)
 
 
 def kind_summary(layout: RankLayout, slots_per_node: int) -> dict[str, dict[str, int]]:
     """kind -> groups, size and cross-node groups; one kind's array in memory at a time."""
     out = {}
     for kind, groups in layout.iter_groups(cache=False):
-        nodes = groups // slots_per_node
+        nodes = node_of_rank(groups, slots_per_node)
         cross = int(np.count_nonzero(nodes.min(axis=1) != nodes.max(axis=1)))
         out[kind] = {"groups": int(groups.shape[0]), "size": int(groups.shape[1]), "cross_node": cross}
     return out
@@ -52,7 +63,7 @@ def layout_document(layout: RankLayout, slots_per_node: int, all_ranks: bool = F
                  "kinds": kind_summary(layout, slots_per_node)}
     if all_ranks or world <= PLAN_MAX_RANKS_LISTED:
         doc["groups"] = {k: layout.groups(k) for k in layout.kinds}
-        doc["node_of_rank"] = [r // slots_per_node for r in range(world)]
+        doc["node_of_rank"] = [node_of_rank(r, slots_per_node) for r in range(world)]
     else:
         doc["omitted"] = ["groups", "node_of_rank"]
         doc["note"] = (f"world_size={world} is above {PLAN_MAX_RANKS_LISTED} ranks: per-rank lists are omitted; "

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from rankctl.models.gpt import GPTConfig
 from rankctl.models.shard import build_shard
 from rankctl.models.stages import build_chunks
-from rankctl.parallel.embedding_sync import sync_embedding_grads
+from rankctl.models.embedding_sync import sync_embedding_grads
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from ranks import CachedGroups, fork_ranks, run_cases

@@ -66,7 +66,7 @@ from rankctl.models.stages import build_chunks
 from rankctl.parallel import data_parallel
 from rankctl.parallel.context import cp_shard_batch
 from rankctl.parallel.data_parallel import GradReducer, GradReducers
-from rankctl.parallel.embedding_sync import duplicate_params, sync_embedding_grads
+from rankctl.models.embedding_sync import duplicate_params, sync_embedding_grads
 from rankctl.parallel.experts import ExpertGroups
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.pipeline import MicroBatch, init_p2p, pipeline_step

@@ -1,5 +1,7 @@
 """Keep the copies of embeddings that several pipeline stages hold equal: sum their gradients.
 
+GPT-specific (it names ``wte``/``head``/``wpe``), so it lives with the model, not in ``parallel``.
+
 Word embeddings (``embd`` group = first and last rank of each pipeline). With tied input
 and output embeddings and pp > 1, the first stage holds ``wte.weight`` and the last stage a
 separate ``head.weight`` that starts as a copy of it (``models.stages``). The serial model's
