@@ -50,8 +50,8 @@ from rankctl.parallel.groups import ProcessGroups  # noqa: E402
 from rankctl.parallel.layout import ParallelConfig, RankLayout  # noqa: E402
 from rankctl.worker import optim, train  # noqa: E402
 from rankctl.contract.assignment import RankAssignment  # noqa: E402
-from rankctl.worker.rank import RankContext  # noqa: E402
-from rankctl.worker.status import StatusWriter  # noqa: E402
+from rankctl.runtime.rank import RankContext  # noqa: E402
+from rankctl.runtime.status import StatusWriter  # noqa: E402
 
 
 

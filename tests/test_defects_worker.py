@@ -175,7 +175,7 @@ def test_ids_that_are_not_safe_paths_are_refused_and_nothing_leaves_the_state_di
 
 FLOOD_KIND = '''
 import sys
-from rankctl.worker.rank import register_kind
+from rankctl.runtime.rank import register_kind
 
 def flood(ctx):
     print("x" * (1 << 20), flush=True)

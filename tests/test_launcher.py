@@ -22,7 +22,7 @@ from rankctl.worker.status import StatusTailer, read_status
 KINDS_MODULE = '''
 """Job kinds for launcher tests (imported by the launcher with --import)."""
 import subprocess, time
-from rankctl.worker.rank import register_kind
+from rankctl.runtime.rank import register_kind
 
 def sleep(ctx):
     child = subprocess.Popen(["sleep", "60"])
@@ -177,7 +177,8 @@ def test_no_rank_survives_a_killed_launcher(loop, env, tmp_path) -> None:
 # -- status files (no processes) ---------------------------------------------------------------
 
 def test_status_tailer_returns_only_complete_new_lines(tmp_path) -> None:
-    from rankctl.worker.status import StatusWriter, status_path
+    from rankctl.contract.rankfiles import status_path
+    from rankctl.runtime.status import StatusWriter
 
     tailer = StatusTailer(str(tmp_path))
     assert tailer.poll() == []

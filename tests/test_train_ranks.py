@@ -22,7 +22,7 @@ from rankctl.parallel.data_parallel import plan_buckets
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.worker import checkpoint as ckpt
 from rankctl.contract.assignment import RankAssignment
-from rankctl.worker.rank import run_rank
+from rankctl.runtime.rank import run_rank
 from rankctl.worker.status import read_status
 
 STEPS = 6

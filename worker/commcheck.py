@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from rankctl.parallel.groups import ProcessGroups
-    from rankctl.worker.rank import RankContext
+    from rankctl.runtime.rank import RankContext
 
 OPS = ("allreduce", "allgather")
 BUS_FACTOR: dict[str, Callable[[int], float]] = {

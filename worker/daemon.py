@@ -37,7 +37,8 @@ from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.logship import RankLog
 from rankctl.worker.paths import Refused, check_assignment, run_dir_for
 from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status
-from rankctl.worker.status import StatusTailer, log_path
+from rankctl.contract.rankfiles import log_path
+from rankctl.worker.status import StatusTailer
 
 log = structlog.get_logger("rankctl.worker")
 

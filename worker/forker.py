@@ -21,7 +21,8 @@ from typing import Any, NoReturn
 
 from rankctl.contract.assignment import RankAssignment
 from rankctl.worker.procutil import configure_logging, parse_signal, set_parent_death_signal, signal_name
-from rankctl.worker.status import log_path, tail_lines
+from rankctl.contract.rankfiles import log_path
+from rankctl.worker.status import tail_lines
 
 LOG_TAIL_LINES = 20
 DEFAULT_GRACE_S = 10.0
@@ -246,7 +247,7 @@ def _child(a: RankAssignment, log_fd: int, parent: int, threads: int, timeout_s:
         import torch
 
         torch.set_num_threads(threads)
-        from rankctl.worker.rank import run_rank
+        from rankctl.runtime.rank import run_rank
 
         code = run_rank(a, timeout_s=timeout_s)
     except BaseException:  # noqa: BLE001

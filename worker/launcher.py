@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     configure_logging(sys.stderr)
 
-    from rankctl.worker import rank
+    from rankctl.runtime import rank
     from rankctl.worker.forker import Forker
 
     for module in args.imports:

@@ -1,71 +1,13 @@
-"""Per-rank status files and logs: what a rank reports and how the daemon reads it.
-
-A rank appends one JSON object per line to ``{run_dir}/rank-{rank}.status.jsonl``::
-
-    {"ts": 1712.3, "rank": 3, "phase": "running", "step": 12, "metrics": {"loss": 2.1},
-     "error": null, "result": null}
-
-Phases, in order: ``rendezvous``, ``groups``, ``running``, then ``done`` (with ``result``)
-or ``failed`` (with ``error`` and ``traceback``). Each line is flushed as it is written, so
-a reader never sees a torn record except for the line being written, which it keeps
-pending until the newline arrives. The rank's stdout and stderr go to
-``{run_dir}/rank-{rank}.log``.
-"""
+"""The daemon side of the rank files (``contract.rankfiles``): tail status records and logs."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-PHASES = ("rendezvous", "groups", "running", "done", "failed")
-_STATUS_RE = re.compile(r"^rank-(\d+)\.status\.jsonl$")
-
-
-def status_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"rank-{rank}.status.jsonl")
-
-
-def log_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"rank-{rank}.log")
-
-
-class StatusWriter:
-    """Appends status records for one rank; every record is one flushed line."""
-
-    def __init__(self, run_dir: str, rank: int, *, clock: Callable[[], float] = time.time) -> None:
-        os.makedirs(run_dir, exist_ok=True)
-        self.rank = rank
-        self.path = status_path(run_dir, rank)
-        self._clock = clock
-        self._file = open(self.path, "a", encoding="utf-8")
-
-    def write(
-        self,
-        phase: str,
-        *,
-        step: int | None = None,
-        metrics: dict[str, float] | None = None,
-        error: str | None = None,
-        result: dict[str, Any] | None = None,
-        **extra: Any,
-    ) -> dict[str, Any]:
-        """Append one record and flush it; returns the record."""
-        if phase not in PHASES:
-            raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(PHASES)}")
-        record = {
-            "ts": self._clock(), "rank": self.rank, "phase": phase, "step": step,
-            "metrics": metrics or {}, "error": error, "result": result, **extra,
-        }
-        self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
-        self._file.flush()
-        return record
-
-    def close(self) -> None:
-        self._file.close()
+from rankctl.contract.rankfiles import STATUS_RE, status_path
 
 
 @dataclass
@@ -134,7 +76,7 @@ class StatusTailer:
         except FileNotFoundError:
             return
         for name in names:
-            m = _STATUS_RE.match(name)
+            m = STATUS_RE.match(name)
             if m and int(m.group(1)) not in self._tailers:
                 self._tailers[int(m.group(1))] = FileTailer(os.path.join(self.run_dir, name))
 

@@ -75,7 +75,7 @@ from rankctl.worker import optim
 from rankctl.worker.train_state import TrainState, restore_or_reset, save_checkpoint
 
 if TYPE_CHECKING:
-    from rankctl.worker.rank import RankContext
+    from rankctl.runtime.rank import RankContext
 
 EVAL_BATCHES = 2  # held-out global batches per evaluation (the same samples every time)
 Batch = MicroBatch  # (inputs, targets[, positions]): (micro_batch, T) each; T/cp and (T/cp,) under CP

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -21,13 +20,12 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from rankctl.parallel.groups import ProcessGroups
 from rankctl.contract.assignment import RankAssignment
-from rankctl.worker.status import StatusWriter
+from rankctl.parallel.groups import ProcessGroups
+from rankctl.runtime.rendezvous import collective_timeout_s, init_distributed, is_collective_timeout, victim_line
+from rankctl.runtime.status import StatusWriter
 
-DEFAULT_TIMEOUT_S = 300.0  # the job's restart.collective_timeout when it has none
 TRACEBACK_LINES = 30
-_TIMEOUT_RE = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,63 +70,6 @@ def preload_kinds() -> None:
     """Import every registered kind now (the launcher does this so forks start warm)."""
     for name in list(JOB_KINDS):
         resolve_kind(name)
-
-
-def resolve_backend(assignment: RankAssignment) -> tuple[str, torch.device]:
-    """(backend, device): nccl with the assigned GPU when CUDA is there, gloo on CPU otherwise."""
-    backend = assignment.backend
-    cuda = assignment.device is not None and torch.cuda.is_available()
-    if backend == "auto":
-        backend = "nccl" if cuda else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"unknown backend {backend!r}; backends are auto, nccl, gloo")
-    if backend == "nccl" and not cuda:
-        raise RuntimeError(f"backend nccl needs a CUDA device, but device={assignment.device} "
-                           f"and torch.cuda.is_available()={torch.cuda.is_available()}")
-    device = torch.device("cuda", assignment.device) if cuda else torch.device("cpu")
-    return backend, device
-
-
-def init_distributed(assignment: RankAssignment, timeout: timedelta) -> tuple[str, torch.device]:
-    """Rendezvous through a TCPStore hosted by rank 0 and create the default group.
-
-    The device is set but deliberately not bound (no ``device_id``): see ``parallel.groups``.
-    """
-    backend, device = resolve_backend(assignment)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = dist.TCPStore(
-        assignment.rendezvous_host, assignment.rendezvous_port, assignment.world_size,
-        is_master=assignment.rank == 0, timeout=timeout,
-    )
-    dist.init_process_group(
-        backend, store=store, rank=assignment.rank, world_size=assignment.world_size, timeout=timeout,
-    )
-    return backend, device
-
-
-def collective_timeout_s(spec: dict[str, Any]) -> float:
-    """The job's ``restart.collective_timeout`` (seconds): the store, the default group and
-    every other group wait this long for a peer before failing."""
-    value = (spec.get("restart") or {}).get("collective_timeout")
-    return float(value) if value else DEFAULT_TIMEOUT_S
-
-
-def is_collective_timeout(exc: BaseException) -> bool:
-    """A store or collective that gave up waiting (gloo, TCPStore), anywhere in the chain."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, (RuntimeError, TimeoutError)) and _TIMEOUT_RE.search(str(exc)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def victim_line(rank: int, timeout_s: float, phase: str) -> str:
-    """The last line of a timed-out rank's error (the job's failure reason quotes it)."""
-    return (f"CollectiveTimeout: rank {rank} timed out after {timeout_s:g} s waiting in a collective ({phase}); "
-            "it is a victim, not necessarily the cause: a peer in its group may have hung or died")
 
 
 def _error_fields(exc: BaseException, victim: str | None = None) -> dict[str, Any]:
