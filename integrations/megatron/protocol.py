@@ -1,0 +1,36 @@
+"""What ``initialize_model_parallel`` needs from a rank: its rank, layout and own groups.
+
+``rankctl.context()`` (the rank runtime's context) and ``GroupsContext`` (``adapter.py``)
+both satisfy it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from rankctl.parallel.layout import RankLayout
+
+
+@runtime_checkable
+class RankContext(Protocol):
+    """One rank's view of its job: global rank, the job's layout, and its groups by kind.
+
+    ``group(kind)`` returns a real process group for every kind this rank belongs to, a
+    one-member group included (Megatron asks ``group.size()`` and ``group.rank()`` of it);
+    each kind's group is created once. ``ranks(kind)`` lists the members, ascending.
+    Kinds are ``rankctl.parallel.layout.KINDS``; a rank lacks ``embd`` / ``pos_embd``
+    when it is not a member, and asking for them then raises ``KeyError``.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def layout(self) -> "RankLayout": ...
+
+    def group(self, kind: str) -> "dist.ProcessGroup": ...
+
+    def ranks(self, kind: str) -> list[int]: ...

@@ -1,0 +1,49 @@
+"""Which megatron-core rankctl.megatron supports, and loading it with a clear error otherwise.
+
+``rankctl.megatron`` writes ``parallel_state``'s private globals, so it is tied to the
+versions it was checked against (``tests/test_megatron_conformance.py``); the range here is
+the ``rankctl[megatron]`` extra of ``pyproject.toml`` (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from types import ModuleType
+
+SUPPORTED = ">=0.16,<0.17"
+_LOW, _HIGH = (0, 16), (0, 17)
+INSTALL = "pip install 'rankctl[megatron]'  (or: pip install 'megatron-core>=0.16,<0.17')"
+
+
+class MegatronVersionError(RuntimeError):
+    """megatron-core is installed but in a version rankctl.megatron was not checked against."""
+
+
+def installed_version() -> str | None:
+    """The installed megatron-core version string, or None when it is not installed."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def is_supported(version: str) -> bool:
+    """True when ``version`` (e.g. ``0.16.1``, ``0.16.0rc2``) lies in ``SUPPORTED``."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return match is not None and _LOW <= (int(match[1]), int(match[2])) < _HIGH
+
+
+def parallel_state() -> ModuleType:
+    """``megatron.core.parallel_state``, after checking that a supported version is installed."""
+    version = installed_version()
+    if version is None:
+        raise ImportError(f"rankctl.megatron needs megatron-core {SUPPORTED}, which is not installed: {INSTALL}")
+    if not is_supported(version):
+        raise MegatronVersionError(
+            f"megatron-core {version} is installed, but rankctl.megatron supports megatron-core {SUPPORTED} "
+            f"(it sets parallel_state's globals, which change between versions): {INSTALL}"
+        )
+    from megatron.core import parallel_state as ps
+
+    return ps
