@@ -45,10 +45,11 @@ import test_e2e_parallel as e2e_parallel  # noqa: E402
 import test_e2e_train as e2e_train  # noqa: E402
 from compare import MAX_NOISY, TOL, adam_drift_bound, assert_params_close, lr_schedule, noisy_elements  # noqa: E402
 
-from rankctl.coordinator.spec import build_spec, load_yaml_text  # noqa: E402
+from rankctl.contract.jobfile import load_yaml_text  # noqa: E402
+from rankctl.kinds.spec import build_spec, parse_spec  # noqa: E402
 from rankctl.parallel.groups import ProcessGroups  # noqa: E402
 from rankctl.parallel.layout import ParallelConfig, RankLayout  # noqa: E402
-from rankctl.worker import optim, train  # noqa: E402
+from rankctl.kinds.train import optim, loop as train  # noqa: E402
 from rankctl.contract.assignment import RankAssignment  # noqa: E402
 from rankctl.runtime.rank import RankContext  # noqa: E402
 from rankctl.runtime.status import StatusWriter  # noqa: E402
@@ -117,15 +118,16 @@ def record_adam(trace: list[dict[str, Any]], perturb: tuple[str, float] | None =
 
 def rank_main(a: RankAssignment, store_path: str, perturb: tuple[str, float] | None, threads: int | None) -> None:
     timeout = timedelta(seconds=120)
+    spec = parse_spec(a.spec)
     if threads:  # train.setup gives each rank os.cpu_count() // slots threads
-        os.cpu_count = lambda: threads * (a.spec.get("resources") or {}).get("slots_per_node", 1)
+        os.cpu_count = lambda: threads * spec.resources.slots_per_node
     dist.init_process_group("gloo", store=dist.FileStore(store_path, a.world_size), rank=a.rank,
                             world_size=a.world_size, timeout=timeout)
     pgs = ProcessGroups.build(a.rank, a.world_size, a.groups, timeout=timeout)
     trace: list[dict[str, Any]] = []
     record_adam(trace, perturb)
     status = StatusWriter(a.run_dir, a.rank)
-    ctx = RankContext(assignment=a, groups=pgs, device=torch.device("cpu"), backend="gloo", status=status,
+    ctx = RankContext(assignment=a, spec=spec, groups=pgs, device=torch.device("cpu"), backend="gloo", status=status,
                       log=structlog.wrap_logger(structlog.ReturnLogger()))
     t = train.setup(ctx)
     result = train.train(t)

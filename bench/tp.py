@@ -5,7 +5,7 @@ each) and trains two copies of the same GPT (same ``GPTConfig``, same initial we
 from ``gpt.full_init``, same batches from ``models.data``) in the same processes, taking
 turns step by step (the order flips every round) so that outside load hits both alike:
 
-* rankctl: ``build_shard(cfg, tp_group)`` and ``worker.train.train_step`` with
+* rankctl: ``build_shard(cfg, tp_group)`` and ``kinds.train.loop.train_step`` with
   ``plain_step``, as the ``train`` job runs it. Parallel: wte (vocab-parallel embedding),
   every qkv/fc (column) and attn/mlp proj (row), and the tied head with the
   vocab-parallel cross-entropy. Replicated: wpe and the LayerNorms.
@@ -53,15 +53,16 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from rankctl.models.data import BUILTIN_PYDOC, TokenDataset
+from rankctl.kinds.train.data import BUILTIN_PYDOC, TokenDataset
 from rankctl.models.gpt import GPT, GPTConfig, full_init
 from rankctl.models.shard import build_shard
 from rankctl.parallel.data_parallel import GradReducer
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.layout import ParallelConfig, RankLayout
-from rankctl.worker import optim
-from rankctl.worker.train import TrainConfig, Trainer, plain_step, train_step
-from rankctl.worker.train_state import TrainState
+from rankctl.kinds.train import optim
+from rankctl.kinds.train.loop import Trainer, plain_step, train_step
+from rankctl.kinds.train.spec import TrainSpec
+from rankctl.kinds.train.train_state import TrainState
 
 TP = 2
 SEED = 1234
@@ -72,16 +73,16 @@ def model_config(ns: argparse.Namespace) -> GPTConfig:
     return GPTConfig(layers=ns.layers, hidden=ns.hidden, heads=ns.heads, seq_len=ns.seq, vocab=256)
 
 
-def train_config(ns: argparse.Namespace) -> TrainConfig:
+def train_config(ns: argparse.Namespace) -> TrainSpec:
     """One micro-batch per step; the schedule spans warm-up and timed steps."""
-    return TrainConfig(steps=ns.warmup + ns.steps, global_batch=ns.batch, micro_batch=ns.batch,
+    return TrainSpec(steps=ns.warmup + ns.steps, global_batch=ns.batch, micro_batch=ns.batch,
                        seed=SEED, dtype="fp32", data=BUILTIN_PYDOC)
 
 
 # -- rankctl ----------------------------------------------------------------------------------
 
 def rankctl_case(ns: argparse.Namespace, pgs: ProcessGroups, data: TokenDataset) -> tuple[Trainer, StepFn]:
-    """A ``Trainer`` as ``worker.train.setup`` builds it, without the job plumbing."""
+    """A ``Trainer`` as ``kinds.train.loop.setup`` builds it, without the job plumbing."""
     cfg = train_config(ns)
     model = build_shard(model_config(ns), pgs.get("tp"), sequence_parallel=False, seed=cfg.seed)
     named = model.named_parameters()

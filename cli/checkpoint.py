@@ -23,7 +23,7 @@ def export(step_dirs: tuple[str, ...], out: Path) -> None:
     state_dict that loads into the serial model and re-slices into any other layout."""
     import torch
 
-    from rankctl.worker.checkpoint import export_full_state_dict
+    from rankctl.kinds.train.checkpoint import export_full_state_dict
 
     try:
         full = export_full_state_dict(list(step_dirs))

@@ -4,37 +4,44 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, CtlError
 
+if TYPE_CHECKING:
+    from rankctl.contract.spec import JobSpec
+
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 
 
-def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str]]:
-    """Read and validate locally (same rules as the coordinator): fail fast, no round trip.
+def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str], "JobSpec"]:
+    """Read and validate locally, once (same rules as the coordinator): fail fast, no round trip.
 
-    Returns the text and the overrides to send; a relative ``train.data`` path is made
-    absolute against the current directory, since daemons do not share our working directory.
+    Returns the text, the overrides to send and the typed spec. The kind may add overrides
+    (``JobKind.client_overrides``: e.g. ``train`` makes a relative data path absolute, since
+    daemons do not share our working directory); the spec is then rebuilt from the same document.
     """
-    from rankctl.coordinator.checks import check_job
-    from rankctl.coordinator.spec import SpecError, build_spec, load_yaml_text, read_job_text
+    from rankctl.contract.jobfile import SpecError, load_yaml_text, read_job_text
+    from rankctl.kinds import registry
+    from rankctl.kinds.spec import build_spec, check_job
 
     sets = list(overrides)
     try:
         text = read_job_text(path)
-        spec = build_spec(load_yaml_text(text, path), sets)
-        data = spec.train.data if spec.train else "builtin:"
-        if not data.startswith("builtin:") and not Path(data).is_absolute():
-            sets.append(f"train.data={Path(data).resolve()}")
-            spec = build_spec(load_yaml_text(text, path), sets)
+        doc = load_yaml_text(text, path)
+        spec = build_spec(doc, sets)
+        extra_fn = registry.get(spec.kind).resolve("client_overrides")
+        extra = extra_fn(spec) if extra_fn else []
+        if extra:
+            sets += extra
+            spec = build_spec(doc, sets)
         check_job(spec)
     except SpecError as exc:
         raise CtlError(str(exc)) from None
-    return text, sets
+    return text, sets, spec
 
 
 def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120.0):
@@ -111,7 +118,7 @@ def exit_for(job) -> None:
 @pass_ctx
 def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wait: bool, queue_anyway: bool) -> None:
     """Submit JOB_FILE; print the job id alone on stdout."""
-    text, sets = read_job_file(job_file, overrides)
+    text, sets, _ = read_job_file(job_file, overrides)
     with ctx.client() as client:
         job = client.submit(text, sets, job_file, queue_anyway=queue_anyway)
     click.echo(job.id)

@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Sequence
 
 from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 
 
 class LocalCluster:
     def __init__(self, nodes: int, slots: int, state_dir: Path, heartbeat_timeout: float = 10.0,
-                 name_prefix: str = "local") -> None:
+                 name_prefix: str = "local", imports: Sequence[str] = ()) -> None:
+        """``imports``: modules that add job kinds (``kinds.registry.load_module``), here and in every launcher."""
         self.nodes, self.slots, self.state_dir = nodes, slots, Path(state_dir)
         self.heartbeat_timeout = heartbeat_timeout
+        self.imports = list(imports)
         self.names = [f"{name_prefix}-{k}" for k in range(nodes)]
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -59,8 +62,12 @@ class LocalCluster:
         from rankctl.coordinator.server import start_coordinator
         from rankctl.worker.launcher_client import Launcher
 
+        from rankctl.kinds import registry
+
+        for module in self.imports:
+            registry.load_module(module)
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        launchers = await asyncio.gather(*[Launcher.start() for _ in range(self.nodes)])
+        launchers = await asyncio.gather(*[Launcher.start(imports=self.imports) for _ in range(self.nodes)])
         server = await start_coordinator("127.0.0.1:0", self.state_dir / "coordinator",
                                          heartbeat_timeout=self.heartbeat_timeout)
         self.address = server.address

@@ -27,8 +27,7 @@ def _config_from_flags(opts: dict) -> "ParallelConfig":
 
 
 def _config_from_file(path: str, overrides: tuple[str, ...]) -> tuple["ParallelConfig", int]:
-    from rankctl.coordinator.checks import check_job
-    from rankctl.coordinator.spec import load_spec
+    from rankctl.kinds.spec import check_job, load_spec
 
     spec = load_spec(path, list(overrides))
     return check_job(spec), spec.resources.slots_per_node
@@ -125,7 +124,7 @@ def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None,
          as_json: bool, gpus_per_node: int | None, **flags: object) -> None:
     """Validate and explain a rank layout (from JOB_FILE or flags)."""
     from rankctl.contract.limits import MAX_SLOTS_PER_NODE
-    from rankctl.coordinator.spec import SpecError
+    from rankctl.contract.jobfile import SpecError
     from rankctl.parallel.layout import LayoutError, RankLayout
 
     try:

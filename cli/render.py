@@ -38,9 +38,9 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
                    **({"error": r.error} if r.error else {})} for r in job.ranks],
         "result": _loads(job.result_json),
     }
-    if job.kind == "train":
-        result = out["result"] or {}
-        out["losses"] = result.get("losses", []) if isinstance(result, dict) else []
+    summary = _hook(job.kind, "summary")
+    if summary is not None:
+        out.update(summary(out["result"]))
     return out
 
 
@@ -92,56 +92,28 @@ def _cell(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def comm_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """comm-check rows (one per kind and op) pivoted to one row per kind, readable units."""
-    by_kind: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        out = by_kind.setdefault(r["kind"], {"kind": r["kind"], "groups x size": f"{r['groups']} x {r['size']}"})
-        op = {"allreduce": "all-reduce", "allgather": "all-gather"}.get(r.get("op", ""), r.get("op", ""))
-        out[f"{op} us (mean/max)"] = f"{r['mean_us']:.0f} / {r['max_us']:.0f}"
-        out[f"{op} busbw GB/s (min)"] = f"{r['min_busbw_gbps']:.3g}"
-    return list(by_kind.values())
+def _hook(kind: str, name: str):
+    """A kind's rendering hook (``kinds.registry.JobKind``), or None (unknown kind, no hook)."""
+    from rankctl.kinds import registry
+
+    try:
+        return registry.get(kind).resolve(name)
+    except ValueError:
+        return None
 
 
-def result_tables(result: Any) -> list:
-    """Tables found in a job result: any list of dicts under a key becomes one table."""
+def result_tables(result: Any, kind: str = "") -> list:
+    """The kind's tables, then one table per other list of dicts in the result."""
     if not isinstance(result, dict):
         return []
-    tables = []
-    final = result.get("final")
-    if isinstance(final, dict) and isinstance(final.get("expert_tokens"), dict) and final["expert_tokens"]:
-        tables.append(rows_table(f"expert load balance (step {final.get('step', '?')}, tokens per expert)",
-                                 expert_rows(final["expert_tokens"])))
+    kind_tables = _hook(kind, "tables")
+    pairs = kind_tables(result, rows_table) if kind_tables else []
+    done = {key for key, _ in pairs}
+    tables = [table for _, table in pairs]
     for key, value in result.items():
-        if not (isinstance(value, list) and value and all(isinstance(r, dict) for r in value)):
-            continue
-        if key == "comm" and "min_busbw_gbps" in value[0]:
-            size = result.get("size_bytes")
-            title = f"comm-check per kind ({size} bytes per rank)" if size else "comm-check per kind"
-            tables.append(rows_table(title, comm_rows(value)))
-        elif key in ("losses", "val_losses"):
-            tables.append(rows_table(f"{key.replace('_', ' ')} ({len(value)} steps)", _sample(value, 12)))
-        else:
+        if key not in done and isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
             tables.append(rows_table(key, value))
     return tables
-
-
-def expert_rows(expert_tokens: dict[str, list[int]]) -> list[dict[str, Any]]:
-    """One row per MoE layer: tokens per expert, and max / mean (1.0 = perfectly balanced)."""
-    rows = []
-    for layer, tokens in expert_tokens.items():
-        mean = sum(tokens) / len(tokens) if tokens else 0.0
-        rows.append({"layer": layer, "tokens per expert": " ".join(str(t) for t in tokens),
-                     "max/mean": (max(tokens) / mean) if mean else None})
-    return rows
-
-
-def _sample(rows: list, n: int) -> list:
-    """At most ``n`` rows spread evenly, always keeping the first and the last."""
-    if len(rows) <= n:
-        return rows
-    idx = sorted({round(i * (len(rows) - 1) / (n - 1)) for i in range(n)})
-    return [rows[i] for i in idx]
 
 
 def job_view(job: pb.Job, max_ranks: int = 64):
@@ -158,41 +130,14 @@ def job_view(job: pb.Job, max_ranks: int = 64):
     ranks = [{"rank": r["rank"], "node": r["node"], "phase": r["state"], "step": r["step"],
               "exit": r.get("exit_code", "")} for r in d["ranks"][:max_ranks]]
     parts = [head]
-    progress = train_progress(job)
+    progress_fn = _hook(job.kind, "progress")
+    progress = progress_fn(job) if progress_fn else None
     if progress is not None:
         parts.append(progress)
     if ranks:
         parts.append(rows_table("ranks", ranks))
-    parts += result_tables(d["result"])
+    parts += result_tables(d["result"], job.kind)
     return Group(*parts)
-
-
-def train_progress(job: pb.Job):
-    """A progress bar with the current loss and tokens/s, from the ranks' latest metrics."""
-    from rich.progress_bar import ProgressBar
-    from rich.table import Table
-
-    if job.kind != "train":
-        return None
-    steps = (_loads(job.spec_json) or {}).get("train", {}).get("steps", 0)
-    latest = _latest_metrics(job)
-    if not steps or latest is None:
-        return None
-    step, m = latest
-    grid = Table.grid(padding=(0, 1))
-    grid.add_row(f"step {step}/{steps}", ProgressBar(total=steps, completed=step, width=30),
-                 f"loss {m.get('loss', float('nan')):.4f}", f"{m.get('tokens_per_s', 0):,.0f} tok/s",
-                 f"lr {m.get('lr', 0):.2e}")
-    return grid
-
-
-def _latest_metrics(job: pb.Job) -> tuple[int, dict] | None:
-    """(step, metrics) of the lowest rank that reports a loss (a last pipeline stage)."""
-    for r in sorted(job.ranks, key=lambda r: r.rank):
-        m = _loads(r.metrics_json) or {}
-        if isinstance(m, dict) and isinstance(m.get("loss"), (int, float)):
-            return r.step, m
-    return None
 
 
 def _state_style(state: str) -> str:

@@ -5,19 +5,20 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from rankctl.cli.context import Ctx
 from rankctl.cli.errors import CtlError
 
+if TYPE_CHECKING:
+    from rankctl.contract.spec import JobSpec
 
-def _cluster_shape(text: str, path: str, overrides: tuple[str, ...], nodes: int | None,
-                   slots: int | None) -> tuple[int, int]:
+
+def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tuple[int, int]:
     from rankctl.contract.limits import MAX_SLOTS_PER_NODE, MAX_WORLD_SIZE
-    from rankctl.coordinator.spec import build_spec, load_yaml_text
 
-    spec = build_spec(load_yaml_text(text, path), list(overrides))  # read_job_file checked text and overrides
     res = spec.resources
     n, s = nodes or res.nodes, slots or res.slots_per_node
     if n < 1 or s < 1:
@@ -52,8 +53,8 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
 
     configure_logging(level=log_level)
-    text, sets = read_job_file(job_file, overrides)
-    n, s = _cluster_shape(text, job_file, tuple(sets), nodes, slots)
+    text, sets, spec = read_job_file(job_file, overrides)
+    n, s = _cluster_shape(spec, nodes, slots)
     tmp = state_dir is None
     root = Path(tempfile.mkdtemp(prefix="rankctl-up-")) if tmp else state_dir
     click.echo(f"starting a coordinator and {n} worker daemon(s) x {s} slot(s) under {root}", err=True)

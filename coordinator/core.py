@@ -25,10 +25,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import structlog
 
+from rankctl.contract.jobfile import load_yaml_text
 from rankctl.contract.limits import MAX_SLOTS_PER_NODE
 from rankctl.contract.names import node_name_problem
+from rankctl.contract.spec import JobSpec
 from rankctl.coordinator import capacity, convert
-from rankctl.coordinator.checks import check_job
 from rankctl.coordinator.errors import CapacityError, NodeNameTaken, ProtocolError
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable, Outbox
@@ -38,9 +39,9 @@ from rankctl.coordinator.records import EventRecord, JobRecord, LogRecord, NodeH
 from rankctl.coordinator.reports import ReportsMixin
 from rankctl.coordinator.results import aggregate, parse_rank_results
 from rankctl.coordinator.signals import Signals
-from rankctl.coordinator.spec import JobSpec, build_spec, load_yaml_text
 from rankctl.coordinator.states import JobState, is_active, is_terminal
 from rankctl.coordinator.store import Store, StoreError
+from rankctl.kinds.spec import build_spec, check_job
 from rankctl.parallel.placement import NodeSlots, PlacementError, place
 
 log = structlog.get_logger("rankctl.coordinator")

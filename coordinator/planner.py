@@ -7,17 +7,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from rankctl.coordinator.checks import check_job
 from rankctl.coordinator.records import JobRecord, NodeRecord
-from rankctl.coordinator.spec import JobSpec
+from rankctl.kinds.spec import parallel_config, parse_spec
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.parallel.placement import layout_document, local_rank, ranks_of_node
 from rankctl.contract.assignment import RankAssignment
-
-
-def job_config(job: JobRecord) -> ParallelConfig:
-    """The layout config of a stored (already validated) job spec."""
-    return check_job(JobSpec.model_validate(job.spec))
 
 
 def pick_port(free_ports: Iterable[int], in_use: set[int]) -> int | None:
@@ -27,7 +21,8 @@ def pick_port(free_ports: Iterable[int], in_use: set[int]) -> int | None:
 
 def build_assignments(job: JobRecord, nodes: dict[str, NodeRecord]) -> dict[str, list[RankAssignment]]:
     """node name -> the assignments of its ranks; job node k runs ranks k*S .. k*S+S-1."""
-    layout = RankLayout(job_config(job))
+    spec = parse_spec(job.spec)
+    layout = RankLayout(parallel_config(spec))
     s = job.slots_per_node
     out: dict[str, list[RankAssignment]] = {}
     for k, name in enumerate(job.nodes):
@@ -37,7 +32,7 @@ def build_assignments(job: JobRecord, nodes: dict[str, NodeRecord]) -> dict[str,
             out.setdefault(name, []).append(RankAssignment(
                 job_id=job.id, attempt=job.attempt, rank=rank, world_size=job.world_size, local_rank=local,
                 node=name, coords=layout.coords(rank), groups=layout.rank_groups(rank),
-                rendezvous=job.rendezvous, backend=job.spec.get("backend", "auto"), kind=job.kind,
+                rendezvous=job.rendezvous, backend=spec.backend, kind=job.kind,
                 spec=job.spec, device=local if gpus else None,
             ))
     return out

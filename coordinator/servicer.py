@@ -22,7 +22,7 @@ from rankctl.coordinator.errors import (
 )
 from rankctl.coordinator.jobs import MAX_PAGE
 from rankctl.coordinator.nodes import NodeSession
-from rankctl.coordinator.spec import SpecError
+from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.states import is_terminal
 from rankctl.coordinator.store import StoreError
 from rankctl.proto import rankctl_pb2 as pb

@@ -23,6 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from rankctl.contract.limits import MAX_PARALLEL_SIZE, MAX_VPP, MAX_WORLD_SIZE
+from rankctl.contract.spec import DEFAULT_ORDER
 
 TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Megatron's RankGenerator appends tokens missing from ``order`` in this order.
@@ -120,7 +121,7 @@ class ParallelConfig:
     ep: int = 1
     etp: int | None = None
     vpp: int | None = None
-    order: str = "tp-cp-ep-dp-pp"
+    order: str = DEFAULT_ORDER
     _tokens: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -3,12 +3,11 @@
 ``run_rank(assignment)`` is what a rank process runs (the launcher forks it). Job kinds
 are functions ``(RankContext) -> dict`` (the result, JSON-serialisable) found by name in
 ``JOB_KINDS``. A kind is either a callable or a ``"module:function"`` string imported on
-first use; add one with ``register_kind("train", "rankctl.worker.train:run")``.
+first use; add one with ``register_kind("train", "rankctl.kinds.train.loop:run")``.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import traceback
@@ -21,8 +20,11 @@ import torch
 import torch.distributed as dist
 
 from rankctl.contract.assignment import RankAssignment
+from rankctl.contract.spec import JobSpec, RestartSpec
+from rankctl.kinds import registry
+from rankctl.kinds.spec import parse_spec
 from rankctl.parallel.groups import ProcessGroups
-from rankctl.runtime.rendezvous import collective_timeout_s, init_distributed, is_collective_timeout, victim_line
+from rankctl.runtime.rendezvous import init_distributed, is_collective_timeout, victim_line
 from rankctl.runtime.status import StatusWriter
 
 TRACEBACK_LINES = 30
@@ -33,6 +35,7 @@ class RankContext:
     """Everything a job kind receives; no globals behind it."""
 
     assignment: RankAssignment
+    spec: JobSpec  # the typed job spec, validated from the assignment's canonical dict
     groups: ProcessGroups
     device: torch.device
     backend: str
@@ -42,33 +45,19 @@ class RankContext:
 
 JobFn = Callable[[RankContext], "dict[str, Any] | None"]
 
-JOB_KINDS: dict[str, "JobFn | str"] = {
-    "comm-check": "rankctl.worker.commcheck:run",
-    "train": "rankctl.worker.train:run",
-}
-
-
-def register_kind(name: str, fn: "JobFn | str") -> None:
-    """Make job kind ``name`` runnable (a callable or a lazily imported ``"module:function"``)."""
-    JOB_KINDS[name] = fn
-
 
 def resolve_kind(name: str) -> JobFn:
-    """The function for job kind ``name``; imports it if registered as a string."""
-    try:
-        target = JOB_KINDS[name]
-    except KeyError:
-        raise ValueError(f"unknown job kind {name!r}; kinds are {', '.join(sorted(JOB_KINDS))}") from None
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-        JOB_KINDS[name] = target
-    return target
+    """The rank entry of job kind ``name`` (imported on first use)."""
+    kind = registry.get(name)
+    entry = kind.resolve("entry")
+    if entry is None:
+        raise ValueError(f"job kind {name!r} has no rank entry")
+    return entry
 
 
 def preload_kinds() -> None:
-    """Import every registered kind now (the launcher does this so forks start warm)."""
-    for name in list(JOB_KINDS):
+    """Import every registered kind's rank entry now (the launcher does this so forks start warm)."""
+    for name in registry.kinds():
         resolve_kind(name)
 
 
@@ -90,10 +79,12 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
     status = StatusWriter(run_dir, a.rank)
     structlog.contextvars.bind_contextvars(job=a.job_id, attempt=a.attempt, node=a.node, rank=a.rank)
     log = structlog.get_logger("rankctl.rank")
-    seconds = timeout_s or collective_timeout_s(a.spec)
-    timeout = timedelta(seconds=seconds)
+    seconds = timeout_s or RestartSpec().collective_timeout  # until the spec is read
     phase = "starting"
     try:
+        spec = parse_spec(a.spec)
+        seconds = timeout_s or spec.restart.collective_timeout
+        timeout = timedelta(seconds=seconds)
         job = resolve_kind(a.kind)
         status.write(phase := "rendezvous")
         log.info("rendezvous", at=a.rendezvous, world_size=a.world_size, timeout_s=seconds)
@@ -102,7 +93,7 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
         pgs = ProcessGroups.build(a.rank, a.world_size, a.groups, timeout=timeout)
         log.info("groups", backend=backend, device=str(device), groups=len(pgs.distinct()))
         status.write(phase := "running")
-        ctx = RankContext(assignment=a, groups=pgs, device=device, backend=backend, status=status, log=log)
+        ctx = RankContext(assignment=a, spec=spec, groups=pgs, device=device, backend=backend, status=status, log=log)
         result = job(ctx) or {}
         pgs.destroy()
         dist.destroy_process_group()

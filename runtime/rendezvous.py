@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rankctl.contract.assignment import RankAssignment
 
-DEFAULT_TIMEOUT_S = 300.0  # the job's restart.collective_timeout when it has none
 _TIMEOUT_RE = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
@@ -50,13 +48,6 @@ def init_distributed(assignment: RankAssignment, timeout: timedelta) -> tuple[st
         backend, store=store, rank=assignment.rank, world_size=assignment.world_size, timeout=timeout,
     )
     return backend, device
-
-
-def collective_timeout_s(spec: dict[str, Any]) -> float:
-    """The job's ``restart.collective_timeout`` (seconds): the store, the default group and
-    every other group wait this long for a peer before failing."""
-    value = (spec.get("restart") or {}).get("collective_timeout")
-    return float(value) if value else DEFAULT_TIMEOUT_S
 
 
 def is_collective_timeout(exc: BaseException) -> bool:

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from rankctl.worker import optim
+from rankctl.kinds.train import optim
 
 TOL = 1e-5  # elementwise rtol and atol for every element but the noisy ones
 MAX_NOISY = 4  # elements of the whole model allowed past TOL (each still within adam_drift_bound)

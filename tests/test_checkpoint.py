@@ -10,7 +10,7 @@ import torch
 from rankctl.models.gpt import GPT, GPTConfig
 from rankctl.models.shard import build_shard, shard_slice
 from rankctl.parallel.tensor import TPContext
-from rankctl.worker import checkpoint as ckpt
+from rankctl.kinds.train import checkpoint as ckpt
 
 CFG = GPTConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=255)  # 255: TP pads the vocabulary
 

@@ -10,13 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rankctl.coordinator.results import comm_check_result
+from rankctl.kinds.comm_check.results import comm_check_result
 from rankctl.parallel.groups import ProcessGroups
 from rankctl.parallel.layout import ParallelConfig, RankLayout
-from rankctl.worker import commcheck
+from rankctl.kinds.comm_check import run as commcheck
 from ranks import fork_ranks
-from rankctl.worker.commcheck import (
-    CommCheckConfig, CommCheckError, _Group, metrics, verify_allgather,
+from rankctl.kinds.comm_check.spec import CommCheckSpec
+from rankctl.kinds.spec import SpecError, build_spec
+from rankctl.kinds.comm_check.run import (
+    CommCheckError, _Group, metrics, verify_allgather,
     verify_allreduce,
 )
 
@@ -53,10 +55,11 @@ def test_bus_bandwidth_follows_nccl_tests() -> None:
 
 
 def test_config_from_spec() -> None:
-    assert CommCheckConfig.from_spec({}) == CommCheckConfig()
-    assert CommCheckConfig.from_spec({"comm_check": {"size_bytes": 64}}).size_bytes == 64
-    with pytest.raises(ValueError, match="iters=0"):
-        CommCheckConfig.from_spec({"comm_check": {"iters": 0}})
+    job = {"name": "c", "kind": "comm-check"}
+    assert build_spec(job).comm_check == CommCheckSpec()
+    assert build_spec({**job, "comm_check": {"size_bytes": 64}}).comm_check.size_bytes == 64
+    with pytest.raises(SpecError, match="comm_check.iters"):
+        build_spec({**job, "comm_check": {"iters": 0}})
 
 
 def _row(kinds: list[str], members: list[int], us: float) -> dict:
@@ -90,7 +93,7 @@ def _check_rank(rank: int, world: int, store_path: str, corrupt: str | None, res
     pgs = ProcessGroups.build(rank, world, RankLayout(ParallelConfig(world_size=world, tp=2)).rank_groups(rank))
     if corrupt and rank == 1:
         commcheck._all_gather_single = _corrupt_allgather_input(commcheck._all_gather_single)
-    cfg = CommCheckConfig(size_bytes=256, warmup=1, iters=2)
+    cfg = CommCheckSpec(size_bytes=256, warmup=1, iters=2)
     rows = commcheck.check_groups(pgs, rank, cfg, torch.device("cpu"))
     with open(os.path.join(result_dir, f"{rank}.json"), "w") as f:
         json.dump(rows, f)

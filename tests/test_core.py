@@ -11,7 +11,7 @@ import pytest
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.records import NodeHello, RankRecord, RankUpdate, RunningJob
-from rankctl.coordinator.spec import SpecError
+from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.states import JobState
 from rankctl.coordinator.store import Store
 from rankctl.contract.assignment import RankAssignment

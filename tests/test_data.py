@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from rankctl.models.data import (
+from rankctl.kinds.train.data import (
     BUILTIN_PYDOC,
     VAL,
     DataError,

@@ -120,7 +120,7 @@ def assign(job_id: str, attempt: int = 1, *, rank: int = 0, name: str = "ok", ki
            rank_job_id: str | None = None) -> pb.CoordinatorMessage:
     a = RankAssignment(job_id=rank_job_id or job_id, attempt=attempt, rank=rank, world_size=1, local_rank=0,
                        node="node-a", coords={}, groups={}, rendezvous="127.0.0.1:0", backend="gloo", kind=kind,
-                       spec={"name": name})
+                       spec={"name": name, "kind": kind})
     return pb.CoordinatorMessage(assign=pb.Assign(job_id=job_id, attempt=attempt, ranks=[
         pb.RankAssignmentMsg(rank=rank, assignment_json=a.to_json())]))
 
@@ -175,7 +175,7 @@ def test_ids_that_are_not_safe_paths_are_refused_and_nothing_leaves_the_state_di
 
 FLOOD_KIND = '''
 import sys
-from rankctl.runtime.rank import register_kind
+from rankctl.kinds.registry import register_kind
 
 def flood(ctx):
     print("x" * (1 << 20), flush=True)

@@ -160,7 +160,7 @@ def test_nine_thousand_jobs_list_in_pages_and_errors_stay_short(tmp_path: Path) 
     """Before: one ListJobs response held every job with its ranks (4.7 MB at ~9,000 jobs, over
     gRPC's 4 MiB), and an ambiguous-name error listed every id (120 KB)."""
     from rankctl.coordinator.records import JobRecord
-    from rankctl.coordinator.spec import build_spec
+    from rankctl.kinds.spec import build_spec
     from rankctl.coordinator.states import JobState
     from rankctl.coordinator.store import Store
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from rankctl.cli.errors import CtlError
-from rankctl.worker.checkpoint import export_full_state_dict
+from rankctl.kinds.train.checkpoint import export_full_state_dict
 from test_e2e_train import Runner, close
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.grpc_in_process]

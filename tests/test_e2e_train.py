@@ -20,7 +20,7 @@ from rankctl.cli.context import Ctx
 from rankctl.cli.errors import CtlError
 from rankctl.cli.local import LocalCluster
 from rankctl.cli.render import job_to_dict
-from rankctl.worker.checkpoint import export_full_state_dict, step_dir
+from rankctl.kinds.train.checkpoint import export_full_state_dict, step_dir
 from compare import assert_params_close, lr_schedule
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.grpc_in_process]

@@ -126,7 +126,7 @@ def test_plan_covers_every_layer_and_rejects_unknown_paths() -> None:
 
 
 def test_config_from_job_spec() -> None:
-    from rankctl.coordinator.spec import ModelSpec, MoeSpec
+    from rankctl.kinds.train.spec import ModelSpec, MoeSpec
 
     cfg = GPTConfig.from_spec(ModelSpec(layers=2, hidden=64, heads=4, vocab=255, position_embedding="rope"))
     assert (cfg.ffn, cfg.head_dim, cfg.vocab, cfg.tie_embeddings) == (256, 16, 255, True)

@@ -14,9 +14,10 @@ from click.testing import CliRunner
 
 from rankctl.cli.main import cli
 from rankctl.contract import limits as L
-from rankctl.coordinator import spec as spec_module
+from rankctl.contract import spec as spec_module
 from rankctl.coordinator.planner import plan_layout
-from rankctl.coordinator.spec import SpecError, build_spec, load_yaml_text, read_job_text
+from rankctl.contract.jobfile import SpecError, load_yaml_text, read_job_text
+from rankctl.kinds.spec import build_spec
 from rankctl.parallel.layout import LayoutError, ParallelConfig
 
 PATHOLOGY_S = 5.0  # far above what any of these take; only a blow-up gets near it
@@ -131,7 +132,7 @@ def test_world_sizes_above_the_maximum_are_refused_before_any_layout(resources: 
 
 
 def test_the_largest_world_is_accepted_and_planned_in_bounded_size() -> None:
-    from rankctl.coordinator.checks import check_job
+    from rankctl.kinds.spec import check_job
 
     spec = build_spec({"name": "big", "kind": "comm-check", "resources": {"nodes": 1024, "slots_per_node": 1024},
                        "parallel": {"tp": 8, "pp": 8}})

@@ -14,7 +14,7 @@ import pytest
 
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.contract.assignment import RankAssignment
-from rankctl.coordinator.results import comm_check_result
+from rankctl.kinds.comm_check.results import comm_check_result
 from rankctl.worker.launcher import Launcher
 from rankctl.worker.procutil import pid_alive
 from rankctl.worker.status import StatusTailer, read_status
@@ -22,7 +22,7 @@ from rankctl.worker.status import StatusTailer, read_status
 KINDS_MODULE = '''
 """Job kinds for launcher tests (imported by the launcher with --import)."""
 import subprocess, time
-from rankctl.runtime.rank import register_kind
+from rankctl.kinds.registry import register_kind
 
 def sleep(ctx):
     child = subprocess.Popen(["sleep", "60"])
@@ -69,7 +69,8 @@ def assignments(job: str, kind: str, run_dir: str, *, world: int = 1, tp: int = 
     return [
         RankAssignment(job_id=job, attempt=0, rank=r, world_size=world, local_rank=r, node="n0",
                        coords=lay.coords(r), groups=lay.rank_groups(r), rendezvous=f"127.0.0.1:{port}",
-                       backend="gloo", kind=kind, spec=spec or {}, run_dir=run_dir)
+                       backend="gloo", kind=kind, spec={"name": job, "kind": kind, **(spec or {})},
+                       run_dir=run_dir)
         for r in range(world)
     ]
 

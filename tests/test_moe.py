@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rankctl.coordinator.spec import ModelSpec, MoeSpec
+from rankctl.kinds.train.spec import ModelSpec, MoeSpec
 from rankctl.models.gpt import MLP, GPTConfig, full_init
 from rankctl.models.moe import (
     MoE,

@@ -10,7 +10,7 @@ import torch
 from rankctl.models.gpt import GPTConfig
 from rankctl.models.shard import build_shard, shard_slice
 from rankctl.parallel.tensor import TPContext
-from rankctl.worker.optim import (
+from rankctl.kinds.train.optim import (
     MIN_LR_RATIO,
     build_optimizer,
     clip_grad_norm,

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from rankctl.coordinator.spec import build_spec
+from rankctl.kinds.spec import build_spec
 from rankctl.models.gpt import GPT, GPTConfig
 from rankctl.parallel import data_parallel
 from rankctl.parallel.data_parallel import plan_buckets
 from rankctl.parallel.layout import ParallelConfig, RankLayout
-from rankctl.worker import checkpoint as ckpt
+from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.contract.assignment import RankAssignment
 from rankctl.runtime.rank import run_rank
 from rankctl.worker.status import read_status

@@ -26,7 +26,6 @@ a process that has initialised CUDA cannot fork ranks that use it.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
@@ -89,7 +88,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rankctl.worker.launcher")
     p.add_argument("--parent-pid", type=int, default=None, help="exit at once if this is not our parent")
     p.add_argument("--import", dest="imports", action="append", default=[],
-                   help="module to import at start-up (it may register job kinds)")
+                   help="module to import at start-up: its KIND (or its register calls) adds a job kind")
     return p.parse_args(argv)
 
 
@@ -106,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     configure_logging(sys.stderr)
 
+    from rankctl.kinds import registry
     from rankctl.runtime import rank
     from rankctl.worker.forker import Forker
 
     for module in args.imports:
-        importlib.import_module(module)
+        registry.load_module(module)
     rank.preload_kinds()
     forker = Forker(event_fd)
     forker.emit({"event": "ready", "pid": os.getpid(), "hardware": hardware_facts()})

@@ -1,0 +1,84 @@
+"""The job file's common sections (version 1): what every job has, whatever its kind.
+
+A kind's own sections (``model``/``train``, ``comm_check``, ...) are declared by the kind
+(``kinds/<kind>/``); ``kinds.spec`` composes them with these. Unknown fields are errors,
+integers are strict, numbers finite, and every size is bounded (``contract.limits``).
+The defaults here are the only definition of each default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+from rankctl.contract import limits as L
+from rankctl.contract.names import JOB_NAME_RULE, job_name_problem
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
+
+class Section(BaseModel):
+    """Base of every spec section: unknown fields are errors, frozen, finite numbers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class Resources(Section):
+    nodes: StrictInt = Field(1, ge=1, le=L.MAX_NODES)
+    slots_per_node: StrictInt = Field(1, ge=1, le=L.MAX_SLOTS_PER_NODE)
+
+    @model_validator(mode="after")
+    def _world(self) -> "Resources":
+        if self.nodes * self.slots_per_node > L.MAX_WORLD_SIZE:
+            raise ValueError(f"nodes*slots_per_node = {self.nodes * self.slots_per_node} ranks exceeds "
+                             f"the maximum world size of {L.MAX_WORLD_SIZE}")
+        return self
+
+
+class ParallelSpec(Section):
+    tp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    pp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    cp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    ep: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    etp: StrictInt | None = Field(None, ge=1, le=L.MAX_PARALLEL_SIZE)
+    vpp: StrictInt | None = Field(None, ge=1, le=L.MAX_VPP)
+    order: str = DEFAULT_ORDER
+    sequence_parallel: StrictBool = False
+    schedule: Literal["gpipe", "1f1b"] = DEFAULT_SCHEDULE
+
+
+class RestartSpec(Section):
+    max_restarts: StrictInt = Field(0, ge=0, le=L.MAX_RESTARTS)
+    # seconds every rank's process groups wait in one collective before giving up
+    collective_timeout: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
+
+
+class JobSpec(Section):
+    """The sections every job has. ``kinds.spec.spec_model()`` adds each registered kind's
+    sections (and checks ``kind`` against the registry); every spec is an instance of this."""
+
+    name: str
+    kind: str = "train"
+    resources: Resources = Resources()
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    parallel: ParallelSpec = ParallelSpec()
+    restart: RestartSpec = RestartSpec()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if job_name_problem(v):
+            raise ValueError(JOB_NAME_RULE)
+        return v
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nodes * self.resources.slots_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical stored form: every field, but no empty section of another kind."""
+        doc = self.model_dump(mode="json")
+        return {k: v for k, v in doc.items() if v is not None or k in JobSpec.model_fields}

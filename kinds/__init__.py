@@ -1,0 +1,1 @@
+"""Job kinds as plugins: ``registry`` (``JobKind``, discovery), ``spec`` (the typed job spec), one folder per kind."""

@@ -1,0 +1,153 @@
+"""The job-kind registry: every kind declares itself once, as a ``JobKind``, in its own folder.
+
+A kind is found in three ways, all of which call ``register``:
+- built in: every sub-package of ``rankctl.kinds`` that defines ``KIND`` (``kinds/train/``, ...);
+- installed: an entry point in the group ``rankctl.kinds`` naming a ``JobKind`` or a module with ``KIND``;
+- named at start-up: ``load_module(name)`` for ``ctl coordinator|worker --import MODULE``,
+  ``Launcher.start(imports=...)``, ``LocalCluster(imports=...)`` and the ``RANKCTL_KINDS``
+  environment variable (comma-separated modules; ``ctl`` itself reads it to validate locally).
+
+Pure: importing this module, or a kind's ``KIND``, never imports torch; the rank entry, the
+result aggregation and the rendering are ``"module:function"`` strings resolved on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import threading
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from rankctl.contract.spec import JobSpec
+    from rankctl.parallel.layout import ParallelConfig
+
+ENTRY_POINT_GROUP = "rankctl.kinds"
+ENV_VAR = "RANKCTL_KINDS"
+
+Ref = "str | Callable[..., Any] | None"  # "module:function", a callable, or nothing
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobKind:
+    """Everything rankctl knows of one job kind.
+
+    ``sections``: the kind's spec sections (name -> pydantic model with defaults), filled in at submit.
+    ``check(spec, cfg) -> [problem, ...]``: cross-field rules, pure (no torch); run once at submit.
+    ``entry``: the rank's function ``(RankContext) -> dict | None`` (its result).
+    ``aggregate(rank -> result) -> job result``: on the coordinator, pure; default: every rank's result.
+    ``summary(result) -> dict``: extra top-level fields of ``ctl status --json``.
+    ``tables(result) -> [rich renderable]`` and ``progress(spec dict, job) -> renderable | None``: ``ctl``'s view.
+    ``client_overrides(spec) -> ["key=value"]``: what ``ctl`` adds before submitting (e.g. absolute paths).
+    """
+
+    name: str
+    sections: Mapping[str, type["BaseModel"]] = field(default_factory=dict)
+    check: Any = None
+    entry: Any = None
+    aggregate: Any = None
+    summary: Any = None
+    tables: Any = None
+    progress: Any = None
+    client_overrides: Any = None
+
+    def resolve(self, attr: str) -> Callable[..., Any] | None:
+        """The hook ``attr`` as a callable; a ``"module:function"`` string is imported now."""
+        target = getattr(self, attr)
+        if isinstance(target, str):
+            module, _, name = target.partition(":")
+            target = getattr(importlib.import_module(module), name)
+        return target
+
+
+_KINDS: dict[str, JobKind] = {}
+_lock = threading.RLock()
+_loaded = False
+_version = 0  # bumped on every change, so that composed spec models are rebuilt
+
+
+def register(kind: JobKind) -> JobKind:
+    """Add (or replace) a kind."""
+    global _version
+    with _lock:
+        _KINDS[kind.name] = kind
+        _version += 1
+    return kind
+
+
+def unregister(name: str) -> None:
+    """Forget a kind (tests that add one)."""
+    global _version
+    with _lock:
+        _KINDS.pop(name, None)
+        _version += 1
+
+
+def register_kind(name: str, entry: Any) -> JobKind:
+    """A kind with a rank entry only (no spec sections, no aggregation): tests and quick tools."""
+    return register(JobKind(name=name, entry=entry))
+
+
+def load_module(name: str) -> None:
+    """Import ``name``; register its ``KIND`` if it has one (it may also call ``register`` itself)."""
+    module = importlib.import_module(name)
+    kind = getattr(module, "KIND", None)
+    if isinstance(kind, JobKind):
+        register(kind)
+
+
+def _load_builtin() -> None:
+    import rankctl.kinds as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.ispkg:
+            load_module(f"{package.__name__}.{info.name}")
+
+
+def _load_entry_points() -> None:
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        target = ep.load()
+        register(target) if isinstance(target, JobKind) else load_module(target.__name__)
+
+
+def _load_env() -> None:
+    for name in filter(None, (m.strip() for m in os.environ.get(ENV_VAR, "").split(","))):
+        load_module(name)
+
+
+def ensure_loaded() -> None:
+    """Find the built-in, installed and ``RANKCTL_KINDS`` kinds (once per process)."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        _loaded = True
+        _load_builtin()
+        _load_entry_points()
+        _load_env()
+
+
+def kinds() -> dict[str, JobKind]:
+    ensure_loaded()
+    return dict(_KINDS)
+
+
+def version() -> int:
+    ensure_loaded()
+    return _version
+
+
+def unknown_kind(name: str) -> str:
+    return f"unknown job kind {name!r}; known kinds: {', '.join(sorted(kinds()))}"
+
+
+def get(name: str) -> JobKind:
+    try:
+        return kinds()[name]
+    except KeyError:
+        raise ValueError(unknown_kind(name)) from None

@@ -1,0 +1,85 @@
+"""The typed job spec: ``contract.spec``'s common sections plus every registered kind's.
+
+A job file is parsed and checked once at submit (``build_spec`` + ``check_job``, by ``ctl``
+locally and by the coordinator). Everything downstream gets the stored canonical dict back as
+a typed ``JobSpec`` with ``parse_spec`` (``model_validate``; no re-check). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError, create_model, field_validator
+
+from rankctl.contract.jobfile import SpecError, apply_overrides, load_yaml_text, read_job_text, spec_errors
+from rankctl.contract.spec import JobSpec
+from rankctl.kinds import registry
+from rankctl.parallel.layout import LayoutError, ParallelConfig
+
+_models: dict[int, type[JobSpec]] = {}
+
+
+def _check_kind(cls: type, v: str) -> str:
+    if v not in registry.kinds():
+        raise ValueError(registry.unknown_kind(v))
+    return v
+
+
+def spec_model() -> type[JobSpec]:
+    """``JobSpec`` with every registered kind's sections as optional fields (rebuilt when kinds change)."""
+    version = registry.version()
+    model = _models.get(version)
+    if model is None:
+        sections = {name: (cls | None, None) for kind in registry.kinds().values()
+                    for name, cls in kind.sections.items()}
+        model = create_model("JobSpec", __base__=JobSpec, __module__=__name__,
+                             __validators__={"_kind": field_validator("kind")(classmethod(_check_kind))},
+                             **sections)
+        _models.clear()
+        _models[version] = model
+    return model
+
+
+def with_defaults(spec: JobSpec) -> JobSpec:
+    """Fill the sections the job's kind needs, so that stored specs are explicit."""
+    kind = registry.get(spec.kind)
+    return spec.model_copy(update={name: getattr(spec, name, None) or cls() for name, cls in kind.sections.items()})
+
+
+def parse_spec(doc: dict[str, Any]) -> JobSpec:
+    """A stored canonical spec (``JobSpec.to_dict()``) back as the typed spec."""
+    try:
+        return with_defaults(spec_model().model_validate(doc))
+    except ValidationError as exc:
+        raise SpecError(spec_errors(exc)) from None
+
+
+def build_spec(doc: dict[str, Any], overrides: list[str] = ()) -> JobSpec:
+    """Validate a job document after applying ``--set`` overrides (schema only; see ``check_job``)."""
+    return parse_spec(apply_overrides(copy.deepcopy(doc), list(overrides)))
+
+
+def load_spec(path: str | Path, overrides: list[str] = ()) -> JobSpec:
+    return build_spec(load_yaml_text(read_job_text(path), str(path)), overrides)
+
+
+def parallel_config(spec: JobSpec) -> ParallelConfig:
+    p = spec.parallel
+    try:
+        return ParallelConfig(
+            world_size=spec.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, order=p.order
+        )
+    except LayoutError as exc:
+        raise SpecError([f"parallel: {exc} (world_size = resources.nodes*resources.slots_per_node)"]) from None
+
+
+def check_job(spec: JobSpec) -> ParallelConfig:
+    """Validate everything that crosses sections (layout, then the kind's rules); the layout config."""
+    cfg = parallel_config(spec)
+    check = registry.get(spec.kind).resolve("check")
+    errors = check(spec, cfg) if check else []
+    if errors:
+        raise SpecError(errors)
+    return cfg

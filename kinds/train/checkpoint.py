@@ -1,0 +1,207 @@
+"""Sharded checkpoints: one file per rank per step, a done-marker per rank, full export.
+
+Layout on disk::
+
+    {root}/step-{s:08d}/rank-{r:05d}.pt     this rank's shard, optimizer, RNG, step, layout
+    {root}/step-{s:08d}/rank-{r:05d}.done   JSON {step, rank, fingerprint, identity}, after the .pt
+
+Both are written to a temporary name and ``os.replace``d, so a reader never sees a torn
+file. A step counts as complete only when every rank of the world has its marker with the
+same ``fingerprint``: a hash of the run's identity (world size, layout, model, seed, data; see
+``kinds.train.train_state.identity_of``), which the marker also keeps so that a refused resume
+can name what differs (``differences``): ``latest_complete``.
+
+Where ``root`` is (``checkpoint_root``): ranks run in ``run_dir = {state}/jobs/{job_id}/{attempt}``
+(the worker daemon's layout), and checkpoints go to ``{state}/checkpoints/{job name}``: a
+directory that outlives the job id, so resubmitting a job with the same name and
+``train.resume: true`` finds them. Each node writes its own ranks' files under its own
+state directory; the trainer agrees on the resume step with a collective, so this works
+with or without a shared filesystem (``export_full_state_dict`` needs every rank's file
+in one directory).
+
+``export_full_state_dict(step_dir)`` gathers TP shards back into serial-shaped tensors
+(concatenate along the sharded dim in TP-rank order, trim the vocabulary padding; take
+TP rank 0 for replicated parameters), keyed as the serial ``GPT.named_parameters()``.
+Mixture-of-experts parameters (``meta["expert"]``, ``layers.<i>.mlp.experts.<e>.*``) live only
+on the ep rank that owns expert ``e``; they are read from the ranks with expert data-parallel
+coordinate ``edp == 0`` (every ep rank and every expt_tp slice has one) and gathered over
+expt_tp (``meta["tp_rank"]``/``tp_size`` refer to expt_tp for them), so the export holds every
+expert exactly as the serial model names it.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+import torch
+
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoint_root(run_dir: str, job_name: str) -> str:
+    """``{state}/checkpoints/{job_name}`` for ``run_dir = {state}/jobs/{job_id}/{attempt}``."""
+    state = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(run_dir))))
+    return os.path.join(state, "checkpoints", job_name)
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def rank_file(root: str, step: int, rank: int) -> str:
+    return os.path.join(step_dir(root, step), f"rank-{rank:05d}.pt")
+
+
+def marker_file(root: str, step: int, rank: int) -> str:
+    return os.path.join(step_dir(root, step), f"rank-{rank:05d}.done")
+
+
+def fingerprint(identity: dict[str, Any]) -> str:
+    """A short hash of ``identity`` (what must match for a checkpoint to be resumed as is)."""
+    text = json.dumps(identity, sort_keys=True)
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``"train.seed: checkpoint 7, this job 8"`` for every dotted field that differs."""
+    old, new = _flat(saved), _flat(current)
+    return [f"{k}: checkpoint {old.get(k)!r}, this job {new.get(k)!r}"
+            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+
+
+def _atomic_write(path: str, write: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
+              identity: dict[str, Any] | None = None) -> str:
+    """Write this rank's state for ``step`` and then its done-marker (``fp`` and ``identity``);
+    returns the .pt path."""
+    os.makedirs(step_dir(root, step), exist_ok=True)
+    path = rank_file(root, step, rank)
+    _atomic_write(path, lambda f: torch.save(state, f))
+    marker = json.dumps({"step": step, "rank": rank, "fingerprint": fp, "identity": identity}).encode()
+    _atomic_write(marker_file(root, step, rank), lambda f: f.write(marker))
+    return path
+
+
+def load_rank(root: str, step: int, rank: int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    return torch.load(rank_file(root, step, rank), map_location=map_location, weights_only=True)
+
+
+def list_steps(root: str) -> list[int]:
+    """Every step that has a directory, ascending."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
+
+
+def read_marker(root: str, step: int, rank: int) -> dict[str, Any] | None:
+    try:
+        with open(marker_file(root, step, rank), encoding="utf-8") as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def complete_for(root: str, ranks: list[int] | range, fp: str | None = None) -> list[int]:
+    """Steps for which every rank in ``ranks`` has a marker (matching ``fp`` if given)."""
+    out = []
+    for step in list_steps(root):
+        markers = [read_marker(root, step, r) for r in ranks]
+        if all(m is not None and (fp is None or m.get("fingerprint") == fp) for m in markers):
+            out.append(step)
+    return out
+
+
+def latest_complete(root: str, world_size: int, fp: str | None = None) -> int | None:
+    """The latest step whose checkpoint every rank finished, or None."""
+    steps = complete_for(root, range(world_size), fp)
+    return steps[-1] if steps else None
+
+
+def remove_rank_files(root: str, rank: int) -> int:
+    """Delete this rank's files (and markers) of every step; a fresh run under the same name
+    must not leave a mix of old and new shards that could later look complete."""
+    removed = 0
+    for path in glob.glob(os.path.join(root, "step-*", f"rank-{rank:05d}.*")):
+        os.remove(path)
+        removed += 1
+    return removed
+
+
+# -- export -----------------------------------------------------------------------------------
+
+def _load_all(step_paths: list[str]) -> list[dict[str, Any]]:
+    """Every rank's file of one step, from one directory or several (nodes without a shared
+    filesystem each hold their own ranks' files)."""
+    by_name = {os.path.basename(f): f for p in step_paths for f in glob.glob(os.path.join(p, "rank-*.pt"))}
+    if not by_name:
+        raise FileNotFoundError(f"no rank files in checkpoint directory {', '.join(step_paths)}")
+    states = [torch.load(by_name[n], map_location="cpu", weights_only=True) for n in sorted(by_name)]
+    world = states[0]["world_size"]
+    if len(states) != world:
+        raise ValueError(f"{', '.join(step_paths)} hold {len(states)} rank files, "
+                         f"but the checkpoint's world size is {world}")
+    return states
+
+
+def _gather(name: str, parts: list[tuple[int, torch.Tensor]], meta: dict[str, Any]) -> torch.Tensor:
+    parts = sorted(parts, key=lambda p: p[0])
+    dim, full_shape = meta["shard_dim"], tuple(meta["full_shape"])
+    if dim is None:
+        return parts[0][1].clone()
+    if [r for r, _ in parts] != list(range(meta["tp_size"])):
+        raise ValueError(f"{name}: expected shards from TP ranks 0..{meta['tp_size'] - 1}, got {[r for r, _ in parts]}")
+    full = torch.cat([t for _, t in parts], dim=dim)
+    return full.narrow(dim, 0, full_shape[dim]).clone()
+
+
+def export_full_state_dict(step_path: str | list[str]) -> dict[str, torch.Tensor]:
+    """Serial-shaped parameters from one step's directory, or its directories on several nodes
+    (between them every rank's file must be there)."""
+    shards: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    metas: dict[str, dict[str, Any]] = {}
+    for state in _load_all([step_path] if isinstance(step_path, str) else list(step_path)):
+        coords = state["coords"]
+        dense_replica = any(coords.get(k, 0) != 0 for k in ("dp", "cp"))  # DP / CP replicas: same parameters
+        expert_replica = coords.get("edp", 0) != 0  # expert DP replicas likewise
+        for name, tensor in state["model"].items():
+            meta = state["meta"][name]
+            expert = bool(meta.get("expert", False))
+            if expert_replica if expert else dense_replica:
+                continue
+            metas[name] = meta
+            tp_rank = meta.get("tp_rank", coords.get("tp", 0)) if expert else coords.get("tp", 0)
+            shards.setdefault(name, []).append((tp_rank, tensor))
+    out = {}
+    for name, parts in shards.items():
+        key = metas[name]["init_key"]
+        if key != name and key in shards:
+            continue  # a tied head copy on a later pipeline stage; the serial model has one tensor
+        if metas[name]["shard_dim"] is None:
+            parts = [min(parts, key=lambda p: p[0])]
+        out[name] = _gather(name, parts, metas[name])
+    return out

@@ -1,0 +1,102 @@
+"""The ``train`` kind's cross-field rules: its layout, model shape, batch and data must fit together.
+
+Pure (no torch): run once at submit (by ``ctl`` locally and by the coordinator) through ``kinds.spec.check_job``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rankctl.contract.spec import JobSpec
+    from rankctl.parallel.layout import ParallelConfig
+
+
+def _model_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
+    m, p = spec.model, spec.parallel
+    if m is None:
+        return []
+    errors = []
+    if m.heads % p.tp:
+        errors.append(f"model.heads={m.heads} is not divisible by parallel.tp={p.tp}: attention heads are split over tp")
+    if m.hidden % m.heads:
+        errors.append(f"model.hidden={m.hidden} is not divisible by model.heads={m.heads}")
+    elif m.position_embedding == "rope" and (m.hidden // m.heads) % 2:
+        errors.append(f"model.position_embedding=rope needs an even head size, got hidden/heads={m.hidden // m.heads}")
+    ffn = m.ffn_hidden or 4 * m.hidden
+    if ffn % p.tp:
+        errors.append(f"model.ffn_hidden={ffn} is not divisible by parallel.tp={p.tp}: the MLP is split over tp")
+    chunks = p.pp * (p.vpp or 1)
+    if m.layers % chunks:
+        errors.append(
+            f"model.layers={m.layers} is not divisible by parallel.pp*vpp={chunks} "
+            f"(pp={p.pp}, vpp={p.vpp or 1}): every pipeline chunk holds the same number of layers"
+        )
+    if p.cp > 1 and m.seq_len % (2 * p.cp):
+        errors.append(
+            f"model.seq_len={m.seq_len} is not divisible by 2*parallel.cp={2 * p.cp}: "
+            "context parallelism cuts each sequence into 2*cp chunks"
+        )
+    if p.sequence_parallel and m.seq_len % (p.tp * p.cp):
+        errors.append(f"model.seq_len={m.seq_len} is not divisible by parallel.tp*cp={p.tp * p.cp} (sequence_parallel)")
+    if m.moe is not None:
+        if m.moe.experts % p.ep:
+            errors.append(f"model.moe.experts={m.moe.experts} is not divisible by parallel.ep={p.ep}")
+        if m.moe.top_k > m.moe.experts:
+            errors.append(f"model.moe.top_k={m.moe.top_k} exceeds model.moe.experts={m.moe.experts}")
+        etp = p.etp if p.etp is not None else p.tp
+        if ffn % etp:
+            errors.append(f"model.ffn_hidden={ffn} is not divisible by parallel.etp={etp}: "
+                          "each expert's MLP is split over etp (etp defaults to tp)")
+        if p.tp > 1 and (m.seq_len % p.cp or (m.seq_len // p.cp) % p.tp):
+            errors.append(f"model.seq_len={m.seq_len} / parallel.cp={p.cp} is not divisible by parallel.tp={p.tp}: "
+                          "the MoE layers split each rank's tokens over tp")
+        if m.moe.capacity_factor is not None and p.cp > 1:
+            errors.append(f"model.moe.capacity_factor is not supported with context parallelism (parallel.cp={p.cp})")
+    elif p.ep > 1:
+        errors.append(f"parallel.ep={p.ep} needs a mixture-of-experts model (model.moe is not set)")
+    return errors
+
+
+def _train_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
+    t, p = spec.train, spec.parallel
+    if t is None:
+        return []
+    errors = []
+    per_step = t.micro_batch * cfg.dp
+    if t.global_batch % per_step:
+        errors.append(
+            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch*dp={per_step} "
+            f"(micro_batch={t.micro_batch}, dp={cfg.dp})"
+        )
+    elif p.vpp is not None and (t.global_batch // per_step) % p.pp:
+        errors.append(
+            f"interleaved schedule (parallel.vpp={p.vpp}) needs micro-batches per step "
+            f"({t.global_batch // per_step}) to be a multiple of parallel.pp={p.pp}"
+        )
+    return errors
+
+
+def _data_errors(spec: JobSpec) -> list[str]:
+    """The training data must exist where the job is submitted (nodes share the filesystem)."""
+    from rankctl.kinds.train.data import check_data_source  # numpy only, no torch
+
+    if spec.train is None:
+        return []
+    problem = check_data_source(spec.train.data)
+    return [problem] if problem else []
+
+
+def errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
+    """Every cross-field problem of a train job (empty when it can run)."""
+    return _model_errors(spec, cfg) + _train_errors(spec, cfg) + _data_errors(spec)
+
+
+def absolute_data(spec: JobSpec) -> list[str]:
+    """``ctl``'s override making a relative ``train.data`` path absolute: daemons do not share its directory."""
+    from pathlib import Path
+
+    data = spec.train.data if spec.train else "builtin:"
+    if data.startswith("builtin:") or Path(data).is_absolute():
+        return []
+    return [f"train.data={Path(data).resolve()}"]

@@ -1,0 +1,383 @@
+"""The ``train`` kind's rank entry (``run(ctx)``): one rank's training loop.
+
+Per step ``s`` (1-based): this rank's micro-batches (its DP slice of the global batch,
+``kinds.train.data``; under context parallelism each CP rank's share of every sequence,
+``parallel.context.cp_shard_batch``, with the tokens' global positions), forward/backward
+through ``step_fn`` (loss sum / global token count per micro-batch; gradients reduced over
+``dp_cp`` by ``GradReducer`` during each chunk's last backward), the tied embedding's
+gradients summed between the first and last pipeline stage, global-norm clipping over
+``mp`` (tp x pp), AdamW with warm-up + cosine LR, then a status record with loss, lr, grad
+norm, tokens/s, step time and peak memory. Held-out loss every ``train.eval_every`` steps, a
+sharded checkpoint every ``train.checkpoint_every`` steps (``kinds.train.checkpoint``).
+
+Layouts. A rank holds ``chunks``: its pipeline stage's model chunks (``models.stages``; one,
+the whole model, when pp = 1; ``parallel.vpp`` of them when set). pp = 1 runs ``plain_step``;
+pp > 1 runs ``pipelined_step``: the schedule ``parallel.schedule`` (gpipe | 1f1b, interleaved
+with vpp) interpreted by ``parallel.pipeline.pipeline_step`` over ``m = global_batch /
+(micro_batch * dp)`` micro-batches. cp > 1 swaps every chunk's attention core for ring
+attention over the ``cp`` group.
+
+Loss. ``step_fn`` returns the local loss sum, or None on a stage without the head; the
+global loss is the sum over ``dp_cp`` of the local sums divided by the global token count.
+Stages without the head report ``loss: null`` (metrics and result), so the coordinator takes
+the job's losses from a last-stage rank (``kinds.train.results.train_result``).
+
+Mixture of experts (``model.moe``, ``models.moe``). Every chunk is built with the MoE config
+and ``ExpertGroups.from_pgs``; each chunk's ``MoETracker.loss_scale`` is the loss sum's scale
+(1 / global tokens), so the auxiliary load-balancing loss enters backward on every stage.
+Gradients: two reducers (``GradReducers``), dense over ``dp_cp``/``tp`` and expert over
+``expt_dp``/``expt_tp``; the norm adds the expert part over ``tp_ep_pp`` (``kinds.train.optim``).
+Per step the trackers' statistics (per MoE layer: tokens per expert, dropped copies, aux-loss
+sum) are all-reduced over the world in one fixed-size tensor (that is the sum over
+``tp_dp_cp`` of each stage, then over the stages), so every rank knows every layer's figures.
+The reported training ``loss`` is the cross-entropy mean plus the aux losses
+(``Σ_layers mean_b L_b``: the objective that is differentiated, and what the serial run
+reports); ``aux_loss`` in the metrics is the aux part alone, and ``expert_tokens`` maps each
+MoE layer (``layers.<i>.mlp``) to its tokens per expert over the step's global batch (the
+result's ``final`` holds the last step's). ``val_loss`` stays the plain cross-entropy.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from rankctl.models.attention import RingAttention, set_attention
+from rankctl.contract.spec import DEFAULT_SCHEDULE, ParallelSpec
+from rankctl.kinds.train.data import (
+    TRAIN,
+    VAL,
+    TokenDataset,
+    as_tensors,
+    dp_slice,
+    micro_batches,
+)
+from rankctl.models.gpt import GPTConfig
+from rankctl.models.moe import MoEConfig
+from rankctl.models.shard import ParamMeta, ShardedModel
+from rankctl.models.stages import build_chunks
+from rankctl.parallel import data_parallel
+from rankctl.parallel.context import cp_shard_batch
+from rankctl.parallel.data_parallel import GradReducer, GradReducers
+from rankctl.models.embedding_sync import duplicate_params, sync_embedding_grads
+from rankctl.parallel.experts import ExpertGroups
+from rankctl.parallel.groups import ProcessGroups
+from rankctl.parallel.pipeline import MicroBatch, init_p2p, pipeline_step
+from rankctl.parallel.schedules import Action, PipelineShape, stage_actions
+from rankctl.kinds.train import optim
+from rankctl.kinds.train.spec import TrainSpec
+from rankctl.kinds.train.train_state import TrainState, restore_or_reset, save_checkpoint
+
+if TYPE_CHECKING:
+    from rankctl.runtime.rank import RankContext
+
+EVAL_BATCHES = 2  # held-out global batches per evaluation (the same samples every time)
+Batch = MicroBatch  # (inputs, targets[, positions]): (micro_batch, T) each; T/cp and (T/cp,) under CP
+StepFn = Callable[[list[Batch]], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What the loop itself needs of the layout (the groups carry the rest)."""
+
+    pp: int = 1
+    vpp: int | None = None
+    schedule: str = DEFAULT_SCHEDULE
+    stage: int = 0  # this rank's pipeline stage
+    cp: int = 1
+    cp_rank: int = 0
+
+    @classmethod
+    def of(cls, par: ParallelSpec, pgs: ProcessGroups) -> Layout:
+        return cls(pp=par.pp, vpp=par.vpp, schedule=par.schedule, stage=pgs.local_rank("pp") if par.pp > 1 else 0,
+                   cp=par.cp, cp_rank=pgs.local_rank("cp") if par.cp > 1 else 0)
+
+    def actions(self, microbatches: int, schedule: str | None = None) -> list[Action]:
+        """This stage's action list for a step of ``microbatches``."""
+        shape = PipelineShape(pp=self.pp, vpp=self.vpp or 1, microbatches=microbatches)
+        return stage_actions(schedule or self.schedule, shape, self.stage)
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with; built by ``setup``."""
+
+    ctx: RankContext
+    cfg: TrainSpec
+    chunks: list[ShardedModel]  # this rank's model chunks, in local chunk order
+    optimizer: torch.optim.Optimizer
+    reducer: GradReducer | GradReducers
+    data: TokenDataset
+    dp_rank: int
+    dp_size: int
+    use_bf16: bool
+    state: TrainState
+    layout: Layout = field(default_factory=Layout)
+    moe: MoEConfig | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def model_config(self) -> GPTConfig:
+        return self.chunks[0].config
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether this rank holds the head (the last pipeline stage; every rank when pp = 1)."""
+        return any(c.module.has_head for c in self.chunks)
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Every chunk's parameters; names are the serial model's, so they do not collide."""
+        return [np for c in self.chunks for np in c.named_parameters()]
+
+    def meta(self) -> dict[str, ParamMeta]:
+        return {n: m for c in self.chunks for n, m in c.meta.items()}
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def tokens(self, global_batch: int | None = None) -> int:
+        return (global_batch or self.cfg.global_batch) * self.model_config.seq_len
+
+    def autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16)
+
+    def batches(self, step: int, split: int = TRAIN, global_batch: int | None = None) -> list[Batch]:
+        """This rank's micro-batches: its DP slice, and under CP its share of each sequence."""
+        mine = dp_slice(global_batch or self.cfg.global_batch, self.dp_size, self.dp_rank)
+        out = [as_tensors(*self.data.samples(self.cfg.seed, step, mb, split), device=self.device)
+               for mb in micro_batches(mine, self.cfg.micro_batch)]
+        if self.layout.cp > 1:
+            return [cp_shard_batch(x, y, self.layout.cp, self.layout.cp_rank) for x, y in out]
+        return out
+
+    def global_mean(self, local_sum: torch.Tensor, tokens: int) -> float:
+        """Sum over ``dp_cp`` of the local loss sums, divided by the global token count."""
+        total = local_sum.detach().float().clone()
+        if self.ctx.groups.size("dp_cp") > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.ctx.groups["dp_cp"])
+        return float(total) / tokens
+
+    def moe_layers(self) -> list[str]:
+        """Module paths of every MoE layer of the whole model (every stage), in order."""
+        if self.moe is None:
+            return []
+        return [f"layers.{i}.mlp" for i in range(self.model_config.layers) if self.moe.is_moe_layer(i)]
+
+    def set_moe_loss_scale(self, scale: float) -> None:
+        for c in self.chunks:
+            if c.moe is not None:
+                c.moe.loss_scale = scale
+
+    def moe_stats(self) -> dict[str, Any] | None:
+        """This step's MoE figures for the whole model and global batch (a world collective;
+        every rank calls it): ``{"aux_sum", "expert_tokens", "expert_dropped"}``."""
+        if self.moe is None:
+            return None
+        names, E = self.moe_layers(), self.moe.experts
+        table = torch.zeros((len(names), E + 2), dtype=torch.float64)
+        for c in self.chunks:
+            for name, s in (c.moe.take() if c.moe is not None else {}).items():
+                row = table[names.index(name)]
+                row[:E] += s.tokens.double().cpu()
+                row[E] += s.dropped
+                row[E + 1] += s.aux
+        if self.ctx.assignment.world_size > 1:
+            table = table.to(self.device)
+            dist.all_reduce(table, op=dist.ReduceOp.SUM)
+            table = table.cpu()
+        return {"aux_sum": float(table[:, E + 1].sum()),
+                "expert_tokens": {n: [round(v) for v in table[i, :E].tolist()] for i, n in enumerate(names)},
+                "expert_dropped": round(float(table[:, E].sum()))}
+
+
+def _build_chunks(ctx: RankContext, model_cfg: GPTConfig, layout: Layout, sp: bool, seed: int,
+                  moe: MoEConfig | None = None) -> list[ShardedModel]:
+    extra: dict[str, Any] = {}
+    if moe is not None:
+        extra = {"moe": moe, "expert_groups": ExpertGroups.from_pgs(ctx.groups)}
+    chunks = build_chunks(model_cfg, pp=layout.pp, vpp=layout.vpp, stage=layout.stage, tp_group=ctx.groups.get("tp"),
+                          sequence_parallel=sp, seed=seed, device=ctx.device, **extra)
+    if layout.cp > 1:
+        core = RingAttention(ctx.groups.get("cp"))
+        for chunk in chunks:
+            set_attention(chunk.module, core)
+    return chunks
+
+
+def reducers(ctx: RankContext, chunks: list[ShardedModel], moe: MoEConfig | None) -> GradReducer | GradReducers:
+    """One reducer for a dense model; dense + expert ones for a MoE model."""
+    named = [np for c in chunks for np in c.named_parameters()]
+    if moe is None:
+        return GradReducer(named, ctx.groups.get("dp_cp"), ctx.groups.get("tp"),
+                           bucket_bytes=data_parallel.DEFAULT_BUCKET_BYTES)
+    kinds = ((False, "dp_cp", "tp"), (True, "expt_dp", "expt_tp"))
+    return GradReducers(GradReducer([np for c in chunks for np in c.named_parameters_by_kind(expert)],
+                                    ctx.groups.get(dp_kind), ctx.groups.get(tp_kind),
+                                    bucket_bytes=data_parallel.DEFAULT_BUCKET_BYTES)
+                        for expert, dp_kind, tp_kind in kinds)
+
+
+def setup(ctx: RankContext) -> Trainer:
+    spec = ctx.spec  # validated and checked at submit (kinds.train.checks)
+    cfg = spec.train
+    moe = MoEConfig.from_spec(spec.model.moe) if spec.model.moe is not None else None
+    model_cfg = GPTConfig.from_spec(spec.model.model_copy(update={"moe": None}))
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.resources.slots_per_node))
+    torch.manual_seed(cfg.seed)
+    layout = Layout.of(spec.parallel, ctx.groups)
+    sp = spec.parallel.sequence_parallel
+    chunks = _build_chunks(ctx, model_cfg, layout, sp, cfg.seed, moe)
+    named = [np for c in chunks for np in c.named_parameters()]
+    reducer = reducers(ctx, chunks, moe)
+    if layout.pp > 1:
+        init_p2p(ctx.groups, ctx.device)
+    use_bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and ctx.device.type == "cuda")
+    return Trainer(
+        ctx=ctx, cfg=cfg, chunks=chunks, optimizer=optim.build_optimizer(named, cfg.lr), reducer=reducer,
+        data=TokenDataset.load(cfg.data, model_cfg.seq_len, model_cfg.vocab),
+        dp_rank=ctx.assignment.coords.get("dp", 0), dp_size=ctx.groups.size("dp"), use_bf16=use_bf16,
+        state=TrainState(), layout=layout, moe=moe,
+    )
+
+
+def _positions(batch: Batch) -> torch.Tensor | None:
+    return batch[2] if len(batch) > 2 else None
+
+
+def plain_step(t: Trainer) -> StepFn:
+    """pp = 1: forward/backward of every micro-batch in turn; the reducer syncs on the last one."""
+    model, scale = t.chunks[0], 1.0 / t.tokens()
+
+    def step(batches: list[Batch]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=t.device)
+        for m, batch in enumerate(batches):
+            t.reducer.set_sync(m == len(batches) - 1)
+            with t.autocast():
+                loss = model(batch[0], batch[1], positions=_positions(batch))  # fp32 sum over the tokens
+            (loss * scale).backward()
+            total += loss.detach().float()
+        return total
+
+    return step
+
+
+def pipelined_step(t: Trainer) -> StepFn:
+    """pp > 1: the stage's schedule; DP sync on each chunk's last backward. Returns the loss
+    sum on the last stage, None elsewhere."""
+    actions = t.layout.actions(t.cfg.global_batch // (t.cfg.micro_batch * t.dp_size))
+
+    def step(batches: list[Batch]) -> torch.Tensor | None:
+        with t.autocast():
+            sums = pipeline_step(t.chunks, actions, batches, t.ctx.groups, loss_scale=1.0 / t.tokens(),
+                                 before_backward=lambda _chunk, last: t.reducer.set_sync(last))
+        if not t.has_loss:
+            return None
+        return torch.tensor(sums, dtype=torch.float32, device=t.device).sum()
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def train_step(t: Trainer, step_fn: StepFn, step: int) -> dict[str, Any]:
+    """One optimizer step; returns its metrics (``loss`` is None on a stage without it)."""
+    _sync(t.device)
+    t0 = time.perf_counter()
+    t.set_moe_loss_scale(1.0 / t.tokens())
+    local = step_fn(t.batches(step))
+    t.reducer.finish()
+    sync_embedding_grads(t.chunks, t.ctx.groups)
+    loss = t.global_mean(local, t.tokens()) if local is not None else None
+    moe = t.moe_stats()
+    extra: dict[str, Any] = {}
+    if moe is not None:
+        aux = moe["aux_sum"] / t.tokens()
+        loss = None if loss is None else loss + aux
+        extra = {"aux_loss": aux, "expert_tokens": moe["expert_tokens"], "expert_dropped": moe["expert_dropped"]}
+    norm = optim.clip_grad_norm(t.params, t.cfg.grad_clip, t.ctx.groups.get("mp"), exclude=duplicate_params(t.chunks),
+                                expert_group=t.ctx.groups.get("tp_ep_pp") if t.moe is not None else None)
+    lr = optim.lr_at(step, lr=t.cfg.lr, warmup=t.cfg.warmup, steps=t.cfg.steps)
+    optim.set_lr(t.optimizer, lr)
+    t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    _sync(t.device)
+    dt = time.perf_counter() - t0
+    return {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": t.tokens() / dt, "step_time_s": dt,
+            "peak_mem_mb": peak_memory_mb(t.device), **extra}
+
+
+@torch.no_grad()
+def evaluate(t: Trainer) -> float | None:
+    """Mean loss over ``EVAL_BATCHES`` fixed held-out global batches (None off the last stage)."""
+    n = EVAL_BATCHES * t.cfg.global_batch
+    batches = t.batches(0, VAL, global_batch=n)
+    for c in t.chunks:
+        c.module.eval()
+    with t.autocast():
+        if t.layout.pp > 1:  # the GPipe order runs every forward first, so its prefix is forward-only
+            actions = t.layout.actions(len(batches), schedule="gpipe")
+            sums = pipeline_step(t.chunks, actions, batches, t.ctx.groups, loss_scale=1.0, forward_only=True)
+            total = torch.tensor(sums, dtype=torch.float32, device=t.device).sum() if t.has_loss else None
+        else:
+            total = sum((t.chunks[0](b[0], b[1], positions=_positions(b)).float() for b in batches),
+                        torch.zeros((), dtype=torch.float32, device=t.device))
+    for c in t.chunks:
+        c.module.train()
+    return t.global_mean(total, t.tokens(n)) if total is not None else None
+
+
+def _every(n: int, step: int) -> bool:
+    return n > 0 and step % n == 0
+
+
+def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
+    """Steps ``state.step + 1 .. steps``; returns the job result."""
+    step_fn = step_fn or (pipelined_step(t) if t.layout.pp > 1 else plain_step(t))
+    st, log = t.state, t.ctx.log
+    metrics: dict[str, Any] = {}
+    for step in range(st.step + 1, t.cfg.steps + 1):
+        metrics = train_step(t, step_fn, step)
+        st.step = step
+        st.losses.append({"step": step, "loss": metrics["loss"]})
+        if _every(t.cfg.eval_every, step) or (t.cfg.eval_every and step == t.cfg.steps):
+            metrics["val_loss"] = evaluate(t)
+            st.val_losses.append({"step": step, "loss": metrics["val_loss"]})
+        t.ctx.status.write("running", step=step, metrics=metrics)
+        log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if isinstance(v, (int, float))})
+        if _every(t.cfg.checkpoint_every, step):
+            path = save_checkpoint(t, step)
+            log.info("checkpoint", step=step, path=path)
+    final = {"step": st.step, **metrics}
+    if st.val_losses:
+        final["val_loss"] = st.val_losses[-1]["loss"]
+    return {"losses": st.losses, "val_losses": st.val_losses, "final": final, "resumed_from": st.resumed_from}
+
+
+def run(ctx: RankContext) -> dict[str, Any]:
+    """The ``train`` job kind."""
+    t = setup(ctx)
+    restore_or_reset(t, restart=False)  # automatic restarts of the same job pass True (never attempt > 0)
+    try:
+        return train(t)
+    finally:
+        t.reducer.remove_hooks()

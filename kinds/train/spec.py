@@ -1,0 +1,47 @@
+"""The ``train`` kind's spec sections: ``model`` (and ``model.moe``) and ``train``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, StrictBool, StrictInt
+
+from rankctl.contract import limits as L
+from rankctl.contract.spec import Section
+
+BUILTIN_PYDOC = "builtin:pydoc"
+
+
+class MoeSpec(Section):
+    experts: StrictInt = Field(ge=1, le=L.MAX_EXPERTS)
+    top_k: StrictInt = Field(2, ge=1, le=L.MAX_EXPERTS)
+    every: StrictInt = Field(1, ge=1, le=L.MAX_LAYERS)
+    aux_loss: float = Field(0.01, ge=0)
+    capacity_factor: float | None = Field(None, gt=0, le=L.MAX_CAPACITY_FACTOR)
+
+
+class ModelSpec(Section):
+    layers: StrictInt = Field(4, ge=1, le=L.MAX_LAYERS)
+    hidden: StrictInt = Field(128, ge=1, le=L.MAX_HIDDEN)
+    heads: StrictInt = Field(4, ge=1, le=L.MAX_HEADS)
+    ffn_hidden: StrictInt | None = Field(None, ge=1, le=L.MAX_FFN_HIDDEN)
+    seq_len: StrictInt = Field(128, ge=1, le=L.MAX_SEQ_LEN)
+    vocab: StrictInt = Field(256, ge=1, le=L.MAX_VOCAB)
+    position_embedding: Literal["learned", "rope"] = "learned"
+    tie_embeddings: StrictBool = True
+    moe: MoeSpec | None = None
+
+
+class TrainSpec(Section):
+    steps: StrictInt = Field(20, ge=1, le=L.MAX_STEPS)
+    global_batch: StrictInt = Field(16, ge=1, le=L.MAX_BATCH)
+    micro_batch: StrictInt = Field(2, ge=1, le=L.MAX_BATCH)
+    lr: float = Field(3.0e-4, gt=0)
+    warmup: StrictInt = Field(2, ge=0, le=L.MAX_STEPS)
+    grad_clip: float = Field(1.0, ge=0)
+    seed: StrictInt = Field(1234, ge=L.MIN_SEED, le=L.MAX_SEED)
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    data: str = BUILTIN_PYDOC
+    eval_every: StrictInt = Field(0, ge=0, le=L.MAX_STEPS)
+    checkpoint_every: StrictInt = Field(0, ge=0, le=L.MAX_STEPS)
+    resume: StrictBool = False

@@ -1,0 +1,64 @@
+"""A job kind from a folder outside rankctl (``tests/toykind/``) runs end to end: submit, check,
+ranks forked by the launcher, aggregation, ``ctl status --json``; nothing else names it."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from rankctl.cli.context import Ctx
+from rankctl.cli.errors import CtlError
+from rankctl.cli.local import LocalCluster
+from rankctl.cli.render import job_to_dict
+from rankctl.kinds import registry
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+JOB = """
+name: toy
+kind: toy-kind
+resources: {nodes: 2, slots_per_node: 2}
+toy: {value: %d}
+"""
+
+
+def wait(ctx: Ctx, job_id: str, timeout: float = 120) -> dict:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with ctx.client() as c:
+            d = job_to_dict(c.get(job_id))
+        if d["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            return d
+        time.sleep(0.2)
+    raise AssertionError(f"{job_id} did not finish")
+
+
+def test_a_kind_from_its_own_folder_runs_end_to_end(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    try:
+        with LocalCluster(2, 2, tmp_path, imports=["toykind"]) as cluster:
+            ctx = Ctx(coordinator=cluster.address)
+            with ctx.client() as c:
+                job_id = c.submit(JOB % 3, [], "toy.yaml").id
+                with pytest.raises(CtlError, match="toy.value=-1 must not be negative"):
+                    c.submit(JOB % -1, [], "toy.yaml")
+                with pytest.raises(CtlError, match="known kinds: comm-check, toy-kind, train"):
+                    c.submit((JOB % 1).replace("toy-kind", "no-such-kind"), [], "toy.yaml")
+            d = wait(ctx, job_id)
+    finally:
+        registry.unregister("toy-kind")
+    assert d["state"] == "SUCCEEDED", d["reason"]
+    assert d["result"] == {"sum": 3.0 * (1 + 2 + 3 + 4), "ranks": 4}
+    assert d["toy_sum"] == 30.0
+
+
+def test_nothing_outside_the_kind_folder_names_it() -> None:
+    hits = [str(p.relative_to(ROOT)) for folder in ("cli", "contract", "coordinator", "kinds", "models", "parallel",
+                                                     "runtime", "worker", "proto", "docs")
+            for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".proto")
+            and ("toy-kind" in p.read_text() or "toykind" in p.read_text())]
+    assert hits == []

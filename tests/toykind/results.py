@@ -1,0 +1,10 @@
+"""The toy kind's job result (pure) and its ``ctl status --json`` field."""
+
+
+def total(results: dict) -> dict:
+    sums = {r["sum"] for r in results.values()}
+    return {"sum": sums.pop() if len(sums) == 1 else None, "ranks": len(results)}
+
+
+def summary(result) -> dict:
+    return {"toy_sum": (result or {}).get("sum")}
