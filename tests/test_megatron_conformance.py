@@ -150,11 +150,16 @@ def compare_one(rank: int, world: int, kw: dict) -> dict:
     smoke(world)
     alone = ctx.created_alone
     ps.destroy_model_parallel()
+    initialize_model_parallel(ctx)  # again, with the same context: fresh gloo groups
+    again = answers()
+    smoke(world)
+    ps.destroy_model_parallel()
     ctx.destroy()
     own = [m for m in creation_order(rank, layout.rank_groups(rank)) if len(m) < world]
     return dict(
         rank=rank, getters=len(ours), globals=len(ours_globals),
-        diff=sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k)),
+        diff=sorted(k for k in theirs.keys() | ours.keys() | again.keys()
+                    if not theirs.get(k) == ours.get(k) == again.get(k)),
         diff_globals=sorted(k for k in theirs_globals.keys() | ours_globals.keys()
                             if theirs_globals.get(k) != ours_globals.get(k)),
         megatron=len(theirs_calls), rankctl=len(ours_calls),

@@ -7,6 +7,7 @@ data-parallel kinds, and only its own, on top of the groups its context already 
 
 from __future__ import annotations
 
+import itertools
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,11 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 Members = tuple[int, ...]
+
+# How many times this process has initialised: part of the gloo groups' names, so that
+# initialising again after ``destroy_model_parallel`` never meets the store keys of the
+# destroyed groups (same members, same name). Every rank of a job initialises as often.
+_generation = itertools.count()
 
 
 def initialize_model_parallel(
@@ -67,12 +73,14 @@ def _values(
     # context that creates groups lazily cannot deadlock (see parallel/groups.py).
     groups = {kind: ctx.group(kind) for kind in KINDS if kind in own}
     ranks = {kind: ctx.ranks(kind) for kind in groups}
-    gloo = _gloo_groups(ranks, timeout) if with_gloo else {}
+    gloo = _gloo_groups(ranks, timeout, next(_generation)) if with_gloo else {}
     gloo_by_kind = {kind: gloo[tuple(sorted(ranks[kind]))] for kind in GLOO_KINDS} if with_gloo else {}
     return megatron_globals(ctx.layout.config, groups, ranks, gloo_by_kind, dist.group.WORLD), gloo
 
 
-def _gloo_groups(ranks: dict[str, list[int]], timeout: timedelta | None) -> dict[Members, "dist.ProcessGroup"]:
+def _gloo_groups(
+    ranks: dict[str, list[int]], timeout: timedelta | None, generation: int
+) -> dict[Members, "dist.ProcessGroup"]:
     """One gloo group per distinct member list of ``GLOO_KINDS``, created in ascending order.
 
     Never the default group, even for the whole world: Megatron's ``destroy_model_parallel``
@@ -83,7 +91,7 @@ def _gloo_groups(ranks: dict[str, list[int]], timeout: timedelta | None) -> dict
     from .naming import salted_names
 
     out: dict[Members, dist.ProcessGroup] = {}
-    with salted_names("gloo"):
+    with salted_names(f"gloo{generation}"):
         for members in sorted({tuple(sorted(ranks[kind])) for kind in GLOO_KINDS}):
             out[members] = dist.new_group(
                 list(members), backend="gloo", timeout=timeout, use_local_synchronization=True
