@@ -147,6 +147,8 @@ def compare_one(rank: int, world: int, kw: dict) -> dict:
         gloo = initialize_model_parallel(ctx)
     t_ours = time.perf_counter() - t0
     ours, ours_globals = answers(), globals_now(world)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        initialize_model_parallel(ctx)
     smoke(world)
     alone = ctx.created_alone
     ps.destroy_model_parallel()
