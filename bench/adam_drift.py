@@ -4,7 +4,7 @@ loss agrees: the per-step AdamW history of single parameter elements.
 Trains the job of ``tests/test_e2e_parallel.py`` (``--config parallel``: 4 layers, lr 3e-3,
 10 steps) or ``tests/test_e2e_train.py`` (``--config train``: 2 layers, lr 1e-2, 20 steps),
 built by the test's own ``job_yaml``, serially and in the layouts given, each in forked gloo
-ranks over a FileStore running the real ``worker.train`` code. Optimizer step hooks record,
+ranks over a FileStore running the real ``kinds.train.loop`` code. Optimizer step hooks record,
 per step and parameter, the clipped gradient Adam sees, ``exp_avg``, ``exp_avg_sq`` and the
 parameter after the step (``worker/`` is not changed). Against the serial run it prints:
 

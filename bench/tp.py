@@ -2,7 +2,7 @@
 
 Forks 2 gloo ranks once (FileStore rendezvous in a temporary directory, 1 torch thread
 each) and trains two copies of the same GPT (same ``GPTConfig``, same initial weights
-from ``gpt.full_init``, same batches from ``models.data``) in the same processes, taking
+from ``gpt.full_init``, same batches from ``kinds.train.data``) in the same processes, taking
 turns step by step (the order flips every round) so that outside load hits both alike:
 
 * rankctl: ``build_shard(cfg, tp_group)`` and ``kinds.train.loop.train_step`` with
@@ -15,7 +15,7 @@ turns step by step (the order flips every round) so that outside load hits both 
   embedding recipe) and the tied head computed on the sharded wte weight as a DTensor,
   its cross-entropy under ``loss_parallel()``. Replicated: wpe and the LayerNorms.
   The step mirrors ``train_step``: global-norm clipping (``get_total_norm`` over the
-  DTensor and plain gradients), the same LR schedule, the same AdamW (``worker.optim``).
+  DTensor and plain gradients), the same LR schedule, the same AdamW (``kinds.train.optim``).
 
 Each step is timed on both ranks between a barrier and the end of the optimizer step;
 a step's time is the slower rank's. Reported: median tokens/s over the timed steps

@@ -66,7 +66,7 @@ class GPTConfig:
 
     @classmethod
     def from_spec(cls, spec: Any, **overrides: Any) -> "GPTConfig":
-        """From a job file's ``model`` section (``coordinator.spec.ModelSpec``)."""
+        """From a job file's ``model`` section (``kinds.train.spec.ModelSpec``)."""
         if getattr(spec, "moe", None) is not None:
             raise NotImplementedError("model.moe is not supported by the dense GPT yet")
         names = ("layers", "hidden", "heads", "ffn_hidden", "seq_len", "vocab",

@@ -68,7 +68,7 @@ class MoEConfig:
 
     @classmethod
     def from_spec(cls, spec: Any) -> MoEConfig:
-        """From a job file's ``model.moe`` section (``coordinator.spec.MoeSpec``)."""
+        """From a job file's ``model.moe`` section (``kinds.train.spec.MoeSpec``)."""
         names = ("experts", "top_k", "every", "aux_loss", "capacity_factor")
         return cls(**{n: getattr(spec, n) for n in names})
 

@@ -1,7 +1,7 @@
 """How the GPT's layers split into pipeline chunks, and one rank's chunks built as shards.
 
 With ``pp`` stages of ``vpp`` chunks each there are ``V = pp*vpp`` model chunks of
-``layers / V`` consecutive layers (``coordinator.checks`` rejects layer counts that do not
+``layers / V`` consecutive layers (``kinds.train.checks`` rejects layer counts that do not
 divide). Local chunk ``c`` of pipeline stage ``s`` holds model chunk ``v = c*pp + s``
 (Megatron's interleaving; ``parallel.schedules`` uses the same numbering):
 
