@@ -3,9 +3,9 @@
 A kind is found in three ways, all of which call ``register``:
 - built in: every sub-package of ``rankctl.kinds`` that defines ``KIND`` (``kinds/train/``, ...);
 - installed: an entry point in the group ``rankctl.kinds`` naming a ``JobKind`` or a module with ``KIND``;
-- named at start-up: ``load_module(name)`` for ``ctl coordinator|worker --import MODULE``,
-  ``Launcher.start(imports=...)``, ``LocalCluster(imports=...)`` and the ``RANKCTL_KINDS``
-  environment variable (comma-separated modules; ``ctl`` itself reads it to validate locally).
+- named at start-up: ``load_module(name)`` for ``Launcher.start(imports=...)``,
+  ``LocalCluster(imports=...)`` and the ``RANKCTL_KINDS`` environment variable
+  (comma-separated modules, read by ``ctl``, the coordinator and the launchers).
 
 Pure: importing this module, or a kind's ``KIND``, never imports torch; the rank entry, the
 result aggregation and the rendering are ``"module:function"`` strings resolved on first use.
