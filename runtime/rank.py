@@ -1,9 +1,10 @@
 """The rank runtime: rendezvous, groups, run one job kind, report status, exit.
 
-``run_rank(assignment)`` is what a rank process runs (the launcher forks it). Job kinds
-are functions ``(RankContext) -> dict`` (the result, JSON-serialisable) found by name in
-``JOB_KINDS``. A kind is either a callable or a ``"module:function"`` string imported on
-first use; add one with ``register_kind("train", "rankctl.kinds.train.loop:run")``.
+``run_rank(assignment)`` is what a rank process runs (the launcher forks it). A kind's entry
+is a function ``(RankContext) -> dict`` (the result, JSON-serialisable) from ``kinds.registry``.
+Before it runs, the runtime creates the default group and the rank's groups, unless the entry
+has ``OWN_RENDEZVOUS`` set (the ``python`` kind: the user's script creates the default group).
+The context is ``rankctl.context()`` while the entry runs.
 """
 
 from __future__ import annotations
@@ -11,36 +12,23 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import structlog
-import torch
-import torch.distributed as dist
 
 from rankctl.contract.assignment import RankAssignment
-from rankctl.contract.spec import JobSpec, RestartSpec
+from rankctl.contract.spec import RestartSpec
 from rankctl.kinds import registry
 from rankctl.kinds.spec import parse_spec
-from rankctl.parallel.groups import ProcessGroups
-from rankctl.runtime.rendezvous import init_distributed, is_collective_timeout, victim_line
+from rankctl.runtime.context import RankContext, set_current
+from rankctl.runtime.rendezvous import is_collective_timeout, victim_line
 from rankctl.runtime.status import StatusWriter
 
 TRACEBACK_LINES = 30
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankContext:
-    """Everything a job kind receives; no globals behind it."""
-
-    assignment: RankAssignment
-    spec: JobSpec  # the typed job spec, validated from the assignment's canonical dict
-    groups: ProcessGroups
-    device: torch.device
-    backend: str
-    status: StatusWriter
-    log: Any  # structlog BoundLogger with job, node, rank bound
+# An entry with this attribute set true creates the default group itself (``python``: the user's
+# ``init_process_group``); the runtime then builds no group before it, ``RankContext.group`` does on first use.
+OWN_RENDEZVOUS = "rankctl_own_rendezvous"
 
 
 JobFn = Callable[[RankContext], "dict[str, Any] | None"]
@@ -86,17 +74,17 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
         seconds = timeout_s or spec.restart.collective_timeout
         timeout = timedelta(seconds=seconds)
         job = resolve_kind(a.kind)
-        status.write(phase := "rendezvous")
-        log.info("rendezvous", at=a.rendezvous, world_size=a.world_size, timeout_s=seconds)
-        backend, device = init_distributed(a, timeout)
-        status.write(phase := "groups")
-        pgs = ProcessGroups.build(a.rank, a.world_size, a.groups, timeout=timeout)
-        log.info("groups", backend=backend, device=str(device), groups=len(pgs.distinct()))
+        ctx = RankContext(assignment=a, spec=spec, status=status, log=log, timeout=timeout)
+        if not getattr(job, OWN_RENDEZVOUS, False):
+            status.write(phase := "rendezvous")
+            log.info("rendezvous", at=a.rendezvous, world_size=a.world_size, timeout_s=seconds)
+            ctx.init_default_group()
+            status.write(phase := "groups")
+            log.info("groups", backend=ctx.backend, device=str(ctx.device), groups=len(ctx.groups.distinct()))
         status.write(phase := "running")
-        ctx = RankContext(assignment=a, spec=spec, groups=pgs, device=device, backend=backend, status=status, log=log)
+        set_current(ctx)
         result = job(ctx) or {}
-        pgs.destroy()
-        dist.destroy_process_group()
+        ctx.close()
         status.write("done", result=result)
         log.info("done")
         return 0

@@ -246,8 +246,10 @@ def test_supported_versions() -> None:
     assert [version.is_supported(v) for v in ("0.15.9", "0.17.0", "0.160.0", "x")] == [False] * 4
 
 
-def test_a_context_is_required() -> None:
-    with pytest.raises(TypeError, match="needs this rank's context"):
+def test_without_a_context_it_uses_the_ranks_and_outside_a_rank_says_so() -> None:
+    with pytest.raises(RuntimeError, match=r"rankctl.context\(\) is only available inside a rank"):
+        initialize_model_parallel()
+    with pytest.raises(RuntimeError, match=r"rankctl.context\(\) is only available inside a rank"):
         initialize_model_parallel(None)
     with pytest.raises(TypeError, match="must provide rank, layout"):
         initialize_model_parallel(object())

@@ -46,7 +46,7 @@ def test_a_kind_from_its_own_folder_runs_end_to_end(tmp_path, monkeypatch) -> No
                 job_id = c.submit(JOB % 3, [], "toy.yaml").id
                 with pytest.raises(CtlError, match="toy.value=-1 must not be negative"):
                     c.submit(JOB % -1, [], "toy.yaml")
-                with pytest.raises(CtlError, match="known kinds: comm-check, toy-kind, train"):
+                with pytest.raises(CtlError, match="known kinds: comm-check, python, toy-kind, train"):
                     c.submit((JOB % 1).replace("toy-kind", "no-such-kind"), [], "toy.yaml")
             d = wait(ctx, job_id)
     finally:

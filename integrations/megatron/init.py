@@ -29,7 +29,7 @@ _generation = itertools.count()
 
 
 def initialize_model_parallel(
-    ctx: RankContext | None,
+    ctx: RankContext | None = None,
     *,
     create_gloo_process_groups: bool = True,
     timeout: timedelta | None = None,
@@ -41,12 +41,10 @@ def initialize_model_parallel(
     ``parallel_state.destroy_model_parallel()`` undoes it and destroys only those gloo
     groups; the context's groups stay the context's.
     """
-    if ctx is None:
-        raise TypeError(
-            "rankctl.megatron.initialize_model_parallel(ctx) needs this rank's context "
-            "(rankctl.context() in a rank, or rankctl.megatron.build_context(rank, layout)): "
-            "it fills Megatron's state from the rank's own groups and has nothing to fall back on"
-        )
+    if ctx is None:  # the running rank's (a rankctl job); elsewhere rankctl.context() says why it has none
+        import rankctl
+
+        ctx = rankctl.context()
     if not isinstance(ctx, RankContext):
         raise TypeError(f"ctx must provide rank, layout, group(kind) and ranks(kind); got {type(ctx).__name__}")
     ps = parallel_state()

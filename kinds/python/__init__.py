@@ -1,0 +1,21 @@
+"""Job kind ``python``: the user's own training code, run in every rank as torchrun would run it.
+
+Declared here once (``KIND``); ``spec`` (the ``python`` section), ``checks`` (entry-point form, ``ctl``'s
+absolute workdir), ``run`` (the rank's entry: torchrun's environment, then the script or function),
+``results``/``render`` (the losses and metrics ``rankctl.context().report`` wrote, shown as ``train`` shows them).
+"""
+
+from rankctl.kinds.python.spec import PythonSpec
+from rankctl.kinds.registry import JobKind
+
+KIND = JobKind(
+    name="python",
+    sections={"python": PythonSpec},
+    check="rankctl.kinds.python.checks:errors",
+    entry="rankctl.kinds.python.run:run",
+    aggregate="rankctl.kinds.python.results:python_result",
+    summary="rankctl.kinds.python.render:summary",
+    tables="rankctl.kinds.train.render:tables",
+    progress="rankctl.kinds.python.render:progress",
+    client_overrides="rankctl.kinds.python.checks:absolute_workdir",
+)

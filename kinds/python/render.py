@@ -1,0 +1,26 @@
+"""How ``ctl`` shows a ``python`` job: ``train``'s losses in ``--json`` and tables, plus the last metrics,
+and a progress line (step, loss, metrics) from the ranks' latest reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rankctl.kinds.train import render as train_render
+
+SHOWN_METRICS = 4
+
+
+def summary(result: Any) -> dict[str, Any]:
+    """Extra top-level fields of ``ctl status --json``: ``losses`` (as ``train``) and ``metrics``."""
+    metrics = result.get("metrics", {}) if isinstance(result, dict) else {}
+    return {**train_render.summary(result), "metrics": metrics if isinstance(metrics, dict) else {}}
+
+
+def progress(job: Any):
+    """``step N  loss X  name value ...`` of the lowest rank that reports a loss; None before any report."""
+    latest = train_render._latest_metrics(job)
+    if latest is None:
+        return None
+    step, m = latest
+    shown = [f"{k} {v:.4g}" for k, v in m.items() if k != "loss" and isinstance(v, (int, float))][:SHOWN_METRICS]
+    return "  ".join([f"step {step}", f"loss {m['loss']:.4f}", *shown])

@@ -1,0 +1,39 @@
+"""The ``python`` kind's spec section: ``python`` (entry point, arguments, environment, workdir)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import Field, StrictStr, StringConstraints, field_validator
+
+from rankctl.contract.names import shown
+from rankctl.contract.spec import Section
+
+MAX_TEXT = 4096  # characters of an entry point, one argument, one env value, the workdir
+MAX_ARGS = 1000
+MAX_ENV = 256
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what the rank sets as torchrun does (``run.torchrun_env``); a job's env may not override them
+RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+RESERVED_ENV_PREFIX = "MASTER_"
+
+Text = Annotated[StrictStr, StringConstraints(max_length=MAX_TEXT)]
+
+
+class PythonSpec(Section):
+    entrypoint: StrictStr = Field("", max_length=MAX_TEXT)  # "train.py" or "package.module:function"
+    args: list[Text] = Field(default_factory=list, max_length=MAX_ARGS)
+    env: dict[StrictStr, Text] = Field(default_factory=dict, max_length=MAX_ENV)
+    workdir: StrictStr | None = Field(None, min_length=1, max_length=MAX_TEXT)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not ENV_NAME_RE.fullmatch(name):
+                raise ValueError(f"env name {shown(name)} must match [A-Za-z_][A-Za-z0-9_]*")
+            if name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIX):
+                raise ValueError(f"env {name} is set by rankctl for every rank (as torchrun does); "
+                                 f"a job may not override {', '.join(RESERVED_ENV)} or {RESERVED_ENV_PREFIX}*")
+        return env
