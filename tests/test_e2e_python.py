@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from rankctl.cli.errors import CtlError
+from rankctl.kinds.python.checks import absolute_workdir
+from rankctl.kinds.spec import build_spec
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]
@@ -33,6 +35,11 @@ if os.environ["RANK"] == "2":
     inner()
 """
 EXITS = "import sys\nsys.exit(3)\n"
+FUNCTION = """import os, sys, rankctl
+def main():
+    ctx = rankctl.context()
+    ctx.report(1, loss=float(sys.argv[1]) + ctx.rank, flag=float(os.environ["MY_FLAG"]))
+"""
 OWN_GROUP = """import torch, torch.distributed as dist, rankctl
 dist.init_process_group("gloo")
 ctx = rankctl.context()
@@ -72,12 +79,15 @@ def jobs(runner, tmp_path_factory) -> dict[str, dict]:
     (scripts / "raises.py").write_text(RAISES)
     (scripts / "exits.py").write_text(EXITS)
     (scripts / "own_group.py").write_text(OWN_GROUP)
+    (scripts / "user_mod.py").write_text(FUNCTION)
     ids = {
         "torchrun": submit(runner, example("python-torchrun.yaml"), [WORKDIR]),
         "raises": submit(runner, SCRIPT.format(name="raises", entry="raises.py", workdir=scripts)),
         "exits": submit(runner, SCRIPT.format(name="exits", entry="exits.py", workdir=scripts)),
         "own_group": submit(runner, SCRIPT.format(name="own-group", entry="own_group.py", workdir=scripts),
                             ["parallel.tp=2"]),
+        "function": submit(runner, SCRIPT.format(name="function", entry="user_mod:main", workdir=scripts),
+                           ["python.args=['2.5']", "python.env={MY_FLAG: '7'}"]),
         "missing": submit(runner, SCRIPT.format(name="missing", entry="no_such_script.py", workdir=scripts)),
         "context": submit(runner, example("python-context.yaml"), [WORKDIR]),
         "megatron": submit(runner, example("megatron-core.yaml"),  # tp2 x dp2: 4 ranks import megatron-core
@@ -118,6 +128,21 @@ def test_context_groups_work_on_the_default_group_a_script_created(jobs) -> None
     job = jobs["own_group"]
     assert job["state"] == "SUCCEEDED", job["reason"]
     assert job["losses"] == [{"step": 1, "loss": 3.0}]  # rank 0's tp group is ranks 0 and 1
+
+
+def test_a_function_entry_point_is_imported_and_called_with_args_and_env(jobs) -> None:
+    job = jobs["function"]
+    assert job["state"] == "SUCCEEDED", job["reason"]
+    assert job["losses"] == [{"step": 1, "loss": 2.5}] and job["metrics"] == {"loss": 2.5, "flag": 7.0}
+
+
+def test_ctl_makes_a_relative_workdir_absolute(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    spec = build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "t.py", "workdir": "sub"}})
+    assert absolute_workdir(spec) == [f"python.workdir={tmp_path / 'sub'}"]
+    spec = build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "t.py"}})
+    assert absolute_workdir(spec) == [f"python.workdir={tmp_path}"]
+    assert absolute_workdir(build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "m:f"}})) == []
 
 
 def test_a_raising_script_fails_the_job_naming_the_rank_and_the_error(runner, jobs) -> None:
