@@ -52,6 +52,7 @@ class RankContext:
         self.status = status
         self.log = log  # structlog BoundLogger with job, node, rank bound
         self.timeout = timeout or timedelta(seconds=spec.restart.collective_timeout)
+        self._run_dir = os.path.abspath(assignment.run_dir or os.getcwd())  # before user code may chdir
         self._groups = groups
         self._device = device
         self._backend = backend
@@ -120,7 +121,8 @@ class RankContext:
 
     @property
     def backend(self) -> str:
-        self.init_default_group()
+        if self._backend is None:
+            self.init_default_group()
         return self._backend
 
     @property
@@ -166,7 +168,7 @@ class RankContext:
         problem = job_name_problem(self.spec.name)
         if problem:
             raise ValueError(f"no checkpoint directory: {problem}")
-        path = checkpoint_root(self.assignment.run_dir or os.getcwd(), self.spec.name)
+        path = checkpoint_root(self._run_dir, self.spec.name)
         os.makedirs(path, exist_ok=True)
         return path
 

@@ -1,6 +1,6 @@
 """The ``python`` kind's rank entry: the user's script or function, in torchrun's environment.
 
-The runtime does not rendezvous for this kind (``own_rendezvous``): ``MASTER_ADDR:MASTER_PORT`` is the
+The runtime does not rendezvous for this kind (``rankctl_own_rendezvous``, below): ``MASTER_ADDR:MASTER_PORT`` is the
 assignment's rendezvous address, free on rank 0's node, so an unmodified script's
 ``init_process_group("gloo")`` (``env://``) hosts its TCPStore there on rank 0. ``rankctl.context()`` uses
 that default group, or creates it at the same address if the script never did (``runtime.context``).
