@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -34,7 +35,7 @@ def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str]
         doc = load_yaml_text(text, path)
         spec = build_spec(doc, sets)
         extra_fn = registry.get(spec.kind).resolve("client_overrides")
-        extra = extra_fn(spec) if extra_fn else []
+        extra = extra_fn(spec, Path(path).resolve().parent) if extra_fn else []
         if extra:
             sets += extra
             spec = build_spec(doc, sets)

@@ -43,7 +43,8 @@ class JobKind:
     ``aggregate(rank -> result) -> job result``: on the coordinator, pure; default: every rank's result.
     ``summary(result) -> dict``: extra top-level fields of ``ctl status --json``.
     ``tables(result) -> [rich renderable]`` and ``progress(spec dict, job) -> renderable | None``: ``ctl``'s view.
-    ``client_overrides(spec) -> ["key=value"]``: what ``ctl`` adds before submitting (e.g. absolute paths).
+    ``client_overrides(spec, job_dir) -> ["key=value"]``: what ``ctl`` adds before submitting (e.g. absolute
+    paths); ``job_dir`` is the job file's directory, absolute.
     """
 
     name: str

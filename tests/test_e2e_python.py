@@ -136,13 +136,13 @@ def test_a_function_entry_point_is_imported_and_called_with_args_and_env(jobs) -
     assert job["losses"] == [{"step": 1, "loss": 2.5}] and job["metrics"] == {"loss": 2.5, "flag": 7.0}
 
 
-def test_ctl_makes_a_relative_workdir_absolute(tmp_path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
+def test_ctl_makes_a_relative_workdir_absolute_against_the_job_files_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir("/")  # where ctl runs does not matter
     spec = build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "t.py", "workdir": "sub"}})
-    assert absolute_workdir(spec) == [f"python.workdir={tmp_path / 'sub'}"]
+    assert absolute_workdir(spec, tmp_path) == [f"python.workdir={tmp_path / 'sub'}"]
     spec = build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "t.py"}})
-    assert absolute_workdir(spec) == [f"python.workdir={tmp_path}"]
-    assert absolute_workdir(build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "m:f"}})) == []
+    assert absolute_workdir(spec, tmp_path) == [f"python.workdir={tmp_path}"]
+    assert absolute_workdir(build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "m:f"}}), tmp_path) == []
 
 
 def test_a_raising_script_fails_the_job_naming_the_rank_and_the_error(runner, jobs) -> None:

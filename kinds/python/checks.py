@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from rankctl.contract.names import shown
 from rankctl.contract.spec import JobSpec
@@ -25,16 +26,14 @@ def errors(spec: JobSpec, cfg) -> list[str]:  # noqa: ANN001 - ParallelConfig, u
     return []
 
 
-def absolute_workdir(spec: JobSpec) -> list[str]:
-    """``ctl``'s overrides: a relative ``python.workdir`` made absolute against the directory ``ctl`` runs in
-    (as ``train.data``); a relative script with no workdir gets that directory as its workdir."""
-    from pathlib import Path
-
+def absolute_workdir(spec: JobSpec, job_dir: Path) -> list[str]:
+    """``ctl``'s overrides: a relative ``python.workdir`` made absolute against the job file's directory
+    (``job_dir``); a relative script with no workdir gets that directory as its workdir."""
     cfg = spec.python
     if cfg is None:
         return []
     if cfg.workdir is not None:
-        return [] if Path(cfg.workdir).is_absolute() else [f"python.workdir={Path(cfg.workdir).resolve()}"]
+        return [] if Path(cfg.workdir).is_absolute() else [f"python.workdir={(job_dir / cfg.workdir).resolve()}"]
     if is_function(cfg.entrypoint) or Path(cfg.entrypoint).is_absolute():
         return []
-    return [f"python.workdir={Path.cwd()}"]
+    return [f"python.workdir={job_dir}"]

@@ -5,6 +5,8 @@ Pure (no torch): run once at submit (by ``ctl`` locally and by the coordinator) 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -92,10 +94,9 @@ def errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
     return _model_errors(spec, cfg) + _train_errors(spec, cfg) + _data_errors(spec)
 
 
-def absolute_data(spec: JobSpec) -> list[str]:
-    """``ctl``'s override making a relative ``train.data`` path absolute: daemons do not share its directory."""
-    from pathlib import Path
-
+def absolute_data(spec: JobSpec, job_dir: Path | None = None) -> list[str]:
+    """``ctl``'s override making a relative ``train.data`` path absolute against the directory ``ctl``
+    runs in (daemons do not share it); ``job_dir`` is not used: data paths predate job-relative paths."""
     data = spec.train.data if spec.train else "builtin:"
     if data.startswith("builtin:") or Path(data).is_absolute():
         return []
