@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import grpc
 
@@ -82,6 +82,24 @@ class Client:
     def watch(self, job_id: str, after_seq: int = 0) -> Iterator[pb.JobEvent]:
         with rpc_errors(self.address):
             yield from self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id, after_seq=after_seq))
+
+    def stat_blob(self, digest: str) -> bool:
+        """Whether the coordinator holds the blob ``digest`` already."""
+        with rpc_errors(self.address):
+            return self.stub.StatBlob(pb.StatBlobRequest(digest=digest)).exists
+
+    def upload_blob(self, digest: str, size: int, chunks: Iterable[bytes]) -> pb.BlobRef:
+        """Stream ``size`` bytes (chunks of at most 1 MiB); the first chunk names the digest and the size."""
+        def stream() -> Iterator[pb.BlobChunk]:
+            first = True
+            for data in chunks:
+                yield pb.BlobChunk(digest=digest, size=size, data=data) if first else pb.BlobChunk(data=data)
+                first = False
+            if first:
+                yield pb.BlobChunk(digest=digest, size=size)
+
+        with rpc_errors(self.address):
+            return self.stub.UploadBlob(stream())
 
     def logs(self, job_id: str, rank: int | None, follow: bool, tail: int) -> Iterator[pb.LogLine]:
         req = pb.GetLogsRequest(job_id=job_id, rank=rank or 0, all_ranks=rank is None, follow=follow, tail=tail)

@@ -118,10 +118,13 @@ def exit_for(job) -> None:
               help="Accept a job larger than the cluster's nodes and let it wait for nodes.")
 @pass_ctx
 def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wait: bool, queue_anyway: bool) -> None:
-    """Submit JOB_FILE; print the job id alone on stdout."""
-    text, sets, _ = read_job_file(job_file, overrides)
+    """Submit JOB_FILE; print the job id alone on stdout. A python.workdir is packed and shipped with it."""
+    from rankctl.cli.workdir import pack_workdir, ship
+
+    text, sets, spec = read_job_file(job_file, overrides)
+    packed = pack_workdir(spec)  # before connecting: an oversize workdir is refused here
     with ctx.client() as client:
-        job = client.submit(text, sets, job_file, queue_anyway=queue_anyway)
+        job = client.submit(text, sets + ship(client, packed), job_file, queue_anyway=queue_anyway)
     click.echo(job.id)
     sys.stdout.flush()
     if watch_ or wait:

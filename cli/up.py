@@ -49,12 +49,14 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     """Start a coordinator and worker daemons here, run JOB_FILE to its end, print the result."""
     from rankctl.cli.jobs import exit_for, follow_job, read_job_file
     from rankctl.cli.local import LocalCluster
+    from rankctl.cli.workdir import pack_workdir, ship
     from rankctl.worker.procutil import configure_logging
     from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
 
     configure_logging(level=log_level)
     text, sets, spec = read_job_file(job_file, overrides)
     n, s = _cluster_shape(spec, nodes, slots)
+    packed = pack_workdir(spec)  # shipped as ctl submit ships it: the ranks run in the nodes' copies
     tmp = state_dir is None
     root = Path(tempfile.mkdtemp(prefix="rankctl-up-")) if tmp else state_dir
     click.echo(f"starting a coordinator and {n} worker daemon(s) x {s} slot(s) under {root}", err=True)
@@ -62,7 +64,7 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
         with LocalCluster(n, s, root) as cluster:
             ctx = Ctx(coordinator=cluster.address)
             with ctx.client() as client:
-                job = client.submit(text, sets, job_file)
+                job = client.submit(text, sets + ship(client, packed), job_file)
             click.echo(f"submitted {job.id}", err=True)
             job = follow_job(ctx, job.id, live=True)  # progress on stderr; stdout stays JSON
     finally:

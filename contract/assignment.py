@@ -28,6 +28,7 @@ class RankAssignment:
     spec: dict[str, Any] = field(default_factory=dict)  # the validated job spec
     run_dir: str = ""                    # where the rank writes its status and log files
     device: int | None = None            # CUDA device index on GPU nodes
+    workdir: str = ""                    # set by the daemon: where a shipped workdir lies on this node
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

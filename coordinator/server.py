@@ -21,6 +21,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from rankctl.coordinator.blobs import BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.servicer import ClientServiceServicer, NodeServiceServicer
 from rankctl.coordinator.store import Store
@@ -110,9 +111,10 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     store = Store(state_dir)
     extra = {} if head_wait is None else {"head_wait": head_wait}
     core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout, **extra)
+    blobs = BlobStore(state_dir)  # after the store: its lock says this state dir is ours
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core), server)
-    rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core), server)
+    rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core, blobs), server)
+    rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core, blobs), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:

@@ -16,6 +16,7 @@ import grpc
 import structlog
 
 from rankctl.coordinator import convert
+from rankctl.coordinator.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import (
     AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, ProtocolError,
@@ -26,6 +27,7 @@ from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.states import is_terminal
 from rankctl.coordinator.store import StoreError
 from rankctl.proto import rankctl_pb2 as pb
+from rankctl.kinds import registry
 from rankctl.proto import rankctl_pb2_grpc
 
 log = structlog.get_logger("rankctl.coordinator")
@@ -41,6 +43,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (JobNotFound, grpc.StatusCode.NOT_FOUND),
     (ProtocolError, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.FAILED_PRECONDITION),
+    (BlobMissing, grpc.StatusCode.FAILED_PRECONDITION),
     (NodeNameTaken, grpc.StatusCode.ALREADY_EXISTS),
 )
 
@@ -76,11 +79,18 @@ def _page_token(token: str) -> int:
     return int(token)
 
 
-class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
-    """ctl's API: submit, inspect, watch, cancel, logs, plan."""
+async def _upload_chunks(first: pb.BlobChunk, rest: AsyncIterator[pb.BlobChunk]) -> AsyncIterator[bytes]:
+    yield first.data
+    async for chunk in rest:
+        yield chunk.data
 
-    def __init__(self, core: Coordinator) -> None:
+
+class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
+    """ctl's API: submit, inspect, watch, cancel, logs, plan, blobs (packed workdirs)."""
+
+    def __init__(self, core: Coordinator, blobs: BlobStore) -> None:
         self.core = core
+        self.blobs = blobs
 
     def _job(self, job_id: str) -> pb.Job:
         job = self.core.get(job_id)
@@ -90,6 +100,10 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         try:
             spec = await _off_loop(self.core.validate, request.spec_yaml, list(request.overrides),
                                    request.source or "job file")
+            missing = self.blobs.missing(registry.blobs_of(spec.to_dict()))
+            if missing:
+                raise BlobMissing(f"the job references {missing[0]}, which the coordinator does not hold: "
+                                  "upload it first (ctl submit packs and uploads python.workdir)")
             job = self.core.submit_spec(spec, queue_anyway=request.queue_anyway)
             return pb.SubmitJobResponse(job=self._job(job.id))
         except Exception as exc:
@@ -146,6 +160,27 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         except Exception as exc:
             await _abort(context, exc)
 
+    async def StatBlob(self, request: pb.StatBlobRequest, context: grpc.aio.ServicerContext) -> pb.StatBlobResponse:
+        try:
+            size = self.blobs.size(request.digest)
+            return pb.StatBlobResponse(exists=size is not None, size=size or 0)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def UploadBlob(self, request_iterator: AsyncIterator[pb.BlobChunk],
+                         context: grpc.aio.ServicerContext) -> pb.BlobRef:
+        """The first chunk names the digest and the size; the blob is stored once, verified."""
+        try:
+            chunks = request_iterator.__aiter__()
+            first = await anext(chunks, None)
+            if first is None:
+                raise InvalidRequest("an upload needs at least one chunk naming its digest and size")
+            size = await self.blobs.put(first.digest, first.size, _upload_chunks(first, chunks))
+            log.info("blob.stored", digest=first.digest, size=size)
+            return pb.BlobRef(digest=first.digest, size=size)
+        except Exception as exc:
+            await _abort(context, exc)
+
     async def WatchJob(self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
         """Stored events after ``after_seq``, then live ones, until the job is terminal."""
         try:
@@ -193,8 +228,23 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
     the core hears ``disconnect``.
     """
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: Coordinator, blobs: BlobStore) -> None:
         self.core = core
+        self.blobs = blobs
+
+    async def FetchBlob(self, request: pb.FetchBlobRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlobChunk]:
+        """A stored blob, in chunks of at most 1 MiB; the first names its digest and size."""
+        try:
+            size = self.blobs.size(request.digest)
+            if size is None:
+                raise BlobMissing(f"blob {request.digest} is not stored on the coordinator")
+            first = True
+            async for data in self.blobs.read(request.digest):
+                yield pb.BlobChunk(digest=request.digest if first else "", size=size if first else 0, data=data)
+                first = False
+        except Exception as exc:
+            await _abort(context, exc)
 
     async def Connect(self, request_iterator: AsyncIterator[pb.NodeMessage],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CoordinatorMessage]:

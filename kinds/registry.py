@@ -45,6 +45,8 @@ class JobKind:
     ``tables(result) -> [rich renderable]`` and ``progress(spec dict, job) -> renderable | None``: ``ctl``'s view.
     ``client_overrides(spec, job_dir) -> ["key=value"]``: what ``ctl`` adds before submitting (e.g. absolute
     paths); ``job_dir`` is the job file's directory, absolute.
+    ``blobs(spec dict) -> ["sha256:<hex>"]``: blobs the spec references (a packed workdir), pure; the
+    coordinator refuses a job whose blobs it does not hold, and a daemon fetches them before its ranks start.
     """
 
     name: str
@@ -56,6 +58,7 @@ class JobKind:
     tables: Any = None
     progress: Any = None
     client_overrides: Any = None
+    blobs: Any = None
 
     def resolve(self, attr: str) -> Callable[..., Any] | None:
         """The hook ``attr`` as a callable; a ``"module:function"`` string is imported now."""
@@ -141,6 +144,14 @@ def kinds() -> dict[str, JobKind]:
 def version() -> int:
     ensure_loaded()
     return _version
+
+
+def blobs_of(spec: Mapping[str, Any]) -> list[str]:
+    """The blobs a job spec (as a dict) references, by its kind's ``blobs`` hook: e.g. a packed workdir.
+    A kind unknown here references none (a daemon may not load the kinds its launcher loads)."""
+    kind = kinds().get(str(spec.get("kind", "")))
+    hook = kind.resolve("blobs") if kind else None
+    return list(hook(spec)) if hook else []
 
 
 def unknown_kind(name: str) -> str:

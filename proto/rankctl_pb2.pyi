@@ -273,6 +273,22 @@ class CoordinatorMessage(_message.Message):
     cancel: Cancel
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
+class BlobChunk(_message.Message):
+    __slots__ = ("digest", "size", "data")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    size: int
+    data: bytes
+    def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class FetchBlobRequest(_message.Message):
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    def __init__(self, digest: _Optional[str] = ...) -> None: ...
+
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec_yaml", "overrides", "source", "queue_anyway")
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
@@ -390,3 +406,25 @@ class PlanJobResponse(_message.Message):
     layout_json: str
     spec_json: str
     def __init__(self, layout_json: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...
+
+class StatBlobRequest(_message.Message):
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    def __init__(self, digest: _Optional[str] = ...) -> None: ...
+
+class StatBlobResponse(_message.Message):
+    __slots__ = ("exists", "size")
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    exists: bool
+    size: int
+    def __init__(self, exists: _Optional[bool] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BlobRef(_message.Message):
+    __slots__ = ("digest", "size")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    size: int
+    def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...

@@ -39,6 +39,11 @@ class NodeServiceStub:
                 request_serializer=rankctl__pb2.NodeMessage.SerializeToString,
                 response_deserializer=rankctl__pb2.CoordinatorMessage.FromString,
                 _registered_method=True)
+        self.FetchBlob = channel.unary_stream(
+                '/rankctl.v1.NodeService/FetchBlob',
+                request_serializer=rankctl__pb2.FetchBlobRequest.SerializeToString,
+                response_deserializer=rankctl__pb2.BlobChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -50,6 +55,13 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlob(self, request, context):
+        """a daemon fetches a job's workdir
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=rankctl__pb2.NodeMessage.FromString,
                     response_serializer=rankctl__pb2.CoordinatorMessage.SerializeToString,
+            ),
+            'FetchBlob': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchBlob,
+                    request_deserializer=rankctl__pb2.FetchBlobRequest.FromString,
+                    response_serializer=rankctl__pb2.BlobChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class NodeService:
             '/rankctl.v1.NodeService/Connect',
             rankctl__pb2.NodeMessage.SerializeToString,
             rankctl__pb2.CoordinatorMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rankctl.v1.NodeService/FetchBlob',
+            rankctl__pb2.FetchBlobRequest.SerializeToString,
+            rankctl__pb2.BlobChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,6 +190,16 @@ class ClientServiceStub:
                 request_serializer=rankctl__pb2.PlanJobRequest.SerializeToString,
                 response_deserializer=rankctl__pb2.PlanJobResponse.FromString,
                 _registered_method=True)
+        self.StatBlob = channel.unary_unary(
+                '/rankctl.v1.ClientService/StatBlob',
+                request_serializer=rankctl__pb2.StatBlobRequest.SerializeToString,
+                response_deserializer=rankctl__pb2.StatBlobResponse.FromString,
+                _registered_method=True)
+        self.UploadBlob = channel.stream_unary(
+                '/rankctl.v1.ClientService/UploadBlob',
+                request_serializer=rankctl__pb2.BlobChunk.SerializeToString,
+                response_deserializer=rankctl__pb2.BlobRef.FromString,
+                _registered_method=True)
 
 
 class ClientServiceServicer:
@@ -199,6 +253,20 @@ class ClientServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StatBlob(self, request, context):
+        """is this blob stored already?
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadBlob(self, request_iterator, context):
+        """store a blob (verified, once)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClientServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +309,16 @@ def add_ClientServiceServicer_to_server(servicer, server):
                     servicer.PlanJob,
                     request_deserializer=rankctl__pb2.PlanJobRequest.FromString,
                     response_serializer=rankctl__pb2.PlanJobResponse.SerializeToString,
+            ),
+            'StatBlob': grpc.unary_unary_rpc_method_handler(
+                    servicer.StatBlob,
+                    request_deserializer=rankctl__pb2.StatBlobRequest.FromString,
+                    response_serializer=rankctl__pb2.StatBlobResponse.SerializeToString,
+            ),
+            'UploadBlob': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadBlob,
+                    request_deserializer=rankctl__pb2.BlobChunk.FromString,
+                    response_serializer=rankctl__pb2.BlobRef.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +537,60 @@ class ClientService:
             '/rankctl.v1.ClientService/PlanJob',
             rankctl__pb2.PlanJobRequest.SerializeToString,
             rankctl__pb2.PlanJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StatBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankctl.v1.ClientService/StatBlob',
+            rankctl__pb2.StatBlobRequest.SerializeToString,
+            rankctl__pb2.StatBlobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadBlob(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/rankctl.v1.ClientService/UploadBlob',
+            rankctl__pb2.BlobChunk.SerializeToString,
+            rankctl__pb2.BlobRef.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,8 @@ import structlog
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.contract.assignment import RankAssignment
+from rankctl.kinds.registry import blobs_of
+from rankctl.worker.blobs import FetchFailed, WorkdirCache
 from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.logship import RankLog
 from rankctl.worker.paths import Refused, check_assignment, run_dir_for
@@ -114,6 +116,8 @@ class WorkerDaemon:
         self.refused = 0  # Assign messages refused (bad ids)
         self._heartbeat_interval = 1.0
         self.connected = asyncio.Event()
+        self._channel: grpc.aio.Channel | None = None  # the session's, for FetchBlob
+        self.workdirs = WorkdirCache(cfg.state_dir)
         self._log = log.bind(node=cfg.name)
 
     # -- reports -----------------------------------------------------------------------------
@@ -263,9 +267,31 @@ class WorkerDaemon:
                     rank=r.rank, node=self.cfg.name, phase="exited", exited=True, exit_code=1,
                     error=f"node {self.cfg.name} refused the assignment: {why}"))
 
+    async def _fetch_blob(self, digest: str):  # noqa: ANN202 - an async iterator of bytes
+        if self._channel is None:
+            raise FetchFailed("not connected to the coordinator")
+        call = pb_grpc.NodeServiceStub(self._channel).FetchBlob(pb.FetchBlobRequest(digest=digest))
+        try:
+            async for chunk in call:
+                yield chunk.data
+        except grpc.aio.AioRpcError as exc:
+            raise FetchFailed(f"{exc.code().name}: {exc.details()}") from None
+
+    async def _with_workdir(self, assignments: list[RankAssignment]) -> list[RankAssignment]:
+        """Each rank's ``workdir``: this node's extracted copy of the job's shipped workdir, fetched once."""
+        digests = blobs_of(assignments[0].spec) if assignments else []
+        if not digests:
+            return assignments
+        try:
+            path = await self.workdirs.path(digests[0], self._fetch_blob)
+        except (FetchFailed, OSError) as exc:
+            raise Refused(f"cannot fetch the job's workdir {digests[0]}: {exc}") from None
+        return [replace(a, workdir=str(path)) for a in assignments]
+
     async def _assign(self, msg: pb.Assign) -> None:
         try:
             run_dir, assignments = self._checked(msg)
+            assignments = await self._with_workdir(assignments)
         except Refused as exc:
             self._refuse(msg, str(exc))
             return
@@ -323,6 +349,7 @@ class WorkerDaemon:
 
     async def _session_once(self) -> None:
         async with grpc.aio.insecure_channel(self.cfg.coordinator) as channel:
+            self._channel = channel
             call = pb_grpc.NodeServiceStub(channel).Connect()
             await call.write(self._register_msg())
             first = await call.read()
@@ -347,6 +374,7 @@ class WorkerDaemon:
                     t.result()
             finally:
                 self._outbox = None
+                self._channel = None
                 self.connected.clear()
                 for t in tasks:
                     t.cancel()

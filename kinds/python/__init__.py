@@ -1,7 +1,7 @@
 """Job kind ``python``: the user's own training code, run in every rank as torchrun would run it.
 
 Declared here once (``KIND``); ``spec`` (the ``python`` section), ``checks`` (entry-point form, ``ctl``'s
-absolute workdir), ``run`` (the rank's entry: torchrun's environment, then the script or function),
+absolute workdir, the packed workdir's blob), ``run`` (the rank's entry: torchrun's environment, then the script or function),
 ``results``/``render`` (the losses and metrics ``rankctl.context().report`` wrote, shown as ``train`` shows them).
 """
 
@@ -18,4 +18,5 @@ KIND = JobKind(
     tables="rankctl.kinds.train.render:tables",
     progress="rankctl.kinds.python.render:progress",
     client_overrides="rankctl.kinds.python.checks:absolute_workdir",
+    blobs="rankctl.kinds.python.checks:blobs",
 )

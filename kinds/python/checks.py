@@ -1,4 +1,5 @@
-"""The ``python`` kind's rules (pure) and ``ctl``'s override making a relative workdir absolute."""
+"""The ``python`` kind's rules (pure), ``ctl``'s override making a relative workdir absolute, and the
+blob a shipped workdir references."""
 
 from __future__ import annotations
 
@@ -37,3 +38,9 @@ def absolute_workdir(spec: JobSpec, job_dir: Path) -> list[str]:
     if is_function(cfg.entrypoint) or Path(cfg.entrypoint).is_absolute():
         return []
     return [f"python.workdir={job_dir}"]
+
+
+def blobs(spec: dict) -> list[str]:
+    """``JobKind.blobs``: the packed workdir ``ctl`` uploaded (``python.workdir_blob``), if any."""
+    digest = (spec.get("python") or {}).get("workdir_blob")
+    return [digest] if digest else []

@@ -66,13 +66,14 @@ def run(ctx: "RankContext") -> dict[str, Any]:
     cfg = ctx.spec.python
     os.environ.update(torchrun_env(ctx))
     os.environ.update(cfg.env)
-    if cfg.workdir:
-        if not os.path.isdir(cfg.workdir):
-            raise FileNotFoundError(f"python.workdir {cfg.workdir!r} is not a directory on node {ctx.node}")
-        os.chdir(cfg.workdir)
-    ctx.log.info("python", entrypoint=cfg.entrypoint, args=len(cfg.args), workdir=cfg.workdir)
+    workdir = ctx.assignment.workdir or cfg.workdir  # the node's extracted copy of a shipped workdir
+    if workdir:
+        if not os.path.isdir(workdir):
+            raise FileNotFoundError(f"python.workdir {workdir!r} is not a directory on node {ctx.node}")
+        os.chdir(workdir)
+    ctx.log.info("python", entrypoint=cfg.entrypoint, args=len(cfg.args), workdir=workdir)
     try:
-        _call(cfg.entrypoint, list(cfg.args), cfg.workdir)
+        _call(cfg.entrypoint, list(cfg.args), workdir)
     except SystemExit as exc:
         code = _exit_code(exc)
         if code != 0:

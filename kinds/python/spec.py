@@ -12,6 +12,8 @@ from rankctl.contract.spec import Section
 
 MAX_TEXT = 4096  # characters of an entry point, one argument, one env value, the workdir
 MAX_ARGS = 1000
+MAX_WORKDIR_MB = 1024  # python.workdir_max_mb: the largest packed workdir ctl may ship (the coordinator's cap)
+BLOB_RE = r"sha256:[0-9a-f]{64}"
 MAX_ENV = 256
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # what the rank sets as torchrun does (``run.torchrun_env``); a job's env may not override them
@@ -19,6 +21,7 @@ RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 RESERVED_ENV_PREFIX = "MASTER_"
 
 Text = Annotated[StrictStr, StringConstraints(max_length=MAX_TEXT)]
+Blob = Annotated[StrictStr, StringConstraints(pattern=f"^{BLOB_RE}$")]
 
 
 class PythonSpec(Section):
@@ -26,6 +29,9 @@ class PythonSpec(Section):
     args: list[Text] = Field(default_factory=list, max_length=MAX_ARGS)
     env: dict[StrictStr, Text] = Field(default_factory=dict, max_length=MAX_ENV)
     workdir: StrictStr | None = Field(None, min_length=1, max_length=MAX_TEXT)
+    # set by ctl: the packed workdir on the coordinator; ranks then run in the node's extracted copy
+    workdir_blob: Blob | None = None
+    workdir_max_mb: int = Field(100, ge=1, le=MAX_WORKDIR_MB)  # ctl refuses to ship a larger packed workdir
 
     @field_validator("env")
     @classmethod

@@ -1,0 +1,99 @@
+"""Shipping ``python.workdir`` end to end on the embedded local cluster (conftest's ``runner``): ``ctl submit``
+packs the workdir (honouring ``.rankctlignore``), uploads it once, and every daemon runs the ranks in its
+cached, extracted copy; the original may be gone as soon as ``ctl submit`` returns."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rankctl.cli.client import Client
+from rankctl.cli.main import cli
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.grpc_in_process]
+JOB = "name: shipped\nkind: python\nresources: {nodes: 2, slots_per_node: 1}\npython: {entrypoint: train.py}\n"
+TRAIN = """import os, helper
+assert not os.path.exists("big.dat"), "the ignored big.dat was shipped"
+assert not os.path.exists(os.path.join("__pycache__", "stale.pyc")), "the ignored __pycache__ was shipped"
+print("cwd", os.getcwd(), helper.VALUE, flush=True)
+"""
+
+
+def make_workdir(root: Path) -> Path:
+    root.mkdir()
+    (root / "job.yaml").write_text(JOB)
+    (root / "train.py").write_text(TRAIN)
+    (root / "helper.py").write_text("VALUE = 'helper imported'\n")
+    (root / ".rankctlignore").write_text("big.dat\n__pycache__/\n")
+    (root / "big.dat").write_bytes(os.urandom(2 << 20))
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "stale.pyc").write_bytes(b"stale")
+    return root
+
+
+def ctl(runner, *args: str):
+    return CliRunner().invoke(cli, ["--coordinator", runner.cluster.address, *args], catch_exceptions=False)
+
+
+def blobs(runner) -> list[str]:
+    return sorted(p.name for p in (runner.root / "coordinator" / "blobs").iterdir() if not p.name.startswith("."))
+
+
+def cwd_lines(runner, job_id: str, ranks: int = 2, timeout: float = 20) -> list[str]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with runner.ctx.client() as c:
+            lines = [x.line for x in c.logs(job_id, None, False, 50) if x.line.startswith("cwd ")]
+        if len(lines) == ranks:
+            return lines
+        time.sleep(0.2)
+    raise AssertionError(f"no cwd lines from every rank of {job_id}: {lines}")
+
+
+def test_a_shipped_workdir_runs_from_the_nodes_cache_and_is_uploaded_once(runner, tmp_path, monkeypatch) -> None:
+    first, again = make_workdir(tmp_path / "w"), None
+    again = Path(shutil.copytree(first, tmp_path / "copy", symlinks=True))
+    out = ctl(runner, "submit", str(first / "job.yaml"))
+    assert out.exit_code == 0, out.output
+    shutil.rmtree(first)  # the cluster never reads the original
+    job = runner.wait(re.search(r"^(shipped-\S+)$", out.output, re.M).group(1), timeout=60)
+    assert job["state"] == "SUCCEEDED", job["reason"]
+    [hexdigest] = blobs(runner)
+    for line in cwd_lines(runner, job["id"]):
+        cwd = line.split()[1]
+        assert re.fullmatch(rf"{re.escape(str(runner.root))}/local-\d/workdirs/{hexdigest}", cwd), line
+        assert line.endswith("helper imported")
+    done = sorted(runner.root.glob(f"local-*/workdirs/{hexdigest}.done"))
+    stamps = [p.stat().st_mtime_ns for p in done]
+    assert len(done) == 2
+
+    def no_upload(*_a, **_k):
+        raise AssertionError("the workdir was uploaded again")
+
+    monkeypatch.setattr(Client, "upload_blob", no_upload)  # the same tree: StatBlob says it is stored
+    out = ctl(runner, "submit", str(again / "job.yaml"), "--set", "name=shipped-again", "--wait")
+    assert out.exit_code == 0, out.output
+    assert blobs(runner) == [hexdigest]
+    assert [p.stat().st_mtime_ns for p in done] == stamps  # each daemon reused its extracted copy
+
+
+def test_a_workdir_over_the_cap_is_refused_at_submit(runner, tmp_path) -> None:
+    work = make_workdir(tmp_path / "w")
+    (work / ".rankctlignore").write_text("")  # big.dat (2 MiB of noise) is packed now
+    before = blobs(runner)
+    out = ctl(runner, "submit", str(work / "job.yaml"), "--set", "python.workdir_max_mb=1")
+    assert out.exit_code == 2
+    assert f"python.workdir {work} packs to more than 1 MiB" in out.output
+    assert "python.workdir_max_mb=1" in out.output
+    assert blobs(runner) == before
+
+
+def test_a_job_naming_a_blob_the_coordinator_lacks_is_refused(runner) -> None:
+    with Client(runner.cluster.address) as c, pytest.raises(Exception, match="upload it first"):
+        c.submit(JOB, ["python.workdir_blob=sha256:" + "0" * 64], "test")

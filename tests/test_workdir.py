@@ -1,0 +1,110 @@
+"""Packing a workdir (ignore rules, a deterministic digest, the cap) and extracting one safely: pure, no cluster."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rankctl.cli.errors import CtlError
+from rankctl.cli.workdir import IgnoreRules, TooLarge, pack, pack_workdir, walk
+from rankctl.kinds.spec import build_spec
+from rankctl.worker.blobs import FetchFailed, extract
+
+
+def tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def kept(root: Path) -> list[str]:
+    return [rel for rel, _ in walk(root, IgnoreRules.of(root))]
+
+
+def test_ignore_rules_follow_gitignore_for_the_common_cases(tmp_path: Path) -> None:
+    tree(tmp_path, {
+        ".gitignore": "# comment\n*.pyc\nbuild/\n/top.txt\ndata/**/*.bin\n!keep.pyc\n",
+        "a.py": "", "x.pyc": "", "keep.pyc": "", "pkg/y.pyc": "", "pkg/top.txt": "", "top.txt": "",
+        "build/out": "", "pkg/build/out": "", "data/d/e.bin": "", "data/e.txt": "", ".git/HEAD": "",
+    })
+    assert kept(tmp_path) == [".gitignore", "a.py", "data", "data/d", "data/e.txt", "keep.pyc", "pkg",
+                              "pkg/top.txt"]
+
+
+def test_rankctlignore_wins_over_gitignore(tmp_path: Path) -> None:
+    tree(tmp_path, {".rankctlignore": "big.dat\n__pycache__/\n", ".gitignore": "*.py\n", "t.py": "",
+                    "big.dat": "", "__pycache__/t.pyc": ""})
+    assert kept(tmp_path) == [".gitignore", ".rankctlignore", "t.py"]
+
+
+def test_the_same_tree_packs_to_the_same_digest(tmp_path: Path) -> None:
+    files = {"t.py": "print(1)\n", "pkg/m.py": "x = 1\n", "pkg/sub/n.txt": "n"}
+    a, b = tree(tmp_path / "a", files), tree(tmp_path / "b", dict(reversed(list(files.items()))))
+    os.utime(b / "t.py", (time.time() - 1000, time.time() - 1000))
+    digest_a, size_a = pack(a, io.BytesIO(), 1 << 20)
+    assert pack(b, io.BytesIO(), 1 << 20) == (digest_a, size_a)
+    (b / "t.py").write_text("print(2)\n")
+    assert pack(b, io.BytesIO(), 1 << 20)[0] != digest_a
+
+
+def test_packing_stops_at_the_cap(tmp_path: Path) -> None:
+    tree(tmp_path, {"t.py": ""})
+    (tmp_path / "big.bin").write_bytes(os.urandom(3 << 20))
+    with pytest.raises(TooLarge):
+        pack(tmp_path, io.BytesIO(), 1 << 20)
+    spec = build_spec({"name": "w", "kind": "python",
+                       "python": {"entrypoint": "t.py", "workdir": str(tmp_path), "workdir_max_mb": 1}})
+    with pytest.raises(CtlError, match=rf"python.workdir {tmp_path} packs to more than 1 MiB .*workdir_max_mb=1"):
+        pack_workdir(spec)
+
+
+def test_a_symlink_leading_outside_is_refused_at_packing(tmp_path: Path) -> None:
+    tree(tmp_path, {"w/t.py": "", "outside.txt": ""})
+    (tmp_path / "w" / "in").symlink_to("t.py")
+    digest, _ = pack(tmp_path / "w", io.BytesIO(), 1 << 20)  # a link inside is kept
+    (tmp_path / "w" / "out").symlink_to("../outside.txt")
+    with pytest.raises(CtlError, match="symlink out -> ../outside.txt leads outside the workdir"):
+        pack(tmp_path / "w", io.BytesIO(), 1 << 20)
+
+
+def _archive(path: Path, members: list[tarfile.TarInfo]) -> Path:
+    with tarfile.open(path, "w:gz") as tar:
+        for m in members:
+            tar.addfile(m, io.BytesIO(b"x" * m.size) if m.isreg() else None)
+    return path
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    m = tarfile.TarInfo(name)
+    m.type, m.linkname, m.size = kind, link, 1 if kind == tarfile.REGTYPE else 0
+    return m
+
+
+@pytest.mark.parametrize("member", [
+    _member("../x"), _member("a/../../x"), _member("/etc/x"),
+    _member("link", tarfile.SYMTYPE, "../../outside"), _member("abs", tarfile.SYMTYPE, "/etc/passwd"),
+    _member("dev", tarfile.CHRTYPE),
+], ids=["dotdot", "nested-dotdot", "absolute", "escaping-symlink", "absolute-symlink", "device"])
+def test_extraction_refuses_what_would_leave_the_workdir(tmp_path: Path, member: tarfile.TarInfo) -> None:
+    archive = _archive(tmp_path / "a.tar.gz", [_member("ok.py"), member])
+    with pytest.raises(FetchFailed):
+        extract(archive, tmp_path / "out")
+    assert not (tmp_path / "x").exists() and not (tmp_path.parent / "x").exists()
+
+
+def test_extraction_round_trips_a_packed_tree_and_caps_bytes(tmp_path: Path) -> None:
+    src = tree(tmp_path / "src", {"t.py": "print(1)\n", "pkg/m.py": "x = 1\n"})
+    (src / "t.py").chmod(0o755)
+    with open(tmp_path / "a.tar.gz", "wb") as f:
+        pack(src, f, 1 << 20)
+    extract(tmp_path / "a.tar.gz", tmp_path / "out")
+    assert (tmp_path / "out" / "pkg" / "m.py").read_text() == "x = 1\n"
+    assert (tmp_path / "out" / "t.py").stat().st_mode & 0o777 == 0o755
+    with pytest.raises(FetchFailed, match="more than 4 bytes"):
+        extract(tmp_path / "a.tar.gz", tmp_path / "capped", max_bytes=4)
