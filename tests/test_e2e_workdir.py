@@ -97,3 +97,13 @@ def test_a_workdir_over_the_cap_is_refused_at_submit(runner, tmp_path) -> None:
 def test_a_job_naming_a_blob_the_coordinator_lacks_is_refused(runner) -> None:
     with Client(runner.cluster.address) as c, pytest.raises(Exception, match="upload it first"):
         c.submit(JOB, ["python.workdir_blob=sha256:" + "0" * 64], "test")
+
+
+def test_an_upload_that_does_not_match_its_digest_is_refused_and_leaves_nothing(runner) -> None:
+    from rankctl.cli.errors import CtlError
+
+    before = sorted(p.name for p in (runner.root / "coordinator" / "blobs").iterdir())
+    with Client(runner.cluster.address) as c, pytest.raises(CtlError, match="does not match") as err:
+        c.upload_blob("sha256:" + "2" * 64, 5, [b"hello"])
+    assert err.value.exit_code == 2
+    assert sorted(p.name for p in (runner.root / "coordinator" / "blobs").iterdir()) == before

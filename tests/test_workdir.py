@@ -108,3 +108,57 @@ def test_extraction_round_trips_a_packed_tree_and_caps_bytes(tmp_path: Path) -> 
     assert (tmp_path / "out" / "t.py").stat().st_mode & 0o777 == 0o755
     with pytest.raises(FetchFailed, match="more than 4 bytes"):
         extract(tmp_path / "a.tar.gz", tmp_path / "capped", max_bytes=4)
+
+
+async def _chunks(*parts: bytes):
+    for p in parts:
+        yield p
+
+
+def test_the_blob_store_verifies_caps_and_stores_once(tmp_path: Path) -> None:
+    import asyncio
+    import hashlib
+
+    from rankctl.coordinator.blobs import BlobStore
+    from rankctl.coordinator.errors import InvalidRequest
+
+    store, data = BlobStore(tmp_path, max_bytes=10), b"0123456789"
+    digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
+    for size, parts, words in [(10, [b"01234", b"x" * 5], "does not match"), (10, [data, b"!"], "larger than"),
+                               (11, [data], "at most 10 bytes")]:
+        with pytest.raises(InvalidRequest, match=words):
+            asyncio.run(store.put(digest, size, _chunks(*parts)))
+        assert list(store.root.iterdir()) == []  # nothing left, not even a temporary file
+    assert asyncio.run(store.put(digest, 10, _chunks(data[:4], data[4:]))) == 10
+    inode = store.path(digest).stat().st_ino
+    assert asyncio.run(store.put(digest, 10, _chunks(data))) == 10 and store.path(digest).stat().st_ino == inode
+    assert store.count() == 1 and store.missing([digest, "sha256:" + "1" * 64]) == ["sha256:" + "1" * 64]
+
+
+def test_concurrent_assigns_of_one_digest_fetch_once_and_a_bad_fetch_leaves_nothing(tmp_path: Path) -> None:
+    import asyncio
+    import hashlib
+
+    from rankctl.worker.blobs import WorkdirCache
+
+    src = tree(tmp_path / "src", {"t.py": "print(1)\n"})
+    buf = io.BytesIO()
+    digest, _ = pack(src, buf, 1 << 20)
+    calls = []
+
+    async def fetch(d: str):
+        calls.append(d)
+        await asyncio.sleep(0.05)
+        yield buf.getvalue()
+
+    async def main() -> list[Path]:
+        cache = WorkdirCache(tmp_path / "node")
+        paths = await asyncio.gather(*(cache.path(digest, fetch) for _ in range(3)))
+        return [*paths, await cache.path(digest, fetch)]
+
+    paths = asyncio.run(main())
+    assert len(calls) == 1 and len(set(paths)) == 1 and (paths[0] / "t.py").read_text() == "print(1)\n"
+    wrong = "sha256:" + hashlib.sha256(b"other").hexdigest()
+    with pytest.raises(FetchFailed, match="arrived with"):
+        asyncio.run(WorkdirCache(tmp_path / "other").path(wrong, fetch))
+    assert list((tmp_path / "other" / "workdirs").iterdir()) == []
