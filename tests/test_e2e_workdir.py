@@ -107,3 +107,22 @@ def test_an_upload_that_does_not_match_its_digest_is_refused_and_leaves_nothing(
         c.upload_blob("sha256:" + "2" * 64, 5, [b"hello"])
     assert err.value.exit_code == 2
     assert sorted(p.name for p in (runner.root / "coordinator" / "blobs").iterdir()) == before
+
+
+def test_a_workdir_that_cannot_be_fetched_fails_its_ranks_saying_why(runner, tmp_path) -> None:
+    from rankctl.cli.workdir import pack_workdir, ship
+    from rankctl.kinds.spec import build_spec
+
+    work = make_workdir(tmp_path / "w")
+    (work / "train.py").write_text(TRAIN + "# another tree, another digest\n")
+    spec = build_spec({"name": "corrupt", "kind": "python", "python": {"entrypoint": "train.py", "workdir": str(work)}})
+    with Client(runner.cluster.address) as c:
+        [override] = ship(c, pack_workdir(spec))
+        digest = override.split("=", 1)[1]
+        (runner.root / "coordinator" / "blobs" / digest.removeprefix("sha256:")).write_bytes(b"not the archive")
+        job_id = c.submit(JOB, ["name=corrupt", f"python.workdir={work}", override], "test").id
+    job = runner.wait(job_id, timeout=60)
+    assert job["state"] == "FAILED"
+    assert f"refused the assignment: cannot fetch the job's workdir {digest}: workdir blob {digest} arrived with" \
+        in job["reason"], job["reason"]
+    assert not list(runner.root.glob(f"local-*/workdirs/{digest.removeprefix('sha256:')}*"))
