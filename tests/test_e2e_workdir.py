@@ -57,8 +57,8 @@ def cwd_lines(runner, job_id: str, ranks: int = 2, timeout: float = 20) -> list[
 
 
 def test_a_shipped_workdir_runs_from_the_nodes_cache_and_is_uploaded_once(runner, tmp_path, monkeypatch) -> None:
-    first, again = make_workdir(tmp_path / "w"), None
-    again = Path(shutil.copytree(first, tmp_path / "copy", symlinks=True))
+    first = make_workdir(tmp_path / "w")
+    again = Path(shutil.copytree(first, tmp_path / "copy", symlinks=True))  # the same tree elsewhere
     out = ctl(runner, "submit", str(first / "job.yaml"))
     assert out.exit_code == 0, out.output
     shutil.rmtree(first)  # the cluster never reads the original
