@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rankctl.contract import model as D
 from rankctl.models.attention import AttentionCore, causal_attention
 
 
@@ -36,11 +37,11 @@ class GPTConfig:
     layers: int
     hidden: int
     heads: int
-    ffn_hidden: int | None = None  # None: 4 * hidden
+    ffn_hidden: int | None = D.FFN_HIDDEN  # None: 4 * hidden
     seq_len: int
     vocab: int  # logical size; TP pads the sharded tensors, never this number
-    position_embedding: Literal["learned", "rope"] = "learned"
-    tie_embeddings: bool = True
+    position_embedding: Literal["learned", "rope"] = D.POSITION_EMBEDDING
+    tie_embeddings: bool = D.TIE_EMBEDDINGS
     dropout: float = 0.0
     norm_eps: float = 1e-5
     init_std: float = 0.02

@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rankctl.contract import model as D
 from rankctl.models.gpt import MLP, GPTConfig, LayerFactory, MLPBuilder
 from rankctl.parallel.experts import ExpertGroups, ExpertMLP, run_experts, split_to_tp
 from rankctl.parallel.tensor import TPContext, gather_from_tp
@@ -55,10 +56,10 @@ from rankctl.parallel.tensor import TPContext, gather_from_tp
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
     experts: int
-    top_k: int = 2
-    every: int = 1
-    aux_loss: float = 0.01
-    capacity_factor: float | None = None
+    top_k: int = D.MOE_TOP_K
+    every: int = D.MOE_EVERY
+    aux_loss: float = D.MOE_AUX_LOSS
+    capacity_factor: float | None = D.MOE_CAPACITY_FACTOR
 
     def __post_init__(self) -> None:
         if self.experts < 1 or self.every < 1 or not 1 <= self.top_k <= self.experts:

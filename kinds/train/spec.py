@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, StrictBool, StrictInt
 
 from rankctl.contract import limits as L
+from rankctl.contract import model as D
 from rankctl.contract.spec import Section
 
 BUILTIN_PYDOC = "builtin:pydoc"
@@ -14,21 +15,21 @@ BUILTIN_PYDOC = "builtin:pydoc"
 
 class MoeSpec(Section):
     experts: StrictInt = Field(ge=1, le=L.MAX_EXPERTS)
-    top_k: StrictInt = Field(2, ge=1, le=L.MAX_EXPERTS)
-    every: StrictInt = Field(1, ge=1, le=L.MAX_LAYERS)
-    aux_loss: float = Field(0.01, ge=0)
-    capacity_factor: float | None = Field(None, gt=0, le=L.MAX_CAPACITY_FACTOR)
+    top_k: StrictInt = Field(D.MOE_TOP_K, ge=1, le=L.MAX_EXPERTS)
+    every: StrictInt = Field(D.MOE_EVERY, ge=1, le=L.MAX_LAYERS)
+    aux_loss: float = Field(D.MOE_AUX_LOSS, ge=0)
+    capacity_factor: float | None = Field(D.MOE_CAPACITY_FACTOR, gt=0, le=L.MAX_CAPACITY_FACTOR)
 
 
 class ModelSpec(Section):
     layers: StrictInt = Field(4, ge=1, le=L.MAX_LAYERS)
     hidden: StrictInt = Field(128, ge=1, le=L.MAX_HIDDEN)
     heads: StrictInt = Field(4, ge=1, le=L.MAX_HEADS)
-    ffn_hidden: StrictInt | None = Field(None, ge=1, le=L.MAX_FFN_HIDDEN)
+    ffn_hidden: StrictInt | None = Field(D.FFN_HIDDEN, ge=1, le=L.MAX_FFN_HIDDEN)
     seq_len: StrictInt = Field(128, ge=1, le=L.MAX_SEQ_LEN)
     vocab: StrictInt = Field(256, ge=1, le=L.MAX_VOCAB)
-    position_embedding: Literal["learned", "rope"] = "learned"
-    tie_embeddings: StrictBool = True
+    position_embedding: Literal["learned", "rope"] = D.POSITION_EMBEDDING
+    tie_embeddings: StrictBool = D.TIE_EMBEDDINGS
     moe: MoeSpec | None = None
 
 
