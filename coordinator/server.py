@@ -23,7 +23,8 @@ from grpc_health.v1.health import aio as health_aio
 
 from rankctl.coordinator.blobs import BlobStore
 from rankctl.coordinator.core import Coordinator
-from rankctl.coordinator.servicer import ClientServiceServicer, NodeServiceServicer
+from rankctl.coordinator.node_service import NodeServiceServicer
+from rankctl.coordinator.servicer import ClientServiceServicer
 from rankctl.coordinator.store import Store
 from rankctl.proto import rankctl_pb2_grpc
 

@@ -104,7 +104,7 @@ class RankStatus(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., updated_at: _Optional[float] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("seq", "job_id", "ts", "state", "kind", "message", "rank")
+    __slots__ = ("seq", "job_id", "ts", "state", "kind", "message", "rank", "step", "metrics_json")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,8 @@ class JobEvent(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
     ts: float
@@ -119,10 +121,43 @@ class JobEvent(_message.Message):
     kind: str
     message: str
     rank: RankStatus
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., ts: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ...) -> None: ...
+    step: int
+    metrics_json: str
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., ts: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ...) -> None: ...
+
+class JobSummary(_message.Message):
+    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "metrics_json", "reports")
+    class PhasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
+    FAILING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    phases: _containers.ScalarMap[str, int]
+    running: int
+    exited: int
+    failed: int
+    min_step: int
+    max_step: int
+    stragglers: _containers.RepeatedScalarFieldContainer[int]
+    failing: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    metrics_json: str
+    reports: int
+    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., metrics_json: _Optional[str] = ..., reports: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind")
+    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind", "summary", "rank_offset", "next_rank_offset")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +171,9 @@ class Job(_message.Message):
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -149,7 +187,10 @@ class Job(_message.Message):
     spec_json: str
     result_json: str
     kind: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spec_json: _Optional[str] = ..., result_json: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    summary: JobSummary
+    rank_offset: int
+    next_rank_offset: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spec_json: _Optional[str] = ..., result_json: _Optional[str] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ...) -> None: ...
 
 class RankAssignmentMsg(_message.Message):
     __slots__ = ("rank", "assignment_json")
@@ -160,14 +201,52 @@ class RankAssignmentMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., assignment_json: _Optional[str] = ...) -> None: ...
 
 class Assign(_message.Message):
-    __slots__ = ("job_id", "attempt", "ranks")
+    __slots__ = ("job_id", "attempt", "ranks", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankAssignmentMsg]
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignmentMsg, _Mapping]]] = ...) -> None: ...
+    world_size: int
+    first_rank: int
+    rank_count: int
+    rendezvous: str
+    backend: str
+    kind: str
+    spec_json: str
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignmentMsg, _Mapping]]] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("last_seq",)
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    last_seq: int
+    def __init__(self, last_seq: _Optional[int] = ...) -> None: ...
+
+class FetchLogs(_message.Message):
+    __slots__ = ("request_id", "job_id", "attempt", "rank", "offset", "tail", "max_lines")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    MAX_LINES_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    job_id: str
+    attempt: int
+    rank: int
+    offset: int
+    tail: int
+    max_lines: int
+    def __init__(self, request_id: _Optional[int] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., tail: _Optional[int] = ..., max_lines: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("job_id", "attempt", "reason")
@@ -241,17 +320,41 @@ class LogLines(_message.Message):
     lines: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., lines: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ReportBatch(_message.Message):
+    __slots__ = ("reports", "logs")
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    LOGS_FIELD_NUMBER: _ClassVar[int]
+    reports: _containers.RepeatedCompositeFieldContainer[RankReport]
+    logs: _containers.RepeatedCompositeFieldContainer[LogLines]
+    def __init__(self, reports: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., logs: _Optional[_Iterable[_Union[LogLines, _Mapping]]] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("request_id", "lines", "next_offset", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    lines: _containers.RepeatedScalarFieldContainer[str]
+    next_offset: int
+    error: str
+    def __init__(self, request_id: _Optional[int] = ..., lines: _Optional[_Iterable[str]] = ..., next_offset: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
 class NodeMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "report", "logs")
+    __slots__ = ("register", "heartbeat", "report", "logs", "batch", "log_chunk")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     LOGS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    LOG_CHUNK_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     report: RankReport
     logs: LogLines
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., report: _Optional[_Union[RankReport, _Mapping]] = ..., logs: _Optional[_Union[LogLines, _Mapping]] = ...) -> None: ...
+    batch: ReportBatch
+    log_chunk: LogChunk
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., report: _Optional[_Union[RankReport, _Mapping]] = ..., logs: _Optional[_Union[LogLines, _Mapping]] = ..., batch: _Optional[_Union[ReportBatch, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node", "heartbeat_interval", "last_seq")
@@ -264,14 +367,18 @@ class Registered(_message.Message):
     def __init__(self, node: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("registered", "assign", "cancel")
+    __slots__ = ("registered", "assign", "cancel", "ack", "fetch_logs")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    FETCH_LOGS_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     assign: Assign
     cancel: Cancel
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    ack: Ack
+    fetch_logs: FetchLogs
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., fetch_logs: _Optional[_Union[FetchLogs, _Mapping]] = ...) -> None: ...
 
 class BlobChunk(_message.Message):
     __slots__ = ("digest", "size", "data")
@@ -308,10 +415,16 @@ class SubmitJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "rank_offset", "rank_limit", "summary_only")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RANK_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_ONLY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    rank_offset: int
+    rank_limit: int
+    summary_only: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank_offset: _Optional[int] = ..., rank_limit: _Optional[int] = ..., summary_only: _Optional[bool] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("limit", "page_size", "page_token", "states")
@@ -348,12 +461,28 @@ class CancelJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
 
 class WatchJobRequest(_message.Message):
-    __slots__ = ("job_id", "after_seq")
+    __slots__ = ("job_id", "after_seq", "min_interval")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MIN_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     after_seq: int
-    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    min_interval: float
+    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., min_interval: _Optional[float] = ...) -> None: ...
+
+class JobEventBatch(_message.Message):
+    __slots__ = ("events", "state", "reason", "summary", "attempt")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[JobEvent]
+    state: JobState
+    reason: str
+    summary: JobSummary
+    attempt: int
+    def __init__(self, events: _Optional[_Iterable[_Union[JobEvent, _Mapping]]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()

@@ -175,6 +175,11 @@ class ClientServiceStub:
                 request_serializer=rankctl__pb2.WatchJobRequest.SerializeToString,
                 response_deserializer=rankctl__pb2.JobEvent.FromString,
                 _registered_method=True)
+        self.WatchJobBatches = channel.unary_stream(
+                '/rankctl.v1.ClientService/WatchJobBatches',
+                request_serializer=rankctl__pb2.WatchJobRequest.SerializeToString,
+                response_deserializer=rankctl__pb2.JobEventBatch.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/rankctl.v1.ClientService/ListNodes',
                 request_serializer=rankctl__pb2.ListNodesRequest.SerializeToString,
@@ -230,7 +235,15 @@ class ClientServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """one event per message
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchJobBatches(self, request, context):
+        """batched, with summaries
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -294,6 +307,11 @@ def add_ClientServiceServicer_to_server(servicer, server):
                     servicer.WatchJob,
                     request_deserializer=rankctl__pb2.WatchJobRequest.FromString,
                     response_serializer=rankctl__pb2.JobEvent.SerializeToString,
+            ),
+            'WatchJobBatches': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchJobBatches,
+                    request_deserializer=rankctl__pb2.WatchJobRequest.FromString,
+                    response_serializer=rankctl__pb2.JobEventBatch.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
@@ -456,6 +474,33 @@ class ClientService:
             '/rankctl.v1.ClientService/WatchJob',
             rankctl__pb2.WatchJobRequest.SerializeToString,
             rankctl__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchJobBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rankctl.v1.ClientService/WatchJobBatches',
+            rankctl__pb2.WatchJobRequest.SerializeToString,
+            rankctl__pb2.JobEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
