@@ -22,6 +22,7 @@ from rankctl.coordinator.errors import (
     AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, ProtocolError,
 )
 from rankctl.coordinator.jobs import MAX_PAGE
+from rankctl.coordinator.logfetch import get_logs
 from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.states import is_terminal
 from rankctl.coordinator.store import StoreError
@@ -198,20 +199,9 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             await _abort(context, exc)
 
     async def GetLogs(self, request: pb.GetLogsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LogLine]:
-        """The stored tail (one rank or all); with ``follow``, new lines until the job is terminal."""
+        """A rank's (or every rank's) log, read from the nodes that ran them; ``follow`` until terminal."""
         try:
-            job = self.core.get(request.job_id)
-            rank = None if request.all_ranks else request.rank
-            after, tail = 0, request.tail
-            while True:
-                wake = self.core.signals.arm(job.id)
-                done = is_terminal(job.state)
-                for rec in self.core.logs(job.id, rank, after_id=after, tail=tail):
-                    after = rec.id
-                    yield convert.log_to_pb(rec)
-                tail = 0
-                if done or not request.follow:
-                    return
-                await self.core.signals.wait(wake, FOLLOW_POLL_S)
+            async for line in get_logs(self.core, request):
+                yield line
         except Exception as exc:
             await _abort(context, exc)
