@@ -1,0 +1,515 @@
+"""Cluster scale: one real coordinator against thousands of simulated worker daemons.
+
+A real ``ctl coordinator`` process (this checkout's, or an older one's with
+``--coordinator-python``/``--coordinator-pythonpath``) serves ``--nodes`` fake daemons played by
+``--procs`` generator processes (``bench/scale_sim.py``: one asyncio loop each, the real
+``NodeService.Connect`` protocol, 32 streams per channel). When every node is READY the driver
+submits one ``comm-check`` job over all of them (tp=slots, dp=nodes); the daemons play its ranks
+through rendezvous, groups, running, ``--steps`` steps at ``--step-rate`` and an exit, their ticks
+spread evenly over the step period. Measured:
+
+* submit -> all assigned: from just before ``SubmitJob`` to the last daemon's ``Assign``;
+* steps stored: the slowest rank's stored step (``GetJob``, summary only where supported), polled
+  every 0.5 s; the stored rate over the steady window against the offered ``--step-rate``;
+* watch lag: ``now - event.ts`` of every live event on ``WatchJobBatches`` (step events;
+  ``WatchJob`` and every event on a coordinator without it);
+* ``ctl status JOB`` wall time (3 runs during the steps, interpreter start included; the ctl of
+  the coordinator's checkout), the max;
+* false LOST: nodes not READY after the steps (every fake daemon heartbeats), and stream errors;
+* the coordinator's peak RSS (``VmHWM``) and its CPU per rank-step over the steady window.
+
+``--legacy`` sends one ``NodeMessage(report=...)`` per report (what today's main, 773e4f1,
+understands); the default sends one ``ReportBatch`` per daemon tick. The peer named in the issue
+is today's main: ``--compare-legacy`` runs the same load against it (``--legacy-python``,
+``--legacy-pythonpath``: a ``pip install --no-deps --target DIR`` of that commit) in legacy mode,
+then against this checkout's coordinator in batched mode, and prints the ratios.
+
+    python bench/scale.py --nodes 2048 --slots 8 --steps 30 [--step-rate 1] [--procs P] [--legacy]
+        [--coordinator-python PY] [--coordinator-pythonpath DIR] [--heartbeat-timeout S]
+        [--compare-legacy --legacy-pythonpath DIR [--legacy-python PY]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.proto import rankctl_pb2_grpc
+
+HERE = Path(__file__).resolve().parent
+SIM = HERE / "scale_sim.py"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+NAN = float("nan")
+CLIENT_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+JOB = """
+name: scale-bench
+kind: comm-check
+resources: {{nodes: {nodes}, slots_per_node: {slots}}}
+backend: gloo
+parallel: {{tp: {slots}}}
+comm_check: {{size_bytes: 1024, iters: 1, warmup: 0}}
+"""
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return NAN
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def proc_cpu_ticks(pid: int) -> int:
+    """utime + stime of a process (all its threads), in clock ticks; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def proc_status_kib(pid: int, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+class Generator:
+    """One generator subprocess and what it last said (read on a thread)."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self._err = open(log, "wb")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.p = subprocess.Popen([sys.executable, str(SIM), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self._err, env=env, text=True, bufsize=1, start_new_session=True)
+        self.progress: dict = {}
+        self.final: dict | None = None
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if obj.get("ev") == "final":
+                self.final = obj
+            self.progress = obj
+
+    def stop(self, timeout: float = 30) -> None:
+        try:
+            self.p.stdin.write("stop\n")
+            self.p.stdin.flush()
+            self.p.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self.reader.join(timeout=5)
+        self._err.close()
+
+
+def start_coordinator(ns: argparse.Namespace, python: str, pythonpath: str | None,
+                      root: Path) -> tuple[subprocess.Popen, str, dict]:
+    state = root / "coord"
+    state.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    args = [python, "-m", "rankctl.cli.main", "coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state),
+            "--log-level", "warning"]
+    if ns.heartbeat_timeout is not None:
+        args += ["--heartbeat-timeout", str(ns.heartbeat_timeout)]
+    log = open(root / "coord.log", "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + 60
+    addr_file = state / "address"
+    while time.monotonic() < deadline:
+        if addr_file.exists() and addr_file.read_text().strip():
+            return proc, addr_file.read_text().strip(), env
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    tail = (root / "coord.log").read_text(errors="replace")[-2000:]
+    raise SystemExit(f"the coordinator did not start ({' '.join(args[:4])} ...):\n{tail}")
+
+
+def which_code(python: str, env: dict) -> str:
+    """Where the coordinator's rankctl comes from, and whether it has the issue's node_service module."""
+    probe = ("import os, rankctl.coordinator as c; d = os.path.dirname(c.__file__); "
+             "print(os.path.dirname(d), os.path.exists(os.path.join(d, 'node_service.py')))")
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    if out.returncode != 0:
+        return f"unknown ({out.stderr.strip()[-200:]})"
+    where, has = out.stdout.split()
+    return f"rankctl from {where} ({'has' if has == 'True' else 'no'} rankctl.coordinator.node_service)"
+
+
+async def job_progress(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str) -> tuple[int, int, str]:
+    """(slowest rank's stored step, ranks reported, state): from the summary, else from every rank."""
+    job = await client.GetJob(pb.GetJobRequest(job_id=job_id, summary_only=True), timeout=60)
+    state = pb.JobState.Name(job.state)
+    if job.HasField("summary"):
+        s = job.summary
+        reported = job.world_size - s.phases.get("pending", 0) if s.phases else job.world_size
+        return s.min_step, reported, state
+    ranks = list(job.ranks)
+    while job.next_rank_offset and len(ranks) < job.world_size:  # a paged answer without a summary
+        job = await client.GetJob(pb.GetJobRequest(job_id=job_id, rank_offset=job.next_rank_offset,
+                                                   rank_limit=4096), timeout=60)
+        ranks.extend(job.ranks)
+    if len(ranks) < job.world_size:
+        return 0, len(ranks), state
+    return min(r.step for r in ranks), len(ranks), state
+
+
+async def watcher(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str, out: dict) -> None:
+    """Lag of every live event: WatchJobBatches (step events), else WatchJob (every event)."""
+    start = time.time()
+    out.update(api="WatchJobBatches", step_lags=[], all_lags=[], error="")
+    try:
+        async for batch in client.WatchJobBatches(pb.WatchJobRequest(job_id=job_id)):
+            now = time.time()
+            for ev in batch.events:
+                if ev.ts >= start:
+                    out["all_lags"].append(now - ev.ts)
+                    if ev.kind == "step":
+                        out["step_lags"].append(now - ev.ts)
+        return
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            out["error"] = f"{exc.code().name}: {exc.details()}"
+            return
+    out["api"] = "WatchJob"
+    try:
+        async for ev in client.WatchJob(pb.WatchJobRequest(job_id=job_id)):
+            if ev.ts >= start:
+                lag = time.time() - ev.ts
+                out["all_lags"].append(lag)
+                if ev.kind == "step":
+                    out["step_lags"].append(lag)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.CANCELLED:
+            out["error"] = f"{exc.code().name}: {exc.details()}"
+
+
+def timed_status(ctl: list[str], env: dict, address: str, job_id: str) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(ctl + ["--coordinator", address, "status", job_id], capture_output=True, env=env,
+                             timeout=120)
+        rc = out.returncode
+    except subprocess.TimeoutExpired:
+        rc = -1
+    return time.perf_counter() - t0, rc
+
+
+async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, env: dict, python: str,
+                gens: list[Generator], r: dict) -> None:
+    n, slots, steps, rate = ns.nodes, ns.slots, ns.steps, ns.step_rate
+    channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+    client = rankctl_pb2_grpc.ClientServiceStub(channel)
+    say = r["log"]
+    try:
+        # -- every node READY
+        t0 = time.monotonic()
+        deadline = t0 + ns.ready_timeout
+        ready = 0
+        while time.monotonic() < deadline:
+            try:
+                nodes = (await client.ListNodes(pb.ListNodesRequest(), timeout=30)).nodes
+                ready = sum(1 for x in nodes if x.state == pb.READY)
+            except grpc.aio.AioRpcError:
+                ready = 0
+            if ready >= n:
+                break
+            await asyncio.sleep(0.5)
+        r["register_s"] = time.monotonic() - t0
+        r["ready"] = ready
+        say(f"registered : {ready}/{n} nodes READY after {r['register_s']:.1f} s")
+        if ready < n:
+            say(f"registered : only {ready}/{n} nodes READY after {ns.ready_timeout:.0f} s; submitting anyway")
+
+        # -- submit, then every Assign
+        spec = JOB.format(nodes=n, slots=slots)
+        t_submit = time.time()
+        try:
+            job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec, source="scale-bench.yaml",
+                                                              queue_anyway=True), timeout=600)).job
+        except grpc.aio.AioRpcError as exc:
+            say(f"submit     : failed: {exc.code().name}: {exc.details()}")
+            return
+        r["submit_rpc_s"] = time.time() - t_submit
+        job_id = r["job_id"] = job.id
+        watch_out: dict = {}
+        watch = asyncio.create_task(watcher(client, job_id, watch_out))
+        r["watch"] = watch_out
+        deadline = time.monotonic() + ns.assign_timeout
+        while time.monotonic() < deadline:
+            if sum(g.progress.get("assigned", 0) for g in gens) >= n:
+                break
+            await asyncio.sleep(0.1)
+        assigned = sum(g.progress.get("assigned", 0) for g in gens)
+        last = max((g.progress.get("assign_last", 0.0) for g in gens), default=0.0)
+        r["assigned"] = assigned
+        if assigned >= n:
+            r["assign_s"] = last - t_submit
+            say(f"assign     : all {n} nodes ({n * slots} ranks) assigned {r['assign_s']:.2f} s after submit "
+                f"(SubmitJob answered in {r['submit_rpc_s']:.2f} s)")
+        else:
+            say(f"assign     : assigned {assigned}/{n} nodes after {ns.assign_timeout:.0f} s")
+
+        # -- steps: stored progress, CPU, ctl status
+        samples: list[tuple[float, int, int, int]] = []  # (time, min step, coordinator ticks, generator ticks)
+        expected = (steps + 5) / rate
+        deadline = time.monotonic() + (steps / rate * 3 + 60 if assigned else 5)
+        status_at = [time.monotonic() + expected * f for f in (0.3, 0.5, 0.7)]
+        status_tasks: list[asyncio.Task] = []
+        state, min_step = "", 0
+        ctl = [python, "-m", "rankctl.cli.main"]
+        while time.monotonic() < deadline:
+            try:
+                min_step, reported, state = await job_progress(client, job_id)
+            except grpc.aio.AioRpcError as exc:
+                say(f"GetJob     : {exc.code().name}: {exc.details()}")
+                await asyncio.sleep(0.5)
+                continue
+            samples.append((time.time(), min_step, proc_cpu_ticks(coord.pid),
+                            sum(proc_cpu_ticks(g.p.pid) for g in gens)))
+            if status_at and time.monotonic() >= status_at[0]:
+                status_at.pop(0)
+                status_tasks.append(asyncio.create_task(asyncio.to_thread(timed_status, ctl, env, address, job_id)))
+            if min_step >= steps or state in ("FAILED", "CANCELLED", "SUCCEEDED"):
+                break
+            await asyncio.sleep(0.5)
+        r["min_step"] = min_step
+        r["state_after_steps"] = state
+        if min_step < steps:
+            why = f"the job ended {state}" if state in ("FAILED", "CANCELLED", "SUCCEEDED") else "the deadline passed"
+            say(f"steps      : slowest rank stored step {min_step}/{steps} when {why}")
+        for t in status_tasks:
+            dt, rc = await t
+            r.setdefault("status_runs", []).append((dt, rc))
+        r["samples"] = samples
+
+        # -- steady window: from the first sample with every rank at step >= 1 to the first at the last step seen
+        top = max((s[1] for s in samples), default=0)
+        start = next((s for s in samples if s[1] >= 1), None)
+        end = next((s for s in samples if s[1] >= top), None)
+        if start is not None and end is not None and end[1] > start[1]:
+            dsteps, dt = end[1] - start[1], end[0] - start[0]
+            r["step_rate"] = dsteps / dt
+            r["cpu_us"] = (end[2] - start[2]) / CLK_TCK * 1e6 / (n * slots * dsteps)
+            r["coord_cores"] = (end[2] - start[2]) / CLK_TCK / dt
+            r["gen_cores"] = (end[3] - start[3]) / CLK_TCK / dt
+            r["gen_us_node_step"] = (end[3] - start[3]) / CLK_TCK * 1e6 / (n * dsteps)
+            r["window"] = (start[1], end[1], dt)
+
+        # -- the end of the job, then false LOST
+        deadline = time.monotonic() + (60 if assigned else 1)
+        while state not in ("FAILED", "CANCELLED", "SUCCEEDED") and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            try:
+                _, _, state = await job_progress(client, job_id)
+            except grpc.aio.AioRpcError:
+                pass
+        r["final_state"] = state
+        job = await client.GetJob(pb.GetJobRequest(job_id=job_id, summary_only=True), timeout=60)
+        r["reason"] = job.reason
+        nodes = (await client.ListNodes(pb.ListNodesRequest(), timeout=60)).nodes
+        r["not_ready"] = sum(1 for x in nodes if x.state != pb.READY)
+        r["lost"] = sum(1 for x in nodes if x.state == pb.LOST)
+        r["rejected"] = sum(x.rejected_reports for x in nodes)
+        await asyncio.sleep(1.0)  # the last events reach the watcher
+        if not watch.done():
+            watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    finally:
+        await channel.close()
+
+
+def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None, legacy: bool) -> dict:
+    """One coordinator, one load; returns the figures (and prints them as it goes)."""
+    mode = "legacy" if legacy else "batched"
+    root = Path(tempfile.mkdtemp(prefix=f"rankctl-bench-scale-{mode}-"))
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print("  " + text, flush=True)
+        lines.append(text)
+
+    r: dict = {"mode": mode, "log": say, "root": root}
+    who = f"{python}" + (f" PYTHONPATH={pythonpath}" if pythonpath else "")
+    print(f"scale bench ({mode}): {ns.nodes} nodes x {ns.slots} slots, {ns.steps} steps at {ns.step_rate:g}/s, "
+          f"{ns.procs} generator process(es); coordinator: {who}", flush=True)
+    coord, address, env = start_coordinator(ns, python, pythonpath, root)
+    print(f"  code       : {which_code(python, env)}", flush=True)
+    gens: list[Generator] = []
+    try:
+        per = math.ceil(ns.nodes / ns.procs)
+        for i in range(ns.procs):
+            first, count = i * per, min(per, ns.nodes - i * per)
+            if count <= 0:
+                break
+            args = ["--address", address, "--first", str(first), "--count", str(count), "--total", str(ns.nodes),
+                    "--slots", str(ns.slots), "--steps", str(ns.steps), "--step-rate", str(ns.step_rate),
+                    "--streams-per-channel", str(ns.streams_per_channel)] + (["--legacy"] if legacy else [])
+            gens.append(Generator(args, root / f"gen{i}.log"))
+        asyncio.run(drive(ns, address, coord, env, python, gens, r))
+        r["rss_mib"] = proc_status_kib(coord.pid, "VmHWM") / 1024
+        r["coord_alive"] = coord.poll() is None
+    finally:
+        for g in gens:
+            g.stop()
+        if coord.poll() is None:
+            coord.send_signal(signal.SIGTERM)
+            try:
+                coord.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                coord.kill()
+                coord.wait()
+    finals = [g.final or g.progress for g in gens]
+    r["stream_errors"] = sum(f.get("errors", 0) for f in finals)
+    r["gen_cpu_s"] = sum(f.get("cpu_s", 0.0) for f in finals)
+    r["late_p99"] = max((f.get("late_p99", NAN) for f in finals), default=NAN)
+    r["late_max"] = max((f.get("late_max", 0.0) for f in finals), default=NAN)
+    r["assign_bytes_max"] = max((f.get("assign_bytes_max", 0) for f in finals), default=0)
+    kinds: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for f in finals:
+        for k, v in f.get("error_kinds", {}).items():
+            kinds[k] = kinds.get(k, 0) + v
+        for k, v in f.get("counts", {}).items():
+            counts[k] = counts.get(k, 0) + v
+    r["counts"] = counts
+    report(ns, r, kinds)
+    if not ns.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return r
+
+
+def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
+    say = r["log"]
+    n, ranks = ns.nodes, ns.nodes * ns.slots
+    w = r.get("watch", {})
+    lags = w.get("step_lags") or w.get("all_lags") or []
+    which = "step events" if w.get("step_lags") else "all events"
+    r["watch_p99"] = percentile(lags, 0.99)
+    if lags:
+        say(f"watch lag  : {w['api']}, {len(lags)} {which}: p50 {percentile(lags, 0.5):.3f} s, "
+            f"p99 {r['watch_p99']:.3f} s, max {max(lags):.3f} s" + (f" ({w['error']})" if w.get("error") else ""))
+    else:
+        say(f"watch lag  : no live events seen{(' (' + w['error'] + ')') if w.get('error') else ''}")
+    runs = r.get("status_runs", [])
+    r["status_s"] = max((dt for dt, _ in runs), default=NAN)
+    if runs:
+        say(f"ctl status : {', '.join(f'{dt:.2f} s' + ('' if rc == 0 else f' (exit {rc})') for dt, rc in runs)}; "
+            f"max {r['status_s']:.2f} s")
+    if "step_rate" in r:
+        a, b, dt = r["window"]
+        say(f"steps      : slowest rank stored step {r.get('min_step', 0)}/{ns.steps}; steps {a}->{b} in {dt:.1f} s "
+            f"= {r['step_rate']:.2f} steps/s stored (offered {ns.step_rate:g}/s)")
+        say(f"cpu        : coordinator {r['coord_cores']:.2f} cores over that window = {r['cpu_us']:.1f} us per "
+            f"rank-step ({ranks} ranks); generators {r['gen_cores']:.2f} cores = {r['gen_us_node_step']:.0f} us "
+            f"per node-step")
+    else:
+        say(f"steps      : slowest rank stored step {r.get('min_step', 0)}/{ns.steps}: no steady window to measure")
+    say(f"job        : {r.get('final_state', '?')} ({r.get('reason', '')[:160]})")
+    say(f"nodes      : {r.get('not_ready', '?')} not READY after the steps ({r.get('lost', '?')} LOST), "
+        f"{r.get('rejected', 0)} reports rejected; generator stream errors {r['stream_errors']}"
+        + (f" {error_kinds}" if error_kinds else ""))
+    say(f"memory     : coordinator peak RSS {r.get('rss_mib', NAN):.0f} MiB; largest Assign "
+        f"{r['assign_bytes_max'] / 1024:.1f} KiB")
+    say(f"generators : {r['gen_cpu_s']:.1f} CPU s in all; tick lateness p99 {fmt(r['late_p99'], 3)} s, "
+        f"max {fmt(r['late_max'], 3)} s; sent {r['counts'].get('sent_reports', 0)} reports in "
+        f"{r['counts'].get('sent_batches', 0) + r['counts'].get('sent_report_msgs', 0)} messages, "
+        f"{r['counts'].get('recv_ack', 0)} Acks")
+    if not r.get("coord_alive", True):
+        say("coordinator: exited during the run (see its log)")
+    r["line"] = (f"scale nodes={n} ranks={ranks} assign_s={fmt(r.get('assign_s', NAN), 1)} "
+                 f"steps_stored={r.get('min_step', 0)}/{ns.steps} "
+                 f"step_rate={fmt(r.get('step_rate', NAN))}/{ns.step_rate:.2f} "
+                 f"watch_p99_s={fmt(r['watch_p99'], 2)} status_s={fmt(r['status_s'], 1)} lost={r.get('lost', 'nan')} "
+                 f"rss_mib={fmt(r.get('rss_mib', NAN), 0)} cpu_us_per_rank_step={fmt(r.get('cpu_us', NAN), 1)} "
+                 f"mode={r['mode']}")
+
+
+def ratio(name: str, old: float, new: float, higher_is_better: bool = False) -> str:
+    if any(x is None or math.isnan(x) for x in (old, new)) or (new if not higher_is_better else old) == 0:
+        return f"ratio {name} {'new/legacy' if higher_is_better else 'legacy/new'} = nan"
+    return (f"ratio {name} new/legacy = {new / old:.1f}x" if higher_is_better
+            else f"ratio {name} legacy/new = {old / new:.1f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=2048)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--step-rate", type=float, default=1.0, help="steps per second each rank offers")
+    ap.add_argument("--procs", type=int, default=0, help="generator processes (default: 1 per 1024 nodes, at most 4)")
+    ap.add_argument("--streams-per-channel", type=int, default=32)
+    ap.add_argument("--legacy", action="store_true", help="one NodeMessage per report (today's main's protocol)")
+    ap.add_argument("--coordinator-python", default=sys.executable)
+    ap.add_argument("--coordinator-pythonpath", default=None, help="PYTHONPATH for the coordinator (an older checkout)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=None, help="default: the coordinator's (10 s)")
+    ap.add_argument("--compare-legacy", action="store_true",
+                    help="first the same load against today's main in --legacy mode, then the ratios")
+    ap.add_argument("--legacy-python", default=sys.executable)
+    ap.add_argument("--legacy-pythonpath", default=None)
+    ap.add_argument("--ready-timeout", type=float, default=0, help="default: 60 s + 20 ms per node")
+    ap.add_argument("--assign-timeout", type=float, default=120.0)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, state)")
+    ns = ap.parse_args()
+    ns.procs = ns.procs or min(4, math.ceil(ns.nodes / 1024))
+    ns.ready_timeout = ns.ready_timeout or 60 + 0.02 * ns.nodes
+    if ns.compare_legacy:
+        if not ns.legacy_pythonpath:
+            ap.error("--compare-legacy needs --legacy-pythonpath (today's main installed with pip --target)")
+        old = run_once(ns, ns.legacy_python, ns.legacy_pythonpath, legacy=True)
+        new = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath, legacy=ns.legacy)
+        print(old["line"])
+        print(ratio("assign_s", old.get("assign_s", NAN), new.get("assign_s", NAN)))
+        print(ratio("step_rate", old.get("step_rate", NAN), new.get("step_rate", NAN), higher_is_better=True))
+        print(ratio("watch_p99_s", old["watch_p99"], new["watch_p99"]))
+        print(ratio("status_s", old["status_s"], new["status_s"]))
+        print(ratio("rss_mib", old.get("rss_mib", NAN), new.get("rss_mib", NAN)))
+        print(ratio("cpu_us_per_rank_step", old.get("cpu_us", NAN), new.get("cpu_us", NAN)))
+        print(new["line"])
+    else:
+        r = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath, legacy=ns.legacy)
+        print(r["line"])
+
+
+if __name__ == "__main__":
+    main()

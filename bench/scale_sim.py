@@ -1,0 +1,282 @@
+"""The generator side of ``bench/scale.py``: many fake worker daemons in one asyncio loop.
+
+Each fake daemon speaks the real ``NodeService.Connect`` protocol (Register, Heartbeat from
+its own task, rank reports) and plays the ranks of an ``Assign`` through rendezvous, groups,
+running, ``--steps`` steps at ``--step-rate`` and an exit, without running anything. Daemons
+share a few channels (``--streams-per-channel`` streams on each, each channel its own TCP
+connection). Their ticks are spread evenly over the step period by a per-daemon offset.
+
+Talks to its parent on stdout, one JSON object a line: ``progress`` (every 0.5 s) and, after
+``stop`` on stdin (or its end), ``final``. Not meant to be run by hand:
+
+    python bench/scale_sim.py --address HOST:PORT --first 0 --count 1024 --total 2048 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import resource
+import sys
+import time
+from collections import Counter
+
+import grpc
+
+from rankctl.proto import rankctl_pb2 as pb
+
+MAX_MSG = 16 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MSG),
+    ("grpc.max_receive_message_length", MAX_MSG),
+    ("grpc.use_local_subchannel_pool", 1),  # one TCP connection per channel, not one for all
+]
+
+
+def emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+class Sim:
+    """One generator process: its daemons, their shared counters."""
+
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.period = 1.0 / ns.step_rate
+        self.legacy = ns.legacy
+        self.stopping = False
+        self.registered = 0
+        self.assigned = 0
+        self.assigned_ranks = 0
+        self.assign_first = 0.0
+        self.assign_last = 0.0
+        self.played = 0            # daemons whose ranks all exited
+        self.errors: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()  # messages received/sent by kind
+        self.lateness: list[float] = []        # seconds a tick was sent after its time
+        self.assign_bytes_max = 0
+        self._metrics: dict[tuple[int, bool], str] = {}
+        self.daemons: list[Daemon] = []
+
+    def metrics(self, step: int, with_loss: bool) -> str:
+        key = (step, with_loss)
+        text = self._metrics.get(key)
+        if text is None:
+            m = {"tokens_per_s": 1000.0, "step_time": round(self.period, 6)}
+            if with_loss:
+                m = {"loss": round(2.0 - step * 0.01, 6), **m}
+            text = self._metrics[key] = json.dumps(m, separators=(",", ":"))
+        return text
+
+    def progress(self) -> dict:
+        return {"ev": "progress", "registered": self.registered, "assigned": self.assigned,
+                "assigned_ranks": self.assigned_ranks, "assign_first": self.assign_first,
+                "assign_last": self.assign_last, "played": self.played, "errors": sum(self.errors.values())}
+
+
+class Daemon:
+    """One fake worker daemon on one Connect stream."""
+
+    def __init__(self, sim: Sim, index: int, channel: grpc.aio.Channel) -> None:
+        self.sim, self.index, self.channel = sim, index, channel
+        self.name = f"sim-{index:05d}"
+        self.port = 29500 + index % 1000
+        self.offset = (index / sim.ns.total) * sim.period  # spread ticks evenly over the period
+        self.seq = 0
+        self.lock = asyncio.Lock()
+        self.call = None
+        self.tasks: dict[str, asyncio.Task] = {}  # "heartbeat", job id -> its player
+
+    async def write(self, msg: pb.NodeMessage) -> None:
+        async with self.lock:  # one write at a time on a stream; the only thing a heartbeat waits for
+            await self.call.write(msg)
+
+    async def run(self) -> None:
+        sim = self.sim
+        connect = self.channel.stream_stream(
+            "/rankctl.v1.NodeService/Connect",
+            request_serializer=pb.NodeMessage.SerializeToString,
+            response_deserializer=pb.CoordinatorMessage.FromString)
+        try:
+            self.call = connect(wait_for_ready=True)
+            hw = pb.Hardware(hostname=self.name, cpu_count=2, memory_bytes=8 << 30)
+            await self.write(pb.NodeMessage(register=pb.Register(
+                name=self.name, address="127.0.0.1", slots=sim.ns.slots, hardware=hw,
+                free_ports=[self.port], session=f"{self.name}-{os.getpid()}-{time.time_ns()}")))
+            while True:
+                msg = await self.call.read()
+                if msg is grpc.aio.EOF:
+                    if not sim.stopping:
+                        sim.errors["closed by coordinator"] += 1
+                    return
+                body = msg.WhichOneof("body")
+                sim.counts["recv_" + body] += 1
+                if body == "registered":
+                    sim.registered += 1
+                    interval = msg.registered.heartbeat_interval or 2.0
+                    self.tasks["heartbeat"] = asyncio.create_task(self.heartbeats(interval))
+                elif body == "assign":
+                    self.on_assign(msg.assign, time.time(), msg.ByteSize())
+                elif body == "cancel":
+                    task = self.tasks.pop(msg.cancel.job_id, None)
+                    if task is not None:
+                        task.cancel()
+                elif body == "fetch_logs":
+                    await self.write(pb.NodeMessage(log_chunk=pb.LogChunk(
+                        request_id=msg.fetch_logs.request_id, lines=[], next_offset=0)))
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if not sim.stopping:
+                sim.errors[f"{exc.code().name}: {(exc.details() or '')[:120]}"] += 1
+        except Exception as exc:  # noqa: BLE001 - counted and shown, never a hang
+            if not sim.stopping:
+                sim.errors[f"{type(exc).__name__}: {str(exc)[:120]}"] += 1
+        finally:
+            for task in self.tasks.values():
+                task.cancel()
+
+    async def heartbeats(self, interval: float) -> None:
+        beat = 0
+        await asyncio.sleep(interval * ((self.index * 0.618) % 1.0))  # spread beats too
+        while True:
+            beat += 1
+            ports = [self.port] if beat % 5 == 0 else []
+            await self.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=time.time(), free_ports=ports)))
+            self.sim.counts["sent_heartbeat"] += 1
+            await asyncio.sleep(interval)
+
+    def on_assign(self, assign: pb.Assign, t_recv: float, nbytes: int) -> None:
+        sim = self.sim
+        if assign.rank_count:
+            ranks = list(range(assign.first_rank, assign.first_rank + assign.rank_count))
+        else:
+            ranks = [r.rank for r in assign.ranks]
+        sim.assigned += 1
+        sim.assigned_ranks += len(ranks)
+        sim.assign_first = min(sim.assign_first or t_recv, t_recv)
+        sim.assign_last = max(sim.assign_last, t_recv)
+        sim.assign_bytes_max = max(sim.assign_bytes_max, nbytes)
+        old = self.tasks.pop(assign.job_id, None)
+        if old is not None:
+            old.cancel()
+        self.tasks[assign.job_id] = asyncio.create_task(self.play(assign.job_id, assign.attempt, ranks, t_recv))
+
+    def report(self, job_id: str, attempt: int, rank: int, phase: str, step: int, metrics: str = "",
+               result: str = "", exited: bool = False) -> pb.RankReport:
+        self.seq += 1
+        return pb.RankReport(job_id=job_id, attempt=attempt, seq=self.seq, result_json=result, status=pb.RankStatus(
+            rank=rank, node=self.name, phase=phase, step=step, metrics_json=metrics, exited=exited, exit_code=0,
+            updated_at=time.time()))
+
+    async def send(self, reports: list[pb.RankReport]) -> None:
+        sim = self.sim
+        if sim.legacy:
+            for r in reports:  # one message per report; heartbeats may slip in between
+                await self.write(pb.NodeMessage(report=r))
+            sim.counts["sent_report_msgs"] += len(reports)
+        else:
+            await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)))
+            sim.counts["sent_batches"] += 1
+        sim.counts["sent_reports"] += len(reports)
+
+    async def play(self, job_id: str, attempt: int, ranks: list[int], t_recv: float) -> None:
+        sim, period, steps = self.sim, self.sim.period, self.sim.ns.steps
+        t = t_recv + ((self.offset - t_recv) % period)  # this daemon's next tick on the shared grid
+        first = ranks[0] if ranks else 0
+
+        async def tick() -> None:
+            delay = t - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                sim.lateness.append(-delay)
+                return
+            sim.lateness.append(max(0.0, time.time() - t))
+
+        for phase in ("rendezvous", "groups", "running"):
+            await tick()
+            await self.send([self.report(job_id, attempt, r, phase, 0) for r in ranks])
+            t += period
+        for k in range(1, steps + 1):
+            await tick()
+            await self.send([self.report(job_id, attempt, r, "running", k, sim.metrics(k, r == first))
+                             for r in ranks])
+            t += period
+        await tick()
+        await self.send([self.report(job_id, attempt, r, "done", steps, result='{"ok":true}') for r in ranks])
+        t += period
+        await tick()
+        await self.send([self.report(job_id, attempt, r, "exited", steps, exited=True) for r in ranks])
+        sim.played += 1
+
+
+async def amain(ns: argparse.Namespace) -> None:
+    sim = Sim(ns)
+    n_channels = max(1, math.ceil(ns.count / ns.streams_per_channel))
+    channels = [grpc.aio.insecure_channel(ns.address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
+    tasks = []
+    for i in range(ns.count):
+        d = Daemon(sim, ns.first + i, channels[i // ns.streams_per_channel])
+        sim.daemons.append(d)
+        tasks.append(asyncio.create_task(d.run()))
+        if i % 64 == 63:
+            await asyncio.sleep(0.01)  # a connection storm, but a paced one
+
+    async def reporter() -> None:
+        while True:
+            emit(sim.progress())
+            await asyncio.sleep(0.5)
+
+    rep = asyncio.create_task(reporter())
+    loop = asyncio.get_running_loop()
+    while True:  # until the parent says stop (or goes away)
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line or line.strip() == "stop":
+            break
+    sim.stopping = True
+    rep.cancel()
+    for d in sim.daemons:
+        if d.call is not None:
+            d.call.cancel()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for ch in channels:
+        await ch.close()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    lat = sim.lateness
+    emit({**sim.progress(), "ev": "final", "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_kib": ru.ru_maxrss,
+          "error_kinds": dict(sim.errors.most_common(5)), "counts": dict(sim.counts),
+          "late_p50": percentile(lat, 0.5), "late_p99": percentile(lat, 0.99), "late_max": max(lat, default=0.0),
+          "ticks": len(lat), "assign_bytes_max": sim.assign_bytes_max})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--first", type=int, default=0, help="index of this process's first daemon")
+    ap.add_argument("--count", type=int, required=True, help="daemons in this process")
+    ap.add_argument("--total", type=int, required=True, help="daemons in all processes (for tick offsets)")
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--step-rate", type=float, default=1.0)
+    ap.add_argument("--legacy", action="store_true", help="one NodeMessage per report (no ReportBatch)")
+    ap.add_argument("--streams-per-channel", type=int, default=32)
+    ns = ap.parse_args()
+    asyncio.run(amain(ns))
+
+
+if __name__ == "__main__":
+    main()
