@@ -1,28 +1,231 @@
 """Rank logs live on the nodes: the coordinator reads them from the owning daemon (FetchLogs).
 
-Placeholder; see the module owner's work in progress.
+``LogFetcher`` pairs each FetchLogs sent down a node's stream with the LogChunk that node
+answers; ``get_logs`` serves ClientService.GetLogs from it, rank by rank. Nothing is stored
+here: a lost node's ranks get a marker line (and their last reported error) instead of lines.
 """
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterator
 
+from rankctl.coordinator.errors import InvalidRequest, ProtocolError
+from rankctl.coordinator.states import is_terminal
+from rankctl.parallel.placement import node_of_rank
 from rankctl.proto import rankctl_pb2 as pb
+
+MAX_LINES = 5000            # lines per FetchLogs answer, and the largest tail a client may ask
+MAX_OUTSTANDING = 10_000    # FetchLogs awaiting an answer, all nodes together
+PIPELINE = 8                # ranks whose first chunk is requested ahead of the one being sent
+FIRST_PASS_CHUNKS = 1024    # chunks read from one rank in a call's first pass (~1 GiB), then on
+FOLLOW_CHUNKS = 8           # chunks read from one rank per follow round: a chatty rank starves none
+FOLLOW_POLL_S = 0.5         # a follow round at most this often
+
+Send = Callable[[str, pb.CoordinatorMessage], bool]
+
+
+class LogsUnavailable(ProtocolError):
+    """A node could not be asked for a log, or did not answer (FAILED_PRECONDITION)."""
+
+
+@dataclass
+class _Request:
+    node: str
+    rank: int
+    future: asyncio.Future
 
 
 class LogFetcher:
-    """Outstanding FetchLogs requests, answered by the nodes' LogChunk messages."""
+    """Outstanding FetchLogs requests, answered by the nodes' LogChunk messages.
 
-    def __init__(self, send) -> None:  # noqa: ANN001
-        self.send = send
+    ``send(node, msg)`` puts a message in a connected node's outbox (False: not connected).
+    Call everything from the event loop thread.
+    """
+
+    def __init__(self, send: Send, timeout: float = 10.0, max_outstanding: int = MAX_OUTSTANDING) -> None:
+        self._send, self.timeout, self.max_outstanding = send, timeout, max_outstanding
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Request] = {}
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    async def fetch(self, node: str, job_id: str, attempt: int, rank: int, *, offset: int = 0, tail: int = 0,
+                    max_lines: int = MAX_LINES) -> pb.LogChunk:
+        """The node's answer (its own read errors in ``chunk.error``); LogsUnavailable when the node is
+        not connected, does not answer within ``timeout``, or is lost meanwhile (``fail_node``)."""
+        if len(self._pending) >= self.max_outstanding:
+            raise LogsUnavailable(f"{len(self._pending)} log reads are in flight; try again")
+        rid = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = _Request(node, rank, future)
+        try:
+            msg = pb.CoordinatorMessage(fetch_logs=pb.FetchLogs(
+                request_id=rid, job_id=job_id, attempt=attempt, rank=rank, offset=offset, tail=tail,
+                max_lines=max_lines))
+            if not self._send(node, msg):
+                raise LogsUnavailable(f"node {node} is LOST")
+            try:
+                return await asyncio.wait_for(future, self.timeout)
+            except asyncio.TimeoutError:
+                raise LogsUnavailable(f"node {node} did not answer within {self.timeout:g}s") from None
+        finally:
+            self._pending.pop(rid, None)
 
     def deliver(self, node: str, chunk: pb.LogChunk) -> None:
-        pass
+        """A node's LogChunk: it resolves its request only if that request went to ``node``."""
+        req = self._pending.get(chunk.request_id)
+        if req is None or req.node != node or req.future.done():
+            return  # unknown, timed out, or another node's request: ignored
+        del self._pending[chunk.request_id]
+        req.future.set_result(chunk)
 
     def fail_node(self, node: str, why: str) -> None:
-        pass
+        """``node``'s stream is gone: its outstanding requests fail now, with ``why`` (a phrase such as
+        "node n1 is LOST") as their reason, instead of timing out."""
+        for rid, req in list(self._pending.items()):
+            if req.node == node:
+                del self._pending[rid]
+                if not req.future.done():
+                    req.future.set_exception(LogsUnavailable(why or f"node {node} is LOST"))
 
 
-async def get_logs(core, request: pb.GetLogsRequest) -> AsyncIterator[pb.LogLine]:  # noqa: ANN001
-    raise NotImplementedError
-    yield
+# -- GetLogs ---------------------------------------------------------------------------------
+@dataclass
+class _Reading:
+    """One GetLogs call: the job as last read, each rank's next offset, what could not be read.
+
+    ``tail`` applies to the call's first pass only. A rank marked unreachable (``gone``) is not
+    asked again; a node that could not be asked (``down``) is not asked for its other ranks.
+    """
+
+    core: Any                   # get(), book.ranks(), logfetch
+    job: Any                    # a JobRecord
+    tail: int
+    offsets: dict[int, int] = field(default_factory=dict)
+    gone: set[int] = field(default_factory=set)
+    down: dict[str, LogsUnavailable] = field(default_factory=dict)
+
+    def node_of(self, rank: int) -> str | None:
+        k = node_of_rank(rank, self.job.slots_per_node)
+        return self.job.nodes[k] if k < len(self.job.nodes) else None
+
+    def refresh(self) -> None:
+        """Read the job again; a new attempt starts every rank's log afresh."""
+        job = self.core.get(self.job.id)
+        if job.attempt != self.job.attempt:
+            self.offsets.clear()
+            self.gone.clear()
+            self.down.clear()
+        self.job = job
+
+    async def first(self, rank: int) -> pb.LogChunk | LogsUnavailable:
+        """The rank's first chunk of a pass."""
+        return await self._fetch(rank, self.offsets.get(rank, 0), self.tail)
+
+    async def _fetch(self, rank: int, offset: int, tail: int) -> pb.LogChunk | LogsUnavailable:
+        node = self.node_of(rank)
+        if node in self.down:
+            return self.down[node]
+        try:
+            return await self.core.logfetch.fetch(node, self.job.id, self.job.attempt, rank, offset=offset,
+                                                  tail=tail, max_lines=MAX_LINES)
+        except LogsUnavailable as exc:
+            self.down.setdefault(node, exc)
+            return exc
+
+    async def lines(self, rank: int, first: pb.LogChunk | LogsUnavailable,
+                    max_chunks: int) -> AsyncIterator[pb.LogLine]:
+        """The lines of ``first`` and of up to ``max_chunks - 1`` more chunks while the offset advances."""
+        chunk, was_tail = first, self.tail > 0
+        for n in itertools.count(1):
+            if isinstance(chunk, LogsUnavailable) or chunk.error:
+                for text in self._marker(rank, chunk):
+                    yield self._line(rank, text)
+                return
+            for text in chunk.lines:
+                yield self._line(rank, text)
+            before, self.offsets[rank] = self.offsets.get(rank, 0), chunk.next_offset
+            if was_tail or n >= max_chunks or chunk.next_offset == before:
+                return
+            chunk = await self._fetch(rank, chunk.next_offset, 0)
+
+    def _line(self, rank: int, text: str) -> pb.LogLine:
+        return pb.LogLine(rank=rank, line=text, attempt=self.job.attempt)
+
+    def _marker(self, rank: int, why: pb.LogChunk | LogsUnavailable) -> list[str]:
+        """Why the rank's log cannot be shown, and the last error the rank reported; asked no more."""
+        self.gone.add(rank)
+        node = self.node_of(rank)
+        if isinstance(why, LogsUnavailable):
+            out = [f"[rankctl: {why}; the log of rank {rank} is on that node]"]
+        else:
+            out = [f"[rankctl: node {node} cannot read the log of rank {rank}: {why.error}]"]
+        record = self.core.book.ranks(self.job.id).get(rank)
+        error = getattr(record, "error", "") if record is not None else ""
+        if error:
+            out += [f"[rankctl: rank {rank} last reported: {text}]" for text in error.splitlines() or [error]]
+        return out
+
+
+async def _pass(reading: _Reading, ranks: Iterator[int], max_chunks: int) -> AsyncIterator[pb.LogLine]:
+    """Every rank's lines in rank order; the first chunks of the next ``PIPELINE`` ranks are asked ahead."""
+    window: deque[tuple[int, asyncio.Task]] = deque()
+
+    def fill() -> None:
+        while len(window) < PIPELINE:
+            rank = next(ranks, None)
+            if rank is None:
+                return
+            if rank not in reading.gone and reading.node_of(rank) is not None:
+                window.append((rank, asyncio.ensure_future(reading.first(rank))))
+
+    try:
+        fill()
+        while window:
+            rank, task = window.popleft()
+            fill()
+            async for line in reading.lines(rank, await task, max_chunks):
+                yield line
+    finally:
+        for _, task in window:
+            task.cancel()
+
+
+def _ranks(job: Any, request: pb.GetLogsRequest) -> range:
+    if request.tail < 0 or request.tail > MAX_LINES:
+        raise InvalidRequest(f"tail {request.tail} must be between 0 and {MAX_LINES} lines")
+    if request.all_ranks:
+        return range(job.world_size)
+    if not 0 <= request.rank < job.world_size:
+        raise InvalidRequest(f"rank {request.rank} is not a rank of job {job.id} (world size {job.world_size})")
+    return range(request.rank, request.rank + 1)
+
+
+async def get_logs(core: Any, request: pb.GetLogsRequest, *,
+                   poll_s: float = FOLLOW_POLL_S) -> AsyncIterator[pb.LogLine]:
+    """The log of one rank (or of every rank, in rank order) of the job's current attempt, from its nodes.
+
+    ``tail``: the last lines per rank, else each whole log. ``follow``: then new lines every
+    ``poll_s`` until the job is terminal, with one last round after that. A job not placed yet has
+    no lines (with ``follow``: until it is placed). Raises JobNotFound/AmbiguousJob/InvalidRequest;
+    an unreachable node never fails the call (see ``_Reading._marker``).
+    """
+    job = core.get(request.job_id)
+    ranks = _ranks(job, request)
+    reading = _Reading(core, job, request.tail)
+    done = is_terminal(job.state)  # read before each round (the record changes in place): the last round
+    async for line in _pass(reading, iter(ranks), FIRST_PASS_CHUNKS):  # begins after the job ended
+        yield line
+    reading.tail = 0
+    while request.follow and not done:
+        await asyncio.sleep(poll_s)
+        reading.refresh()
+        done = is_terminal(reading.job.state)
+        async for line in _pass(reading, iter(ranks), FOLLOW_CHUNKS):
+            yield line

@@ -1,68 +1,207 @@
-"""A rank's log lines on their way to the coordinator, within limits.
+"""Rank logs stay on this node: answer the coordinator's FetchLogs, and keep each log bounded.
 
-Each line is cut at ``MAX_LINE_BYTES`` (marked) and each rank ships at most ``LINES_PER_S``
-lines a second, with a burst of ``BURST`` (a token bucket); the excess is dropped and one
-marker line per read says how many. The rank's full log stays in its file on the node.
+A rank's stdout and stderr go to ``{run_dir}/rank-{rank}.log`` (``contract.rankfiles``). The
+coordinator reads them on demand (``answer_fetch``, blocking file IO: call it off the event
+loop); ``rotate_if_big`` keeps one log under a size cap by copy-truncate into ``.log.1``.
+Lines are cut at ``MAX_LINE_BYTES``, marked. Files are opened without following symlinks and
+must be regular files: the rank, which owns its run dir, cannot point the daemon elsewhere.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Callable
+import contextlib
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
 
-from rankctl.worker.status import FileTailer
+from rankctl.contract.rankfiles import log_path
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.worker.paths import Refused, run_dir_for
 
 MAX_LINE_BYTES = 4096
-LINES_PER_S = 1000.0
-BURST = 2000
-MAX_READ_BYTES = 4 << 20  # per rank per poll
+MAX_LINES = 5000            # lines per answer (also the largest tail)
+MAX_CHUNK_BYTES = 1 << 20   # bytes of the file read per offset answer: its text stays under ~1 MiB
+MAX_TAIL_BYTES = 4 << 20    # bytes read back from the end for a tail
+ROTATE_BYTES = 64 << 20     # a rank log past this is rotated (copy-truncate, one generation kept)
+_COPY_BLOCK = 1 << 20
 
 
-@dataclass
-class LineBudget:
-    """A token bucket of lines: ``rate`` a second, at most ``burst`` saved up."""
+def answer_fetch(state_dir: Path, req: pb.FetchLogs) -> pb.LogChunk:
+    """The LogChunk answering ``req``: never raises for a bad request or an unreadable file.
 
-    rate: float = LINES_PER_S
-    burst: float = BURST
-    clock: Callable[[], float] = time.monotonic
-    tokens: float = field(init=False)
-    last: float = field(init=False)
+    ``tail > 0``: the last ``tail`` lines (a partial last line included), ``next_offset`` = the
+    file's size. Else complete lines from byte ``offset`` (a partial last line waits; an offset
+    inside a line skips to the next one), at most ``max_lines``, ``next_offset`` after the last
+    line read. An offset past the end means the log was rotated: reading restarts at 0, marked.
+    A missing file (the rank has not written yet) is no lines at ``next_offset`` 0.
+    """
+    out = pb.LogChunk(request_id=req.request_id)
+    problem = _request_problem(req)
+    if problem:
+        out.error = problem
+        return out
+    try:
+        path = log_path(str(run_dir_for(state_dir, req.job_id, req.attempt)), req.rank)
+        lines, out.next_offset = _read(path, req)
+    except Refused as exc:
+        out.error = str(exc)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        out.error = f"cannot read the log of rank {req.rank}: {exc.strerror or exc}"
+    else:
+        out.lines.extend(lines)
+    return out
 
-    def __post_init__(self) -> None:
-        self.tokens, self.last = float(self.burst), self.clock()
 
-    def take(self, wanted: int) -> int:
-        """How many of ``wanted`` lines may go now."""
-        now = self.clock()
-        self.tokens = min(float(self.burst), self.tokens + (now - self.last) * self.rate)
-        self.last = now
-        n = min(wanted, int(self.tokens))
-        self.tokens -= n
-        return n
+def _request_problem(req: pb.FetchLogs) -> str | None:
+    for what, value in (("rank", req.rank), ("offset", req.offset), ("tail", req.tail)):
+        if value < 0:
+            return f"{what} {value} must not be negative"
+    return None
 
 
+def _read(path: str, req: pb.FetchLogs) -> tuple[list[str], int]:
+    max_lines = min(req.max_lines, MAX_LINES) if req.max_lines > 0 else MAX_LINES
+    with _open_log(path, os.O_RDONLY) as f:
+        size = os.fstat(f.fileno()).st_size
+        if req.tail > 0:
+            return read_tail(f, size, min(req.tail, max_lines)), size
+        if req.offset > size:  # rotated (truncated) since the reader's last answer
+            lines, end = read_from(f, 0, max_lines - 1)
+            return [f"[rankctl: the log was rotated; older lines are in {os.path.basename(path)}.1]"] + lines, end
+        return read_from(f, req.offset, max_lines)
+
+
+def _open_log(path: str, flags: int):  # noqa: ANN202 - a binary file object
+    """``path`` opened (not through a symlink, never blocking on a FIFO); a regular file or OSError."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{os.path.basename(path)} is not a regular file")
+    return os.fdopen(fd, "r+b" if flags & os.O_RDWR else "rb")
+
+
+def cut(raw: bytes) -> str:
+    """One line as text, cut at ``MAX_LINE_BYTES`` and marked when longer."""
+    if len(raw) <= MAX_LINE_BYTES:
+        return raw.decode("utf-8", "replace")
+    return raw[:MAX_LINE_BYTES].decode("utf-8", "replace") + f" [rankctl: line cut at {MAX_LINE_BYTES} bytes]"
+
+
+def read_tail(f, size: int, n: int) -> list[str]:  # noqa: ANN001 - a binary file
+    """The last ``n`` lines of the first ``size`` bytes of ``f``, reading back at most ``MAX_TAIL_BYTES``,
+    and as many of them as fit in ``MAX_CHUNK_BYTES`` of text."""
+    start = max(0, size - MAX_TAIL_BYTES)
+    pos, data = size, b""
+    while pos > start and data.count(b"\n") <= n:
+        step = min(64 << 10, pos - start)
+        pos -= step
+        f.seek(pos)
+        data = f.read(step) + data
+    pieces = data.split(b"\n")
+    if pieces[-1] == b"":
+        pieces.pop()   # the file ends with a newline
+    if pos > 0 and len(pieces) > 1:
+        pieces.pop(0)  # the end of a line that began before what was read
+    lines, used = [], 0
+    for raw in reversed(pieces[-n:]):
+        text = cut(raw)
+        used += len(text)
+        if used > MAX_CHUNK_BYTES and lines:
+            break
+        lines.append(text)
+    return lines[::-1]
+
+
+def _lines(data: bytes, pos: int, max_lines: int) -> tuple[list[str], int]:
+    """Complete lines of ``data`` from index ``pos``, and the index after the last; a remainder
+    longer than ``MAX_LINE_BYTES`` is too long to wait for its newline: it is cut now."""
+    lines: list[str] = []
+    while len(lines) < max_lines:
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break
+        lines.append(cut(data[pos:nl]))
+        pos = nl + 1
+    if len(lines) < max_lines and len(data) - pos > MAX_LINE_BYTES:
+        lines.append(cut(data[pos:]))
+        pos = len(data)
+    return lines, pos
+
+
+def read_from(f, offset: int, max_lines: int) -> tuple[list[str], int]:  # noqa: ANN001 - a binary file
+    """Complete lines from ``offset`` within one ``MAX_CHUNK_BYTES`` window, and the offset after them.
+
+    Starting inside a line (the byte before ``offset`` is no newline, e.g. after a line cut before
+    its end arrived) skips to the next line.
+    """
+    inside = False
+    if offset > 0:
+        f.seek(offset - 1)
+        inside = f.read(1) != b"\n"
+    f.seek(offset)
+    data = f.read(MAX_CHUNK_BYTES)
+    pos = 0
+    if inside:
+        nl = data.find(b"\n")
+        if nl < 0:
+            return [], offset + len(data)
+        pos = nl + 1
+    lines, pos = _lines(data, pos, max_lines)
+    return lines, offset + pos
+
+
+def rotate_if_big(path: str, cap: int = ROTATE_BYTES) -> bool:
+    """Copy-truncate ``path`` into ``path.1`` (replacing it) once it is larger than ``cap`` bytes.
+
+    Cheap when nothing is to do (one ``lstat``); the copy (at most the last ``cap`` bytes) is
+    blocking IO: call it off the event loop. Writers that opened the log O_APPEND go on at its new
+    end; lines written between the copy and the truncation are lost. True when rotated; OSError
+    when the copy fails (e.g. a full disk: the log is left as it was), for the caller to log.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size <= cap:
+        return False
+    with _open_log(path, os.O_RDWR) as src:
+        _copy_end(src, f"{path}.1", cap)
+        src.truncate(0)
+    return True
+
+
+def _copy_end(src, dest: str, n: int) -> None:  # noqa: ANN001 - a binary file
+    """The last ``n`` bytes of ``src`` (as of now) into a new file that then replaces ``dest``."""
+    end = os.fstat(src.fileno()).st_size
+    src.seek(max(0, end - n))
+    tmp = f"{dest}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a copy that died; unlink does not follow a symlink
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            while src.tell() < end and (block := src.read(min(_COPY_BLOCK, end - src.tell()))):
+                dst.write(block)
+        os.replace(tmp, dest)  # replaces a symlink at dest itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# Deprecated: the daemon no longer ships log lines; kept importable until worker/daemon.py drops it.
 @dataclass
 class RankLog:
-    """One rank's log file, read for shipping: lines cut, rate limited, drops counted."""
+    """Deprecated shipping shim: ships nothing (``read`` is empty, ``drained`` is always true)."""
 
     path: str
     node: str
-    budget: LineBudget = field(default_factory=LineBudget)
-    tailer: FileTailer = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.tailer = FileTailer(self.path, max_line=MAX_LINE_BYTES, max_read=MAX_READ_BYTES)
 
     def read(self) -> list[str]:
-        """The lines to ship now, with a marker line if some were dropped."""
-        lines = self.tailer.read_lines()
-        n = self.budget.take(len(lines))
-        if n == len(lines):
-            return lines
-        dropped = len(lines) - n
-        return lines[:n] + [f"[rankctl: {dropped} lines dropped (over {self.budget.rate:g} lines/s); "
-                            f"the full log is {self.path} on node {self.node}]"]
+        return []
 
     def drained(self) -> bool:
-        return self.tailer.at_end()
+        return True
