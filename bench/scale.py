@@ -290,7 +290,7 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
             say(f"assign     : assigned {assigned}/{n} nodes after {ns.assign_timeout:.0f} s")
 
         # -- steps: stored progress, CPU, ctl status
-        samples: list[tuple[float, int, int, int]] = []  # (time, min step, coordinator ticks, generator ticks)
+        samples: list[tuple[float, int, int, int, int]] = []  # (time, min step, coordinator, generator, driver ticks)
         expected = (steps + 5) / rate
         deadline = time.monotonic() + (steps / rate * 3 + 60 if assigned else 5)
         status_at = [time.monotonic() + expected * f for f in (0.3, 0.5, 0.7)]
@@ -305,7 +305,7 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
                 await asyncio.sleep(0.5)
                 continue
             samples.append((time.time(), min_step, proc_cpu_ticks(coord.pid),
-                            sum(proc_cpu_ticks(g.p.pid) for g in gens)))
+                            sum(proc_cpu_ticks(g.p.pid) for g in gens), proc_cpu_ticks(os.getpid())))
             if status_at and time.monotonic() >= status_at[0]:
                 status_at.pop(0)
                 status_tasks.append(asyncio.create_task(asyncio.to_thread(timed_status, ctl, env, address, job_id)))
@@ -333,6 +333,7 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
             r["coord_cores"] = (end[2] - start[2]) / CLK_TCK / dt
             r["gen_cores"] = (end[3] - start[3]) / CLK_TCK / dt
             r["gen_us_node_step"] = (end[3] - start[3]) / CLK_TCK * 1e6 / (n * dsteps)
+            r["driver_cores"] = (end[4] - start[4]) / CLK_TCK / dt
             r["window"] = (start[1], end[1], dt)
 
         # -- the end of the job, then false LOST
@@ -400,6 +401,8 @@ def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None, legacy
                 coord.wait()
     finals = [g.final or g.progress for g in gens]
     r["stream_errors"] = sum(f.get("errors", 0) for f in finals)
+    r["reconnects"] = sum(f.get("reconnects", 0) for f in finals)
+    r["stream_errors_registered"] = sum(f.get("errors_registered", 0) for f in finals)
     r["gen_cpu_s"] = sum(f.get("cpu_s", 0.0) for f in finals)
     r["late_p99"] = max((f.get("late_p99", NAN) for f in finals), default=NAN)
     r["late_max"] = max((f.get("late_max", 0.0) for f in finals), default=NAN)
@@ -412,6 +415,9 @@ def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None, legacy
         for k, v in f.get("counts", {}).items():
             counts[k] = counts.get(k, 0) + v
     r["counts"] = counts
+    for f in finals:
+        for idx, at, text in f.get("failed", [])[:3]:
+            r["log"](f"stream err : sim-{idx:05d} after {at:.1f} s: {text}")
     report(ns, r, kinds)
     if not ns.keep:
         shutil.rmtree(root, ignore_errors=True)
@@ -441,12 +447,13 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
             f"= {r['step_rate']:.2f} steps/s stored (offered {ns.step_rate:g}/s)")
         say(f"cpu        : coordinator {r['coord_cores']:.2f} cores over that window = {r['cpu_us']:.1f} us per "
             f"rank-step ({ranks} ranks); generators {r['gen_cores']:.2f} cores = {r['gen_us_node_step']:.0f} us "
-            f"per node-step")
+            f"per node-step; this driver (watch, polls) {r['driver_cores']:.2f} cores")
     else:
         say(f"steps      : slowest rank stored step {r.get('min_step', 0)}/{ns.steps}: no steady window to measure")
     say(f"job        : {r.get('final_state', '?')} ({r.get('reason', '')[:160]})")
     say(f"nodes      : {r.get('not_ready', '?')} not READY after the steps ({r.get('lost', '?')} LOST), "
-        f"{r.get('rejected', 0)} reports rejected; generator stream errors {r['stream_errors']}"
+        f"{r.get('rejected', 0)} reports rejected; generator stream errors {r['stream_errors']}, "
+        f"{r['stream_errors_registered']} of them after Registered ({r['reconnects']} reconnects)"
         + (f" {error_kinds}" if error_kinds else ""))
     say(f"memory     : coordinator peak RSS {r.get('rss_mib', NAN):.0f} MiB; largest Assign "
         f"{r['assign_bytes_max'] / 1024:.1f} KiB")
@@ -456,7 +463,7 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
         f"{r['counts'].get('recv_ack', 0)} Acks")
     if not r.get("coord_alive", True):
         say("coordinator: exited during the run (see its log)")
-    r["line"] = (f"scale nodes={n} ranks={ranks} assign_s={fmt(r.get('assign_s', NAN), 1)} "
+    r["line"] = (f"scale nodes={n} ranks={ranks} assign_s={fmt(r.get('assign_s', NAN), 2)} "
                  f"steps_stored={r.get('min_step', 0)}/{ns.steps} "
                  f"step_rate={fmt(r.get('step_rate', NAN))}/{ns.step_rate:.2f} "
                  f"watch_p99_s={fmt(r['watch_p99'], 2)} status_s={fmt(r['status_s'], 1)} lost={r.get('lost', 'nan')} "

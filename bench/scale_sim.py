@@ -63,11 +63,14 @@ class Sim:
         self.assign_last = 0.0
         self.played = 0            # daemons whose ranks all exited
         self.errors: Counter[str] = Counter()
+        self.reconnects = 0
         self.counts: Counter[str] = Counter()  # messages received/sent by kind
         self.lateness: list[float] = []        # seconds a tick was sent after its time
         self.assign_bytes_max = 0
         self._metrics: dict[tuple[int, bool], str] = {}
         self.daemons: list[Daemon] = []
+        self.failed: list[tuple[int, float, str]] = []  # (daemon index, seconds since start, debug text)
+        self.t0 = time.monotonic()
 
     def metrics(self, step: int, with_loss: bool) -> str:
         key = (step, with_loss)
@@ -82,7 +85,9 @@ class Sim:
     def progress(self) -> dict:
         return {"ev": "progress", "registered": self.registered, "assigned": self.assigned,
                 "assigned_ranks": self.assigned_ranks, "assign_first": self.assign_first,
-                "assign_last": self.assign_last, "played": self.played, "errors": sum(self.errors.values())}
+                "assign_last": self.assign_last, "played": self.played, "errors": sum(self.errors.values()),
+                "errors_registered": sum(v for k, v in self.errors.items() if not k.startswith("before")),
+                "reconnects": self.reconnects}
 
 
 class Daemon:
@@ -94,58 +99,99 @@ class Daemon:
         self.port = 29500 + index % 1000
         self.offset = (index / sim.ns.total) * sim.period  # spread ticks evenly over the period
         self.seq = 0
+        self.session = f"{self.name}-{os.getpid()}-{time.time_ns()}"
         self.lock = asyncio.Lock()
         self.call = None
-        self.tasks: dict[str, asyncio.Task] = {}  # "heartbeat", job id -> its player
+        self.connected = asyncio.Event()  # set from Registered until the stream breaks
+        self.was_registered = False
+        self.heartbeat: asyncio.Task | None = None
+        self.tasks: dict[str, asyncio.Task] = {}  # job id -> its player
+        self.playing: dict[str, tuple[int, list[int]]] = {}  # job id -> (attempt, ranks), for a re-Register
 
     async def write(self, msg: pb.NodeMessage) -> None:
-        async with self.lock:  # one write at a time on a stream; the only thing a heartbeat waits for
-            await self.call.write(msg)
+        """Write on the current stream; across a reconnect, on the next one (the seq drops a replay)."""
+        while True:
+            await self.connected.wait()
+            call = self.call
+            try:
+                async with self.lock:  # one write at a time on a stream; the only thing a heartbeat waits for
+                    await call.write(msg)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the stream broke: the reader sees it and reconnects
+                if self.call is call:
+                    self.connected.clear()
+                await asyncio.sleep(0.05)
 
     async def run(self) -> None:
+        """Connect, Register, serve the coordinator's messages; reconnect (backoff) when the stream breaks."""
         sim = self.sim
         connect = self.channel.stream_stream(
             "/rankctl.v1.NodeService/Connect",
             request_serializer=pb.NodeMessage.SerializeToString,
             response_deserializer=pb.CoordinatorMessage.FromString)
-        try:
-            self.call = connect(wait_for_ready=True)
-            hw = pb.Hardware(hostname=self.name, cpu_count=2, memory_bytes=8 << 30)
-            await self.write(pb.NodeMessage(register=pb.Register(
-                name=self.name, address="127.0.0.1", slots=sim.ns.slots, hardware=hw,
-                free_ports=[self.port], session=f"{self.name}-{os.getpid()}-{time.time_ns()}")))
-            while True:
-                msg = await self.call.read()
-                if msg is grpc.aio.EOF:
-                    if not sim.stopping:
-                        sim.errors["closed by coordinator"] += 1
-                    return
-                body = msg.WhichOneof("body")
-                sim.counts["recv_" + body] += 1
-                if body == "registered":
-                    sim.registered += 1
-                    interval = msg.registered.heartbeat_interval or 2.0
-                    self.tasks["heartbeat"] = asyncio.create_task(self.heartbeats(interval))
-                elif body == "assign":
-                    self.on_assign(msg.assign, time.time(), msg.ByteSize())
-                elif body == "cancel":
-                    task = self.tasks.pop(msg.cancel.job_id, None)
-                    if task is not None:
-                        task.cancel()
-                elif body == "fetch_logs":
-                    await self.write(pb.NodeMessage(log_chunk=pb.LogChunk(
-                        request_id=msg.fetch_logs.request_id, lines=[], next_offset=0)))
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError as exc:
-            if not sim.stopping:
-                sim.errors[f"{exc.code().name}: {(exc.details() or '')[:120]}"] += 1
-        except Exception as exc:  # noqa: BLE001 - counted and shown, never a hang
-            if not sim.stopping:
-                sim.errors[f"{type(exc).__name__}: {str(exc)[:120]}"] += 1
-        finally:
-            for task in self.tasks.values():
-                task.cancel()
+        hw = pb.Hardware(hostname=self.name, cpu_count=2, memory_bytes=8 << 30)
+        backoff = 0.5
+        while not sim.stopping:
+            try:
+                self.call = call = connect(wait_for_ready=True)
+                running = [pb.RunningJob(job_id=j, attempt=a, ranks=r) for j, (a, r) in self.playing.items()]
+                await call.write(pb.NodeMessage(register=pb.Register(
+                    name=self.name, address="127.0.0.1", slots=sim.ns.slots, hardware=hw,
+                    free_ports=[self.port], session=self.session, running=running)))
+                while True:
+                    msg = await call.read()
+                    if msg is grpc.aio.EOF:
+                        if not sim.stopping:
+                            sim.errors["closed by coordinator"] += 1
+                        break
+                    body = msg.WhichOneof("body")
+                    sim.counts["recv_" + body] += 1
+                    if body == "registered":
+                        if not self.was_registered:
+                            sim.registered += 1
+                            self.was_registered = True
+                        backoff = 0.5
+                        self.connected.set()
+                        if self.heartbeat is not None:
+                            self.heartbeat.cancel()
+                        interval = msg.registered.heartbeat_interval or 2.0
+                        self.heartbeat = asyncio.create_task(self.heartbeats(interval))
+                    elif body == "assign":
+                        self.on_assign(msg.assign, time.time(), msg.ByteSize())
+                    elif body == "cancel":
+                        task = self.tasks.pop(msg.cancel.job_id, None)
+                        self.playing.pop(msg.cancel.job_id, None)
+                        if task is not None:
+                            task.cancel()
+                    elif body == "fetch_logs":
+                        asyncio.create_task(self.write(pb.NodeMessage(log_chunk=pb.LogChunk(
+                            request_id=msg.fetch_logs.request_id, lines=[], next_offset=0))))
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if not sim.stopping:
+                    where = "" if self.was_registered else "before Registered: "
+                    sim.errors[f"{where}{exc.code().name}: {(exc.details() or '')[:120]}"] += 1
+                    sim.failed.append((self.index, round(time.monotonic() - sim.t0, 2),
+                                       str(exc.debug_error_string())[:300]))
+            except Exception as exc:  # noqa: BLE001 - counted and shown, never a hang
+                if not sim.stopping:
+                    where = "" if self.was_registered else "before Registered: "
+                    sim.errors[f"{where}{type(exc).__name__}: {str(exc)[:120]}"] += 1
+            finally:
+                self.connected.clear()
+                if self.heartbeat is not None:
+                    self.heartbeat.cancel()
+                    self.heartbeat = None
+            if sim.stopping:
+                break
+            sim.reconnects += 1
+            await asyncio.sleep(backoff)
+            backoff = min(5.0, backoff * 2)
+        for task in self.tasks.values():
+            task.cancel()
 
     async def heartbeats(self, interval: float) -> None:
         beat = 0
@@ -171,6 +217,7 @@ class Daemon:
         old = self.tasks.pop(assign.job_id, None)
         if old is not None:
             old.cancel()
+        self.playing[assign.job_id] = (assign.attempt, ranks)
         self.tasks[assign.job_id] = asyncio.create_task(self.play(assign.job_id, assign.attempt, ranks, t_recv))
 
     def report(self, job_id: str, attempt: int, rank: int, phase: str, step: int, metrics: str = "",
@@ -219,6 +266,7 @@ class Daemon:
         t += period
         await tick()
         await self.send([self.report(job_id, attempt, r, "exited", steps, exited=True) for r in ranks])
+        self.playing.pop(job_id, None)
         sim.played += 1
 
 
@@ -260,7 +308,7 @@ async def amain(ns: argparse.Namespace) -> None:
     emit({**sim.progress(), "ev": "final", "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_kib": ru.ru_maxrss,
           "error_kinds": dict(sim.errors.most_common(5)), "counts": dict(sim.counts),
           "late_p50": percentile(lat, 0.5), "late_p99": percentile(lat, 0.99), "late_max": max(lat, default=0.0),
-          "ticks": len(lat), "assign_bytes_max": sim.assign_bytes_max})
+          "ticks": len(lat), "assign_bytes_max": sim.assign_bytes_max, "failed": sim.failed[:10]})
 
 
 def main() -> None:
