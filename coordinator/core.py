@@ -11,7 +11,13 @@ jobs of a lost node, rank reports received meanwhile) is retried by ``tick``.
 
 Nodes talk to the core through an *outbox* per session (see ``nodes.Outbox``): a
 callable that takes a ``CoordinatorMessage`` to send, or ``None`` meaning "close this
-stream" (a node declared lost or replaced by a newer connection).
+stream" (a node declared lost or replaced by a newer connection). Messages that follow
+from rank reports are sent only once the group commit that decided them is stored.
+
+Every per-message path is constant time in the job's size: per-job counters
+(``progress.JobProgress``), indexes of active and pending jobs, a node -> job-node index per
+job, and a compact per-node Assign. The failure detector discounts the time the event loop
+itself was stalled (``tick(loop_lag=...)``), so a slow moment never marks live nodes LOST.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ import secrets
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import structlog
@@ -33,9 +38,10 @@ from rankctl.coordinator import capacity, convert
 from rankctl.coordinator.errors import CapacityError, NodeNameTaken, ProtocolError
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable, Outbox
-from rankctl.coordinator.planner import build_assignments, pick_port, plan_layout
-from rankctl.coordinator.progress import all_running, all_succeeded, failure_reason, first_failure, rank_span
-from rankctl.coordinator.records import EventRecord, JobRecord, LogRecord, NodeHello, RankRecord, RunningJob
+from rankctl.coordinator.logfetch import LogFetcher
+from rankctl.coordinator.planner import assign_messages, pick_port, plan_layout
+from rankctl.coordinator.progress import JobSummary, failure_reason, rank_span
+from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob
 from rankctl.coordinator.reports import ReportsMixin
 from rankctl.coordinator.results import aggregate, parse_rank_results
 from rankctl.coordinator.signals import Signals
@@ -43,6 +49,7 @@ from rankctl.coordinator.states import JobState, is_active, is_terminal
 from rankctl.coordinator.store import Store, StoreError
 from rankctl.kinds.spec import build_spec, check_job
 from rankctl.parallel.placement import NodeSlots, PlacementError, place
+from rankctl.proto import rankctl_pb2 as pb
 
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
@@ -51,6 +58,12 @@ HEAD_WAIT_S = 60.0          # how long the first job that cannot start holds bac
 
 def _gone(ranks: list[int]) -> str:
     return f"{rank_span(ranks)} {'is' if len(ranks) == 1 else 'are'} gone"
+
+
+def _node_span(names: list[str], shown: int = 8) -> str:
+    """The nodes of a placement, at most ``shown`` of them named."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 class Coordinator(ReportsMixin):
@@ -70,6 +83,12 @@ class Coordinator(ReportsMixin):
         self._head_since: dict[str, float] = {}          # job id -> when it first could not start
         self._owed: set[str] = set()                     # jobs whose advance failed to store: retried by tick
         self._reschedule = False                         # a schedule pass failed to store: retried by tick
+        self._inbox: list = []                           # (session, [RankUpdate]) queued for the next flush
+        self._held: list = []                            # the same, refused by the store: retried
+        self._queued = 0
+        self._refused_at = 0.0
+        self._deferred: list[tuple[str, pb.CoordinatorMessage]] | None = None  # sent after the commit
+        self.logfetch = LogFetcher(self.nodes.send)
 
     @property
     def heartbeat_interval(self) -> float:
@@ -92,6 +111,36 @@ class Coordinator(ReportsMixin):
                 for session in self.nodes:
                     session.record.last_seq = stored.get(session.name, 0)
             raise
+
+    @contextmanager
+    def _outgoing_after_commit(self) -> Iterator[None]:
+        """Hold node messages decided inside the block; send them only if it completes (it committed)."""
+        outer = self._deferred is None
+        if outer:
+            self._deferred = []
+        try:
+            yield
+        except BaseException:
+            if outer:
+                self._deferred = None
+            raise
+        if outer:
+            held, self._deferred = self._deferred, None
+            for name, msg in held:
+                self.nodes.send(name, msg)
+
+    def _send(self, name: str, msg: pb.CoordinatorMessage) -> None:
+        if self._deferred is not None:
+            self._deferred.append((name, msg))
+        else:
+            self.nodes.send(name, msg)
+
+    def _close_stream(self, session: NodeSession) -> None:
+        """End a session's stream (the servicer then hears ``disconnect``); its log fetches fail."""
+        if session.outbox is not None:
+            session.outbox(None)
+            session.outbox = None
+        self.logfetch.fail_node(session.name, f"node {session.name} is {session.status.value}")
 
     # -- client operations ---------------------------------------------------
     def validate(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> JobSpec:
@@ -144,14 +193,20 @@ class Coordinator(ReportsMixin):
         return self.book.list(limit)
 
     def ranks(self, job_id: str) -> list[RankRecord]:
-        return [r for _, r in sorted(self.book.ranks(job_id).items())]
+        """Every rank of the job (O(world): for tests and small jobs; clients page with ``rank_page``)."""
+        job = self.book.jobs[job_id]
+        return self.book.rank_page(job, 0, job.world_size)
 
-    def events(self, job_id: str, after_seq: int = 0) -> list[EventRecord]:
-        return self.store.events(job_id, after_seq)
+    def rank_page(self, job_id: str, offset: int, limit: int) -> list[RankRecord]:
+        """Ranks ``offset`` .. ``offset + limit - 1`` of the job's current attempt; unheard ones ``pending``."""
+        return self.book.rank_page(self.book.jobs[job_id], offset, limit)
 
-    def logs(self, job_id: str, rank: int | None = None, *, after_id: int = 0, tail: int = 0) -> list[LogRecord]:
-        """Stored log lines of a job (one rank, or all when ``rank`` is None)."""
-        return self.store.logs(job_id, rank, after_id=after_id, tail=tail)
+    def summary(self, job_id: str) -> JobSummary:
+        """Counts per phase, slowest and fastest step, stragglers and failing ranks: constant time."""
+        return self.book.progress(self.book.jobs[job_id]).summary()
+
+    def events(self, job_id: str, after_seq: int = 0, limit: int = 0) -> list[EventRecord]:
+        return self.store.events(job_id, after_seq, limit)
 
     def cancel(self, id_or_name: str, reason: str = "") -> JobRecord:
         """CANCELLED plus a Cancel to every node of the job; a terminal job is returned unchanged."""
@@ -166,10 +221,14 @@ class Coordinator(ReportsMixin):
         free = self._free_slots()
         return [(s, free.get(s.name, 0)) for s in self.nodes]
 
+    def pending_work(self) -> bool:
+        """Whether a flush has reports to store (the server's group-commit loop asks)."""
+        return bool(self._inbox or self._held)
+
     # -- scheduling ----------------------------------------------------------
     def schedule(self) -> None:
         """Start pending jobs in queue order (see ``capacity``); a pass that cannot store is retried by tick."""
-        if self.stopping:
+        if self.stopping or (not self.book.pending() and not self._reschedule):
             return
         if self.store.in_transaction:  # never inside another change's transaction: right after it, by tick
             self._reschedule = True
@@ -220,29 +279,29 @@ class Coordinator(ReportsMixin):
         return None
 
     def _start(self, job: JobRecord, names: list[str], port: int) -> None:
-        records = {n: self.nodes.get(n).record for n in names}
-        rendezvous = f"{records[names[0]].host}:{port}"
+        rendezvous = f"{self.nodes.get(names[0]).record.host}:{port}"
         try:
-            by_node = build_assignments(replace(job, nodes=names, rendezvous=rendezvous), records)
+            messages = assign_messages(job, names, rendezvous)
         except Exception as exc:  # a stored spec that no longer lays out: fail it, keep the queue moving
             log.exception("job.assignments_failed", job=job.id)
             self.book.transition(job, S.FAILED, f"cannot build rank assignments: {exc}")
             return
         with self.store.transaction(f"the placement of job {job.id}"):
             job.nodes, job.rendezvous = names, rendezvous
-            self.book.transition(job, S.PLACED, f"placed on {', '.join(names)}; rendezvous {job.rendezvous}")
+            self.book.transition(job, S.PLACED, f"placed on {_node_span(names)}; rendezvous {job.rendezvous}")
             self.store.put_attempt(job, self.clock())
             self.book.start_ranks(job)
-            self.book.transition(job, S.STARTING, f"sent {job.world_size} rank assignment(s) to {len(by_node)} node(s)")
-        for name, assignments in by_node.items():
-            self.nodes.send(name, convert.assign_message(job.id, job.attempt, assignments))
+            self.book.transition(job, S.STARTING, f"sent {job.world_size} rank assignment(s) to {len(names)} node(s)")
+        for name, msg in zip(names, messages):
+            self._send(name, msg)
 
     def _finish(self, job: JobRecord, state: JobState, reason: str) -> None:
         """Move to a terminal state; FAILED/CANCELLED tell every node of the job to stop it."""
         self.book.transition(job, state, reason)
         if state is not S.SUCCEEDED:
+            msg = convert.cancel_message(job.id, job.attempt, reason)
             for name in dict.fromkeys(job.nodes):
-                self.nodes.send(name, convert.cancel_message(job.id, job.attempt, reason))
+                self._send(name, msg)
         self.schedule()
 
     # -- node sessions -------------------------------------------------------
@@ -268,7 +327,7 @@ class Coordinator(ReportsMixin):
         record = self.nodes.record_for(hello, self.clock())
         self.store.put_node(record)
         if live:
-            old.outbox(None)  # the same daemon's newer connection replaces this stream
+            self._close_stream(old)  # the same daemon's newer connection replaces this stream
         session = self.nodes.connect(record, hello, outbox, self.clock())
         outbox(convert.registered_message(hello.name, self.heartbeat_interval, session.record.last_seq))
         log.info("node.registered", node=hello.name, slots=hello.slots, running=len(hello.running))
@@ -294,7 +353,7 @@ class Coordinator(ReportsMixin):
         """Note our jobs the node did not list (checked by ``_verify``); cancel the ones we do not run."""
         listed = {(r.job_id, r.attempt) for r in running}
         for job in self.book.active():
-            if session.name not in job.nodes:
+            if not job.runs_on(session.name):
                 continue
             if (job.id, job.attempt) in listed:
                 self.book.event(job, "node", f"node {session.name} reconnected")
@@ -304,7 +363,7 @@ class Coordinator(ReportsMixin):
             job = self.book.jobs.get(r.job_id)
             if job is None or not is_active(job.state) or job.attempt != r.attempt:
                 state = job.state.value if job is not None else "unknown"
-                self.nodes.send(session.name, convert.cancel_message(r.job_id, r.attempt, f"job is {state}"))
+                self._send(session.name, convert.cancel_message(r.job_id, r.attempt, f"job is {state}"))
 
     def _verify(self, session: NodeSession) -> None:
         """Fail the unlisted jobs whose ranks on this node did not all exit (after the replay)."""
@@ -329,17 +388,25 @@ class Coordinator(ReportsMixin):
         if not self.nodes.is_current(session) or session.status is not NodeStatus.READY:
             return
         session.last_heartbeat = session.record.last_seen = self.clock()
-        if session.unverified and not session.unstored:  # the replay came before this heartbeat
+        if session.unverified and self.flush():  # the replay came before this heartbeat: stored first
             with self._consistent():
                 self._verify(session)
         if free_ports and tuple(free_ports) != session.free_ports:
             session.free_ports = tuple(free_ports)
             self.schedule()
 
-    def tick(self) -> None:
-        """Failure detection, called periodically; then whatever a refused write left owed."""
+    def tick(self, loop_lag: float = 0.0) -> None:
+        """Failure detection, called periodically; then whatever a refused write left owed.
+
+        ``loop_lag``: how late this call is because the event loop was busy. That time is not
+        held against any node: heartbeats may be waiting, unread, behind the stall.
+        """
+        if loop_lag > 0:
+            for s in self.nodes.sessions.values():
+                s.last_heartbeat += loop_lag
+            self.started_at += loop_lag
         now, timeout = self.clock(), self.heartbeat_timeout
-        for s in list(self.nodes):
+        for s in self.nodes.sessions.values():
             if s.status is NodeStatus.READY and now - s.last_heartbeat > timeout:
                 self._node_lost(s, f"no heartbeat for {timeout:.1f} s")
             elif s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > timeout:
@@ -349,10 +416,10 @@ class Coordinator(ReportsMixin):
 
     def _settle(self) -> None:
         """Retry what a refused write left undone: held reports, owed job advances, lost nodes' jobs, scheduling."""
-        for s in list(self.nodes):
-            if s.unstored and self.nodes.is_current(s):
-                self._flush_unstored(s)
-            if s.status is NodeStatus.LOST and s.owes_failures:
+        if self._held:
+            self.flush()
+        for s in [s for s in self.nodes.sessions.values() if s.owes_failures]:
+            if s.status is NodeStatus.LOST:
                 self._fail_jobs_of(s)
         for job_id in sorted(self._owed):
             self._owed.discard(job_id)
@@ -362,9 +429,7 @@ class Coordinator(ReportsMixin):
 
     def _node_lost(self, session: NodeSession, detail: str) -> None:
         session.status, session.detail = NodeStatus.LOST, detail
-        if session.outbox is not None:
-            session.outbox(None)
-            session.outbox = None
+        self._close_stream(session)
         log.warning("node.lost", node=session.name, detail=detail)
         session.owes_failures = True
         self._fail_jobs_of(session)
@@ -374,7 +439,7 @@ class Coordinator(ReportsMixin):
         try:
             with self._consistent():
                 for job in self.book.active():
-                    if session.name in job.nodes:
+                    if job.runs_on(session.name):
                         ranks = job.ranks_on(session.name)
                         self._finish(job, S.FAILED, f"node {session.name} lost ({session.detail}); {_gone(ranks)}")
             session.owes_failures = False
@@ -393,14 +458,18 @@ class Coordinator(ReportsMixin):
             log.warning("job.advance_store_failed", job=job.id, error=str(exc))
 
     def _advance_once(self, job: JobRecord) -> None:
-        ranks = self.book.ranks(job.id)
-        bad = first_failure(ranks)
+        """Move the job along from its counters (constant time; a result reads every rank once)."""
+        if not is_active(job.state):
+            return
+        progress = self.book.progress(job)
+        bad = progress.lowest_failed()
         if bad is not None:
             self._finish(job, S.FAILED, failure_reason(bad))
             return
-        if job.state is S.STARTING and all_running(ranks, job.world_size):
+        if job.state is S.STARTING and progress.all_running():
             self.book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
-        if job.state is S.RUNNING and all_succeeded(ranks, job.world_size):
+        if job.state is S.RUNNING and progress.all_succeeded():
+            ranks = self.book.ranks(job.id)
             results = parse_rank_results({r: rec.result_json for r, rec in ranks.items()})
             with self.store.transaction(f"the result of job {job.id}"):
                 job.result = aggregate(job.kind, results)

@@ -1,21 +1,28 @@
-"""The job book: jobs in submission order, their rank statuses and events, kept in the store.
+"""The job book: jobs in submission order, their rank statuses, counters and events, kept in the store.
 
 Every change goes through here so that state, event and store stay consistent: a
 transition checks the state machine, updates the job row, appends an event and wakes
 the job's watchers. Callers group several changes in ``store.transaction()``. When a
 write fails (``StoreError``), the caller runs ``resync()``: memory goes back to what the
 store holds, in place, so that references held elsewhere stay valid.
+
+Rank records exist only for ranks that reported (a rank never heard of is ``pending``); they
+are loaded for active jobs at start and on demand for finished ones. Each job's ``JobProgress``
+(counters over its ranks) is rebuilt from them. Active and pending jobs are indexed, so the
+scheduler and the failure detector never walk the whole history.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterable
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
 
 import structlog
 
 from rankctl.contract.names import shown as shown_value
 from rankctl.coordinator.errors import AmbiguousJob, JobNotFound
+from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import EventRecord, JobRecord, RankRecord
 from rankctl.coordinator.signals import Signals
 from rankctl.coordinator.states import JobState, is_active, is_terminal, transition
@@ -26,6 +33,7 @@ log = structlog.get_logger("rankctl.coordinator")
 REASON_MAX = 2000      # characters of a reason kept (rank errors can be long)
 AMBIGUOUS_SHOWN = 5    # job ids listed in an ambiguous-name error
 MAX_PAGE = 1000        # jobs in one ListJobs page
+FINISHED_CACHED = 16   # finished jobs whose ranks and counters stay in memory after a read
 
 
 def _cap(reason: str) -> str:
@@ -38,14 +46,31 @@ class JobBook:
     def __init__(self, store: Store, clock: Callable[[], float], signals: Signals) -> None:
         self.store, self.clock, self.signals = store, clock, signals
         self.jobs: dict[str, JobRecord] = {j.id: j for j in store.load_jobs()}
-        self._ranks: dict[str, dict[int, RankRecord]] = store.all_ranks()
-        self._seq: dict[str, int] = store.last_event_seqs()
+        self._load()
+
+    def _load(self) -> None:
+        self._seq: dict[str, int] = self.store.last_event_seqs()
+        self._ranks: dict[str, dict[int, RankRecord]] = {}
+        self._progress: dict[str, JobProgress] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()  # finished jobs cached, oldest first
         self._index()
+        for job in self._active.values():
+            self._ranks[job.id] = self.store.ranks(job.id)
+            self._progress[job.id] = self._rebuild(job)
 
     def _index(self) -> None:
-        """Jobs in submission order, with their seqnos (ascending) for paging by bisection."""
+        """Jobs in submission order, with their seqnos (ascending) for paging by bisection; active and pending."""
         self._order: list[JobRecord] = list(self.jobs.values())
         self._seqnos: list[int] = [j.seqno for j in self._order]
+        self._active: dict[str, JobRecord] = {j.id: j for j in self._order if is_active(j.state)}
+        self._pending: dict[str, JobRecord] = {j.id: j for j in self._order if j.state is JobState.PENDING}
+
+    def _rebuild(self, job: JobRecord) -> JobProgress:
+        progress = JobProgress(job.world_size)
+        for r in self._ranks.get(job.id, {}).values():
+            progress.moved(None, r)
+        progress.emitted_step = self.store.last_step(job.id) if job.nodes else 0
+        return progress
 
     def resync(self) -> None:
         """Bring memory back to the store after a failed write: jobs updated in place, ranks, event numbers."""
@@ -56,9 +81,7 @@ class JobBook:
             job = self.jobs.setdefault(job_id, fresh)
             if job is not fresh:
                 job.__dict__.update(fresh.__dict__)
-        self._ranks = self.store.all_ranks()
-        self._seq = self.store.last_event_seqs()
-        self._index()
+        self._load()
         for job_id in self.jobs:
             self.signals.notify(job_id)
         log.warning("store.resynced", jobs=len(self.jobs))
@@ -96,13 +119,40 @@ class JobBook:
         return out, (out[-1].seqno if more else 0)
 
     def pending(self) -> list[JobRecord]:
-        return [j for j in self.jobs.values() if j.state is JobState.PENDING]
+        """PENDING jobs in submission order."""
+        return sorted(self._pending.values(), key=lambda j: j.seqno) if len(self._pending) > 1 \
+            else list(self._pending.values())
 
     def active(self) -> list[JobRecord]:
-        return [j for j in self.jobs.values() if is_active(j.state)]
+        return list(self._active.values())
 
     def ranks(self, job_id: str) -> dict[int, RankRecord]:
-        return self._ranks.setdefault(job_id, {})
+        """rank -> record of the ranks that reported (a finished job's are read from the store)."""
+        ranks = self._ranks.get(job_id)
+        if ranks is None:
+            ranks = self._ranks[job_id] = self.store.ranks(job_id) if job_id in self.jobs else {}
+            self._cache_finished(job_id)
+        return ranks
+
+    def progress(self, job: JobRecord) -> JobProgress:
+        """The job's counters (rebuilt from its stored ranks for a finished job)."""
+        progress = self._progress.get(job.id)
+        if progress is None:
+            self.ranks(job.id)
+            progress = self._progress[job.id] = self._rebuild(job)
+            self._cache_finished(job.id)
+        return progress
+
+    def _cache_finished(self, job_id: str) -> None:
+        if job_id in self._active:
+            return
+        self._finished[job_id] = None
+        self._finished.move_to_end(job_id)
+        while len(self._finished) > FINISHED_CACHED:
+            old, _ = self._finished.popitem(last=False)
+            if old not in self._active:
+                self._ranks.pop(old, None)
+                self._progress.pop(old, None)
 
     # -- changes -------------------------------------------------------------
     def add(self, job: JobRecord) -> None:
@@ -114,13 +164,27 @@ class JobBook:
         self.jobs[job.id] = job
         self._order.append(job)
         self._seqnos.append(job.seqno)
+        self._state_changed(job)
         self._seq[job.id] = ev.seq
         self.signals.notify(job.id)
         log.info("job.submitted", job=job.id, world_size=job.world_size)
 
-    def event(self, job: JobRecord, kind: str, message: str, rank: RankRecord | None = None) -> EventRecord:
+    def _state_changed(self, job: JobRecord) -> None:
+        """Keep the active and pending indexes in step with ``job.state``."""
+        if is_active(job.state):
+            self._active[job.id] = job
+            self._finished.pop(job.id, None)
+        else:
+            self._active.pop(job.id, None)
+        if job.state is JobState.PENDING:
+            self._pending[job.id] = job
+        else:
+            self._pending.pop(job.id, None)
+
+    def event(self, job: JobRecord, kind: str, message: str, rank: RankRecord | None = None, *,
+              step: int = 0, metrics: dict[str, Any] | None = None) -> EventRecord:
         seq = self._seq.get(job.id, 0) + 1
-        ev = EventRecord(job.id, seq, self.clock(), job.state, kind, _cap(message), rank)
+        ev = EventRecord(job.id, seq, self.clock(), job.state, kind, _cap(message), rank, step, metrics)
         self.store.append_event(ev)
         self._seq[job.id] = seq
         self.signals.notify(job.id)
@@ -134,10 +198,13 @@ class JobBook:
             job.state, job.reason = dst, reason
             if is_terminal(dst):
                 job.finished_at = self.clock()
+            self._state_changed(job)
             self.store.update_job(job)
             if is_terminal(dst) and job.nodes:
                 self.store.finish_attempt(job)
             self.event(job, "transition", reason)
+        if is_terminal(dst):
+            self._cache_finished(job.id)
         log.info("job.transition", job=job.id, state=dst.value, reason=reason)
 
     def set_waiting(self, job: JobRecord, reason: str) -> None:
@@ -154,15 +221,24 @@ class JobBook:
         self.store.update_job(job)
 
     def start_ranks(self, job: JobRecord) -> None:
-        """Fresh ``pending`` statuses for every rank of a just-placed job."""
-        s = job.slots_per_node
-        ranks = {r: RankRecord(r, job.nodes[node_of_rank(r, s)], updated_at=self.clock()) for r in range(job.world_size)}
-        with self.store.transaction():
-            self.store.clear_ranks(job.id)
-            for r in ranks.values():
-                self.store.put_rank(job.id, r)
-        self._ranks[job.id] = ranks
+        """A just-placed attempt: no rank has reported yet (every rank reads as ``pending``)."""
+        self.store.clear_ranks(job.id)
+        self._ranks[job.id] = {}
+        self._progress[job.id] = JobProgress(job.world_size)
 
     def put_rank(self, job: JobRecord, r: RankRecord) -> None:
+        """Store a rank's record (a phase change, an exit or an error) and keep it in memory."""
         self.store.put_rank(job.id, r)
         self.ranks(job.id)[r.rank] = r
+
+    def rank_page(self, job: JobRecord, offset: int, limit: int) -> list[RankRecord]:
+        """Ranks ``offset`` .. ``offset + limit - 1`` (clipped to the world); unheard ones as ``pending``."""
+        ranks, s = self.ranks(job.id), job.slots_per_node
+        out = []
+        for r in range(max(0, offset), min(job.world_size, offset + max(0, limit))):
+            rec = ranks.get(r)
+            if rec is None:
+                node = job.nodes[node_of_rank(r, s)] if job.nodes else ""
+                rec = RankRecord(r, node)
+            out.append(rec)
+        return out

@@ -94,10 +94,13 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
         body = msg.WhichOneof("body")
         if body == "heartbeat":
             self.core.heartbeat(session, list(msg.heartbeat.free_ports))
-        elif body == "report":
+        elif body == "batch":
+            self.core.rank_reports(session, [convert.update_from_pb(r) for r in msg.batch.reports])
+        elif body == "log_chunk":
+            self.core.logfetch.deliver(session.name, msg.log_chunk)
+        elif body == "report":  # a daemon of an older rankctl: one report per message
             self.core.rank_report(session, convert.update_from_pb(msg.report))
-        elif body == "logs":
-            lg = msg.logs
-            self.core.append_logs(session, lg.job_id, lg.attempt, lg.rank, list(lg.lines))
+        elif body == "logs":    # an older daemon shipping lines: logs now stay on the nodes
+            pass
         else:
             log.warning("node.unexpected_message", node=session.name, body=body)

@@ -8,12 +8,11 @@ registers again).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterator
 
-from rankctl.coordinator.records import NodeHello, NodeRecord, RankUpdate
+from rankctl.coordinator.records import NodeHello, NodeRecord
 from rankctl.proto import rankctl_pb2 as pb
 
 Outbox = Callable[[pb.CoordinatorMessage], None]
@@ -36,7 +35,7 @@ class NodeSession:
     last_heartbeat: float = 0.0
     detail: str = ""               # why LOST / since when DISCONNECTED
     unverified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) not listed on Register
-    unstored: deque[RankUpdate] = field(default_factory=deque)  # reports the store refused, in order
+    acked_at: float = 0.0          # when the last Ack was sent
     owes_failures: bool = False    # LOST, but failing its jobs could not be stored yet
     since: float = 0.0             # when it became DISCONNECTED (0: since the coordinator started)
 
@@ -50,6 +49,7 @@ class NodeTable:
     """Every known node by name; the current session of each."""
 
     sessions: dict[str, NodeSession] = field(default_factory=dict)
+    _names: list[str] | None = field(default=None, repr=False)  # sorted names, rebuilt when a name is added
 
     @classmethod
     def from_records(cls, records: list[NodeRecord]) -> "NodeTable":
@@ -59,7 +59,11 @@ class NodeTable:
         return self.sessions.get(name)
 
     def __iter__(self) -> Iterator[NodeSession]:
-        return iter(sorted(self.sessions.values(), key=lambda s: s.name))
+        """Sessions in name order (the order placement uses)."""
+        if self._names is None or len(self._names) != len(self.sessions):
+            self._names = sorted(self.sessions)
+        sessions = self.sessions
+        return (sessions[n] for n in self._names)
 
     def ready(self) -> list[NodeSession]:
         return [s for s in self if s.status is NodeStatus.READY]

@@ -1,17 +1,18 @@
-"""From a placed job to what each node receives: rendezvous port and per-rank assignments.
+"""From a placed job to what each node receives: rendezvous port and one compact Assign per node.
 
-Pure: reads job and node records, returns ``RankAssignment``s grouped by node.
+Pure: reads job records, returns protobuf messages.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Iterable
 
-from rankctl.coordinator.records import JobRecord, NodeRecord
+from rankctl.coordinator.records import JobRecord
 from rankctl.kinds.spec import parallel_config, parse_spec
 from rankctl.parallel.layout import ParallelConfig, RankLayout
-from rankctl.parallel.placement import layout_document, local_rank, ranks_of_node
-from rankctl.contract.assignment import RankAssignment
+from rankctl.parallel.placement import layout_document, ranks_of_node
+from rankctl.proto import rankctl_pb2 as pb
 
 
 def pick_port(free_ports: Iterable[int], in_use: set[int]) -> int | None:
@@ -19,23 +20,21 @@ def pick_port(free_ports: Iterable[int], in_use: set[int]) -> int | None:
     return next((p for p in free_ports if p not in in_use), None)
 
 
-def build_assignments(job: JobRecord, nodes: dict[str, NodeRecord]) -> dict[str, list[RankAssignment]]:
-    """node name -> the assignments of its ranks; job node k runs ranks k*S .. k*S+S-1."""
+def assign_messages(job: JobRecord, nodes: list[str], rendezvous: str) -> list[pb.CoordinatorMessage]:
+    """One compact Assign per job node (job node k runs ranks k*S .. k*S+S-1), in ``nodes`` order.
+
+    Each is the same size whatever the job's size: the spec is serialised once and every rank
+    computes its own coordinates and groups on its node. Raises when the stored spec no longer
+    lays out (checked here once, so that no node is sent a job it cannot run).
+    """
     spec = parse_spec(job.spec)
-    layout = RankLayout(parallel_config(spec))
+    RankLayout(parallel_config(spec)).rank_groups(0)
+    spec_json = json.dumps(job.spec, separators=(",", ":"))
     s = job.slots_per_node
-    out: dict[str, list[RankAssignment]] = {}
-    for k, name in enumerate(job.nodes):
-        gpus = nodes[name].gpu_count
-        for rank in ranks_of_node(k, s):
-            local = local_rank(rank, s)
-            out.setdefault(name, []).append(RankAssignment(
-                job_id=job.id, attempt=job.attempt, rank=rank, world_size=job.world_size, local_rank=local,
-                node=name, coords=layout.coords(rank), groups=layout.rank_groups(rank),
-                rendezvous=job.rendezvous, backend=spec.backend, kind=job.kind,
-                spec=job.spec, device=local if gpus else None,
-            ))
-    return out
+    return [pb.CoordinatorMessage(assign=pb.Assign(
+        job_id=job.id, attempt=job.attempt, world_size=job.world_size, first_rank=ranks_of_node(k, s).start,
+        rank_count=s, rendezvous=rendezvous, backend=spec.backend, kind=job.kind, spec_json=spec_json))
+        for k in range(len(nodes))]
 
 
 def plan_layout(cfg: ParallelConfig, slots_per_node: int) -> dict:

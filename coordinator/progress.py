@@ -1,8 +1,24 @@
-"""Pure rules that read a job's rank statuses: running, done, failed, and how to say so."""
+"""Where a job's ranks are, kept as counters: constant time per report, whatever the job's size.
+
+``JobProgress`` is updated by the core on every applied rank report (``moved``) and answers
+what used to need a scan of every rank: are all ranks running, have all exited 0, which is
+the lowest failed rank, what is the slowest rank's step, which ranks lag. Step metrics are
+aggregated per step (loss, tokens/s, step-time spread) so that one job-level ``step`` event
+can be written when the slowest rank finishes a step. Pure: no store, no clock.
+"""
 
 from __future__ import annotations
 
-from rankctl.coordinator.records import RankRecord
+import heapq
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rankctl.coordinator.records import PHASE_INDEX, RUNNING_INDEX, RankRecord
+
+SHOWN = 16            # stragglers and failing ranks in a summary
+STEP_WINDOW = 256     # steps of metrics kept ahead of the slowest rank
 
 
 def rank_span(ranks: list[int]) -> str:
@@ -26,26 +42,172 @@ def last_error_line(error: str) -> str:
     return lines[-1] if lines else "no error reported"
 
 
-def first_failure(ranks: dict[int, RankRecord]) -> RankRecord | None:
-    """The lowest rank that exited with a nonzero code (or in phase ``failed``), if any."""
-    failed = [r for r in ranks.values() if r.exited and (r.exit_code != 0 or r.phase == "failed")]
-    return min(failed, key=lambda r: r.rank) if failed else None
-
-
 def failure_reason(r: RankRecord) -> str:
     return f"rank {r.rank} on node {r.node} exited with code {r.exit_code}: {last_error_line(r.error)}"
 
 
-def all_running(ranks: dict[int, RankRecord], world_size: int) -> bool:
-    return len(ranks) == world_size and all(r.passed_running() for r in ranks.values())
+def is_failed(r: RankRecord) -> bool:
+    return r.exited and (r.exit_code != 0 or r.phase == "failed")
 
 
-def all_succeeded(ranks: dict[int, RankRecord], world_size: int) -> bool:
-    return len(ranks) == world_size and all(r.exited and r.exit_code == 0 for r in ranks.values())
+def _passed_running(phase: str, exited: bool) -> bool:
+    return exited or PHASE_INDEX.get(phase, -1) >= RUNNING_INDEX
 
 
-def changed(old: RankRecord | None, new: RankRecord) -> bool:
-    """Whether a report is worth an event: phase, step or exit changed."""
-    if old is None:
-        return True
-    return (old.phase, old.step, old.exited, old.exit_code) != (new.phase, new.step, new.exited, new.exit_code)
+@dataclass
+class JobSummary:
+    """What GetJob says about a job's ranks, without listing them."""
+
+    phases: dict[str, int]
+    running: int
+    exited: int
+    failed: int
+    min_step: int
+    max_step: int
+    stragglers: list[int]
+    failing: list[RankRecord]
+    metrics: dict[str, Any]
+    reports: int
+
+
+@dataclass
+class _StepAcc:
+    """Metrics of one step, folded over the ranks that reported it."""
+
+    loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_s: float | None = None
+    time_min: float | None = None
+    time_max: float | None = None
+
+    def add(self, m: dict[str, Any]) -> None:
+        loss, val = m.get("loss"), m.get("val_loss")
+        if self.loss is None and isinstance(loss, (int, float)):
+            self.loss = float(loss)
+        if self.val_loss is None and isinstance(val, (int, float)):
+            self.val_loss = float(val)
+        tps = m.get("tokens_per_s")
+        if isinstance(tps, (int, float)):
+            self.tokens_per_s = tps if self.tokens_per_s is None else min(self.tokens_per_s, tps)
+        dt = m.get("step_time_s", m.get("step_time"))
+        if isinstance(dt, (int, float)):
+            self.time_min = dt if self.time_min is None else min(self.time_min, dt)
+            self.time_max = dt if self.time_max is None else max(self.time_max, dt)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"loss": self.loss, "tokens_per_s": self.tokens_per_s,
+               "step_time_min": self.time_min, "step_time_max": self.time_max}
+        if self.val_loss is not None:
+            out["val_loss"] = self.val_loss
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass
+class JobProgress:
+    """Counters over one attempt's ranks; ``moved(old, new)`` for every change of a rank record."""
+
+    world_size: int
+    phases: Counter = field(default_factory=Counter)
+    running: int = 0          # passed "running" and not exited
+    exited: int = 0
+    exited_ok: int = 0
+    passed_running: int = 0   # passed "running" (exited ones included)
+    reports: int = 0
+    failed: dict[int, RankRecord] = field(default_factory=dict)
+    _failed_heap: list[int] = field(default_factory=list)
+    at_step: dict[int, set[int]] = field(default_factory=dict)   # step -> ranks whose latest step it is
+    min_step: int = 0
+    max_step: int = 0
+    _acc: dict[int, _StepAcc] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)        # of the last job-level step event
+    emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
+
+    def __post_init__(self) -> None:
+        self.phases["pending"] = self.world_size
+        self.at_step[0] = set(range(self.world_size)) if self.world_size <= 1 << 20 else set()
+
+    # -- updates --------------------------------------------------------------
+    def moved(self, old: RankRecord | None, new: RankRecord) -> int | None:
+        """Account for one rank going from ``old`` (None: never reported) to ``new``.
+
+        Returns the new slowest step when it advanced (a job-level step event is due), else None.
+        """
+        self.reports += 1
+        o_phase, o_exited, o_step = (old.phase, old.exited, old.step) if old else ("pending", False, 0)
+        if o_phase != new.phase:
+            self.phases[o_phase] -= 1
+            if not self.phases[o_phase]:
+                del self.phases[o_phase]
+            self.phases[new.phase] += 1
+        o_run = _passed_running(o_phase, o_exited)
+        n_run = _passed_running(new.phase, new.exited)
+        self.passed_running += n_run - o_run
+        self.running += (n_run and not new.exited) - (o_run and not o_exited)
+        if new.exited and not o_exited:
+            self.exited += 1
+            if is_failed(new):
+                self.failed[new.rank] = new
+                heapq.heappush(self._failed_heap, new.rank)
+            else:
+                self.exited_ok += 1
+        if new.step != o_step:
+            return self.moved_step(new.rank, o_step, new.step)
+        return None
+
+    def step_metrics(self, step: int, metrics_json: str) -> None:
+        """Fold one rank's metrics of ``step`` into that step's aggregate (kept for a window of steps)."""
+        if step < self.min_step or step > self.min_step + STEP_WINDOW or len(metrics_json) < 3:
+            return
+        try:
+            m = json.loads(metrics_json)
+        except ValueError:
+            return
+        if isinstance(m, dict):
+            acc = self._acc.get(step)
+            if acc is None:
+                acc = self._acc[step] = _StepAcc()
+            acc.add(m)
+
+    def moved_step(self, rank: int, old: int, new: int) -> int | None:
+        """A rank's latest step went from ``old`` to ``new``; the new slowest step when it advanced."""
+        ranks = self.at_step.get(old)
+        if ranks is not None:
+            ranks.discard(rank)
+            if not ranks:
+                del self.at_step[old]
+        self.at_step.setdefault(new, set()).add(rank)
+        if new > self.max_step:
+            self.max_step = new
+        if old == self.min_step and old not in self.at_step:
+            before = self.min_step
+            self.min_step = min(self.at_step)
+            if self.min_step > before:
+                acc = self._acc.get(self.min_step)
+                self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}
+                for s in [s for s in self._acc if s <= self.min_step]:
+                    del self._acc[s]
+                return self.min_step
+        return None
+
+    # -- questions ------------------------------------------------------------
+    def lowest_failed(self) -> RankRecord | None:
+        return self.failed[self._failed_heap[0]] if self._failed_heap else None
+
+    def all_running(self) -> bool:
+        return self.passed_running == self.world_size
+
+    def all_succeeded(self) -> bool:
+        return self.exited_ok == self.world_size
+
+    def summary(self) -> JobSummary:
+        stragglers: list[int] = []
+        if self.max_step > self.min_step:
+            stragglers = sorted(self.at_step.get(self.min_step, ()))[:SHOWN] \
+                if len(self.at_step.get(self.min_step, ())) <= 4 * SHOWN else \
+                heapq.nsmallest(SHOWN, self.at_step.get(self.min_step, ()))
+        failing = [self.failed[r] for r in heapq.nsmallest(SHOWN, self._failed_heap)]
+        return JobSummary(
+            phases=dict(self.phases), running=self.running, exited=self.exited, failed=len(self.failed),
+            min_step=self.min_step, max_step=self.max_step, stragglers=stragglers, failing=failing,
+            metrics=dict(self.metrics), reports=self.reports,
+        )

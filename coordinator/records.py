@@ -10,6 +10,7 @@ from rankctl.parallel.placement import ranks_of_node
 
 # rank phases in order; a rank at index >= RUNNING_INDEX has passed "running"
 PHASES = ("pending", "starting", "rendezvous", "groups", "running", "done", "failed", "exited")
+PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 RUNNING_INDEX = PHASES.index("running")
 
 
@@ -39,10 +40,21 @@ class JobRecord:
 
     def ranks_on(self, node: str) -> list[int]:
         """Global ranks the job runs on ``node`` (node-major placement)."""
-        return [r for k, name in enumerate(self.nodes) if name == node for r in ranks_of_node(k, self.slots_per_node)]
+        k = self.node_index().get(node)
+        return [] if k is None else list(ranks_of_node(k, self.slots_per_node))
+
+    def node_index(self) -> dict[str, int]:
+        """node name -> job node index, cached until ``nodes`` is replaced (O(1) lookups at any size)."""
+        cached = self.__dict__.get("_node_index")
+        if cached is None or cached[0] is not self.nodes:
+            cached = self.__dict__["_node_index"] = (self.nodes, {n: k for k, n in enumerate(self.nodes)})
+        return cached[1]
+
+    def runs_on(self, node: str) -> bool:
+        return node in self.node_index()
 
 
-@dataclass
+@dataclass(slots=True)
 class RankRecord:
     """Latest known status of one rank of a job."""
 
@@ -59,7 +71,7 @@ class RankRecord:
 
     def passed_running(self) -> bool:
         """True once the rank reported ``running`` or any later phase (or exited)."""
-        return self.exited or (self.phase in PHASES and PHASES.index(self.phase) >= RUNNING_INDEX)
+        return self.exited or PHASE_INDEX.get(self.phase, -1) >= RUNNING_INDEX
 
 
 @dataclass
@@ -93,9 +105,11 @@ class EventRecord:
     seq: int
     ts: float
     state: JobState
-    kind: str              # transition | waiting | rank | node | result
+    kind: str              # transition | waiting | rank | node | result | step
     message: str
     rank: RankRecord | None = None
+    step: int = 0                          # kind "step": the step every rank has finished
+    metrics: dict[str, Any] | None = None  # kind "step": loss, tokens_per_s, step-time spread
 
 
 @dataclass(frozen=True)

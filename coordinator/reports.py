@@ -1,96 +1,153 @@
-"""Rank reports and log batches from node sessions: ownership, ordering, and holding what the store refused.
+"""Rank reports from node sessions: ownership, ordering, per-job counters and group commits.
 
-A mixin of ``core.Coordinator`` (it uses the core's book, node table, store and ``_advance``);
+A mixin of ``core.Coordinator`` (it uses the core's book, node table, store and ``_advance_once``);
 kept apart so that each module has one job. Called from the event loop thread only.
+
+Reports are queued as they arrive (``rank_reports``: one call per ReportBatch) and applied in
+one store transaction per ``flush`` (the server calls it every ``FLUSH_S``): a group commit.
+What a node learns is stored (``Ack``, and ``Registered.last_seq`` after a reconnect) is only
+ever what a committed transaction holds. When the store refuses the commit, memory goes back
+to what the store holds (``_consistent``), the batch is held, in order, and retried (backing off
+``RETRY_S``); a node whose held reports pass ``MAX_HELD`` is asked to reconnect, and replays.
+
+Per report the work is constant in the job's size: the rank's record and the job's
+``JobProgress`` counters change in memory; the store gets a row only when the rank's phase,
+exit or error changes, and one job-level ``step`` event when the slowest rank finishes a step.
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import structlog
 
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
-from rankctl.coordinator.progress import changed
+from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
 from rankctl.coordinator.store import StoreError
 from rankctl.parallel.placement import node_of_rank
+from rankctl.proto import rankctl_pb2 as pb
 
 log = structlog.get_logger("rankctl.coordinator")
-MAX_UNSTORED_REPORTS = 100_000  # reports held per node while the store refuses writes
-MAX_LOG_LINE = 4096             # characters of a log line stored
-MAX_LOG_BATCH = 1000            # lines of one LogLines message stored
+FLUSH_S = 0.05                # group commit period
+RETRY_S = 1.0                 # while the store refuses, retry this often
+MAX_INBOX = 200_000           # reports queued between two flushes before one is forced
+MAX_HELD = 1_000_000          # reports held while the store refuses, before nodes are asked to replay
+ACK_EVERY_S = 5.0             # at most one Ack per node this often
+ROUTINE_EVENTS_MAX_WORLD = 256  # above this, routine per-rank phase changes get no event of their own
 
 
 class ReportsMixin:
     """Applies what nodes report; see ``core`` for the threading and consistency contract."""
 
-    def rank_report(self, session: NodeSession, update: RankUpdate) -> bool:
-        """Apply one rank report; False when dropped (a replay already seen, or a stale stream).
+    # -- intake ---------------------------------------------------------------------------
+    def rank_reports(self, session: NodeSession, updates: list[RankUpdate]) -> int:
+        """Queue one node's reports for the next group commit; the number queued (0: stale stream)."""
+        if not self.nodes.is_current(session) or not updates:
+            return 0
+        session.last_heartbeat = session.record.last_seen = self.clock()  # a report shows the node is alive
+        self._inbox.append((session, updates))
+        self._queued += len(updates)
+        if self._queued >= MAX_INBOX:
+            self.flush()
+        return len(updates)
 
-        A report the store refuses is held, in order, with every later one of the session,
-        until tick can store them (the node is not told: it would replay them anyway after
-        a reconnect, since its last stored report number is what the store holds).
-        """
-        if not self.nodes.is_current(session):
+    def rank_report(self, session: NodeSession, update: RankUpdate) -> bool:
+        """Apply one report now (the legacy one-report message); False when dropped as a replay or stale."""
+        if not self.nodes.is_current(session) or (update.seq and update.seq <= session.record.last_seq):
+            if self.nodes.is_current(session):
+                session.last_heartbeat = session.record.last_seen = self.clock()
             return False
-        rec = session.record
-        session.last_heartbeat = rec.last_seen = self.clock()  # a report shows the node is alive
-        if update.seq and update.seq <= rec.last_seq:
-            return False
-        if session.unstored:
-            self._hold(session, update)
-            return True
-        try:
-            self._store_report(session, update)
-        except StoreError as exc:
-            log.warning("report.store_failed", node=rec.name, error=str(exc))
-            self._hold(session, update)
+        self.rank_reports(session, [update])
+        self.flush()
         return True
 
-    def _hold(self, session: NodeSession, update: RankUpdate) -> None:
-        if len(session.unstored) >= MAX_UNSTORED_REPORTS:  # the daemon still has them: make it replay
-            log.warning("report.hold_full", node=session.name, held=len(session.unstored))
-            session.unstored.clear()
-            self._resync_node(session)
+    # -- group commit ---------------------------------------------------------------------
+    def flush(self, *, force: bool = False) -> bool:
+        """Apply and store every queued report in one transaction; False when the store refused."""
+        if not self._inbox and not self._held:
+            return True
+        if self._held and not force and self.clock() - self._refused_at < RETRY_S:
+            self._hold_inbox()
+            return False
+        batch = self._held + self._inbox
+        self._held, self._inbox, self._queued = [], [], 0
+        touched: dict[str, JobRecord] = {}
+        seqs: dict[str, tuple[NodeSession, int]] = {}
+        try:
+            with self._consistent(), self._outgoing_after_commit():
+                with self.store.transaction("rank reports"):
+                    for session, updates in batch:
+                        if not self.nodes.is_current(session):
+                            continue
+                        for update in updates:
+                            self._apply_report(session, update, touched)
+                        if session.record.last_seq:
+                            seqs[session.name] = (session, session.record.last_seq)
+                    for name, (session, seq) in seqs.items():
+                        self.store.set_node_seq(name, seq)
+                    for job in touched.values():
+                        self._advance_once(job)
+        except StoreError as exc:
+            self._refused_at = self.clock()
+            self._held = [(s, u) for s, u in batch if self.nodes.is_current(s)]
+            self._check_held()
+            log.warning("reports.store_failed", held=sum(len(u) for _, u in self._held), error=str(exc))
+            return False
+        self._ack(seqs.values())
+        if self._reschedule:  # a job finished inside the transaction: its slots are free now
+            self.schedule()
+        return True
+
+    def _hold_inbox(self) -> None:
+        self._held.extend(self._inbox)
+        self._inbox, self._queued = [], 0
+        self._check_held()
+
+    def _check_held(self) -> None:
+        """Too much held: drop it and ask its nodes to reconnect and replay (they still have every report)."""
+        if sum(len(u) for _, u in self._held) <= MAX_HELD:
             return
-        session.unstored.append(update)
+        for session in {s.name: s for s, _ in self._held}.values():
+            self._resync_node(session)
+        log.warning("reports.hold_full", nodes=len({s.name for s, _ in self._held}))
+        self._held = []
+
+    @property
+    def held_reports(self) -> int:
+        """Reports received but not yet stored (the store refused them)."""
+        return sum(len(u) for _, u in self._held)
+
+    def _ack(self, stored: Iterable[tuple[NodeSession, int]]) -> None:
+        now = self.clock()
+        for session, seq in stored:
+            if now - session.acked_at >= ACK_EVERY_S and self.nodes.is_current(session):
+                session.acked_at = now
+                self.nodes.send(session.name, pb.CoordinatorMessage(ack=pb.Ack(last_seq=seq)))
 
     def _resync_node(self, session: NodeSession) -> None:
         """Close the stream without losing the node: it reconnects and replays what the store lacks."""
         session.status, session.detail = NodeStatus.DISCONNECTED, "asked to reconnect and replay its reports"
         session.since = self.clock()
-        if session.outbox is not None:
-            session.outbox(None)
-            session.outbox = None
+        self._close_stream(session)
 
-    def _flush_unstored(self, session: NodeSession) -> None:
-        while session.unstored:
-            try:
-                self._store_report(session, session.unstored[0])
-            except StoreError as exc:
-                log.warning("report.flush_failed", node=session.name, held=len(session.unstored), error=str(exc))
-                return
-            session.unstored.popleft()
-
+    # -- one report -----------------------------------------------------------------------
     def _owner_of(self, job: JobRecord, rank: int) -> str | None:
         return job.nodes[node_of_rank(rank, job.slots_per_node)] if 0 <= rank < job.world_size and job.nodes else None
 
-    def _store_report(self, session: NodeSession, update: RankUpdate) -> None:
-        """Store one report (raises StoreError, memory unchanged); then move its job along."""
-        rec, job = session.record, self.book.jobs.get(update.job_id)
+    def _apply_report(self, session: NodeSession, update: RankUpdate, touched: dict[str, JobRecord]) -> None:
+        rec = session.record
+        if update.seq:
+            if update.seq <= rec.last_seq:
+                return  # a replay already applied
+            rec.last_seq = update.seq
+        job = self.book.jobs.get(update.job_id)
         rank = update.status.rank
-        owned = (job is not None and update.attempt == job.attempt and self._owner_of(job, rank) == session.name)
-        with self._consistent():
-            with self.store.transaction(f"a report of node {rec.name}"):
-                if update.seq:
-                    self.store.set_node_seq(rec.name, update.seq)
-                if owned:
-                    self._apply_rank(job, session.name, update)
-            if update.seq:
-                rec.last_seq = update.seq
-        if not owned:
+        if job is None or update.attempt != job.attempt or self._owner_of(job, rank) != session.name:
             self._reject(session, update, job)
             return
-        self._advance(job)
+        if self._apply_rank(job, session.name, update):
+            touched[job.id] = job
 
     def _reject(self, session: NodeSession, update: RankUpdate, job: JobRecord | None) -> None:
         """Count (and log, sparingly) a report for a rank this node does not run in this attempt."""
@@ -103,41 +160,46 @@ class ReportsMixin:
         else:  # an older attempt's or a forgotten job's report: normal after a restart or a cancel
             log.debug("report.ignored", node=session.name, job=update.job_id, attempt=update.attempt)
 
-    def _apply_rank(self, job: JobRecord, node: str, update: RankUpdate) -> None:
-        old = self.book.ranks(job.id).get(update.status.rank)
+    def _apply_rank(self, job: JobRecord, node: str, update: RankUpdate) -> bool:
+        """Fold one report into the rank's record and the job's counters; True when the job may advance."""
+        ranks = self.book.ranks(job.id)
+        progress: JobProgress = self.book.progress(job)
         st = update.status
+        old = ranks.get(st.rank)
+        phase = st.phase or (old.phase if old else "pending")
+        step = st.step or (old.step if old else 0)
         # an exit report carries no step or metrics: keep the last ones the rank reported
-        keep_metrics = st.metrics_json in ("", "{}") and old is not None
-        new = RankRecord(
-            rank=st.rank, node=node, phase=st.phase or (old.phase if old else "pending"),
-            step=st.step or (old.step if old else 0),
-            metrics_json=old.metrics_json if keep_metrics else st.metrics_json,
-            error=st.error or (old.error if old else ""), exit_code=st.exit_code, exited=st.exited,
-            updated_at=st.updated_at or self.clock(),
-            result_json=update.result_json or (old.result_json if old else ""),
-        )
+        metrics = st.metrics_json if st.metrics_json not in ("", "{}") or old is None else old.metrics_json
+        error = st.error or (old.error if old else "")
+        result = update.result_json or (old.result_json if old else "")
+        if old is not None and (old.phase, old.exited, old.exit_code, old.error) == (phase, st.exited, st.exit_code,
+                                                                                     error) and not update.result_json:
+            # the common case: a running rank's next step, in memory only
+            old_step = old.step
+            old.step, old.metrics_json, old.updated_at = step, metrics, st.updated_at or old.updated_at
+            if step != old_step:
+                progress.step_metrics(step, metrics)
+                self._stepped(job, progress, progress.moved_step(st.rank, old_step, step))
+            else:
+                progress.reports += 1
+            return False
+        new = RankRecord(rank=st.rank, node=node, phase=phase, step=step, metrics_json=metrics, error=error,
+                         exit_code=st.exit_code, exited=st.exited, updated_at=st.updated_at or self.clock(),
+                         result_json=result)
+        if step != (old.step if old else 0):
+            progress.step_metrics(step, metrics)
+        self._stepped(job, progress, progress.moved(old, new))
         self.book.put_rank(job, new)
-        if changed(old, new):
+        if new.exited or new.phase == "failed" or new.error != (old.error if old else "") or \
+                job.world_size <= ROUTINE_EVENTS_MAX_WORLD:
             self.book.event(job, "rank", f"rank {new.rank} {'exited' if new.exited else new.phase}", new)
+        return True
 
-    def append_logs(self, session: NodeSession, job_id: str, attempt: int, rank: int, lines: list[str]) -> None:
-        """Store a batch of a rank's log lines (bounded tail) and wake log followers.
-
-        Lines of a rank this node does not run are counted and dropped; lines the store
-        refuses are dropped with a warning (the rank's full log stays in its file on the node).
-        """
-        job = self.book.jobs.get(job_id)
-        if not lines or job is None or not self.nodes.is_current(session):
+    def _stepped(self, job: JobRecord, progress: JobProgress, step: int | None) -> None:
+        """One job-level event when the slowest rank finished a step (once per step, restarts included)."""
+        if step is None or step <= progress.emitted_step:
             return
-        if attempt != job.attempt or self._owner_of(job, rank) != session.name:
-            self.rejected_reports[session.name] += 1
-            return
-        lines = [ln if len(ln) <= MAX_LOG_LINE else ln[:MAX_LOG_LINE] + " [rankctl: line cut]"
-                 for ln in lines[:MAX_LOG_BATCH]]  # daemons cut first; a stream that does not is cut here
-        try:
-            self.store.append_logs(job_id, attempt, rank, lines)
-        except StoreError as exc:
-            log.warning("logs.store_failed", node=session.name, job=job_id, rank=rank, lines=len(lines),
-                        error=str(exc))
-            return
-        self.signals.notify(job_id)
+        progress.emitted_step = step
+        m = progress.metrics
+        loss = f", loss {m['loss']:.4g}" if isinstance(m.get("loss"), float) else ""
+        self.book.event(job, "step", f"step {step}{loss}", step=step, metrics=m)

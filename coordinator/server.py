@@ -24,6 +24,7 @@ from grpc_health.v1.health import aio as health_aio
 from rankctl.coordinator.blobs import BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.node_service import NodeServiceServicer
+from rankctl.coordinator.reports import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
 from rankctl.coordinator.store import Store
 from rankctl.proto import rankctl_pb2_grpc
@@ -72,12 +73,27 @@ class CoordinatorServer:
         await self.server.wait_for_termination()
 
 
+LAG_FLOOR_S = 0.25  # loop lag below this is noise, not a stall
+
+
 async def _monitor(core: Coordinator, period: float) -> None:
-    """Failure detection: call ``core.tick()`` every ``period`` seconds."""
+    """Failure detection: ``core.tick()`` every ``period`` seconds, told how late the loop was;
+    and the group commit of rank reports (``core.flush``) every ``FLUSH_S``."""
+    loop = asyncio.get_running_loop()
+    last_tick = due = loop.time()
+    stalled = 0.0
     while True:
-        await asyncio.sleep(period)
+        await asyncio.sleep(FLUSH_S)
+        now = loop.time()
+        lag = now - due - FLUSH_S  # how much later than asked this turn came: the loop was busy
+        due = now
+        stalled += lag if lag > LAG_FLOOR_S else 0.0
         try:
-            core.tick()
+            if core.pending_work():
+                core.flush()
+            if now - last_tick >= period:
+                core.tick(loop_lag=stalled)  # stalled time is not held against the nodes
+                last_tick, stalled = now, 0.0
         except Exception:
             log.exception("coordinator.monitor_failed")
 

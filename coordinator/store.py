@@ -1,4 +1,8 @@
-"""SQLite (WAL) persistence of the coordinator: nodes, jobs, attempts, events, ranks, logs.
+"""SQLite (WAL) persistence of the coordinator: nodes, jobs, attempts, events, ranks.
+
+Rank logs are not stored here: they stay on the nodes (``coordinator.logfetch``). The ``logs``
+table of schema version 1 is left in place, unused. Schema version 2 adds the events'
+``data_json`` (a ``step`` event's step and metrics).
 
 One connection, owned by the coordinator and used from the event loop thread. Writes
 happen inside ``transaction()``; the outermost block commits before it returns, so a
@@ -20,19 +24,19 @@ import json
 import os
 import sqlite3
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
 from rankctl.coordinator.errors import CoordinatorError
-from rankctl.coordinator.records import EventRecord, JobRecord, LogRecord, NodeRecord, RankRecord
+from rankctl.coordinator.records import EventRecord, JobRecord, NodeRecord, RankRecord
 from rankctl.coordinator.states import JobState
 
 DB_NAME = "coordinator.db"
 LOCK_NAME = "coordinator.lock"
-SCHEMA_VERSION = 1  # PRAGMA user_version of a database this code writes
+SCHEMA_VERSION = 2  # PRAGMA user_version of a database this code writes
 WAL_CHECKPOINT_PAGES = 128  # checkpoint the WAL into the database every ~512 KiB
 WAL_SIZE_LIMIT = 1 << 20    # and truncate it back to 1 MiB after a checkpoint
-LOG_LINES_PER_RANK = 5000
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -50,15 +54,11 @@ CREATE TABLE IF NOT EXISTS attempts (
   PRIMARY KEY (job_id, attempt));
 CREATE TABLE IF NOT EXISTS events (
   job_id TEXT NOT NULL, seq INTEGER NOT NULL, ts REAL NOT NULL, state TEXT NOT NULL, kind TEXT NOT NULL,
-  message TEXT NOT NULL, rank_json TEXT, PRIMARY KEY (job_id, seq));
+  message TEXT NOT NULL, rank_json TEXT, data_json TEXT, PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS ranks (
   job_id TEXT NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL, phase TEXT NOT NULL, step INTEGER NOT NULL,
   metrics_json TEXT NOT NULL, error TEXT NOT NULL, exit_code INTEGER NOT NULL, exited INTEGER NOT NULL,
   updated_at REAL NOT NULL, result_json TEXT NOT NULL, PRIMARY KEY (job_id, rank));
-CREATE TABLE IF NOT EXISTS logs (
-  id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, attempt INTEGER NOT NULL,
-  rank INTEGER NOT NULL, line TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS logs_rank ON logs(job_id, rank, id);
 """
 
 _JOB_COLS = (
@@ -123,16 +123,15 @@ def _rank_from_row(row: tuple) -> RankRecord:
 
 
 def _rank_to_json(r: RankRecord) -> str:
-    return json.dumps(r.__dict__, separators=(",", ":"))
+    return json.dumps(asdict(r), separators=(",", ":"))
 
 
 class Store:
     """The coordinator's database under ``state_dir/coordinator.db``."""
 
-    def __init__(self, state_dir: Path | str, *, log_lines_per_rank: int = LOG_LINES_PER_RANK) -> None:
+    def __init__(self, state_dir: Path | str) -> None:
         self.path = Path(state_dir) / DB_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_lines_per_rank = log_lines_per_rank
         self._lock_fd = _lock_state_dir(self.path.parent)
         self._depth = 0
         try:
@@ -165,6 +164,9 @@ class Store:
         self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
         self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(events)")}
+        if "data_json" not in columns:  # a version 1 database: one more column, nothing else changes
+            self._db.execute("ALTER TABLE events ADD COLUMN data_json TEXT")
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     def close(self) -> None:
@@ -277,20 +279,32 @@ class Store:
     # -- events --------------------------------------------------------------
     def append_event(self, event: EventRecord) -> None:
         rank = _rank_to_json(event.rank) if event.rank is not None else None
+        data = json.dumps({"step": event.step, "metrics": event.metrics}) if event.kind == "step" else None
         self._write(
-            "INSERT INTO events VALUES (?,?,?,?,?,?,?)",
-            (event.job_id, event.seq, event.ts, event.state.value, event.kind, event.message, rank),
+            "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
+            (event.job_id, event.seq, event.ts, event.state.value, event.kind, event.message, rank, data),
         )
 
-    def events(self, job_id: str, after_seq: int = 0) -> list[EventRecord]:
+    def events(self, job_id: str, after_seq: int = 0, limit: int = 0) -> list[EventRecord]:
+        """Events after ``after_seq`` in order; ``limit`` > 0 keeps the first ``limit``."""
         rows = self._db.execute(
-            "SELECT seq, ts, state, kind, message, rank_json FROM events WHERE job_id=? AND seq>? ORDER BY seq",
-            (job_id, after_seq),
+            "SELECT seq, ts, state, kind, message, rank_json, data_json FROM events WHERE job_id=? AND seq>? "
+            "ORDER BY seq LIMIT ?", (job_id, after_seq, limit if limit > 0 else -1),
         ).fetchall()
-        return [
-            EventRecord(job_id, seq, ts, JobState(state), kind, msg, RankRecord(**json.loads(r)) if r else None)
-            for seq, ts, state, kind, msg, r in rows
-        ]
+        out = []
+        for seq, ts, state, kind, msg, r, d in rows:
+            data = json.loads(d) if d else {}
+            out.append(EventRecord(job_id, seq, ts, JobState(state), kind, msg,
+                                   RankRecord(**json.loads(r)) if r else None,
+                                   int(data.get("step") or 0), data.get("metrics")))
+        return out
+
+    def last_step(self, job_id: str) -> int:
+        """The step of the job's newest ``step`` event (0: none)."""
+        row = self._db.execute(
+            "SELECT data_json FROM events WHERE job_id=? AND kind='step' ORDER BY seq DESC LIMIT 1", (job_id,)
+        ).fetchone()
+        return int(json.loads(row[0]).get("step") or 0) if row and row[0] else 0
 
     def last_event_seqs(self) -> dict[str, int]:
         rows = self._db.execute("SELECT job_id, MAX(seq) FROM events GROUP BY job_id").fetchall()
@@ -333,28 +347,3 @@ class Store:
     def load_nodes(self) -> list[NodeRecord]:
         rows = self._db.execute("SELECT * FROM nodes ORDER BY name").fetchall()
         return [NodeRecord(n, a, s, json.loads(h), sess, seq, seen) for n, a, s, h, sess, seq, seen in rows]
-
-    # -- logs ----------------------------------------------------------------
-    def append_logs(self, job_id: str, attempt: int, rank: int, lines: list[str]) -> None:
-        """Append lines and keep only the last ``log_lines_per_rank`` of this rank."""
-        with self.transaction():
-            self._db.executemany(
-                "INSERT INTO logs (job_id, attempt, rank, line) VALUES (?,?,?,?)",
-                [(job_id, attempt, rank, line) for line in lines],
-            )
-            self._db.execute(
-                "DELETE FROM logs WHERE job_id=? AND rank=? AND id <= (SELECT id FROM logs WHERE job_id=? "
-                "AND rank=? ORDER BY id DESC LIMIT 1 OFFSET ?)",
-                (job_id, rank, job_id, rank, self.log_lines_per_rank),
-            )
-
-    def logs(self, job_id: str, rank: int | None = None, *, after_id: int = 0, tail: int = 0) -> list[LogRecord]:
-        """Stored lines after ``after_id`` (all ranks when ``rank`` is None); ``tail`` > 0 keeps the last n."""
-        where, args = "job_id=? AND id>?", [job_id, after_id]
-        if rank is not None:
-            where, args = where + " AND rank=?", [*args, rank]
-        sql = f"SELECT id, rank, attempt, line FROM logs WHERE {where} ORDER BY id"
-        if tail > 0:
-            sql = f"SELECT * FROM ({sql[:-len(' ORDER BY id')]} ORDER BY id DESC LIMIT ?) ORDER BY id"
-            args.append(tail)
-        return [LogRecord(*row) for row in self._db.execute(sql, args).fetchall()]

@@ -15,6 +15,7 @@ from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.states import JobState
 from rankctl.coordinator.store import Store
 from rankctl.contract.assignment import RankAssignment
+from rankctl.worker.assign import expand
 
 S = JobState
 
@@ -37,13 +38,16 @@ class FakeNode:
     session: NodeSession | None = None
     sent: list = field(default_factory=list)
     seq: int = 0
+    gpus: int = 0
 
     def bodies(self, kind: str) -> list:
         return [getattr(m, kind) for m in self.sent if m is not None and m.WhichOneof("body") == kind]
 
     def assignments(self, job_id: str) -> list[RankAssignment]:
-        return [RankAssignment.from_json(r.assignment_json)
-                for a in self.bodies("assign") if a.job_id == job_id for r in a.ranks]
+        """What the node's daemon makes of its Assigns (the real expansion, as a daemon runs it)."""
+        gpus = 2 if self.gpus else 0
+        return [a for msg in self.bodies("assign") if msg.job_id == job_id
+                for a in expand(msg, self.name, "", gpus)]
 
     @property
     def closed(self) -> bool:
@@ -60,6 +64,7 @@ class World:
     def connect(self, name: str, slots: int = 2, *, gpus: int = 0, ports: tuple[int, ...] = (29500, 29501),
                 running: tuple[RunningJob, ...] = (), session: str = "s1") -> FakeNode:
         node = self.nodes.setdefault(name, FakeNode(name))
+        node.gpus = gpus
         hw = {"gpus": [{"index": i} for i in range(gpus)]}
         hello = NodeHello(name, f"{name}.lan", slots, hw, ports, running, session)
         node.session = self.core.register(hello, node.sent.append)
@@ -308,15 +313,6 @@ def test_reconnect_without_the_job_fails_it_and_unknown_jobs_are_cancelled(tmp_p
     assert [c.job_id for c in n1.bodies("cancel")] == [job.id]
     assert n0.bodies("registered")[-1].last_seq == 0   # a new daemon session restarts numbering
     w2.store.close()
-
-
-def test_logs_are_stored_per_rank(world: World) -> None:
-    n0 = world.connect("n0", slots=2)
-    job = world.core.submit(job_yaml(nodes=1, slots=2, tp=1))
-    world.core.append_logs(n0.session, job.id, 1, 0, ["a", "b"])
-    world.core.append_logs(n0.session, job.id, 1, 1, ["c"])
-    assert [r.line for r in world.core.logs(job.id)] == ["a", "b", "c"]
-    assert [r.line for r in world.core.logs(job.id, 0, tail=1)] == ["b"]
 
 
 def test_comm_check_result_takes_the_slowest_member_and_the_lowest_busbw() -> None:

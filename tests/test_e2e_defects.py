@@ -51,12 +51,13 @@ def forge(address: str, job_id: str, world: int) -> None:
     def messages():
         yield pb.NodeMessage(register=pb.Register(name="stranger", address="127.0.0.1", slots=1, session="x"))
         bad = pb.RankStatus(rank=0, node="stranger", phase="failed", exited=True, exit_code=1, error="forged failure")
-        yield pb.NodeMessage(report=pb.RankReport(job_id=job_id, attempt=1, status=bad, seq=1))
-        for rank in range(world):
-            ok = pb.RankStatus(rank=rank, node="stranger", phase="done", exited=True, exit_code=0)
-            yield pb.NodeMessage(report=pb.RankReport(job_id=job_id, attempt=1, status=ok, seq=2 + rank,
-                                                      result_json=json.dumps({"loss": 0.0001})))
-        yield pb.NodeMessage(logs=pb.LogLines(job_id=job_id, attempt=1, rank=0, lines=["forged line"]))
+        yield pb.NodeMessage(report=pb.RankReport(job_id=job_id, attempt=1, status=bad, seq=1))  # the legacy form
+        ok = [pb.RankReport(job_id=job_id, attempt=1, seq=2 + rank, result_json=json.dumps({"loss": 0.0001}),
+                            status=pb.RankStatus(rank=rank, node="stranger", phase="done", exited=True, exit_code=0))
+              for rank in range(world)]
+        yield pb.NodeMessage(batch=pb.ReportBatch(reports=ok))
+        for request_id in range(1, 5):  # answers to log fetches it was never sent
+            yield pb.NodeMessage(log_chunk=pb.LogChunk(request_id=request_id, lines=["forged line"]))
         time.sleep(1.0)  # keep the stream open while the coordinator reads
 
     with grpc.insecure_channel(address) as channel:
@@ -73,7 +74,7 @@ def test_a_forged_node_stream_cannot_fail_or_finish_a_job(two: ProcCluster) -> N
     st = status(two.address, job)
     assert st["state"] == "RUNNING" and "forged" not in st["reason"], st
     nodes = {n["name"]: n for n in json.loads(ctl(two.address, "nodes", "--json").stdout)}
-    assert nodes["stranger"]["rejected_reports"] == 6, nodes["stranger"]   # 5 reports + 1 log batch
+    assert nodes["stranger"]["rejected_reports"] == 5, nodes["stranger"]   # 1 + 4 reports
     assert nodes["node-0"]["rejected_reports"] == 0
     done = wait_state(two.address, job, {"SUCCEEDED", "FAILED"}, 120)
     assert done["state"] == "SUCCEEDED" and done["result"].get("loss") is None, done

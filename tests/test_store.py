@@ -51,18 +51,6 @@ def test_jobs_events_ranks_nodes_survive_reopen(tmp_path: Path) -> None:
     again.close()
 
 
-def test_log_tail_is_bounded_per_rank(tmp_path: Path) -> None:
-    store = Store(tmp_path, log_lines_per_rank=5)
-    store.append_logs("j", 1, 0, [f"r0 {i}" for i in range(8)])
-    store.append_logs("j", 1, 1, ["r1 a", "r1 b"])
-    assert [r.line for r in store.logs("j", 0)] == [f"r0 {i}" for i in range(3, 8)]
-    assert [r.line for r in store.logs("j", 0, tail=2)] == ["r0 6", "r0 7"]
-    everything = store.logs("j")
-    assert len(everything) == 7
-    assert store.logs("j", after_id=everything[-2].id) == everything[-1:]
-    store.close()
-
-
 def test_failed_transaction_rolls_back(tmp_path: Path) -> None:
     store = Store(tmp_path)
     with pytest.raises(RuntimeError):

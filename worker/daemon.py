@@ -2,9 +2,13 @@
 
 It registers (name, address, slots, hardware, free ports, the jobs still alive here),
 heartbeats, hands assignments to its warm launcher (a subprocess; this process never
-forks), turns the ranks' status files and exits into numbered reports, and ships their
-log lines. While the coordinator is away it reconnects with backoff and keeps every
-report; after re-registering it replays those the coordinator has not yet stored.
+forks) and turns the ranks' status files and exits into numbered reports: one ReportBatch
+per tick with every rank that changed (``worker.reportbuf`` keeps only the newest step of a
+rank under backlog). Heartbeats never queue behind reports: the writer sends a due heartbeat
+before the next batch. Rank logs stay in their files here; the coordinator reads them on
+demand (FetchLogs, answered by ``worker.logship``, which also rotates them past a size cap). While the coordinator is away it
+reconnects with backoff and keeps every report; after re-registering it replays those the
+coordinator has not yet stored.
 
 When the launcher dies, every rank it had forked died with it (``PR_SET_PDEATHSIG``): the
 daemon reports them killed, reports NOT_SERVING (``set_serving``), starts a new launcher and
@@ -34,18 +38,21 @@ from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.contract.assignment import RankAssignment
 from rankctl.kinds.registry import blobs_of
+from rankctl.worker.assign import claimed_ranks, expand
 from rankctl.worker.blobs import FetchFailed, WorkdirCache
 from rankctl.worker.launcher_client import Launcher, LauncherError
-from rankctl.worker.logship import RankLog
-from rankctl.worker.paths import Refused, check_assignment, run_dir_for
-from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status
 from rankctl.contract.rankfiles import log_path
+from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
+from rankctl.worker.paths import Refused, run_dir_for
+from rankctl.worker.reportbuf import ReportBuffer
+from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status
 from rankctl.worker.status import StatusTailer
 
 log = structlog.get_logger("rankctl.worker")
 
 MAX_BUFFERED_REPORTS = 200_000
-LOG_BATCH = 200
+BATCH_REPORTS = 4096          # reports in one ReportBatch at most
+ROTATE_EVERY = 50             # poll turns between two checks of the rank logs' sizes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +64,8 @@ class DaemonConfig:
     advertise_address: str = "127.0.0.1"
     health_listen: str = "127.0.0.1:0"
     poll_interval: float = 0.1
+    report_interval: float = 0.2  # at most one ReportBatch this often (reports in between coalesce)
+    log_cap_bytes: int = ROTATE_BYTES  # a rank log past this is rotated (one older generation kept)
     backoff_initial: float = 0.2
     backoff_max: float = 5.0
     free_ports: int = 8
@@ -88,7 +97,7 @@ class RunState:
     ranks: set[int]
     alive: set[int] = field(default_factory=set)
     status: StatusTailer | None = None
-    logs: dict[int, RankLog] = field(default_factory=dict)
+    phase: dict[int, str] = field(default_factory=dict)  # rank -> phase of its last report
 
 
 class WorkerDaemon:
@@ -109,9 +118,12 @@ class WorkerDaemon:
         self._launcher_up = asyncio.Event()
         self._launcher_up.set()
         self.runs: dict[tuple[str, int], RunState] = {}
-        self._seq = 0
-        self._reports: deque[pb.RankReport] = deque(maxlen=MAX_BUFFERED_REPORTS)
-        self._outbox: asyncio.Queue[pb.NodeMessage] | None = None
+        self.reports = ReportBuffer(MAX_BUFFERED_REPORTS)
+        self._control: deque[pb.NodeMessage] = deque()  # answers (log chunks), sent before reports
+        self._wake = asyncio.Event()                     # the writer has something to send
+        self._beat = asyncio.Event()                     # a heartbeat is due
+        self._answers: set[asyncio.Task] = set()         # log fetches being answered
+        self._online = False                             # a session is registered
         self._stopping = asyncio.Event()
         self.refused = 0  # Assign messages refused (bad ids)
         self._heartbeat_interval = 1.0
@@ -121,16 +133,16 @@ class WorkerDaemon:
         self._log = log.bind(node=cfg.name)
 
     # -- reports -----------------------------------------------------------------------------
-    def _report(self, job_id: str, attempt: int, status: pb.RankStatus, result: Any = None) -> None:
-        self._seq += 1
-        rep = pb.RankReport(job_id=job_id, attempt=attempt, status=status, seq=self._seq,
-                            result_json=json.dumps(result) if result is not None else "")
-        self._reports.append(rep)
-        self._send(pb.NodeMessage(report=rep))
+    def _report(self, job_id: str, attempt: int, status: pb.RankStatus, result: Any = None, *,
+                step_only: bool = False) -> None:
+        self.reports.add(job_id, attempt, status, json.dumps(result) if result is not None else "",
+                         step_only=step_only)
+        self._wake.set()
 
-    def _send(self, msg: pb.NodeMessage) -> None:
-        if self._outbox is not None:
-            self._outbox.put_nowait(msg)
+    def _send_control(self, msg: pb.NodeMessage) -> None:
+        if self._online:
+            self._control.append(msg)
+            self._wake.set()
 
     def _status_record(self, run: RunState, rec: dict[str, Any]) -> None:
         status = pb.RankStatus(
@@ -140,7 +152,10 @@ class WorkerDaemon:
         )
         if rec.get("traceback"):
             status.error = f"{status.error}\n{rec['traceback']}".strip()
-        self._report(run.job_id, run.attempt, status, rec.get("result"))
+        previous = run.phase.get(status.rank)
+        run.phase[status.rank] = status.phase
+        step_only = (status.phase == previous == "running" and not status.error and rec.get("result") is None)
+        self._report(run.job_id, run.attempt, status, rec.get("result"), step_only=step_only)
 
     # -- launcher events ---------------------------------------------------------------------
     async def _on_launcher_event(self, ev: dict[str, Any]) -> None:
@@ -228,44 +243,45 @@ class WorkerDaemon:
         if run.status is not None:
             for rec in run.status.poll():
                 self._status_record(run, rec)
-        if self._outbox is None:
-            return  # logs stay in their files until we are connected
-        for rank, rank_log in run.logs.items():
-            lines = rank_log.read()
-            for i in range(0, len(lines), LOG_BATCH):
-                self._send(pb.NodeMessage(logs=pb.LogLines(job_id=run.job_id, attempt=run.attempt, rank=rank,
-                                                            lines=lines[i:i + LOG_BATCH])))
 
     async def _poll_files(self) -> None:
+        turns = 0
         while not self._stopping.is_set():
             for key, run in list(self.runs.items()):
                 self._drain(run)
-                if not run.alive and self._outbox is not None and all(lg.drained() for lg in run.logs.values()):
-                    self.runs.pop(key, None)  # every exit reported and every log line shipped
+                if not run.alive:
+                    self.runs.pop(key, None)  # every exit reported (the buffer keeps them until stored)
+            turns += 1
+            if turns % ROTATE_EVERY == 0:
+                logs = [log_path(r.run_dir, rank) for r in self.runs.values() for rank in r.alive]
+                await asyncio.to_thread(self._rotate, logs)
             await asyncio.sleep(self.cfg.poll_interval)
+
+    def _rotate(self, paths: list[str]) -> None:
+        """Keep each live rank's log bounded (``logship.rotate_if_big``); runs on a worker thread."""
+        for path in paths:
+            try:
+                if rotate_if_big(path, self.cfg.log_cap_bytes):
+                    self._log.info("rank log rotated", path=path)
+            except OSError as exc:
+                self._log.warning("rank log rotation failed", path=path, error=str(exc))
 
     # -- coordinator messages ----------------------------------------------------------------
     def _checked(self, msg: pb.Assign) -> tuple[Path, list[RankAssignment]]:
         """The run dir and assignments of an Assign whose every id is safe as a path."""
         run_dir = run_dir_for(self.cfg.state_dir, msg.job_id, msg.attempt)
-        try:
-            assignments = [RankAssignment.from_json(r.assignment_json) for r in msg.ranks]
-        except (ValueError, TypeError) as exc:
-            raise Refused(f"unreadable rank assignment: {str(exc)[:200]}") from None
-        for a in assignments:
-            check_assignment(a, msg.job_id, msg.attempt)
-        return run_dir, [replace(a, run_dir=str(run_dir)) for a in assignments]
+        gpus = len(getattr(self.launcher, "hardware", {}).get("gpus") or [])
+        return run_dir, expand(msg, self.cfg.name, str(run_dir), gpus)
 
     def _refuse(self, msg: pb.Assign, why: str) -> None:
         """Count and log a refused Assign; its ranks are reported as never started."""
         self.refused += 1
         self._log.error("assignment refused", job=msg.job_id[:80], attempt=msg.attempt, error=why,
                         refused=self.refused)
-        for r in msg.ranks:
-            if r.rank >= 0:
-                self._report(msg.job_id, msg.attempt, pb.RankStatus(
-                    rank=r.rank, node=self.cfg.name, phase="exited", exited=True, exit_code=1,
-                    error=f"node {self.cfg.name} refused the assignment: {why}"))
+        for rank in claimed_ranks(msg):
+            self._report(msg.job_id, msg.attempt, pb.RankStatus(
+                rank=rank, node=self.cfg.name, phase="exited", exited=True, exit_code=1,
+                error=f"node {self.cfg.name} refused the assignment: {why}"))
 
     async def _fetch_blob(self, digest: str):  # noqa: ANN202 - an async iterator of bytes
         if self._channel is None:
@@ -298,8 +314,7 @@ class WorkerDaemon:
         run_dir.mkdir(parents=True, exist_ok=True)
         ranks = {a.rank for a in assignments}
         run = RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
-                       status=StatusTailer(str(run_dir)),
-                       logs={r: RankLog(log_path(str(run_dir), r), self.cfg.name) for r in ranks})
+                       status=StatusTailer(str(run_dir)))
         run.alive |= ranks  # counted alive from the launch on; exits remove them
         self.runs[(msg.job_id, msg.attempt)] = run
         self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(ranks))
@@ -323,19 +338,50 @@ class WorkerDaemon:
                 await self._assign(msg.assign)
             elif body == "cancel":
                 await self._cancel(msg.cancel)
+            elif body == "ack":
+                self.reports.acked(msg.ack.last_seq)
+            elif body == "fetch_logs":
+                task = asyncio.create_task(self._answer_fetch(msg.fetch_logs))
+                self._answers.add(task)
+                task.add_done_callback(self._answers.discard)
 
-    async def _write(self, call: Any, outbox: asyncio.Queue) -> None:
+    async def _answer_fetch(self, req: pb.FetchLogs) -> None:
+        """Read a rank's log file off the loop and send the chunk back."""
+        chunk = await asyncio.to_thread(answer_fetch, self.cfg.state_dir, req)
+        self._send_control(pb.NodeMessage(log_chunk=chunk))
+
+    async def _write(self, call: Any) -> None:
+        """The only writer of the stream: a due heartbeat first, then answers, then one batch of reports."""
+        loop = asyncio.get_running_loop()
+        beat, last_batch = 0, 0.0
         while True:
-            await call.write(await outbox.get())
+            await self._wake.wait()
+            self._wake.clear()
+            if self._beat.is_set():
+                self._beat.clear()
+                beat += 1
+                ports = free_ports(self.cfg.advertise_address, self.cfg.free_ports) if beat % 5 == 0 else []
+                await call.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=loop.time(), free_ports=ports)))
+            while self._control:
+                await call.write(self._control.popleft())
+            if not self.reports.unsent:
+                continue
+            wait = last_batch + self.cfg.report_interval - loop.time()
+            if wait > 0:  # reports made meanwhile coalesce; a heartbeat due meanwhile still goes first
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._beat.wait(), wait)
+                self._wake.set()
+                continue
+            last_batch = loop.time()
+            await call.write(pb.NodeMessage(batch=pb.ReportBatch(reports=self.reports.take(BATCH_REPORTS))))
+            if self.reports.unsent:
+                self._wake.set()
 
-    async def _heartbeats(self, outbox: asyncio.Queue) -> None:
-        beat = 0
+    async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self._heartbeat_interval)
-            beat += 1
-            ports = free_ports(self.cfg.advertise_address, self.cfg.free_ports) if beat % 5 == 0 else []
-            outbox.put_nowait(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=asyncio.get_running_loop().time(),
-                                                                    free_ports=ports)))
+            self._beat.set()
+            self._wake.set()
 
     # -- session -----------------------------------------------------------------------------
     def _register_msg(self) -> pb.NodeMessage:
@@ -357,27 +403,24 @@ class WorkerDaemon:
                 raise ConnectionError("coordinator did not acknowledge registration")
             ack = first.registered
             self._heartbeat_interval = ack.heartbeat_interval or 1.0
-            outbox: asyncio.Queue[pb.NodeMessage] = asyncio.Queue()
-            for rep in self._reports:
-                if rep.seq > ack.last_seq:
-                    outbox.put_nowait(pb.NodeMessage(report=rep))
-            while self._reports and self._reports[0].seq <= ack.last_seq:
-                self._reports.popleft()
-            self._outbox = outbox
+            replayed = self.reports.rewind(ack.last_seq)
+            self._control.clear()
+            self._online = True
+            self._wake.set()
             self.connected.set()
-            self._log.info("registered", coordinator=self.cfg.coordinator, replayed=outbox.qsize())
-            tasks = [asyncio.create_task(c) for c in (self._read(call), self._write(call, outbox),
-                                                      self._heartbeats(outbox))]
+            self._log.info("registered", coordinator=self.cfg.coordinator, replayed=replayed)
+            tasks = [asyncio.create_task(c) for c in (self._read(call), self._write(call), self._heartbeats())]
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     t.result()
             finally:
-                self._outbox = None
+                self._online = False
                 self._channel = None
                 self.connected.clear()
-                for t in tasks:
+                for t in (*tasks, *self._answers):
                     t.cancel()
+                self._answers.clear()
                 call.cancel()
 
     async def _connect_loop(self) -> None:

@@ -1,0 +1,191 @@
+"""The coordinator core at cluster scale, without a network: per-node Assigns that do not grow with
+the job, batched reports in one transaction per flush, per-job counters that equal a full scan,
+one job-level event per step, and a failure detector that discounts its own stalls."""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from rankctl.coordinator.progress import JobProgress, is_failed
+from rankctl.coordinator.records import RankRecord, RankUpdate
+from rankctl.coordinator.nodes import NodeStatus
+from rankctl.coordinator.states import JobState
+from rankctl.parallel.layout import ParallelConfig, RankLayout
+from rankctl.worker.reportbuf import ReportBuffer
+from rankctl.proto import rankctl_pb2 as pb
+from test_core import World, make_world
+
+S = JobState
+
+
+def big_yaml(nodes: int, slots: int = 8, tp: int = 8, pp: int = 1) -> str:
+    return (f"name: big\nkind: comm-check\nresources: {{nodes: {nodes}, slots_per_node: {slots}}}\n"
+            f"parallel: {{tp: {tp}, pp: {pp}}}\n")
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    w = make_world(tmp_path)
+    yield w
+    w.store.close()
+
+
+class CountingDb:
+    """A proxy of the store's SQLite connection that counts COMMITs."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db, self.commits = db, 0
+
+    def execute(self, sql: str, *args):  # noqa: ANN002, ANN201
+        if sql.strip().upper() == "COMMIT":
+            self.commits += 1
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.db, name)
+
+
+def start(world: World, nodes: int, **kw) -> tuple[object, list[str]]:
+    names = [f"n{i:04d}" for i in range(nodes)]
+    for name in names:
+        world.connect(name, slots=8)
+    job = world.core.submit(big_yaml(nodes, **kw))
+    assert job.state is S.STARTING
+    return job, names
+
+
+def batch(world: World, job, node: str, phase: str, step: int = 0, metrics: dict | None = None,
+          **status) -> int:
+    fake = world.nodes[node]
+    k = job.nodes.index(node)
+    updates = []
+    for r in range(k * 8, k * 8 + 8):
+        fake.seq += 1
+        m = json.dumps(metrics if metrics is not None else {})
+        updates.append(RankUpdate(job.id, job.attempt, RankRecord(r, node, phase, step, m, **status), "", fake.seq))
+    return world.core.rank_reports(fake.session, updates)
+
+
+def test_assign_size_does_not_grow_with_the_job_and_ranks_get_megatron_groups(world: World) -> None:
+    job, names = start(world, 256, tp=4, pp=2)
+    sizes = {len(world.nodes[n].bodies("assign")[0].SerializeToString()) for n in names}
+    assert max(sizes) - min(sizes) <= 8        # only the rank numbers differ
+    assert max(sizes) < 2048                   # the spec once, no per-rank groups
+    layout = RankLayout(ParallelConfig(tp=4, pp=2, world_size=2048))
+    for n in (names[0], names[77], names[-1]):
+        for a in world.nodes[n].assignments(job.id):
+            assert a.groups == layout.rank_groups(a.rank) and a.coords == layout.coords(a.rank)
+            assert a.node == n and a.rank // 8 == job.nodes.index(n)
+
+
+def test_batched_reports_commit_once_per_flush_and_write_one_event_per_step(world: World) -> None:
+    job, names = start(world, 128)
+    for phase in ("rendezvous", "groups", "running"):
+        for n in names:
+            batch(world, job, n, phase)
+        world.core.flush()
+    assert job.state is S.RUNNING
+    before = len(world.core.events(job.id))
+    proxy = CountingDb(world.store._db)
+    world.store._db = proxy
+    for step in (1, 2, 3):
+        for n in names:
+            batch(world, job, n, "running", step, {"loss": 3.0 - step, "tokens_per_s": 100.0 + step,
+                                                    "step_time_s": 0.5})
+        assert world.core.flush()
+    assert proxy.commits == 3                        # one transaction per flush, whatever the rank count
+    new = world.core.events(job.id)[before:]
+    assert [(e.kind, e.step) for e in new] == [("step", 1), ("step", 2), ("step", 3)]
+    assert new[-1].metrics == {"step": 3, "loss": 0.0, "tokens_per_s": 103.0, "step_time_min": 0.5,
+                               "step_time_max": 0.5}
+    summary = world.core.summary(job.id)
+    assert summary.min_step == summary.max_step == 3 and summary.phases == {"running": 1024}
+    assert summary.stragglers == [] and summary.failed == 0
+
+
+def test_a_straggler_holds_the_job_step_and_is_named(world: World) -> None:
+    job, names = start(world, 16)
+    for n in names:
+        batch(world, job, n, "running")
+    for step in (1, 2):
+        for n in names[1:]:
+            batch(world, job, n, "running", step, {"loss": 1.0})
+        world.core.flush()
+    summary = world.core.summary(job.id)
+    assert (summary.min_step, summary.max_step) == (0, 2)
+    assert summary.stragglers == list(range(8))     # node 0's ranks
+    assert not [e for e in world.core.events(job.id) if e.kind == "step"]
+    batch(world, job, names[0], "running", 2, {"loss": 1.0})
+    world.core.flush()
+    assert [e.step for e in world.core.events(job.id) if e.kind == "step"] == [2]
+
+
+def test_counters_equal_a_full_scan_under_random_reports() -> None:
+    rng = random.Random(7)
+    world_size = 64
+    progress, ranks = JobProgress(world_size), {}
+    for _ in range(3000):
+        r = rng.randrange(world_size)
+        old = ranks.get(r)
+        if old is not None and old.exited:
+            continue
+        phase = rng.choice(["rendezvous", "groups", "running", "running", "running", "done", "failed"])
+        exited = rng.random() < 0.05
+        step = (old.step if old else 0) + (rng.random() < 0.5)
+        new = RankRecord(r, "n", phase, step, "", "boom" if phase == "failed" else "",
+                         rng.choice([0, 0, 1]) if exited else 0, exited)
+        progress.moved(old, new)
+        ranks[r] = new
+        everyone = [ranks.get(i, RankRecord(i, "n")) for i in range(world_size)]
+        failed = sorted(x.rank for x in everyone if is_failed(x))
+        assert progress.min_step == min(x.step for x in everyone)
+        assert progress.max_step == max(x.step for x in everyone)
+        assert progress.exited == sum(x.exited for x in everyone)
+        assert (progress.lowest_failed().rank if progress.lowest_failed() else None) == (failed[0] if failed else None)
+        assert progress.all_running() == all(x.passed_running() for x in everyone)
+        assert sum(progress.phases.values()) == world_size
+        assert progress.phases == {p: n for p, n in
+                                   __import__("collections").Counter(x.phase for x in everyone).items()}
+
+
+def test_a_stalled_loop_does_not_mark_live_nodes_lost(world: World) -> None:
+    job, names = start(world, 4)
+    world.clock.t += 30                          # the loop was stuck for 30 s (heartbeats unread)
+    world.core.tick(loop_lag=30)
+    assert all(world.core.nodes.get(n).status is NodeStatus.READY for n in names)
+    assert job.state is S.STARTING
+    world.clock.t += 11                          # then really silent, past the 10 s timeout
+    world.core.tick()
+    assert all(world.core.nodes.get(n).status is NodeStatus.LOST for n in names)
+    assert job.state is S.FAILED
+
+
+def test_nodes_learn_what_is_stored_with_acks(world: World) -> None:
+    job, names = start(world, 2)
+    batch(world, job, names[0], "running")
+    world.core.flush()
+    acks = world.nodes[names[0]].bodies("ack")
+    assert [a.last_seq for a in acks] == [8]
+
+
+def test_report_buffer_keeps_the_newest_step_per_rank_and_never_drops_phase_changes() -> None:
+    buf = ReportBuffer()
+    st = lambda phase, step=0: pb.RankStatus(rank=0, phase=phase, step=step)  # noqa: E731
+    buf.add("j", 1, st("groups"))
+    buf.add("j", 1, st("running"))
+    for step in range(1, 50):
+        buf.add("j", 1, st("running", step), step_only=True)
+    buf.add("j", 1, st("done", 49))
+    sent = buf.take(100)
+    assert [(r.status.phase, r.status.step) for r in sent] == [("groups", 0), ("running", 0), ("running", 49),
+                                                               ("done", 49)]
+    assert buf.coalesced == 48
+    assert buf.rewind(sent[1].seq) == 2            # a new session replays what is not stored
+    assert [r.seq for r in buf.take(10)] == [sent[2].seq, sent[3].seq]
+    buf.acked(sent[-1].seq)
+    assert len(buf) == 0
