@@ -14,6 +14,13 @@ from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 DEFAULT_COORDINATOR = "127.0.0.1:7420"
 CONNECT_TIMEOUT = 5.0
 PAGE_SIZE = 500
+MAX_RANK_PAGE = 4096  # the most ranks one GetJob answers
+# as the coordinator's own limit: a finished job's result (per-step losses) may pass gRPC's 4 MiB default
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 16 << 20),)
+
+
+class Unimplemented(CtlError):
+    """The coordinator does not know this call (an older rankctl)."""
 
 
 class Client:
@@ -21,7 +28,7 @@ class Client:
 
     def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
@@ -49,9 +56,24 @@ class Client:
                                       queue_anyway=queue_anyway)
             return self.stub.SubmitJob(req).job
 
-    def get(self, job_id: str) -> pb.Job:
+    def get(self, job_id: str, rank_offset: int = 0, rank_limit: int = 0, summary_only: bool = False) -> pb.Job:
+        """The job, its summary and one page of ranks (``rank_limit`` 0: the coordinator's default page)."""
+        req = pb.GetJobRequest(job_id=job_id, rank_offset=rank_offset, rank_limit=rank_limit,
+                               summary_only=summary_only)
         with rpc_errors(self.address):
-            return self.stub.GetJob(pb.GetJobRequest(job_id=job_id))
+            return self.stub.GetJob(req)
+
+    def get_ranks(self, job_id: str, first: int, last: int) -> pb.Job:
+        """The job with ranks ``first..last`` (clipped to the world), fetched page by page."""
+        job = self.get(job_id, first, min(last - first + 1, MAX_RANK_PAGE))
+        while job.next_rank_offset and job.next_rank_offset <= last:
+            nxt = job.next_rank_offset
+            page = self.get(job_id, nxt, min(last - nxt + 1, MAX_RANK_PAGE))
+            job.ranks.extend(page.ranks)
+            job.next_rank_offset = page.next_rank_offset
+        end = first + len(job.ranks)
+        job.next_rank_offset = end if end < job.world_size else 0
+        return job
 
     def jobs(self, limit: int = 0, states: list[str] = ()) -> list[pb.Job]:
         return list(self.iter_jobs(limit, states))
@@ -82,6 +104,12 @@ class Client:
     def watch(self, job_id: str, after_seq: int = 0) -> Iterator[pb.JobEvent]:
         with rpc_errors(self.address):
             yield from self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id, after_seq=after_seq))
+
+    def watch_batches(self, job_id: str, after_seq: int = 0, min_interval: float = 0.0) -> Iterator[pb.JobEventBatch]:
+        """Event batches with the job's state and summary until it is terminal; Unimplemented on old coordinators."""
+        req = pb.WatchJobRequest(job_id=job_id, after_seq=after_seq, min_interval=min_interval)
+        with rpc_errors(self.address):
+            yield from self.stub.WatchJobBatches(req)
 
     def stat_blob(self, digest: str) -> bool:
         """Whether the coordinator holds the blob ``digest`` already."""
@@ -119,6 +147,8 @@ def rpc_errors(address: str) -> Iterator[None]:
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
             raise CtlError(details, EXIT_USAGE) from None
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            raise Unimplemented(f"the coordinator at {address} does not implement this call: {details}", 1) from None
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise CtlError(f"the coordinator at {address} cannot take this now: {details}", 1) from None
         raise CtlError(f"coordinator at {address} answered {code.name}: {details}", 1) from None

@@ -45,28 +45,38 @@ def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str]
     return text, sets, spec
 
 
+LIVE_INTERVAL = 0.2   # seconds between event batches while a live view is shown (steps coalesced between)
+WAIT_INTERVAL = 1.0   # ... while only the end matters (--wait)
+SHOWN_RANKS = 64      # ranks in a status or live view's table
+
+
 def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120.0):
-    """Follow a job's events until it is terminal; survive coordinator restarts. Returns the job."""
+    """Follow a job until it is terminal; survive coordinator restarts. Returns the job (one final GetJob).
+
+    One GetJob at the start and after each reconnect; then the displayed job is kept current from
+    WatchJobBatches (state, reason, attempt, summary, rank and step events), or from WatchJob's
+    single events when the coordinator predates batches.
+    """
+    from rankctl.cli.client import Unimplemented
     from rankctl.cli.render import TERMINAL, job_view, state_name, stderr_console
 
-    after, down_since = 0, None
-    display = _LiveView(stderr_console(), job_view) if live else None
+    follower = _Follower(_LiveView(stderr_console(), job_view) if live else None)
+    down_since, batches = None, True
     try:
         while True:
             try:
                 with ctx.client() as client:
-                    down_since = None
-                    job = client.get(job_id)
-                    if display:
-                        display.update(job)
-                    if state_name(job.state) in TERMINAL:
-                        return job
-                    for event in client.watch(job_id, after_seq=after):
-                        after = max(after, event.seq)
-                        if display:
-                            display.update(client.get(job_id), throttle=0.2)
-                        if state_name(event.state) in TERMINAL:
-                            return client.get(job_id)
+                    job = follower.start(client.get(job_id, rank_limit=SHOWN_RANKS))
+                    down_since, job_id = None, job.id
+                    if state_name(job.state) not in TERMINAL and batches:
+                        try:
+                            follower.batches(client, LIVE_INTERVAL if live else WAIT_INTERVAL)
+                        except Unimplemented:  # an older coordinator: single events
+                            batches = False
+                    if state_name(follower.job.state) not in TERMINAL and not batches:
+                        follower.events(client)
+                    if state_name(follower.job.state) in TERMINAL:
+                        return follower.finish(client.get(job_id))
             except CtlError as exc:
                 if exc.exit_code != EXIT_UNREACHABLE:
                     raise
@@ -76,8 +86,54 @@ def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120
                 click.echo(f"coordinator unreachable, retrying: {exc.message}", err=True)
                 time.sleep(1.0)
     finally:
-        if display:
-            display.stop()
+        follower.stop()
+
+
+class _Follower:
+    """The job being followed (one page of ranks), kept current from events; ``after`` survives reconnects."""
+
+    def __init__(self, display: "_LiveView | None") -> None:
+        self.display, self.after, self.job = display, 0, None
+
+    def start(self, job):
+        self.job = job
+        self._show()
+        return job
+
+    def batches(self, client, interval: float) -> None:
+        """Until the stream ends (the job is terminal); a new attempt re-reads the job (its ranks start over)."""
+        from rankctl.cli.render import apply_batch
+
+        for batch in client.watch_batches(self.job.id, self.after, interval):
+            if batch.attempt != self.job.attempt:
+                self.job = client.get(self.job.id, rank_limit=SHOWN_RANKS)
+            apply_batch(self.job, batch)
+            self.after = max([self.after, *(ev.seq for ev in batch.events)])
+            self._show(LIVE_INTERVAL)
+
+    def events(self, client) -> None:
+        """The same from WatchJob (a coordinator without batches): one event at a time, no GetJob per event."""
+        from rankctl.cli.render import TERMINAL, apply_event, state_name
+
+        for event in client.watch(self.job.id, after_seq=self.after):
+            apply_event(self.job, event)
+            self.after = max(self.after, event.seq)
+            self._show(LIVE_INTERVAL)
+            if state_name(event.state) in TERMINAL:
+                return
+
+    def finish(self, job):
+        self.job = job
+        self._show()
+        return job
+
+    def _show(self, throttle: float = 0.0) -> None:
+        if self.display:
+            self.display.update(self.job, throttle)
+
+    def stop(self) -> None:
+        if self.display:
+            self.display.stop()
 
 
 class _LiveView:
@@ -153,20 +209,38 @@ def jobs(ctx: Ctx, limit: int, states: tuple[str, ...], as_json: bool) -> None:
     stdout_console().print(rows_table("jobs", rows) if rows else "no jobs")
 
 
+def _rank_span(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    first, _, last = value.partition("-")
+    if not (first.isdigit() and (last.isdigit() or not last)) or int(last or first) < int(first):
+        raise click.BadParameter(f"{value!r} is not a rank range A-B with 0 <= A <= B (or one rank A)")
+    return int(first), int(last or first)
+
+
 @click.command("status")
 @click.argument("job_id")
+@click.option("--ranks", "span", metavar="A-B", callback=_rank_span,
+              help="Show ranks A to B (fetched page by page) instead of the first 64.")
 @json_option
 @pass_ctx
-def status(ctx: Ctx, job_id: str, as_json: bool) -> None:
-    """Show JOB_ID (id or name): state, reason, per-rank phase and step, result."""
+def status(ctx: Ctx, job_id: str, span: tuple[int, int] | None, as_json: bool) -> None:
+    """Show JOB_ID (id or name): state, reason, rank summary (phases, steps, stragglers, failing ranks),
+    a page of ranks, result. ``--json``: a large job's ``ranks`` holds its first page (or ``--ranks``),
+    with ``ranks_shown`` and ``next_rank_offset`` saying which."""
     from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
 
     with ctx.client() as client:
-        job = client.get(job_id)
+        if span is not None:
+            job = client.get_ranks(job_id, *span)
+        else:
+            job = client.get(job_id, rank_limit=0 if as_json else SHOWN_RANKS)
+    if span is not None and not job.ranks:
+        click.echo(f"no ranks in {span[0]}-{span[1]}: job {job.id} has ranks 0-{job.world_size - 1}", err=True)
     if as_json:
         print_json(job_to_dict(job))
     else:
-        stdout_console().print(job_view(job))
+        stdout_console().print(job_view(job, max_ranks=len(job.ranks) if span is not None else SHOWN_RANKS))
 
 
 @click.command("watch")

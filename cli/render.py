@@ -21,7 +21,12 @@ def _loads(text: str) -> Any:
 
 
 def job_to_dict(job: pb.Job) -> dict[str, Any]:
-    """The documented ``ctl status --json`` shape (ARCHITECTURE.md, Status and results)."""
+    """The documented ``ctl status --json`` shape (docs/architecture.md, Status and results).
+
+    ``ranks`` holds the ranks the job message carries (one page of a large job); when that is
+    not the whole world, ``ranks_shown`` says which ({"first", "last"}) and ``next_rank_offset``
+    where the next page starts (null: no more). ``summary`` is null from a coordinator without one.
+    """
     out: dict[str, Any] = {
         "id": job.id,
         "name": job.name,
@@ -33,15 +38,64 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
         "created_at": job.created_at,
         "finished_at": job.finished_at or None,
         "nodes": list(job.nodes),
-        "ranks": [{"rank": r.rank, "node": r.node, "state": r.phase, "step": r.step,
-                   **({"exit_code": r.exit_code} if r.exited else {}),
-                   **({"error": r.error} if r.error else {})} for r in job.ranks],
+        "ranks": [rank_to_dict(r) for r in job.ranks],
+        "summary": summary_to_dict(job.summary) if job.HasField("summary") else None,
         "result": _loads(job.result_json),
     }
+    if len(job.ranks) < job.world_size:
+        first = job.rank_offset
+        out["ranks_shown"] = {"first": first, "last": first + len(job.ranks) - 1} if job.ranks else None
+        out["next_rank_offset"] = job.next_rank_offset or None
     summary = _hook(job.kind, "summary")
     if summary is not None:
         out.update(summary(out["result"]))
     return out
+
+
+def rank_to_dict(r: pb.RankStatus) -> dict[str, Any]:
+    return {"rank": r.rank, "node": r.node, "state": r.phase, "step": r.step,
+            **({"exit_code": r.exit_code} if r.exited else {}), **({"error": r.error} if r.error else {})}
+
+
+def summary_to_dict(s: pb.JobSummary) -> dict[str, Any]:
+    return {"phases": dict(s.phases), "running": s.running, "exited": s.exited, "failed": s.failed,
+            "min_step": s.min_step, "max_step": s.max_step, "stragglers": list(s.stragglers),
+            "failing": [rank_to_dict(r) for r in s.failing], "metrics": _loads(s.metrics_json) or {},
+            "reports": s.reports}
+
+
+def last_line(error: str) -> str:
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    return lines[-1] if lines else "no error reported"
+
+
+def apply_batch(job: pb.Job, batch: pb.JobEventBatch) -> None:
+    """Bring a displayed job up to a WatchJobBatches batch: its events, then the state and summary it carries."""
+    for event in batch.events:
+        apply_event(job, event)
+    job.state, job.reason, job.attempt = batch.state, batch.reason, batch.attempt
+    if batch.HasField("summary"):
+        job.summary.CopyFrom(batch.summary)
+
+
+def apply_event(job: pb.Job, event: pb.JobEvent) -> None:
+    """Bring a displayed job up to one event: state, reason, the rank it names (if in the page), the step."""
+    job.state = event.state
+    if event.kind in ("transition", "waiting"):
+        job.reason = event.message
+    elif event.kind == "rank" and event.HasField("rank"):
+        i = event.rank.rank - job.rank_offset
+        if 0 <= i < len(job.ranks) and job.ranks[i].rank == event.rank.rank:
+            step = max(job.ranks[i].step, event.rank.step)
+            job.ranks[i].CopyFrom(event.rank)
+            job.ranks[i].step = step
+    elif event.kind == "step":  # every rank has finished event.step
+        for r in job.ranks:
+            r.step = max(r.step, event.step)
+        job.summary.min_step = max(job.summary.min_step, event.step)
+        job.summary.max_step = max(job.summary.max_step, event.step)
+        if event.metrics_json:
+            job.summary.metrics_json = event.metrics_json
 
 
 def node_to_dict(node: pb.Node) -> dict[str, Any]:
@@ -117,27 +171,62 @@ def result_tables(result: Any, kind: str = "") -> list:
 
 
 def job_view(job: pb.Job, max_ranks: int = 64):
-    """Summary, per-rank table and result tables of one job, as a rich renderable group."""
+    """Head, summary, progress, per-rank table (at most ``max_ranks``) and result tables, as one renderable."""
     from rich.console import Group
     from rich.text import Text
 
     d = job_to_dict(job)
     head = Text.assemble(
         (f"{d['id']}  ", "bold"), (d["state"], _state_style(d["state"])),
-        f"  attempt {d['attempt']}  world {d['world_size']}  nodes {', '.join(d['nodes']) or '-'}\n",
+        f"  attempt {d['attempt']}  world {d['world_size']}  nodes {_nodes_text(d['nodes'])}\n",
         f"reason: {d['reason'] or '-'}",
     )
-    ranks = [{"rank": r["rank"], "node": r["node"], "phase": r["state"], "step": r["step"],
-              "exit": r.get("exit_code", "")} for r in d["ranks"][:max_ranks]]
-    parts = [head]
+    parts: list[Any] = [head]
+    if d["summary"] is not None:
+        parts.append(summary_text(d["summary"], d["world_size"]))
     progress_fn = _hook(job.kind, "progress")
     progress = progress_fn(job) if progress_fn else None
     if progress is not None:
         parts.append(progress)
-    if ranks:
-        parts.append(rows_table("ranks", ranks))
+    shown = d["ranks"][:max_ranks]
+    if shown:
+        rows = [{"rank": r["rank"], "node": r["node"], "phase": r["state"], "step": r["step"],
+                 "exit": r.get("exit_code", "")} for r in shown]
+        parts.append(rows_table("ranks", rows))
+        if len(shown) < d["world_size"]:
+            parts.append(Text(f"showing ranks {shown[0]['rank']}-{shown[-1]['rank']} of {d['world_size']}; "
+                              f"`ctl status {d['id']} --ranks A-B` for more", style="dim"))
     parts += result_tables(d["result"], job.kind)
     return Group(*parts)
+
+
+NODES_NAMED = 8  # node names in a job's head line; the rest are counted
+
+
+def _nodes_text(nodes: list[str]) -> str:
+    if len(nodes) <= NODES_NAMED:
+        return ", ".join(nodes) or "-"
+    return f"{', '.join(nodes[:NODES_NAMED])}, ... ({len(nodes)} nodes)"
+
+
+def _few(ranks: list[int], shown: int = 8) -> str:
+    more = len(ranks) - shown
+    return ", ".join(map(str, ranks[:shown])) + (f" (+{more} more)" if more > 0 else "")
+
+
+def summary_text(s: dict[str, Any], world: int):
+    """Ranks per phase, the step spread, stragglers and failing ranks (one line each)."""
+    from rich.text import Text
+
+    phases = "  ".join(f"{phase} {n}" for phase, n in sorted(s["phases"].items(), key=lambda kv: -kv[1]) if n)
+    text = Text(f"ranks: {phases or '-'}  (running {s['running']}, exited {s['exited']}, failed {s['failed']} "
+                f"of {world})\nsteps: {s['min_step']}-{s['max_step']}")
+    if s["stragglers"]:
+        text.append(f"  stragglers at step {s['min_step']}: {_few(s['stragglers'])}")
+    for r in s["failing"]:
+        text.append(f"\nfailing: rank {r['rank']} on {r['node'] or '-'} (exit {r.get('exit_code', '-')}): "
+                    f"{last_line(r.get('error', ''))}", style="red")
+    return text
 
 
 def _state_style(state: str) -> str:

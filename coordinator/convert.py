@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.records import (
@@ -12,6 +12,11 @@ from rankctl.coordinator.records import (
 from rankctl.coordinator.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.contract.assignment import RankAssignment
+
+if TYPE_CHECKING:
+    from rankctl.coordinator.progress import JobSummary
+
+SUMMARY_ERROR_CHARS = 2000  # a failing rank's error in a summary: its tail (the summary goes out with every batch)
 
 _NODE_STATE = {
     NodeStatus.READY: pb.READY,
@@ -36,12 +41,26 @@ def rank_to_pb(r: RankRecord) -> pb.RankStatus:
     )
 
 
-def job_to_pb(job: JobRecord, ranks: list[RankRecord] = ()) -> pb.Job:
-    return pb.Job(
+def job_to_pb(job: JobRecord, ranks: list[RankRecord] = (), *, summary: "JobSummary | None" = None,
+              rank_offset: int = 0, next_rank_offset: int = 0, nodes: bool = True) -> pb.Job:
+    """A whole job message; ``ranks`` is one page starting at ``rank_offset`` (``nodes=False``: no node list)."""
+    msg = pb.Job(
         id=job.id, name=job.name, state=job_state(job.state), reason=job.reason, attempt=job.attempt,
-        world_size=job.world_size, created_at=job.created_at, finished_at=job.finished_at, nodes=job.nodes,
-        ranks=[rank_to_pb(r) for r in ranks], spec_json=json.dumps(job.spec),
+        world_size=job.world_size, created_at=job.created_at, finished_at=job.finished_at,
+        nodes=job.nodes if nodes else (), ranks=[rank_to_pb(r) for r in ranks], spec_json=json.dumps(job.spec),
         result_json=json.dumps(job.result) if job.result is not None else "", kind=job.kind,
+        rank_offset=rank_offset, next_rank_offset=next_rank_offset,
+    )
+    if summary is not None:
+        msg.summary.CopyFrom(summary_to_pb(summary))
+    return msg
+
+
+def summary_to_pb(s: "JobSummary") -> pb.JobSummary:
+    return pb.JobSummary(
+        phases=s.phases, running=s.running, exited=s.exited, failed=s.failed, min_step=s.min_step,
+        max_step=s.max_step, stragglers=s.stragglers, failing=[_error_tail(rank_to_pb(r)) for r in s.failing],
+        metrics_json=json.dumps(s.metrics) if s.metrics else "", reports=s.reports,
     )
 
 
@@ -54,9 +73,14 @@ def job_summary_pb(job: JobRecord) -> pb.Job:
     )
 
 
+def _error_tail(msg: pb.RankStatus) -> pb.RankStatus:
+    msg.error = msg.error[-SUMMARY_ERROR_CHARS:]
+    return msg
+
+
 def event_to_pb(ev: EventRecord) -> pb.JobEvent:
     msg = pb.JobEvent(seq=ev.seq, job_id=ev.job_id, ts=ev.ts, state=job_state(ev.state), kind=ev.kind,
-                      message=ev.message)
+                      message=ev.message, step=ev.step, metrics_json=json.dumps(ev.metrics) if ev.metrics else "")
     if ev.rank is not None:
         msg.rank.CopyFrom(rank_to_pb(ev.rank))
     return msg

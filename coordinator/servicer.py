@@ -4,12 +4,18 @@ Errors clients see carry the domain message only; anything unexpected is logged 
 traceback here and answered INTERNAL without details. Parsing and checking a job file is
 pure CPU work of bounded but real cost: it runs on a worker thread (``_off_loop``), never on
 the event loop, so a hostile job file cannot stall heartbeats, reports or other clients.
+
+Reads are bounded whatever the job's size: a Job carries the core's constant-size summary
+and one page of ranks (``_job``); watchers read stored events in chunks and send what is
+ready in batches (``WatchJobBatches``), with step events coalesced under ``min_interval``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
 from typing import AsyncIterator, NoReturn
 
 import grpc
@@ -23,6 +29,7 @@ from rankctl.coordinator.errors import (
 )
 from rankctl.coordinator.jobs import MAX_PAGE
 from rankctl.coordinator.logfetch import get_logs
+from rankctl.coordinator.records import EventRecord, JobRecord
 from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.states import is_terminal
 from rankctl.coordinator.store import StoreError
@@ -35,6 +42,13 @@ FOLLOW_POLL_S = 1.0  # watchers re-check at least this often even without a wake
 DEFAULT_PAGE = 100
 PAGE_BYTES = 1 << 20  # a ListJobs page stops near this size, whatever page_size says
 DETAILS_MAX = 8192    # characters of an error's details sent to a client
+RANK_PAGE = 256       # ranks in a GetJob page when rank_limit is 0
+MAX_RANK_PAGE = 4096  # ... and at most this many
+RANK_PAGE_BYTES = 1 << 20  # a page of ranks also stops near this size (long errors)
+NODES_BYTES = 1 << 20      # a job's node list is sent whole when its names fit in this; else not at all
+EVENT_CHUNK = 1000    # stored events read at once by WatchJob
+BATCH_EVENTS = 500    # stored events read for one JobEventBatch
+BATCH_BYTES = 1 << 20  # ... and a batch stops near this size (rank events carry error tails)
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (SpecError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -79,6 +93,35 @@ def _page_token(token: str) -> int:
     return int(token)
 
 
+def _rank_window(offset: int, limit: int) -> int:
+    """The page size for ``GetJob(rank_offset, rank_limit)``; InvalidRequest for a bad field."""
+    if offset < 0:
+        raise InvalidRequest(f"rank_offset={offset} must be 0 or more (the first rank of the page)")
+    if limit < 0:
+        raise InvalidRequest(f"rank_limit={limit} must be 0 or more (0: {RANK_PAGE} ranks; at most {MAX_RANK_PAGE})")
+    return min(limit or RANK_PAGE, MAX_RANK_PAGE)
+
+
+def _fits(names: list[str], budget: int = NODES_BYTES) -> bool:
+    total = 0
+    for name in names:  # stops as soon as the budget is passed: O(budget), not O(nodes)
+        total += len(name) + 3
+        if total > budget:
+            return False
+    return True
+
+
+def coalesce_steps(events: list[EventRecord]) -> list[EventRecord]:
+    """Each run of consecutive ``step`` events reduced to its newest; every other event kept."""
+    out: list[EventRecord] = []
+    for ev in events:
+        if ev.kind == "step" and out and out[-1].kind == "step":
+            out[-1] = ev
+        else:
+            out.append(ev)
+    return out
+
+
 async def _upload_chunks(first: pb.BlobChunk, rest: AsyncIterator[pb.BlobChunk]) -> AsyncIterator[bytes]:
     yield first.data
     async for chunk in rest:
@@ -92,9 +135,35 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         self.core = core
         self.blobs = blobs
 
-    def _job(self, job_id: str) -> pb.Job:
+    def _job(self, job_id: str, offset: int = 0, limit: int = RANK_PAGE, summary_only: bool = False) -> pb.Job:
+        """The job with its summary and ranks ``offset ..`` (at most ``limit``, and about RANK_PAGE_BYTES)."""
         job = self.core.get(job_id)
-        return convert.job_to_pb(job, self.core.ranks(job.id))
+        summary = self.core.summary(job.id)
+        ranks = [] if summary_only else self.core.rank_page(job.id, offset, limit)
+        msg = convert.job_to_pb(job, summary=summary, rank_offset=offset, nodes=_fits(job.nodes))
+        used = 0
+        for r in ranks:
+            rank = convert.rank_to_pb(r)
+            used += rank.ByteSize()
+            if used > RANK_PAGE_BYTES and msg.ranks:
+                break
+            msg.ranks.append(rank)
+        end = offset + len(msg.ranks)
+        msg.next_rank_offset = end if msg.ranks and end < job.world_size else 0
+        return msg
+
+    def _batch(self, job: JobRecord, events: list[EventRecord]) -> pb.JobEventBatch:
+        """The job now and ``events`` from the first, stopping near BATCH_BYTES (at least one event)."""
+        batch = pb.JobEventBatch(state=convert.job_state(job.state), reason=job.reason, attempt=job.attempt,
+                                 summary=convert.summary_to_pb(self.core.summary(job.id)))
+        used = 0
+        for ev in events:
+            msg = convert.event_to_pb(ev)
+            used += msg.ByteSize()
+            if used > BATCH_BYTES and batch.events:
+                break
+            batch.events.append(msg)
+        return batch
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         try:
@@ -110,8 +179,10 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             await _abort(context, exc)
 
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+        """Summary and one page of ranks: ``rank_limit`` 0 means RANK_PAGE; ``next_rank_offset`` 0: no more."""
         try:
-            return self._job(request.job_id)
+            limit = _rank_window(request.rank_offset, request.rank_limit)
+            return self._job(request.job_id, request.rank_offset, limit, request.summary_only)
         except Exception as exc:
             await _abort(context, exc)
 
@@ -182,19 +253,60 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             await _abort(context, exc)
 
     async def WatchJob(self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
-        """Stored events after ``after_seq``, then live ones, until the job is terminal."""
+        """Stored events after ``after_seq``, then live ones, until the job is terminal; one per message."""
         try:
-            job = self.core.get(request.job_id)
-            seq = request.after_seq
+            job_id, seq = self.core.get(request.job_id).id, request.after_seq
             while True:
-                wake = self.core.signals.arm(job.id)
-                done = is_terminal(job.state)  # read before the events: the final event is then included
-                for ev in self.core.events(job.id, seq):
-                    seq = ev.seq
-                    yield convert.event_to_pb(ev)
+                wake = self.core.signals.arm(job_id)
+                done = is_terminal(self.core.get(job_id).state)  # read before the events: the final one is included
+                while True:
+                    chunk = self.core.events(job_id, seq, EVENT_CHUNK)
+                    for ev in chunk:
+                        seq = ev.seq
+                        yield convert.event_to_pb(ev)
+                    if len(chunk) < EVENT_CHUNK:
+                        break
                 if done:
                     return
                 await self.core.signals.wait(wake, FOLLOW_POLL_S)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def WatchJobBatches(self, request: pb.WatchJobRequest,
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEventBatch]:
+        """Events after ``after_seq`` in batches, each with the job's state and summary, until terminal.
+
+        The first batch comes at once (it may hold no events); later ones only with events. A batch
+        holds what one read of at most BATCH_EVENTS gives. ``min_interval`` > 0 spaces batches by that
+        many seconds and keeps only the newest of consecutive step events; a backlog (the last read
+        was full) is sent without waiting, so a watcher of a long history catches up at once.
+        """
+        try:
+            interval = request.min_interval
+            if not (math.isfinite(interval) and interval >= 0):
+                raise InvalidRequest(f"min_interval={interval} must be a number of seconds, 0 or more")
+            job_id, seq = self.core.get(request.job_id).id, request.after_seq
+            sent, behind = None, False
+            while True:
+                if interval and sent is not None and not behind:
+                    await asyncio.sleep(max(0.0, sent + interval - time.monotonic()))
+                wake = self.core.signals.arm(job_id)
+                job = self.core.get(job_id)  # state, events and summary read together, with no await between
+                read = self.core.events(job_id, seq, BATCH_EVENTS)
+                events = coalesce_steps(read) if interval else read
+                done = is_terminal(job.state)
+                if events or sent is None:
+                    batch = self._batch(job, events)
+                    behind = len(read) == BATCH_EVENTS or len(batch.events) < len(events)
+                    seq = batch.events[-1].seq if batch.events else seq
+                    yield batch
+                    sent = time.monotonic()
+                else:
+                    behind = False
+                if done and not behind:
+                    return
+                if not behind:
+                    await self.core.signals.wait(wake, FOLLOW_POLL_S)
         except Exception as exc:
             await _abort(context, exc)
 

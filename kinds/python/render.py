@@ -1,5 +1,5 @@
 """How ``ctl`` shows a ``python`` job: ``train``'s losses in ``--json`` and tables, plus the last metrics,
-and a progress line (step, loss, metrics) from the ranks' latest reports."""
+and a progress line (step, loss, metrics) from the job summary (or, from an older coordinator, the ranks)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ def summary(result: Any) -> dict[str, Any]:
 
 
 def progress(job: Any):
-    """``step N  loss X  name value ...`` of the lowest rank that reports a loss; None before any report."""
-    latest = train_render._latest_metrics(job)
+    """``step N  loss X  name value ...`` (``train_render.latest_metrics``); None before any loss is reported."""
+    latest = train_render.latest_metrics(job)
     if latest is None:
         return None
     step, m = latest
-    shown = [f"{k} {v:.4g}" for k, v in m.items() if k != "loss" and isinstance(v, (int, float))][:SHOWN_METRICS]
+    shown = [f"{k} {v:.4g}" for k, v in m.items() if k not in ("loss", "step") and isinstance(v, (int, float))][:SHOWN_METRICS]
     return "  ".join([f"step {step}", f"loss {m['loss']:.4f}", *shown])

@@ -54,26 +54,40 @@ def _sample(rows: list, n: int) -> list:
 
 
 def progress(job: Any):
-    """A progress bar with the current loss and tokens/s, from the ranks' latest metrics."""
+    """A progress bar with the current loss, tokens/s and step-time spread (see ``latest_metrics``)."""
     from rich.progress_bar import ProgressBar
     from rich.table import Table
 
     steps = (_loads(job.spec_json) or {}).get("train", {}).get("steps", 0)
-    latest = _latest_metrics(job)
+    latest = latest_metrics(job)
     if not steps or latest is None:
         return None
     step, m = latest
+    cells = [f"step {step}/{steps}", ProgressBar(total=steps, completed=step, width=30),
+             f"loss {m.get('loss', float('nan')):.4f}", f"{m.get('tokens_per_s', 0):,.0f} tok/s"]
+    if _number(m.get("lr")):
+        cells.append(f"lr {m['lr']:.2e}")
+    if _number(m.get("step_time_min")) and _number(m.get("step_time_max")):
+        cells.append(f"step time {m['step_time_min']:.3g}-{m['step_time_max']:.3g} s")
     grid = Table.grid(padding=(0, 1))
-    grid.add_row(f"step {step}/{steps}", ProgressBar(total=steps, completed=step, width=30),
-                 f"loss {m.get('loss', float('nan')):.4f}", f"{m.get('tokens_per_s', 0):,.0f} tok/s",
-                 f"lr {m.get('lr', 0):.2e}")
+    grid.add_row(*cells)
     return grid
 
 
-def _latest_metrics(job: Any) -> tuple[int, dict] | None:
-    """(step, metrics) of the lowest rank that reports a loss (a last pipeline stage)."""
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def latest_metrics(job: Any) -> tuple[int, dict] | None:
+    """(step, metrics) with a loss: the job summary's (the last step every rank finished), else, from a
+    coordinator without summaries, those of the lowest rank in the job's page that reports a loss."""
+    summary = job.summary if job.HasField("summary") else None
+    m = _loads(summary.metrics_json) if summary is not None else None
+    if isinstance(m, dict) and _number(m.get("loss")):
+        step = m.get("step")
+        return (step if _number(step) else summary.min_step), m
     for r in sorted(job.ranks, key=lambda r: r.rank):
         m = _loads(r.metrics_json) or {}
-        if isinstance(m, dict) and isinstance(m.get("loss"), (int, float)):
+        if isinstance(m, dict) and _number(m.get("loss")):
             return r.step, m
     return None
