@@ -200,7 +200,9 @@ def job_view(job: pb.Job, max_ranks: int = 64):
     return Group(*parts)
 
 
-NODES_NAMED = 8  # node names in a job's head line; the rest are counted
+NODES_NAMED = 8       # node names in a job's head line; the rest are counted
+FAILING_SHOWN = 4     # failing ranks in a job's view, each with its error's last line ...
+ERROR_LINE_MAX = 160  # ... cut to this many characters
 
 
 def _nodes_text(nodes: list[str]) -> str:
@@ -223,9 +225,14 @@ def summary_text(s: dict[str, Any], world: int):
                 f"of {world})\nsteps: {s['min_step']}-{s['max_step']}")
     if s["stragglers"]:
         text.append(f"  stragglers at step {s['min_step']}: {_few(s['stragglers'])}")
-    for r in s["failing"]:
-        text.append(f"\nfailing: rank {r['rank']} on {r['node'] or '-'} (exit {r.get('exit_code', '-')}): "
-                    f"{last_line(r.get('error', ''))}", style="red")
+    for r in s["failing"][:FAILING_SHOWN]:
+        line = last_line(r.get("error", ""))
+        line = line if len(line) <= ERROR_LINE_MAX else line[:ERROR_LINE_MAX - 1] + "…"
+        text.append(f"\nfailing: rank {r['rank']} on {r['node'] or '-'} (exit {r.get('exit_code', '-')}): {line}",
+                    style="red")
+    if s["failed"] > FAILING_SHOWN:
+        text.append(f"\n... {s['failed'] - FAILING_SHOWN} more failed rank(s); `--json` lists the lowest "
+                    f"{len(s['failing'])} with their errors", style="red")
     return text
 
 

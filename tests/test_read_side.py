@@ -401,3 +401,38 @@ def test_ctl_watch_reads_the_job_once_then_follows_events(served: ThreadedCoordi
     assert doc["state"] == "SUCCEEDED" and doc["summary"]["min_step"] == 30 and len(doc["ranks"]) == 8
     assert served.calls["GetJob"] == 2 and served.calls["WatchJobBatches"] == 1
     assert served.calls["WatchJob"] == fallback
+
+
+# -- what ctl makes of the messages (no server) -------------------------------------------
+def test_a_followed_job_takes_ranks_steps_and_summary_from_events_and_batches() -> None:
+    from rankctl.cli.render import apply_batch
+
+    job = pb.Job(id="j", state=pb.STARTING, attempt=1, world_size=512, rank_offset=256,
+                 ranks=[pb.RankStatus(rank=r, phase="starting") for r in range(256, 320)])
+    summary = pb.JobSummary(phases={"running": 512}, running=512, min_step=7, max_step=9,
+                            metrics_json=json.dumps({"step": 7, "loss": 2.5}))
+    batch = pb.JobEventBatch(state=pb.RUNNING, reason="all 512 ranks running", attempt=1, summary=summary, events=[
+        pb.JobEvent(seq=5, kind="rank", state=pb.STARTING, rank=pb.RankStatus(rank=300, phase="running", step=2)),
+        pb.JobEvent(seq=6, kind="rank", state=pb.STARTING, rank=pb.RankStatus(rank=3, phase="running")),  # not shown
+        pb.JobEvent(seq=7, kind="transition", state=pb.RUNNING, message="all 512 ranks running"),
+        pb.JobEvent(seq=8, kind="step", state=pb.RUNNING, step=7, metrics_json=json.dumps({"step": 7, "loss": 2.5}))])
+    apply_batch(job, batch)
+    assert (job.state, job.reason, job.summary) == (pb.RUNNING, "all 512 ranks running", summary)
+    assert job.ranks[300 - 256].phase == "running" and {r.step for r in job.ranks} == {7}
+    assert {r.phase for r in job.ranks if r.rank != 300} == {"starting"} and len(job.ranks) == 64
+
+
+def test_progress_comes_from_the_summary_and_from_the_ranks_of_an_older_coordinator() -> None:
+    from rankctl.kinds.python import render as python_render
+    from rankctl.kinds.train.render import latest_metrics
+
+    ranks = [pb.RankStatus(rank=1, step=4, metrics_json=json.dumps({"loss": 3.0})),
+             pb.RankStatus(rank=0, step=4, metrics_json=json.dumps({"lr": 0.1}))]
+    old = pb.Job(kind="python", ranks=ranks)                                 # no summary field at all
+    assert latest_metrics(old) == (4, {"loss": 3.0})
+    new = pb.Job(kind="python", ranks=ranks, summary=pb.JobSummary(
+        min_step=6, metrics_json=json.dumps({"step": 5, "loss": 1.5, "tokens_per_s": 10.0})))
+    assert latest_metrics(new) == (5, {"step": 5, "loss": 1.5, "tokens_per_s": 10.0})
+    assert python_render.progress(new) == "step 5  loss 1.5000  tokens_per_s 10"
+    new.summary.metrics_json = ""                                             # no step finished by all yet
+    assert latest_metrics(new) == (4, {"loss": 3.0})
