@@ -109,7 +109,7 @@ class _Follower:
                 self.job = client.get(self.job.id, rank_limit=SHOWN_RANKS)
             apply_batch(self.job, batch)
             self.after = max([self.after, *(ev.seq for ev in batch.events)])
-            self._show(LIVE_INTERVAL)
+            self._show(LIVE_INTERVAL / 2)  # the coordinator spaces batches already; this only spares a backlog
 
     def events(self, client) -> None:
         """The same from WatchJob (a coordinator without batches): one event at a time, no GetJob per event."""
@@ -221,13 +221,14 @@ def _rank_span(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.command("status")
 @click.argument("job_id")
 @click.option("--ranks", "span", metavar="A-B", callback=_rank_span,
-              help="Show ranks A to B (fetched page by page) instead of the first 64.")
+              help="Ranks A to B (or one rank A), fetched page by page, instead of the first page.")
 @json_option
 @pass_ctx
 def status(ctx: Ctx, job_id: str, span: tuple[int, int] | None, as_json: bool) -> None:
     """Show JOB_ID (id or name): state, reason, rank summary (phases, steps, stragglers, failing ranks),
-    a page of ranks, result. ``--json``: a large job's ``ranks`` holds its first page (or ``--ranks``),
-    with ``ranks_shown`` and ``next_rank_offset`` saying which."""
+    the first 64 ranks, result. With --json, "ranks" holds the coordinator's first page (256 ranks)
+    or the --ranks range; when that is not every rank, "ranks_shown" ({first, last}) and
+    "next_rank_offset" (null: no more) say which."""
     from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
 
     with ctx.client() as client:
