@@ -102,11 +102,12 @@ def _rank_window(offset: int, limit: int) -> int:
     return min(limit or RANK_PAGE, MAX_RANK_PAGE)
 
 
-def _fits(names: list[str], budget: int = NODES_BYTES) -> bool:
+def _nodes_fit(names: list[str]) -> bool:
+    """Whether a job's node list fits NODES_BYTES; stops once past it (O(budget), not O(nodes))."""
     total = 0
-    for name in names:  # stops as soon as the budget is passed: O(budget), not O(nodes)
-        total += len(name) + 3
-        if total > budget:
+    for name in names:
+        total += len(name) + 3  # a repeated string's tag, length and text
+        if total > NODES_BYTES:
             return False
     return True
 
@@ -140,7 +141,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         job = self.core.get(job_id)
         summary = self.core.summary(job.id)
         ranks = [] if summary_only else self.core.rank_page(job.id, offset, limit)
-        msg = convert.job_to_pb(job, summary=summary, rank_offset=offset, nodes=_fits(job.nodes))
+        msg = convert.job_to_pb(job, summary=summary, rank_offset=offset, nodes=_nodes_fit(job.nodes))
         used = 0
         for r in ranks:
             rank = convert.rank_to_pb(r)

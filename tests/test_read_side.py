@@ -167,6 +167,20 @@ def test_a_page_of_ranks_with_long_errors_stops_near_a_mebibyte(tmp_path: Path) 
     run(test, tmp_path)
 
 
+def test_a_node_list_past_its_budget_is_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(servicer, "NODES_BYTES", 64)  # 12 names of 2-3 characters fit, 32 do not
+
+    async def test(c: Cluster) -> None:
+        small = await c.submit(12, 1)
+        assert sorted((await c.get(small.id)).nodes) == sorted(f"n{i}" for i in range(12))
+        await c.client.CancelJob(pb.CancelJobRequest(job_id=small.id))
+        big = await c.submit(32, 1)
+        page = await c.get(big.id)
+        assert page.state == pb.STARTING and list(page.nodes) == [] and len(page.ranks) == 32
+        assert {r.node for r in page.ranks} == {f"n{i}" for i in range(32)}
+    run(test, tmp_path)
+
+
 def test_bad_read_requests_are_invalid_arguments_naming_the_field(tmp_path: Path) -> None:
     async def test(c: Cluster) -> None:
         job = await c.submit(1, 2)
