@@ -448,6 +448,10 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
         say(f"cpu        : coordinator {r['coord_cores']:.2f} cores over that window = {r['cpu_us']:.1f} us per "
             f"rank-step ({ranks} ranks); generators {r['gen_cores']:.2f} cores = {r['gen_us_node_step']:.0f} us "
             f"per node-step; this driver (watch, polls) {r['driver_cores']:.2f} cores")
+        need = r["gen_us_node_step"] * n * ns.step_rate / 1e6
+        say(f"generators : offering {ns.step_rate:g} steps/s at {n} nodes costs them ~{need:.2f} cores "
+            f"({os.cpu_count()} on this machine); tick lateness with idle generator cores is the coordinator's "
+            "backpressure (stream flow control), not the generators' CPU")
     else:
         say(f"steps      : slowest rank stored step {r.get('min_step', 0)}/{ns.steps}: no steady window to measure")
     say(f"job        : {r.get('final_state', '?')} ({r.get('reason', '')[:160]})")
