@@ -345,12 +345,15 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
             except grpc.aio.AioRpcError:
                 pass
         r["final_state"] = state
-        job = await client.GetJob(pb.GetJobRequest(job_id=job_id, summary_only=True), timeout=60)
-        r["reason"] = job.reason
-        nodes = (await client.ListNodes(pb.ListNodesRequest(), timeout=60)).nodes
-        r["not_ready"] = sum(1 for x in nodes if x.state != pb.READY)
-        r["lost"] = sum(1 for x in nodes if x.state == pb.LOST)
-        r["rejected"] = sum(x.rejected_reports for x in nodes)
+        try:
+            job = await client.GetJob(pb.GetJobRequest(job_id=job_id, summary_only=True), timeout=60)
+            r["reason"] = job.reason
+            nodes = (await client.ListNodes(pb.ListNodesRequest(), timeout=60)).nodes
+            r["not_ready"] = sum(1 for x in nodes if x.state != pb.READY)
+            r["lost"] = sum(1 for x in nodes if x.state == pb.LOST)
+            r["rejected"] = sum(x.rejected_reports for x in nodes)
+        except grpc.aio.AioRpcError as exc:
+            say(f"after      : GetJob/ListNodes failed: {exc.code().name}: {exc.details()}")
         await asyncio.sleep(1.0)  # the last events reach the watcher
         if not watch.done():
             watch.cancel()
@@ -470,7 +473,7 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
     r["line"] = (f"scale nodes={n} ranks={ranks} assign_s={fmt(r.get('assign_s', NAN), 2)} "
                  f"steps_stored={r.get('min_step', 0)}/{ns.steps} "
                  f"step_rate={fmt(r.get('step_rate', NAN))}/{ns.step_rate:.2f} "
-                 f"watch_p99_s={fmt(r['watch_p99'], 2)} status_s={fmt(r['status_s'], 1)} lost={r.get('lost', 'nan')} "
+                 f"watch_p99_s={fmt(r['watch_p99'], 3)} status_s={fmt(r['status_s'], 1)} lost={r.get('lost', 'nan')} "
                  f"rss_mib={fmt(r.get('rss_mib', NAN), 0)} cpu_us_per_rank_step={fmt(r.get('cpu_us', NAN), 1)} "
                  f"mode={r['mode']}")
 
