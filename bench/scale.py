@@ -223,15 +223,17 @@ async def watcher(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str, out: 
             out["error"] = f"{exc.code().name}: {exc.details()}"
 
 
-def timed_status(ctl: list[str], env: dict, address: str, job_id: str) -> tuple[float, int]:
+def timed_status(ctl: list[str], env: dict, address: str, job_id: str) -> tuple[float, int, float]:
+    """(wall seconds, exit code, CPU seconds) of one ``ctl status JOB``; killed after 120 s."""
     t0 = time.perf_counter()
-    try:
-        out = subprocess.run(ctl + ["--coordinator", address, "status", job_id], capture_output=True, env=env,
-                             timeout=120)
-        rc = out.returncode
-    except subprocess.TimeoutExpired:
-        rc = -1
-    return time.perf_counter() - t0, rc
+    p = subprocess.Popen(ctl + ["--coordinator", address, "status", job_id], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=env)
+    killer = threading.Timer(120, p.kill)
+    killer.start()
+    _, status, usage = os.wait4(p.pid, 0)
+    killer.cancel()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return time.perf_counter() - t0, p.returncode, usage.ru_utime + usage.ru_stime
 
 
 async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, env: dict, python: str,
@@ -318,8 +320,7 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
             why = f"the job ended {state}" if state in ("FAILED", "CANCELLED", "SUCCEEDED") else "the deadline passed"
             say(f"steps      : slowest rank stored step {min_step}/{steps} when {why}")
         for t in status_tasks:
-            dt, rc = await t
-            r.setdefault("status_runs", []).append((dt, rc))
+            r.setdefault("status_runs", []).append(await t)
         r["samples"] = samples
 
         # -- steady window: from the first sample with every rank at step >= 1 to the first at the last step seen
@@ -440,10 +441,10 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
     else:
         say(f"watch lag  : no live events seen{(' (' + w['error'] + ')') if w.get('error') else ''}")
     runs = r.get("status_runs", [])
-    r["status_s"] = max((dt for dt, _ in runs), default=NAN)
+    r["status_s"] = max((dt for dt, _, _ in runs), default=NAN)
     if runs:
-        say(f"ctl status : {', '.join(f'{dt:.2f} s' + ('' if rc == 0 else f' (exit {rc})') for dt, rc in runs)}; "
-            f"max {r['status_s']:.2f} s")
+        say(f"ctl status : {', '.join(f'{dt:.2f} s (cpu {cpu:.2f} s)' + ('' if rc == 0 else f' exit {rc}') for dt, rc, cpu in runs)}"
+            f"; max {r['status_s']:.2f} s")
     if "step_rate" in r:
         a, b, dt = r["window"]
         say(f"steps      : slowest rank stored step {r.get('min_step', 0)}/{ns.steps}; steps {a}->{b} in {dt:.1f} s "
