@@ -27,6 +27,7 @@ from collections import Counter
 import grpc
 
 from rankctl.proto import rankctl_pb2 as pb
+from rankctl.worker.reporting import step_figures
 
 MAX_MSG = 16 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -68,9 +69,17 @@ class Sim:
         self.lateness: list[float] = []        # seconds a tick was sent after its time
         self.assign_bytes_max = 0
         self._metrics: dict[tuple[int, bool], str] = {}
+        self._parsed: dict[str, dict] = {}
         self.daemons: list[Daemon] = []
         self.failed: list[tuple[int, float, str]] = []  # (daemon index, seconds since start, debug text)
         self.t0 = time.monotonic()
+
+    def parsed(self, text: str) -> dict:
+        """The dict of a metrics text this simulator made (cached: the generator's CPU is the limit)."""
+        m = self._parsed.get(text)
+        if m is None:
+            m = self._parsed[text] = json.loads(text)
+        return m
 
     def metrics(self, step: int, with_loss: bool) -> str:
         key = (step, with_loss)
@@ -105,6 +114,7 @@ class Daemon:
         self.connected = asyncio.Event()  # set from Registered until the stream breaks
         self.was_registered = False
         self.heartbeat: asyncio.Task | None = None
+        self.last_batch = 0.0  # when the last ReportBatch went out
         self.tasks: dict[str, asyncio.Task] = {}  # job id -> its player
         self.playing: dict[str, tuple[int, list[int]]] = {}  # job id -> (attempt, ranks), for a re-Register
 
@@ -199,8 +209,11 @@ class Daemon:
         while True:
             beat += 1
             ports = [self.port] if beat % 5 == 0 else []
-            await self.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=time.time(), free_ports=ports)))
-            self.sim.counts["sent_heartbeat"] += 1
+            # as the real daemon does (worker/daemon.py): a batch within the interval already showed the
+            # node alive, so only every fifth beat (free ports) goes; an old daemon (legacy) always beats
+            if self.sim.legacy or ports or time.time() - self.last_batch >= interval:
+                await self.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=time.time(), free_ports=ports)))
+                self.sim.counts["sent_heartbeat"] += 1
             await asyncio.sleep(interval)
 
     def on_assign(self, assign: pb.Assign, t_recv: float, nbytes: int) -> None:
@@ -223,9 +236,11 @@ class Daemon:
     def report(self, job_id: str, attempt: int, rank: int, phase: str, step: int, metrics: str = "",
                result: str = "", exited: bool = False) -> pb.RankReport:
         self.seq += 1
-        return pb.RankReport(job_id=job_id, attempt=attempt, seq=self.seq, result_json=result, status=pb.RankStatus(
-            rank=rank, node=self.name, phase=phase, step=step, metrics_json=metrics, exited=exited, exit_code=0,
-            updated_at=time.time()))
+        status = pb.RankStatus(rank=rank, node=self.name, phase=phase, step=step, metrics_json=metrics,
+                               exited=exited, exit_code=0, updated_at=time.time())
+        if metrics and not self.sim.legacy:  # the typed step figures, as the real daemon sets them
+            step_figures(status, self.sim.parsed(metrics))
+        return pb.RankReport(job_id=job_id, attempt=attempt, seq=self.seq, result_json=result, status=status)
 
     async def send(self, reports: list[pb.RankReport]) -> None:
         sim = self.sim
@@ -235,6 +250,7 @@ class Daemon:
             sim.counts["sent_report_msgs"] += len(reports)
         else:
             await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)))
+            self.last_batch = time.time()
             sim.counts["sent_batches"] += 1
         sim.counts["sent_reports"] += len(reports)
 

@@ -57,6 +57,9 @@ def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wai
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CtlError(f"--state-dir {state_dir}: {exc.strerror}") from None
+    from rankctl.coordinator.server import tune_gc
+
+    tune_gc()
     try:
         asyncio.run(_serve_coordinator(listen, state_dir, heartbeat_timeout, head_wait))
     except (StateDirInUse, StoreUnusable) as exc:

@@ -95,7 +95,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
         if body == "heartbeat":
             self.core.heartbeat(session, list(msg.heartbeat.free_ports))
         elif body == "batch":
-            self.core.rank_reports(session, [convert.update_from_pb(r) for r in msg.batch.reports])
+            self.core.rank_reports(session, msg.batch.reports)  # read in place: no copy per report
         elif body == "log_chunk":
             self.core.logfetch.deliver(session.name, msg.log_chunk)
         elif body == "report":  # a daemon of an older rankctl: one report per message

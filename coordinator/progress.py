@@ -50,6 +50,10 @@ def is_failed(r: RankRecord) -> bool:
     return r.exited and (r.exit_code != 0 or r.phase == "failed")
 
 
+def _number(v: Any) -> float | None:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
 def _passed_running(phase: str, exited: bool) -> bool:
     return exited or PHASE_INDEX.get(phase, -1) >= RUNNING_INDEX
 
@@ -81,18 +85,20 @@ class _StepAcc:
     time_max: float | None = None
 
     def add(self, m: dict[str, Any]) -> None:
-        loss, val = m.get("loss"), m.get("val_loss")
-        if self.loss is None and isinstance(loss, (int, float)):
+        """Fold a metrics dict (numbers only; ``step_time_s`` or ``step_time``)."""
+        self.fold(*(_number(m.get(k)) for k in ("loss", "val_loss", "tokens_per_s")),
+                  _number(m.get("step_time_s", m.get("step_time"))))
+
+    def fold(self, loss: float | None, val: float | None, tps: float | None, dt: float | None) -> None:
+        if self.loss is None and loss is not None:
             self.loss = float(loss)
-        if self.val_loss is None and isinstance(val, (int, float)):
+        if self.val_loss is None and val is not None:
             self.val_loss = float(val)
-        tps = m.get("tokens_per_s")
-        if isinstance(tps, (int, float)):
+        if tps is not None:
             self.tokens_per_s = tps if self.tokens_per_s is None else min(self.tokens_per_s, tps)
-        dt = m.get("step_time_s", m.get("step_time"))
-        if isinstance(dt, (int, float)):
-            self.time_min = dt if self.time_min is None else min(self.time_min, dt)
-            self.time_max = dt if self.time_max is None else max(self.time_max, dt)
+        if dt is not None:
+            self.time_min = dt if self.time_min is None or dt < self.time_min else self.time_min
+            self.time_max = dt if self.time_max is None or dt > self.time_max else self.time_max
 
     def as_dict(self) -> dict[str, Any]:
         out = {"loss": self.loss, "tokens_per_s": self.tokens_per_s,
@@ -154,8 +160,27 @@ class JobProgress:
             return self.moved_step(new.rank, o_step, new.step)
         return None
 
+    def step_figures(self, step: int, st: Any) -> None:
+        """Fold one rank's figures of ``step`` into that step's aggregate (kept for a window of steps).
+
+        ``st`` is a wire ``RankStatus`` (typed ``loss``/``val_loss``/``tokens_per_s``/``step_time_s``,
+        set by the daemon) or anything with a ``metrics_json`` (parsed only then).
+        """
+        if step < self.min_step or step > self.min_step + STEP_WINDOW:
+            return
+        has = getattr(st, "HasField", None)
+        if has is not None and (has("step_time_s") or has("tokens_per_s") or has("loss")):
+            acc = self._acc.get(step)
+            if acc is None:
+                acc = self._acc[step] = _StepAcc()
+            acc.fold(st.loss if has("loss") else None, st.val_loss if has("val_loss") else None,
+                     st.tokens_per_s if has("tokens_per_s") else None,
+                     st.step_time_s if has("step_time_s") else None)
+            return
+        self.step_metrics(step, st.metrics_json)
+
     def step_metrics(self, step: int, metrics_json: str) -> None:
-        """Fold one rank's metrics of ``step`` into that step's aggregate (kept for a window of steps)."""
+        """Fold one rank's metrics (JSON text) of ``step`` into that step's aggregate."""
         if step < self.min_step or step > self.min_step + STEP_WINDOW or len(metrics_json) < 3:
             return
         try:

@@ -17,7 +17,7 @@ exit or error changes, and one job-level ``step`` event when the slowest rank fi
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import structlog
 
@@ -33,7 +33,7 @@ FLUSH_S = 0.05                # group commit period
 RETRY_S = 1.0                 # while the store refuses, retry this often
 MAX_INBOX = 200_000           # reports queued between two flushes before one is forced
 MAX_HELD = 1_000_000          # reports held while the store refuses, before nodes are asked to replay
-ACK_EVERY_S = 5.0             # at most one Ack per node this often
+ACK_EVERY_S = 30.0            # at most one Ack per node this often (the buffer it trims is coalesced anyway)
 ROUTINE_EVENTS_MAX_WORLD = 256  # above this, routine per-rank phase changes get no event of their own
 
 
@@ -41,8 +41,12 @@ class ReportsMixin:
     """Applies what nodes report; see ``core`` for the threading and consistency contract."""
 
     # -- intake ---------------------------------------------------------------------------
-    def rank_reports(self, session: NodeSession, updates: list[RankUpdate]) -> int:
-        """Queue one node's reports for the next group commit; the number queued (0: stale stream)."""
+    def rank_reports(self, session: NodeSession, updates: Sequence[RankUpdate | pb.RankReport]) -> int:
+        """Queue one node's reports for the next group commit; the number queued (0: stale stream).
+
+        ``updates`` are ``RankUpdate``s or the wire's ``RankReport``s themselves (same field names,
+        ``status`` with a ``RankRecord``'s): the hot path reads them in place, copying nothing.
+        """
         if not self.nodes.is_current(session) or not updates:
             return 0
         session.last_heartbeat = session.record.last_seen = self.clock()  # a report shows the node is alive
@@ -78,10 +82,8 @@ class ReportsMixin:
             with self._consistent(), self._outgoing_after_commit():
                 with self.store.transaction("rank reports"):
                     for session, updates in batch:
-                        if not self.nodes.is_current(session):
-                            continue
-                        for update in updates:
-                            self._apply_report(session, update, touched)
+                        if self.nodes.is_current(session):
+                            self._apply_updates(session, updates, touched)
                         if session.record.last_seq:
                             seqs[session.name] = (session, session.record.last_seq)
                     for name, (session, seq) in seqs.items():
@@ -135,19 +137,35 @@ class ReportsMixin:
     def _owner_of(self, job: JobRecord, rank: int) -> str | None:
         return job.nodes[node_of_rank(rank, job.slots_per_node)] if 0 <= rank < job.world_size and job.nodes else None
 
-    def _apply_report(self, session: NodeSession, update: RankUpdate, touched: dict[str, JobRecord]) -> None:
-        rec = session.record
-        if update.seq:
-            if update.seq <= rec.last_seq:
-                return  # a replay already applied
-            rec.last_seq = update.seq
-        job = self.book.jobs.get(update.job_id)
-        rank = update.status.rank
-        if job is None or update.attempt != job.attempt or self._owner_of(job, rank) != session.name:
-            self._reject(session, update, job)
-            return
-        if self._apply_rank(job, session.name, update):
-            touched[job.id] = job
+    def _apply_updates(self, session: NodeSession, updates: Sequence[RankUpdate | pb.RankReport],
+                       touched: dict[str, JobRecord]) -> None:
+        """Apply one node's reports in order; the job, its counters and the node's rank range are
+        looked up once per run of reports for the same job (the hot path reads the wire objects)."""
+        rec, name = session.record, session.name
+        job: JobRecord | None = None
+        lo = hi = 0
+        ranks: dict[int, RankRecord] = {}
+        progress: JobProgress | None = None
+        for update in updates:
+            seq = update.seq
+            if seq:
+                if seq <= rec.last_seq:
+                    continue  # a replay already applied
+                rec.last_seq = seq
+            if job is None or update.job_id != job.id or update.attempt != job.attempt:
+                job = self.book.jobs.get(update.job_id)
+                k = job.node_index().get(name) if job is not None and update.attempt == job.attempt else None
+                if k is None:
+                    self._reject(session, update, job)
+                    job = None
+                    continue
+                lo, hi = k * job.slots_per_node, (k + 1) * job.slots_per_node
+                ranks, progress = self.book.ranks(job.id), self.book.progress(job)
+            if not lo <= update.status.rank < hi:
+                self._reject(session, update, job)
+                continue
+            if self._apply_rank(job, ranks, progress, name, update):
+                touched[job.id] = job
 
     def _reject(self, session: NodeSession, update: RankUpdate, job: JobRecord | None) -> None:
         """Count (and log, sparingly) a report for a rank this node does not run in this attempt."""
@@ -160,34 +178,36 @@ class ReportsMixin:
         else:  # an older attempt's or a forgotten job's report: normal after a restart or a cancel
             log.debug("report.ignored", node=session.name, job=update.job_id, attempt=update.attempt)
 
-    def _apply_rank(self, job: JobRecord, node: str, update: RankUpdate) -> bool:
+    def _apply_rank(self, job: JobRecord, ranks: dict[int, RankRecord], progress: JobProgress, node: str,
+                    update: RankUpdate | pb.RankReport) -> bool:
         """Fold one report into the rank's record and the job's counters; True when the job may advance."""
-        ranks = self.book.ranks(job.id)
-        progress: JobProgress = self.book.progress(job)
         st = update.status
         old = ranks.get(st.rank)
+        if old is not None and not update.result_json and (st.phase or old.phase) == old.phase \
+                and st.exited == old.exited and st.exit_code == old.exit_code and st.error in ("", old.error):
+            # the common case, a running rank's next step: in memory only, no row, no event
+            metrics = st.metrics_json
+            if metrics and metrics != "{}":
+                old.metrics_json = metrics
+            if st.updated_at:
+                old.updated_at = st.updated_at
+            progress.reports += 1
+            step = st.step
+            if step and step != old.step:
+                progress.step_figures(step, st)
+                before, old.step = old.step, step
+                self._stepped(job, progress, progress.moved_step(st.rank, before, step))
+            return False
         phase = st.phase or (old.phase if old else "pending")
         step = st.step or (old.step if old else 0)
         # an exit report carries no step or metrics: keep the last ones the rank reported
         metrics = st.metrics_json if st.metrics_json not in ("", "{}") or old is None else old.metrics_json
         error = st.error or (old.error if old else "")
-        result = update.result_json or (old.result_json if old else "")
-        if old is not None and (old.phase, old.exited, old.exit_code, old.error) == (phase, st.exited, st.exit_code,
-                                                                                     error) and not update.result_json:
-            # the common case: a running rank's next step, in memory only
-            old_step = old.step
-            old.step, old.metrics_json, old.updated_at = step, metrics, st.updated_at or old.updated_at
-            if step != old_step:
-                progress.step_metrics(step, metrics)
-                self._stepped(job, progress, progress.moved_step(st.rank, old_step, step))
-            else:
-                progress.reports += 1
-            return False
         new = RankRecord(rank=st.rank, node=node, phase=phase, step=step, metrics_json=metrics, error=error,
                          exit_code=st.exit_code, exited=st.exited, updated_at=st.updated_at or self.clock(),
-                         result_json=result)
+                         result_json=update.result_json or (old.result_json if old else ""))
         if step != (old.step if old else 0):
-            progress.step_metrics(step, metrics)
+            progress.step_figures(step, st)
         self._stepped(job, progress, progress.moved(old, new))
         self.book.put_rank(job, new)
         if new.exited or new.phase == "failed" or new.error != (old.error if old else "") or \

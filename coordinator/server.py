@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import socket
 import time
 from dataclasses import dataclass, field
@@ -74,6 +75,16 @@ class CoordinatorServer:
 
 
 LAG_FLOOR_S = 0.25  # loop lag below this is noise, not a stall
+GC_THRESHOLDS = (20_000, 50, 100)  # the collector's generation thresholds in a coordinator process
+
+
+def tune_gc() -> None:
+    """For a coordinator process: collect young objects less often and move what is loaded at start
+    out of the collector's sight. The coordinator holds hundreds of thousands of long-lived,
+    acyclic records (ranks, counters); with the default thresholds, full collections traversing
+    them took ~9 % of its CPU at 16,384 ranks. Garbage is still freed by reference counting."""
+    gc.set_threshold(*GC_THRESHOLDS)
+    gc.freeze()
 
 
 async def _monitor(core: Coordinator, period: float) -> None:

@@ -241,3 +241,24 @@ def test_a_coordinator_killed_between_group_commits_loses_nothing_it_acknowledge
     assert [e.step for e in core.events(job.id) if e.kind == "step"] == [1, 2, 3, 4]   # no step twice, none lost
     assert core.summary(job.id).min_step == 4
     store.close()
+
+
+def test_the_daemons_typed_step_figures_aggregate_as_the_metrics_json_does() -> None:
+    """The daemon copies loss/tokens/step time into typed fields (worker.reporting.step_figures); the
+    coordinator's aggregate of a step must not depend on which of the two it read."""
+    from rankctl.worker.reporting import step_figures
+
+    rows = [{"loss": None, "tokens_per_s": 900.0, "step_time_s": 0.52},
+            {"loss": 2.25, "val_loss": 2.5, "tokens_per_s": 1000, "step_time_s": 0.5},
+            {"tokens_per_s": 950.0, "step_time": 0.61, "lr": 1e-3},
+            {"loss": True, "tokens_per_s": "fast"}]          # not numbers: ignored by both
+    typed, parsed = JobProgress(len(rows)), JobProgress(len(rows))
+    for rank, m in enumerate(rows):
+        status = pb.RankStatus(rank=rank, phase="running", step=1, metrics_json=json.dumps(m))
+        step_figures(status, m)
+        typed.step_figures(1, status)
+        parsed.step_figures(1, RankRecord(rank, "n", "running", 1, json.dumps(m)))
+        for p in (typed, parsed):
+            p.moved_step(rank, 0, 1)
+    assert typed.metrics == parsed.metrics == {"step": 1, "loss": 2.25, "val_loss": 2.5, "tokens_per_s": 900.0,
+                                               "step_time_min": 0.5, "step_time_max": 0.61}

@@ -5,7 +5,8 @@ heartbeats, hands assignments to its warm launcher (a subprocess; this process n
 forks) and turns the ranks' status files and exits into numbered reports: one ReportBatch
 per tick with every rank that changed (``worker.reportbuf`` keeps only the newest step of a
 rank under backlog). Heartbeats never queue behind reports: the writer sends a due heartbeat
-before the next batch. Rank logs stay in their files here; the coordinator reads them on
+before the next batch (and skips it, but for every fifth, which carries free ports, when a batch
+went out within the interval: a report shows the node alive as well). Rank logs stay in their files here; the coordinator reads them on
 demand (FetchLogs, answered by ``worker.logship``, which also rotates them past a size cap). While the coordinator is away it
 reconnects with backoff and keeps every report; after re-registering it replays those the
 coordinator has not yet stored.
@@ -45,7 +46,7 @@ from rankctl.contract.rankfiles import log_path
 from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
 from rankctl.worker.paths import Refused, run_dir_for
 from rankctl.worker.reportbuf import ReportBuffer
-from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status
+from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status, step_figures
 from rankctl.worker.status import StatusTailer
 
 log = structlog.get_logger("rankctl.worker")
@@ -152,6 +153,7 @@ class WorkerDaemon:
         )
         if rec.get("traceback"):
             status.error = f"{status.error}\n{rec['traceback']}".strip()
+        step_figures(status, rec.get("metrics"))
         previous = run.phase.get(status.rank)
         run.phase[status.rank] = status.phase
         step_only = (status.phase == previous == "running" and not status.error and rec.get("result") is None)
@@ -360,8 +362,10 @@ class WorkerDaemon:
             if self._beat.is_set():
                 self._beat.clear()
                 beat += 1
-                ports = free_ports(self.cfg.advertise_address, self.cfg.free_ports) if beat % 5 == 0 else []
-                await call.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=loop.time(), free_ports=ports)))
+                # a batch sent within the interval already showed the node alive: skip all but the port beats
+                if beat % 5 == 0 or loop.time() - last_batch >= self._heartbeat_interval:
+                    ports = free_ports(self.cfg.advertise_address, self.cfg.free_ports) if beat % 5 == 0 else []
+                    await call.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=loop.time(), free_ports=ports)))
             while self._control:
                 await call.write(self._control.popleft())
             if not self.reports.unsent:

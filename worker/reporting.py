@@ -26,6 +26,23 @@ def free_ports(host: str, count: int) -> list[int]:
     return ports
 
 
+FIGURES = (("loss", ("loss",)), ("val_loss", ("val_loss",)), ("tokens_per_s", ("tokens_per_s",)),
+           ("step_time_s", ("step_time_s", "step_time")))
+
+
+def step_figures(status: pb.RankStatus, metrics: Any) -> None:
+    """Copy the figures the coordinator aggregates per step out of a rank's metrics into the
+    typed fields of its status (so that the coordinator never parses JSON per rank-step)."""
+    if not isinstance(metrics, dict):
+        return
+    for field, keys in FIGURES:
+        for key in keys:
+            v = metrics.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                setattr(status, field, float(v))
+                break
+
+
 def exit_code(ev: dict[str, Any]) -> int:
     """A launcher ``exited`` event's status: the exit code, or minus the signal number."""
     if ev.get("exit_code") is not None:
