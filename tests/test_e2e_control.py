@@ -142,3 +142,18 @@ def test_ctl_up_comm_check(tmp_path: Path) -> None:
     assert human.returncode == 0, human.stderr[-3000:]
     assert "all-reduce" in human.stdout and "SUCCEEDED" in human.stdout
 
+
+
+def test_logs_follow_reads_every_rank_from_its_node_until_the_job_ends(cluster: ProcCluster) -> None:
+    """Logs stay on the nodes (issue 12): ``ctl logs -f`` started mid-run reads every rank's file from the
+    daemon that runs it and ends with the job, having shown each rank's last line."""
+    job = long_job(cluster, 4)
+    cluster.wait_state(job, {"RUNNING"}, 60)
+    out = ctl(cluster.address, "logs", job, "-f", timeout=120)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert status(cluster.address, job)["state"] == "SUCCEEDED"
+    for rank in range(8):
+        mine = [line for line in out.stdout.splitlines() if line.startswith(f"[{rank}] ")]
+        assert any("done" in line for line in mine), (rank, mine[-5:])
+    tail = ctl(cluster.address, "logs", job, "--rank", "5", "--tail", "1")
+    assert tail.returncode == 0 and len(tail.stdout.splitlines()) == 1 and "done" in tail.stdout, tail.stdout
