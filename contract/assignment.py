@@ -29,6 +29,7 @@ class RankAssignment:
     run_dir: str = ""                    # where the rank writes its status and log files
     device: int | None = None            # CUDA device index on GPU nodes
     workdir: str = ""                    # set by the daemon: where a shipped workdir lies on this node
+    restart: bool = False                # an automatic restart of the same job (attempt > 1)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -43,6 +43,7 @@ from rankctl.coordinator.planner import assign_messages, pick_port, plan_layout
 from rankctl.coordinator.progress import JobSummary, failure_reason, rank_span
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob
 from rankctl.coordinator.reports import ReportsMixin
+from rankctl.coordinator.restarts import RestartsMixin
 from rankctl.coordinator.results import aggregate, parse_rank_results
 from rankctl.coordinator.signals import Signals
 from rankctl.coordinator.states import JobState, is_active, is_terminal
@@ -66,7 +67,7 @@ def _node_span(names: list[str], shown: int = 8) -> str:
     return ", ".join(names[:shown]) + more
 
 
-class Coordinator(ReportsMixin):
+class Coordinator(ReportsMixin, RestartsMixin):
     """Jobs and nodes of one coordinator; see the module docstring for the threading contract."""
 
     def __init__(self, store: Store, *, clock: Callable[[], float] = time.time,
@@ -88,6 +89,7 @@ class Coordinator(ReportsMixin):
         self._queued = 0
         self._refused_at = 0.0
         self._deferred: list[tuple[str, pb.CoordinatorMessage]] | None = None  # sent after the commit
+        self._restart_since: dict[str, float] = {}       # RESTARTING job -> when its attempt was told to stop
         self.logfetch = LogFetcher(self.nodes.send)
 
     @property
@@ -374,7 +376,7 @@ class Coordinator(ReportsMixin):
                 ranks = self.book.ranks(job.id)
                 missing = [r for r in job.ranks_on(session.name) if not (r in ranks and ranks[r].exited)]
                 if missing:
-                    self._finish(job, S.FAILED, f"node {session.name} reconnected without this job; {_gone(missing)}")
+                    self._fail_attempt(job, f"node {session.name} reconnected without this job; {_gone(missing)}")
             session.unverified.discard((job_id, attempt))
 
     def disconnect(self, session: NodeSession, detail: str = "stream closed") -> None:
@@ -418,6 +420,9 @@ class Coordinator(ReportsMixin):
         """Retry what a refused write left undone: held reports, owed job advances, lost nodes' jobs, scheduling."""
         if self._held:
             self.flush()
+        if self._restart_since:
+            with self._consistent():
+                self._check_restarts()
         for s in [s for s in self.nodes.sessions.values() if s.owes_failures]:
             if s.status is NodeStatus.LOST:
                 self._fail_jobs_of(s)
@@ -439,9 +444,13 @@ class Coordinator(ReportsMixin):
         try:
             with self._consistent():
                 for job in self.book.active():
-                    if job.runs_on(session.name):
+                    if not job.runs_on(session.name):
+                        continue
+                    if job.state is S.RESTARTING:  # its ranks there are gone too: that may complete the stop
+                        self._maybe_requeue(job)
+                    else:
                         ranks = job.ranks_on(session.name)
-                        self._finish(job, S.FAILED, f"node {session.name} lost ({session.detail}); {_gone(ranks)}")
+                        self._fail_attempt(job, f"node {session.name} lost ({session.detail}); {_gone(ranks)}")
             session.owes_failures = False
         except StoreError as exc:
             log.warning("node.lost_store_failed", node=session.name, error=str(exc))
@@ -461,10 +470,13 @@ class Coordinator(ReportsMixin):
         """Move the job along from its counters (constant time; a result reads every rank once)."""
         if not is_active(job.state):
             return
+        if job.state is S.RESTARTING:
+            self._maybe_requeue(job)
+            return
         progress = self.book.progress(job)
         bad = progress.lowest_failed()
         if bad is not None:
-            self._finish(job, S.FAILED, failure_reason(bad))
+            self._fail_attempt(job, failure_reason(bad))
             return
         if job.state is S.STARTING and progress.all_running():
             self.book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")

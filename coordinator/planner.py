@@ -33,7 +33,8 @@ def assign_messages(job: JobRecord, nodes: list[str], rendezvous: str) -> list[p
     s = job.slots_per_node
     return [pb.CoordinatorMessage(assign=pb.Assign(
         job_id=job.id, attempt=job.attempt, world_size=job.world_size, first_rank=ranks_of_node(k, s).start,
-        rank_count=s, rendezvous=rendezvous, backend=spec.backend, kind=job.kind, spec_json=spec_json))
+        rank_count=s, rendezvous=rendezvous, backend=spec.backend, kind=job.kind, spec_json=spec_json,
+        restart=job.attempt > 1))
         for k in range(len(nodes))]
 
 

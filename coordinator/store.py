@@ -271,6 +271,13 @@ class Store:
             (job.finished_at, job.state.value, job.reason, job.id, job.attempt),
         )
 
+    def end_attempt(self, job_id: str, attempt: int, ts: float, state: str, reason: str) -> None:
+        """Close one attempt (a restart's: the job itself goes on)."""
+        self._write(
+            "UPDATE attempts SET finished_at=?, state=?, reason=? WHERE job_id=? AND attempt=?",
+            (ts, state, reason, job_id, attempt),
+        )
+
     def attempts(self, job_id: str) -> list[dict]:
         cur = self._db.execute("SELECT * FROM attempts WHERE job_id=? ORDER BY attempt", (job_id,))
         names = [d[0] for d in cur.description]

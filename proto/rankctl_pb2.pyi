@@ -209,7 +209,7 @@ class RankAssignmentMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., assignment_json: _Optional[str] = ...) -> None: ...
 
 class Assign(_message.Message):
-    __slots__ = ("job_id", "attempt", "ranks", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json")
+    __slots__ = ("job_id", "attempt", "ranks", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json", "restart")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class Assign(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankAssignmentMsg]
@@ -230,7 +231,8 @@ class Assign(_message.Message):
     backend: str
     kind: str
     spec_json: str
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignmentMsg, _Mapping]]] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...
+    restart: bool
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignmentMsg, _Mapping]]] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ..., restart: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("last_seq",)

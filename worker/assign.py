@@ -60,4 +60,5 @@ def _compact(msg: pb.Assign, node: str, gpus: int) -> list[RankAssignment]:
         job_id=msg.job_id, attempt=msg.attempt, rank=rank, world_size=world, local_rank=rank - first, node=node,
         coords=layout.coords(rank), groups=layout.rank_groups(rank), rendezvous=msg.rendezvous,
         backend=msg.backend, kind=msg.kind, spec=spec_doc, device=(rank - first) if gpus else None,
+        restart=msg.restart,
     ) for rank in range(first, first + count)]

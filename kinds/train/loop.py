@@ -376,7 +376,7 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
 def run(ctx: RankContext) -> dict[str, Any]:
     """The ``train`` job kind."""
     t = setup(ctx)
-    restore_or_reset(t, restart=False)  # automatic restarts of the same job pass True (never attempt > 0)
+    restore_or_reset(t, restart=ctx.assignment.restart)  # the coordinator's restart of the same job
     try:
         return train(t)
     finally:

@@ -146,9 +146,11 @@ def refusal(root: str, saved: dict[str, Any] | None, identity: dict[str, Any]) -
     return f"cannot resume from {root}: its checkpoints were written by another run ({what}); {hint}"
 
 
-def agree_resume_step(root: str, rank: int, world_size: int, identity: dict[str, Any]) -> int | None:
+def agree_resume_step(root: str, rank: int, world_size: int, identity: dict[str, Any], *,
+                      restart: bool = False) -> int | None:
     """The latest step every rank has finished with this ``identity`` (one world collective);
-    None when there is no checkpoint at all; RuntimeError naming what differs otherwise."""
+    None when there is no checkpoint at all, or (``restart``) when no step is held by every rank
+    (a replacement node has none: the attempt starts over); RuntimeError naming what differs otherwise."""
     fp, every = ckpt.fingerprint(identity), ckpt.complete_for(root, [rank])
     mine = (ckpt.complete_for(root, [rank], fp), every, _latest_identity(root, rank, every))
     views = [mine]
@@ -158,6 +160,8 @@ def agree_resume_step(root: str, rank: int, world_size: int, identity: dict[str,
     common = set.intersection(*(set(v[0]) for v in views))
     if common:
         return max(common)
+    if restart:
+        return None
     if any(v[1] for v in views):
         saved = next((v[2] for v in views if v[2] is not None), None)
         raise RuntimeError(refusal(root, saved, identity))
@@ -173,10 +177,12 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
     a, cfg = t.ctx.assignment, t.cfg
     root = root_of(t)
     if cfg.resume or restart:
-        step = agree_resume_step(root, a.rank, a.world_size, identity_of(t))
+        step = agree_resume_step(root, a.rank, a.world_size, identity_of(t), restart=restart and not cfg.resume)
         if step is not None:
             load_state(t, ckpt.load_rank(root, step, a.rank))
-            t.ctx.log.info("resumed", step=step, root=root)
+            t.ctx.log.info("resumed", step=step, root=root, restart=restart)
+        elif restart:
+            t.ctx.log.info("restart without a checkpoint every rank has; starting over", root=root)
         return
     if cfg.checkpoint_every > 0 and ckpt.remove_rank_files(root, a.rank):
         t.ctx.log.info("removed stale checkpoint files", root=root)

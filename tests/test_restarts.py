@@ -1,0 +1,122 @@
+"""Automatic restarts in the coordinator core (issue 13, first part), without a network: a failed
+attempt is stopped and confirmed gone before the next one is queued, a lost node is replaced by a
+spare, and a job out of restarts fails with every attempt's reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rankctl.coordinator.records import RankRecord, RankUpdate
+from rankctl.coordinator.states import JobState
+from test_core import World, make_world
+
+S = JobState
+
+
+def job_yaml(max_restarts: int, nodes: int = 2) -> str:
+    return (f"name: rs\nkind: comm-check\nresources: {{nodes: {nodes}, slots_per_node: 2}}\nparallel: {{tp: 2}}\n"
+            f"restart: {{max_restarts: {max_restarts}}}\n")
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    w = make_world(tmp_path)
+    yield w
+    w.store.close()
+
+
+def exit_all(world: World, job, node: str, code: int = -9) -> None:
+    k = job.nodes.index(node)
+    for r in range(2 * k, 2 * k + 2):
+        world.report(job.id, r, "exited", code=code, node=node)
+
+
+def cancels(world: World, node: str, attempt: int) -> list:
+    return [c for c in world.nodes[node].bodies("cancel") if c.attempt == attempt]
+
+
+def test_a_failed_rank_restarts_the_job_only_after_every_rank_of_the_attempt_is_gone(world: World) -> None:
+    for n in ("n0", "n1"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(1))
+    for r in range(4):
+        world.report(job.id, r, "running")
+    world.report(job.id, 3, "failed", code=1, error="Traceback\nValueError: boom")
+    assert job.state is S.RESTARTING and "attempt 1 failed: rank 3 on node n1 exited with code 1" in job.reason
+    assert cancels(world, "n0", 1) and cancels(world, "n1", 1)
+    exit_all(world, job, "n0")
+    assert job.state is S.RESTARTING and job.attempt == 1          # rank 2 on n1 has not exited yet
+    world.report(job.id, 2, "exited", code=-9, node="n1")
+    assert job.attempt == 2 and job.state is S.STARTING             # queued and placed again at once
+    assigns = [a for a in world.nodes["n0"].bodies("assign") if a.attempt == 2]
+    assert len(assigns) == 1 and assigns[0].restart and world.nodes["n0"].assignments(job.id)[-1].restart
+    late = RankUpdate(job.id, 1, RankRecord(0, "n0", "exited", exited=True, exit_code=1), "", 999)
+    world.core.rank_report(world.nodes["n0"].session, late)        # a late report of attempt 1 is ignored
+    assert job.state is S.STARTING and job.attempt == 2
+    attempts = world.store.attempts(job.id)
+    assert [a["attempt"] for a in attempts] == [1, 2] and attempts[0]["state"] == "RESTARTING"
+    assert "ValueError: boom" in attempts[0]["reason"]
+
+
+def test_a_lost_node_is_replaced_by_a_spare(world: World) -> None:
+    for n in ("n0", "n1", "n2"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(2))
+    assert job.nodes == ["n0", "n1"]
+    for r in range(4):
+        world.report(job.id, r, "running")
+    world.core.disconnect(world.nodes["n1"].session)               # n1 is lost with its ranks
+    assert job.state is S.RESTARTING and "node n1 lost" in job.reason
+    exit_all(world, job, "n0")                                      # n0's ranks confirmed stopped
+    assert job.attempt == 2 and job.nodes == ["n0", "n2"] and job.state is S.STARTING
+    world.run_all(job.id)
+    assert job.state is S.SUCCEEDED
+
+
+def test_out_of_restarts_fails_with_every_attempts_reason(world: World) -> None:
+    for n in ("n0", "n1"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(1))
+    world.report(job.id, 1, "failed", code=1, error="first boom")
+    exit_all(world, job, "n1")
+    world.report(job.id, 0, "exited", code=-9)
+    assert job.attempt == 2 and job.state is S.STARTING
+    world.report(job.id, 2, "failed", code=1, error="second boom")
+    assert job.state is S.FAILED
+    assert "no restart is left (max_restarts=1)" in job.reason and "second boom" in job.reason
+    assert "attempt 1: rank 1 on node n0 exited with code 1: first boom" in job.reason
+
+
+def test_without_restarts_a_failure_fails_the_job_at_once(world: World) -> None:
+    for n in ("n0", "n1"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(0))
+    world.report(job.id, 1, "failed", code=1, error="boom")
+    assert job.state is S.FAILED and job.reason == "rank 1 on node n0 exited with code 1: boom"
+
+
+def test_cancel_while_restarting_cancels_and_queues_nothing(world: World) -> None:
+    for n in ("n0", "n1"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(3))
+    world.report(job.id, 0, "failed", code=1, error="boom")
+    assert job.state is S.RESTARTING
+    world.core.cancel(job.id)
+    assert job.state is S.CANCELLED and job.attempt == 1
+    exit_all(world, job, "n0")
+    exit_all(world, job, "n1")
+    assert job.state is S.CANCELLED and job.attempt == 1
+
+
+def test_a_stop_that_is_never_confirmed_fails_the_job(world: World) -> None:
+    for n in ("n0", "n1"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(3))
+    world.report(job.id, 0, "failed", code=1, error="boom")
+    world.clock.t += 121
+    for n in ("n0", "n1"):                                          # still heartbeating, never reporting exits
+        world.core.heartbeat(world.nodes[n].session)
+    world.core.tick()
+    assert job.state is S.FAILED and "did not stop" in job.reason
