@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ProcCluster, rank_pids, status, wait_for
+from cluster import ProcCluster, ctl, rank_pids, status, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 HEARTBEAT_TIMEOUT = 3.0
@@ -81,3 +81,55 @@ def test_a_killed_daemon_is_replaced_by_a_spare_and_the_losses_equal_an_uninterr
         assert False, f"rank process {pid} of {job} is still alive"
 
     three.restart_worker(victim)
+
+
+FAILING = """
+name: {name}
+kind: python
+resources: {{nodes: 2, slots_per_node: 2}}
+backend: gloo
+restart: {{max_restarts: 1}}
+python: {{entrypoint: fail.py, workdir: {workdir}}}
+"""
+SCRIPT = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"attempt rank {{rank}} up", flush=True)
+if rank == {bad} and not ({once} and os.path.exists({marker!r})):
+    open({marker!r}, "w").close()
+    sys.exit("rank {bad} gives up")
+time.sleep({sleep})
+"""
+
+
+def python_job(c: ProcCluster, tmp: Path, name: str, bad: int, sleep: float, once: bool = False) -> str:
+    """Rank ``bad`` exits 1 (only in the first attempt when ``once``); the others sleep ``sleep`` s."""
+    work = tmp / name
+    work.mkdir()
+    (work / "fail.py").write_text(SCRIPT.format(bad=bad, sleep=sleep, once=once, marker=str(tmp / f"{name}.failed")))
+    path = tmp / f"{name}.yaml"
+    path.write_text(FAILING.format(name=name, workdir=work))
+    return c.submit(str(path))
+
+
+def test_out_of_restarts_fails_with_every_attempts_reason_and_leaves_no_rank(
+        three: ProcCluster, tmp_path: Path) -> None:
+    """A python job whose rank 3 always exits 1: two attempts (max_restarts 1), then FAILED naming both."""
+    job = python_job(three, tmp_path, "always-fails", bad=3, sleep=0)
+    done = three.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 240)
+    assert done["state"] == "FAILED" and done["attempt"] == 2, done
+    reason = done["reason"]
+    assert "attempt 2 failed and no restart is left (max_restarts=1)" in reason, reason
+    assert "earlier: attempt 1: rank 3" in reason and reason.count("fail.py exited with code 1") == 2, reason
+    wait_for(lambda: not rank_pids(job), 30, "every rank of every attempt to exit")
+
+
+def test_cancel_after_a_restart_leaves_no_rank_of_any_attempt(three: ProcCluster, tmp_path: Path) -> None:
+    """Rank 0 fails in attempt 1 while the others sleep; attempt 2 runs; a cancel then leaves nothing."""
+    job = python_job(three, tmp_path, "cancelled", bad=0, sleep=600, once=True)
+    wait_for(lambda: (s := status(three.address, job))["attempt"] == 2 and s["state"] == "RUNNING", 120,
+             "attempt 2 running")
+    out = ctl(three.address, "cancel", job)
+    assert out.returncode == 0, out.stderr
+    assert three.wait_state(job, {"CANCELLED", "FAILED", "SUCCEEDED"}, 60)["state"] == "CANCELLED"
+    wait_for(lambda: not rank_pids(job), 30, "every rank of every attempt to exit")
