@@ -18,6 +18,7 @@ from rankctl.contract.names import JOB_NAME_RULE, job_name_problem
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+DEFAULT_HANG_TIMEOUT_S = 300.0  # restart.hang_timeout: no rank of a RUNNING job advanced for this long
 
 
 class Section(BaseModel):
@@ -54,6 +55,8 @@ class RestartSpec(Section):
     max_restarts: StrictInt = Field(0, ge=0, le=L.MAX_RESTARTS)
     # seconds every rank's process groups wait in one collective before giving up
     collective_timeout: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
+    # seconds a RUNNING job may go without any rank advancing a step before the attempt is declared hung
+    hang_timeout: float = Field(DEFAULT_HANG_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
 
 
 class JobSpec(Section):

@@ -407,6 +407,11 @@ class Coordinator(ReportsMixin, RestartsMixin):
             for s in self.nodes.sessions.values():
                 s.last_heartbeat += loop_lag
             self.started_at += loop_lag
+        try:
+            with self._consistent():
+                self._check_hangs(loop_lag)
+        except StoreError as exc:
+            log.warning("job.hang_store_failed", error=str(exc))
         now, timeout = self.clock(), self.heartbeat_timeout
         for s in self.nodes.sessions.values():
             if s.status is NodeStatus.READY and now - s.last_heartbeat > timeout:
@@ -480,6 +485,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
             return
         if job.state is S.STARTING and progress.all_running():
             self.book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
+            progress.advanced_at = self.clock()
         if job.state is S.RUNNING and progress.all_succeeded():
             ranks = self.book.ranks(job.id)
             results = parse_rank_results({r: rec.result_json for r, rec in ranks.items()})

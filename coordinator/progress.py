@@ -127,6 +127,7 @@ class JobProgress:
     _acc: dict[int, _StepAcc] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)        # of the last job-level step event
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
+    advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
 
     def __post_init__(self) -> None:
         self.phases["pending"] = self.world_size

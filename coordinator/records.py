@@ -68,6 +68,7 @@ class RankRecord:
     exited: bool = False
     updated_at: float = 0.0
     result_json: str = ""
+    process: str = ""          # the daemon's view of the process ("stopped"); kept in memory only
 
     def passed_running(self) -> bool:
         """True once the rank reported ``running`` or any later phase (or exited)."""

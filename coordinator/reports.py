@@ -191,9 +191,12 @@ class ReportsMixin:
                 old.metrics_json = metrics
             if st.updated_at:
                 old.updated_at = st.updated_at
+            if st.process != old.process:  # the daemon saw the process stop or go on (memory only)
+                old.process = st.process
             progress.reports += 1
             step = st.step
             if step and step != old.step:
+                progress.advanced_at = self.clock()
                 progress.step_figures(step, st)
                 before, old.step = old.step, step
                 self._stepped(job, progress, progress.moved_step(st.rank, before, step))
@@ -205,7 +208,8 @@ class ReportsMixin:
         error = st.error or (old.error if old else "")
         new = RankRecord(rank=st.rank, node=node, phase=phase, step=step, metrics_json=metrics, error=error,
                          exit_code=st.exit_code, exited=st.exited, updated_at=st.updated_at or self.clock(),
-                         result_json=update.result_json or (old.result_json if old else ""))
+                         result_json=update.result_json or (old.result_json if old else ""), process=st.process)
+        progress.advanced_at = self.clock()
         if step != (old.step if old else 0):
             progress.step_figures(step, st)
         self._stepped(job, progress, progress.moved(old, new))

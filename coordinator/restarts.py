@@ -17,7 +17,9 @@ from __future__ import annotations
 import structlog
 
 from rankctl.coordinator import convert
+from rankctl.contract.spec import DEFAULT_HANG_TIMEOUT_S
 from rankctl.coordinator.nodes import NodeStatus
+from rankctl.coordinator.progress import rank_span
 from rankctl.coordinator.records import JobRecord
 from rankctl.coordinator.states import JobState
 from rankctl.parallel.placement import ranks_of_node
@@ -94,3 +96,37 @@ class RestartsMixin:
                 self._restart_since.pop(job_id, None)
             else:
                 self._maybe_requeue(job)
+
+    # -- hangs ------------------------------------------------------------------------------
+    def _check_hangs(self, loop_lag: float) -> None:
+        """From tick: a RUNNING job none of whose ranks changed step or phase for ``restart.hang_timeout``
+        seconds is hung; its attempt fails (and restarts if it may) naming what is known. Time the
+        coordinator's own loop was stalled does not count."""
+        now = self.clock()
+        for job in self.book.active():
+            if job.state is not S.RUNNING:
+                continue
+            progress = self.book.progress(job)
+            if loop_lag > 0:
+                progress.advanced_at += loop_lag
+            timeout = float((job.spec.get("restart") or {}).get("hang_timeout", DEFAULT_HANG_TIMEOUT_S))
+            idle = now - progress.advanced_at
+            if progress.advanced_at and idle > timeout:
+                self._fail_attempt(job, self._hang_reason(job, idle, timeout))
+
+    def _hang_reason(self, job: JobRecord, idle: float, timeout: float) -> str:
+        """What is known of a hang: stopped processes first (the daemons watch them), then the slowest ranks."""
+        ranks = self.book.ranks(job.id)
+        summary = self.book.progress(job).summary()
+        parts = [f"hang: no rank advanced for {idle:.0f} s (restart.hang_timeout={timeout:g})"]
+        stopped = sorted((r.rank, r.node) for r in ranks.values() if r.process == "stopped" and not r.exited)
+        if stopped:
+            nodes = ", ".join(sorted({n for _, n in stopped}))
+            parts.append(f"{rank_span([r for r, _ in stopped])} stopped (SIGSTOP or a debugger) on {nodes}")
+        if summary.stragglers:
+            parts.append(f"slowest step {summary.min_step} held by {rank_span(summary.stragglers)}"
+                         f"{' (and more)' if len(summary.stragglers) >= 16 else ''}")
+        else:
+            parts.append(f"every rank at step {summary.min_step}")
+        return "; ".join(parts)
+

@@ -8,6 +8,8 @@ losses are the same function of the seed); what it prints is how long detection 
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -133,3 +135,40 @@ def test_cancel_after_a_restart_leaves_no_rank_of_any_attempt(three: ProcCluster
     assert out.returncode == 0, out.stderr
     assert three.wait_state(job, {"CANCELLED", "FAILED", "SUCCEEDED"}, 60)["state"] == "CANCELLED"
     wait_for(lambda: not rank_pids(job), 30, "every rank of every attempt to exit")
+
+
+HUNG = """
+name: hung
+kind: train
+resources: {nodes: 2, slots_per_node: 2}
+parallel: {tp: 2, pp: 2}
+restart: {max_restarts: 1, hang_timeout: 20}
+model: {layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 256}
+train: {steps: 400, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 5, checkpoint_every: 20,
+        data: builtin:pydoc}
+"""
+
+
+def rank_of(pid: int) -> int:
+    """A rank process's rank, from its stdout (the rank's log file ``rank-R.log``)."""
+    return int(re.search(r"rank-(\d+)\.log", os.readlink(f"/proc/{pid}/fd/1")).group(1))
+
+
+def test_a_stopped_rank_is_named_as_the_hang_and_the_job_restarts(three: ProcCluster, tmp_path: Path) -> None:
+    path = tmp_path / "hung.yaml"
+    path.write_text(HUNG)
+    job = three.submit(str(path))
+    wait_for(lambda: (s := status(three.address, job))["state"] == "RUNNING" and s["summary"]["min_step"] >= 3,
+             240, "the job running")
+    pid = rank_pids(job)[-1]
+    rank = rank_of(pid)
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    st = wait_for(lambda: (s := status(three.address, job))["state"] != "RUNNING" and s, 120, "the hang detected")
+    detected = time.monotonic() - t0
+    assert st["reason"].startswith("attempt 1 failed: hang: no rank advanced for"), st["reason"]
+    assert f"rank {rank} stopped (SIGSTOP or a debugger) on node-" in st["reason"], st["reason"]
+    done = three.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 400)
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
+    print(f"\nhang: rank {rank} SIGSTOPped; attempt 1 ended after {detected:.1f} s (hang_timeout 20 s); "
+          f"attempt 2 resumed from step {done['result'].get('resumed_from')}")

@@ -46,7 +46,7 @@ from rankctl.contract.rankfiles import log_path
 from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
 from rankctl.worker.paths import Refused, run_dir_for
 from rankctl.worker.reportbuf import ReportBuffer
-from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status, step_figures
+from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status, process_state, step_figures
 from rankctl.worker.status import StatusTailer
 
 log = structlog.get_logger("rankctl.worker")
@@ -54,6 +54,7 @@ log = structlog.get_logger("rankctl.worker")
 MAX_BUFFERED_REPORTS = 200_000
 BATCH_REPORTS = 4096          # reports in one ReportBatch at most
 ROTATE_EVERY = 50             # poll turns between two checks of the rank logs' sizes
+WATCH_EVERY = 10              # poll turns between two looks at the ranks' process states
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +100,8 @@ class RunState:
     alive: set[int] = field(default_factory=set)
     status: StatusTailer | None = None
     phase: dict[int, str] = field(default_factory=dict)  # rank -> phase of its last report
+    pids: dict[int, int] = field(default_factory=dict)   # rank -> pid, from the launcher's "started"
+    process: dict[int, str] = field(default_factory=dict)  # rank -> last reported process state
 
 
 class WorkerDaemon:
@@ -167,6 +170,8 @@ class WorkerDaemon:
         rank = int(ev["rank"])
         if ev.get("event") == "started":
             run.alive.add(rank)
+            if isinstance(ev.get("pid"), int):
+                run.pids[rank] = ev["pid"]
             return
         if ev.get("event") != "exited":
             return
@@ -254,10 +259,26 @@ class WorkerDaemon:
                 if not run.alive:
                     self.runs.pop(key, None)  # every exit reported (the buffer keeps them until stored)
             turns += 1
+            if turns % WATCH_EVERY == 0:
+                self._watch_processes()
             if turns % ROTATE_EVERY == 0:
                 logs = [log_path(r.run_dir, rank) for r in self.runs.values() for rank in r.alive]
                 await asyncio.to_thread(self._rotate, logs)
             await asyncio.sleep(self.cfg.poll_interval)
+
+    def _watch_processes(self) -> None:
+        """Report a rank whose process is stopped (SIGSTOP, a debugger), and when it goes on: the
+        coordinator's hang detector names it. One read of ``/proc/PID/stat`` per live rank."""
+        for run in self.runs.values():
+            for rank in run.alive:
+                pid = run.pids.get(rank)
+                state = process_state(pid) if pid else ""
+                if state != run.process.get(rank, ""):
+                    run.process[rank] = state
+                    self._report(run.job_id, run.attempt, pb.RankStatus(rank=rank, node=self.cfg.name,
+                                                                        process=state))
+                    self._log.warning("rank process state", job=run.job_id, rank=rank, pid=pid,
+                                      state=state or "running")
 
     def _rotate(self, paths: list[str]) -> None:
         """Keep each live rank's log bounded (``logship.rotate_if_big``); runs on a worker thread."""

@@ -43,6 +43,17 @@ def step_figures(status: pb.RankStatus, metrics: Any) -> None:
                 break
 
 
+def process_state(pid: int) -> str:
+    """"stopped" when the process is stopped (``T``/``t`` in ``/proc/PID/stat``), else "" (or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read(512)
+    except OSError:
+        return ""
+    state = data[data.rfind(b")") + 2:][:1]  # the field after "(comm)", which may itself hold ")"
+    return "stopped" if state in (b"T", b"t") else ""
+
+
 def exit_code(ev: dict[str, Any]) -> int:
     """A launcher ``exited`` event's status: the exit code, or minus the signal number."""
     if ev.get("exit_code") is not None:
