@@ -99,8 +99,8 @@ class RestartsMixin:
 
     # -- hangs ------------------------------------------------------------------------------
     def _check_hangs(self, loop_lag: float) -> None:
-        """From tick: a RUNNING job none of whose ranks changed step or phase for ``restart.hang_timeout``
-        seconds is hung; its attempt fails (and restarts if it may) naming what is known. Time the
+        """From tick: a RUNNING job that has reported steps and none of whose ranks changed step or phase
+        for ``restart.hang_timeout`` seconds is hung; its attempt fails (and restarts if it may) naming what is known. Time the
         coordinator's own loop was stalled does not count."""
         now = self.clock()
         for job in self.book.active():
@@ -111,7 +111,8 @@ class RestartsMixin:
                 progress.advanced_at += loop_lag
             timeout = float((job.spec.get("restart") or {}).get("hang_timeout", DEFAULT_HANG_TIMEOUT_S))
             idle = now - progress.advanced_at
-            if progress.advanced_at and idle > timeout:
+            # armed once a rank reported a step: a script that never reports one cannot be told from a hang
+            if progress.advanced_at and progress.max_step > 0 and idle > timeout:
                 self._fail_attempt(job, self._hang_reason(job, idle, timeout))
 
     def _hang_reason(self, job: JobRecord, idle: float, timeout: float) -> str:

@@ -120,3 +120,33 @@ def test_a_stop_that_is_never_confirmed_fails_the_job(world: World) -> None:
         world.core.heartbeat(world.nodes[n].session)
     world.core.tick()
     assert job.state is S.FAILED and "did not stop" in job.reason
+
+
+def test_a_job_whose_ranks_stop_advancing_is_hung_and_restarts_naming_the_stopped_rank(world: World) -> None:
+    for n in ("n0", "n1"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(1).replace("max_restarts: 1}", "max_restarts: 1, hang_timeout: 20}"))
+    for r in range(4):
+        world.report(job.id, r, "running")
+    world.clock.t += 100
+    for n in ("n0", "n1"):
+        world.core.heartbeat(world.nodes[n].session)
+    world.core.tick()
+    assert job.state is S.RUNNING                     # no step reported yet: a silent script is not a hang
+    for r in range(4):
+        world.core.rank_report(world.nodes[job.nodes[r // 2]].session, RankUpdate(
+            job.id, 1, RankRecord(r, job.nodes[r // 2], "running", 1 if r != 2 else 0), "", 100 + r))
+    stopped = RankUpdate(job.id, 1, RankRecord(2, "n1", "", 0, process="stopped"), "", 200)
+    world.core.rank_report(world.nodes["n1"].session, stopped)
+    world.clock.t += 15
+    for n in ("n0", "n1"):
+        world.core.heartbeat(world.nodes[n].session)
+    world.core.tick(loop_lag=10)                      # 10 of the 15 s the coordinator itself was stalled
+    assert job.state is S.RUNNING
+    world.clock.t += 16
+    for n in ("n0", "n1"):
+        world.core.heartbeat(world.nodes[n].session)
+    world.core.tick()
+    assert job.state is S.RESTARTING, job.reason
+    assert "hang: no rank advanced for 21 s (restart.hang_timeout=20)" in job.reason
+    assert "rank 2 stopped (SIGSTOP or a debugger) on n1" in job.reason and "slowest step 0 held by rank 2" in job.reason
