@@ -40,6 +40,8 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
         "nodes": list(job.nodes),
         "ranks": [rank_to_dict(r) for r in job.ranks],
         "summary": summary_to_dict(job.summary) if job.HasField("summary") else None,
+        "attempts": [{"attempt": a.attempt, "state": a.state or None, "reason": a.reason or None,
+                      "started_at": a.started_at, "finished_at": a.finished_at or None} for a in job.attempts],
         "result": _loads(job.result_json),
     }
     if len(job.ranks) < job.world_size:
@@ -188,6 +190,11 @@ def job_view(job: pb.Job, max_ranks: int = 64):
     progress = progress_fn(job) if progress_fn else None
     if progress is not None:
         parts.append(progress)
+    ended = [a for a in d["attempts"] if a["state"]]
+    if len(d["attempts"]) > 1 or (ended and ended[-1]["state"] == "RESTARTING"):
+        parts.append(rows_table("attempts", [{"attempt": a["attempt"], "ended": a["state"] or "running",
+                                              "reason": (a["reason"] or "")[:ERROR_LINE_MAX]}
+                                             for a in d["attempts"]]))
     shown = d["ranks"][:max_ranks]
     if shown:
         rows = [{"rank": r["rank"], "node": r["node"], "phase": r["state"], "step": r["step"],

@@ -56,6 +56,13 @@ def job_to_pb(job: JobRecord, ranks: list[RankRecord] = (), *, summary: "JobSumm
     return msg
 
 
+def attempts_to_pb(rows: list[dict]) -> list[pb.Attempt]:
+    """Stored attempt rows as messages (an attempt still running has no end state yet)."""
+    return [pb.Attempt(attempt=a["attempt"], state=a["state"] if a["finished_at"] else "",
+                       reason=a["reason"] if a["finished_at"] else "", started_at=a["started_at"],
+                       finished_at=a["finished_at"]) for a in rows]
+
+
 def summary_to_pb(s: "JobSummary") -> pb.JobSummary:
     return pb.JobSummary(
         phases=s.phases, running=s.running, exited=s.exited, failed=s.failed, min_step=s.min_step,

@@ -207,6 +207,10 @@ class Coordinator(ReportsMixin, RestartsMixin):
         """Counts per phase, slowest and fastest step, stragglers and failing ranks: constant time."""
         return self.book.progress(self.book.jobs[job_id]).summary()
 
+    def attempts(self, job_id: str, last: int = 0) -> list[dict]:
+        """The job's stored attempts, oldest first (``last`` > 0: the newest ``last``)."""
+        return self.store.attempts(job_id, last)
+
     def events(self, job_id: str, after_seq: int = 0, limit: int = 0) -> list[EventRecord]:
         return self.store.events(job_id, after_seq, limit)
 

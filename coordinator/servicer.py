@@ -44,6 +44,7 @@ PAGE_BYTES = 1 << 20  # a ListJobs page stops near this size, whatever page_size
 DETAILS_MAX = 8192    # characters of an error's details sent to a client
 RANK_PAGE = 256       # ranks in a GetJob page when rank_limit is 0
 MAX_RANK_PAGE = 4096  # ... and at most this many
+ATTEMPTS_SHOWN = 20   # attempts in a Job message (the newest)
 RANK_PAGE_BYTES = 1 << 20  # a page of ranks also stops near this size (long errors)
 NODES_BYTES = 1 << 20      # a job's node list is sent whole when its names fit in this; else not at all
 EVENT_CHUNK = 1000    # stored events read at once by WatchJob
@@ -142,6 +143,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         summary = self.core.summary(job.id)
         ranks = [] if summary_only else self.core.rank_page(job.id, offset, limit)
         msg = convert.job_to_pb(job, summary=summary, rank_offset=offset, nodes=_nodes_fit(job.nodes))
+        msg.attempts.extend(convert.attempts_to_pb(self.core.attempts(job.id, ATTEMPTS_SHOWN)))
         used = 0
         for r in ranks:
             rank = convert.rank_to_pb(r)

@@ -123,6 +123,11 @@ def test_out_of_restarts_fails_with_every_attempts_reason_and_leaves_no_rank(
     reason = done["reason"]
     assert "attempt 2 failed and no restart is left (max_restarts=1)" in reason, reason
     assert "earlier: attempt 1: rank 3" in reason and reason.count("fail.py exited with code 1") == 2, reason
+    attempts = done["attempts"]
+    assert [(a["attempt"], a["state"]) for a in attempts] == [(1, "RESTARTING"), (2, "FAILED")], attempts
+    assert attempts[0]["reason"].startswith("rank 3 on node"), attempts
+    human = ctl(three.address, "status", job)
+    assert "attempts" in human.stdout and "RESTARTING" in human.stdout, human.stdout
     wait_for(lambda: not rank_pids(job), 30, "every rank of every attempt to exit")
 
 
