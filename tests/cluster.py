@@ -26,10 +26,10 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
 class Proc:
     """A daemon subprocess with its stderr kept in a file for post-mortems."""
 
-    def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict | None = None, prefix: list[str] = ()) -> None:
         self.log = log
         self._fh = open(log, "ab")
-        self.p = subprocess.Popen(CTL + args, stdout=self._fh, stderr=subprocess.STDOUT,
+        self.p = subprocess.Popen([*prefix, *CTL, *args], stdout=self._fh, stderr=subprocess.STDOUT,
                                   env={**os.environ, **(env or {})}, start_new_session=True)
 
     @property

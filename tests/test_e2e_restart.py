@@ -177,3 +177,57 @@ def test_a_stopped_rank_is_named_as_the_hang_and_the_job_restarts(three: ProcClu
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
     print(f"\nhang: rank {rank} SIGSTOPped; attempt 1 ended after {detected:.1f} s (hang_timeout 20 s); "
           f"attempt 2 resumed from step {done['result'].get('resumed_from')}")
+
+
+def test_a_partitioned_node_is_replaced_by_a_spare_and_the_losses_equal_an_uninterrupted_run(
+        tmp_path: Path) -> None:
+    """Each daemon in its own network namespace; the link of one node of the job goes down mid-run."""
+    from netns import NetnsCluster, netns_problem
+
+    problem = netns_problem()
+    if problem:
+        print(f"\nskipped: {problem}")
+        pytest.skip(problem)
+    c = NetnsCluster(tmp_path, 3, 2, HEARTBEAT_TIMEOUT)
+    try:
+        ref = c_wait(c, submit_to(c.address, tmp_path, "calm", 0))
+        assert ref["state"] == "SUCCEEDED", ref["reason"]
+        job = submit_to(c.address, tmp_path, "split", 2)
+        st = wait_for(lambda: (s := status(c.address, job))["state"] == "RUNNING"
+                      and s["summary"]["min_step"] >= 5 and s, 240, "the job past its first checkpoint")
+        victim = st["nodes"][1]
+        fault_step, t_fault = st["summary"]["min_step"], time.monotonic()
+        c.partition(victim)
+        wait_for(lambda: status(c.address, job)["attempt"] == 2, 60, "a restart")
+        t_detect = time.monotonic() - t_fault
+        wait_for(lambda: (s := status(c.address, job))["state"] == "RUNNING" and s["summary"]["min_step"] >= 1,
+                 180, "attempt 2 completing a step")
+        t_step = time.monotonic() - t_fault
+        done = c_wait(c, job)
+        assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
+        assert victim not in done["nodes"] and f"node {victim} lost" in done["attempts"][0]["reason"], done
+        for (step, ours), (_, theirs) in zip(losses(done), losses(ref)):
+            assert abs(ours - theirs) <= 1e-5 * abs(theirs), (step, ours, theirs)
+        assert [s for s, _ in losses(done)] == list(range(1, 41))
+        print(f"\nfault: partition of {victim} at step {fault_step}; restart queued after {t_detect:.1f} s; "
+              f"first completed step of attempt 2 after {t_step:.1f} s; steps lost "
+              f"{fault_step - (done['result'].get('resumed_from') or 0)}")
+        c.heal(victim)  # the daemon comes back and is told to stop what is left of attempt 1
+        c.wait_ready()
+        wait_for(lambda: not rank_pids(job), 60, "every rank of the partitioned attempt to exit after the heal")
+    finally:
+        c.stop()
+
+
+def submit_to(address: str, tmp: Path, name: str, restarts: int) -> str:
+    path = tmp / f"{name}.yaml"
+    path.write_text(JOB.format(name=name, restarts=restarts))
+    out = ctl(address, "submit", str(path))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def c_wait(c, job: str) -> dict:  # noqa: ANN001 - a NetnsCluster
+    from cluster import wait_state
+
+    return wait_state(c.address, job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)

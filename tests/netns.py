@@ -1,0 +1,108 @@
+"""Worker daemons in their own network namespaces, so that a network partition is a fault a test can inject.
+
+Each node gets a namespace with one veth link (``eth0``, its own address on a private /24) plugged
+into a bridge in the host namespace, where the coordinator listens on the bridge's address. A
+partition is the host side of a node's link going down: its streams stall without a FIN, as when
+a switch port dies. Needs root and ``ip``; ``netns_problem()`` says why it cannot run here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from cluster import Proc, ready_nodes, start_coordinator, wait_for
+
+
+def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = ["ip", *(["-n", ns] if ns else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=check)
+
+
+def netns_problem() -> str | None:
+    """Why namespaces cannot be used here (not root, no ``ip``, creation refused), or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    probe = f"rcprobe{os.getpid() % 10000}"
+    out = _ip("netns", "add", probe, check=False)
+    if out.returncode != 0:
+        return f"ip netns add failed: {out.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+class NetnsCluster:
+    """A coordinator on a bridge and one worker daemon per namespace (node-0 ... node-N-1)."""
+
+    def __init__(self, root: Path, nodes: int, slots: int, heartbeat_timeout: float = 3.0) -> None:
+        self.root, self.slots = root, slots
+        tag = os.getpid() % 1000
+        self.subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self.bridge = f"rcbr{tag}"
+        self.names = [f"node-{i}" for i in range(nodes)]
+        self.ns = {n: f"rc{tag}n{i}" for i, n in enumerate(self.names)}
+        self.link = {n: f"rcv{tag}n{i}" for i, n in enumerate(self.names)}
+        self.addr = {n: f"{self.subnet}.{10 + i}" for i, n in enumerate(self.names)}
+        self.workers: dict[str, Proc] = {}
+        self.coord = None
+        try:
+            self._network()
+            self.coord, self.address = start_coordinator(root / "coord", heartbeat_timeout,
+                                                         listen=f"{self.subnet}.1:0")
+            for name in self.names:
+                self.start_worker(name)
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _network(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for name in self.names:
+            ns, link = self.ns[name], self.link[name]
+            _ip("netns", "add", ns)
+            _ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", link, "master", self.bridge)
+            _ip("link", "set", link, "up")
+            _ip("addr", "add", f"{self.addr[name]}/24", "dev", "eth0", ns=ns)
+            _ip("link", "set", "eth0", "up", ns=ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+
+    def start_worker(self, name: str) -> None:
+        state = self.root / name
+        state.mkdir(parents=True, exist_ok=True)
+        self.workers[name] = Proc(
+            ["worker", "--coordinator", self.address, "--slots", str(self.slots), "--name", name,
+             "--state-dir", str(state), "--advertise-address", self.addr[name]],
+            self.root / f"{name}.log", env={"GLOO_SOCKET_IFNAME": "eth0"},
+            prefix=["ip", "netns", "exec", self.ns[name]])
+
+    def wait_ready(self, names: list[str] | None = None) -> None:
+        want = sorted(names or self.names)
+        wait_for(lambda: sorted(n for n in ready_nodes(self.address) if n in want) == want, 90,
+                 f"nodes {want} READY")
+
+    def partition(self, name: str) -> None:
+        """Cut the node off (its link goes down on the bridge side; nothing is closed)."""
+        _ip("link", "set", self.link[name], "down")
+
+    def heal(self, name: str) -> None:
+        _ip("link", "set", self.link[name], "up")
+
+    def stop(self) -> None:
+        for w in self.workers.values():
+            try:
+                w.kill()
+            except Exception:  # noqa: BLE001 - best effort: the namespaces go next
+                pass
+        if self.coord is not None:
+            self.coord.stop()
+        for ns in self.ns.values():
+            _ip("netns", "del", ns, check=False)
+        _ip("link", "del", self.bridge, check=False)
