@@ -90,6 +90,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
         self._refused_at = 0.0
         self._deferred: list[tuple[str, pb.CoordinatorMessage]] | None = None  # sent after the commit
         self._restart_since: dict[str, float] = {}       # RESTARTING job -> when its attempt was told to stop
+        self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes
         self.logfetch = LogFetcher(self.nodes.send)
 
     @property
@@ -287,7 +288,8 @@ class Coordinator(ReportsMixin, RestartsMixin):
     def _start(self, job: JobRecord, names: list[str], port: int) -> None:
         rendezvous = f"{self.nodes.get(names[0]).record.host}:{port}"
         try:
-            messages = assign_messages(job, names, rendezvous)
+            messages = assign_messages(job, names, rendezvous, [self.nodes.get(n).peer for n in names],
+                                       self._restore_sources(job, names))
         except Exception as exc:  # a stored spec that no longer lays out: fail it, keep the queue moving
             log.exception("job.assignments_failed", job=job.id)
             self.book.transition(job, S.FAILED, f"cannot build rank assignments: {exc}")

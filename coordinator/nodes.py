@@ -36,6 +36,12 @@ class NodeSession:
     detail: str = ""               # why LOST / since when DISCONNECTED
     unverified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) not listed on Register
     acked_at: float = 0.0          # when the last Ack was sent
+    peer_port: int = 0             # its PeerService port (checkpoint replication); 0: none
+
+    @property
+    def peer(self) -> str:
+        """``host:port`` of its PeerService, or "" when it has none."""
+        return f"{self.record.host}:{self.peer_port}" if self.peer_port else ""
     owes_failures: bool = False    # LOST, but failing its jobs could not be stored yet
     since: float = 0.0             # when it became DISCONNECTED (0: since the coordinator started)
 
@@ -76,7 +82,8 @@ class NodeTable:
 
     def connect(self, record: NodeRecord, hello: NodeHello, outbox: Outbox, now: float) -> NodeSession:
         """Open a new session (``record`` from ``record_for``, already stored)."""
-        session = NodeSession(record, NodeStatus.READY, outbox, tuple(hello.free_ports), now)
+        session = NodeSession(record, NodeStatus.READY, outbox, tuple(hello.free_ports), now,
+                              peer_port=hello.peer_port)
         self.sessions[hello.name] = session
         return session
 

@@ -20,22 +20,27 @@ def pick_port(free_ports: Iterable[int], in_use: set[int]) -> int | None:
     return next((p for p in free_ports if p not in in_use), None)
 
 
-def assign_messages(job: JobRecord, nodes: list[str], rendezvous: str) -> list[pb.CoordinatorMessage]:
+def assign_messages(job: JobRecord, nodes: list[str], rendezvous: str, peers: list[str] | None = None,
+                    restores: list[str] | None = None) -> list[pb.CoordinatorMessage]:
     """One compact Assign per job node (job node k runs ranks k*S .. k*S+S-1), in ``nodes`` order.
 
     Each is the same size whatever the job's size: the spec is serialised once and every rank
     computes its own coordinates and groups on its node. Raises when the stored spec no longer
-    lays out (checked here once, so that no node is sent a job it cannot run).
+    lays out (checked here once, so that no node is sent a job it cannot run). ``peers[k]`` is job
+    node k's PeerService address: node k's checkpoint steps are copied to node k+1 (its replica peer);
+    ``restores[k]`` names where node k fetches its ranks' checkpoints from before they start.
     """
     spec = parse_spec(job.spec)
     RankLayout(parallel_config(spec)).rank_groups(0)
     spec_json = json.dumps(job.spec, separators=(",", ":"))
-    s = job.slots_per_node
+    s, n = job.slots_per_node, len(nodes)
+    peers = peers or [""] * n
+    restores = restores or [""] * n
     return [pb.CoordinatorMessage(assign=pb.Assign(
         job_id=job.id, attempt=job.attempt, world_size=job.world_size, first_rank=ranks_of_node(k, s).start,
         rank_count=s, rendezvous=rendezvous, backend=spec.backend, kind=job.kind, spec_json=spec_json,
-        restart=job.attempt > 1))
-        for k in range(len(nodes))]
+        restart=job.attempt > 1, replica_peer=peers[(k + 1) % n] if n > 1 else "", restore_peer=restores[k]))
+        for k in range(n)]
 
 
 def plan_layout(cfg: ParallelConfig, slots_per_node: int) -> dict:

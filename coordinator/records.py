@@ -139,6 +139,7 @@ class NodeHello:
     free_ports: tuple[int, ...] = ()
     running: tuple[RunningJob, ...] = ()
     session: str = ""
+    peer_port: int = 0         # the daemon's PeerService (checkpoint replication); 0: none
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ class RestartsMixin:
                                             f"nodes never reported their exit within {STOP_TIMEOUT_S:g} s")
             return
         previous = job.attempt
+        self._prev_nodes[job.id] = list(job.nodes)
         with self.store.transaction(f"the next attempt of job {job.id}"):
             job.attempt, job.nodes, job.rendezvous = previous + 1, [], ""
             self.book.transition(job, S.PENDING, f"attempt {previous}'s ranks are gone; queued as attempt "
@@ -96,6 +97,24 @@ class RestartsMixin:
                 self._restart_since.pop(job_id, None)
             else:
                 self._maybe_requeue(job)
+
+    def _restore_sources(self, job: JobRecord, names: list[str]) -> list[str]:
+        """For each job node of a restarted attempt that did not run the same ranks before: the
+        PeerService of a connected node holding those ranks' checkpoints (the node that ran them, or
+        the one that kept their copies: the next node of the previous attempt); "" otherwise."""
+        prev = self._prev_nodes.pop(job.id, None)
+        out = [""] * len(names)
+        if not prev or len(prev) != len(names):
+            return out
+        for k, name in enumerate(names):
+            if name == prev[k]:
+                continue
+            for holder in (prev[k], prev[(k + 1) % len(prev)]):
+                session = self.nodes.get(holder)
+                if session is not None and session.status is NodeStatus.READY and session.peer:
+                    out[k] = session.peer
+                    break
+        return out
 
     # -- hangs ------------------------------------------------------------------------------
     def _check_hangs(self, loop_lag: float) -> None:

@@ -227,7 +227,7 @@ class RankAssignmentMsg(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., assignment_json: _Optional[str] = ...) -> None: ...
 
 class Assign(_message.Message):
-    __slots__ = ("job_id", "attempt", "ranks", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json", "restart")
+    __slots__ = ("job_id", "attempt", "ranks", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json", "restart", "replica_peer", "restore_peer")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,8 @@ class Assign(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_PEER_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_PEER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankAssignmentMsg]
@@ -250,7 +252,9 @@ class Assign(_message.Message):
     kind: str
     spec_json: str
     restart: bool
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignmentMsg, _Mapping]]] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ..., restart: _Optional[bool] = ...) -> None: ...
+    replica_peer: str
+    restore_peer: str
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignmentMsg, _Mapping]]] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ..., restart: _Optional[bool] = ..., replica_peer: _Optional[str] = ..., restore_peer: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("last_seq",)
@@ -287,7 +291,7 @@ class Cancel(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session")
+    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +299,7 @@ class Register(_message.Message):
     FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_PORT_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -302,7 +307,8 @@ class Register(_message.Message):
     free_ports: _containers.RepeatedScalarFieldContainer[int]
     running: _containers.RepeatedCompositeFieldContainer[RunningJob]
     session: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ...) -> None: ...
+    peer_port: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ...) -> None: ...
 
 class RunningJob(_message.Message):
     __slots__ = ("job_id", "attempt", "ranks")
@@ -585,3 +591,33 @@ class BlobRef(_message.Message):
     digest: str
     size: int
     def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ShardChunk(_message.Message):
+    __slots__ = ("job_name", "step", "rank", "file", "data", "last")
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    job_name: str
+    step: int
+    rank: int
+    file: str
+    data: bytes
+    last: bool
+    def __init__(self, job_name: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., file: _Optional[str] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class PutShardsResponse(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: int
+    def __init__(self, files: _Optional[int] = ...) -> None: ...
+
+class GetShardsRequest(_message.Message):
+    __slots__ = ("job_name", "ranks")
+    JOB_NAME_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_name: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -645,3 +645,124 @@ class ClientService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeerServiceStub:
+    """Checkpoint replication: a daemon pushes its ranks' complete steps to a peer node of the job, and a
+    node that replaces a lost one pulls that node's ranks' newest step before they start.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PutShards = channel.stream_unary(
+                '/rankctl.v1.PeerService/PutShards',
+                request_serializer=rankctl__pb2.ShardChunk.SerializeToString,
+                response_deserializer=rankctl__pb2.PutShardsResponse.FromString,
+                _registered_method=True)
+        self.GetShards = channel.unary_stream(
+                '/rankctl.v1.PeerService/GetShards',
+                request_serializer=rankctl__pb2.GetShardsRequest.SerializeToString,
+                response_deserializer=rankctl__pb2.ShardChunk.FromString,
+                _registered_method=True)
+
+
+class PeerServiceServicer:
+    """Checkpoint replication: a daemon pushes its ranks' complete steps to a peer node of the job, and a
+    node that replaces a lost one pulls that node's ranks' newest step before they start.
+    """
+
+    def PutShards(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShards(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutShards': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutShards,
+                    request_deserializer=rankctl__pb2.ShardChunk.FromString,
+                    response_serializer=rankctl__pb2.PutShardsResponse.SerializeToString,
+            ),
+            'GetShards': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetShards,
+                    request_deserializer=rankctl__pb2.GetShardsRequest.FromString,
+                    response_serializer=rankctl__pb2.ShardChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'rankctl.v1.PeerService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('rankctl.v1.PeerService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PeerService:
+    """Checkpoint replication: a daemon pushes its ranks' complete steps to a peer node of the job, and a
+    node that replaces a lost one pulls that node's ranks' newest step before they start.
+    """
+
+    @staticmethod
+    def PutShards(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/rankctl.v1.PeerService/PutShards',
+            rankctl__pb2.ShardChunk.SerializeToString,
+            rankctl__pb2.PutShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rankctl.v1.PeerService/GetShards',
+            rankctl__pb2.GetShardsRequest.SerializeToString,
+            rankctl__pb2.ShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

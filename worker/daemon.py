@@ -45,6 +45,7 @@ from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.contract.rankfiles import log_path
 from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
 from rankctl.worker.paths import Refused, run_dir_for
+from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
 from rankctl.worker.reportbuf import ReportBuffer
 from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status, process_state, step_figures
 from rankctl.worker.status import StatusTailer
@@ -68,6 +69,7 @@ class DaemonConfig:
     poll_interval: float = 0.1
     report_interval: float = 0.2  # at most one ReportBatch this often (reports in between coalesce)
     log_cap_bytes: int = ROTATE_BYTES  # a rank log past this is rotated (one older generation kept)
+    peer_port: int = 0            # where this node's PeerService listens (on advertise_address); 0: none
     backoff_initial: float = 0.2
     backoff_max: float = 5.0
     free_ports: int = 8
@@ -101,6 +103,8 @@ class RunState:
     status: StatusTailer | None = None
     phase: dict[int, str] = field(default_factory=dict)  # rank -> phase of its last report
     pids: dict[int, int] = field(default_factory=dict)   # rank -> pid, from the launcher's "started"
+    job_name: str = ""                                   # the spec's name: its checkpoints' directory
+    replica_peer: str = ""                               # where its checkpoint steps are copied
     process: dict[int, str] = field(default_factory=dict)  # rank -> last reported process state
 
 
@@ -127,6 +131,7 @@ class WorkerDaemon:
         self._wake = asyncio.Event()                     # the writer has something to send
         self._beat = asyncio.Event()                     # a heartbeat is due
         self._answers: set[asyncio.Task] = set()         # log fetches being answered
+        self._background: set[asyncio.Task] = set()      # checkpoint pushes to replica peers
         self._online = False                             # a session is registered
         self._stopping = asyncio.Event()
         self.refused = 0  # Assign messages refused (bad ids)
@@ -134,6 +139,8 @@ class WorkerDaemon:
         self.connected = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None  # the session's, for FetchBlob
         self.workdirs = WorkdirCache(cfg.state_dir)
+        self.shards = ShardStore(cfg.state_dir)
+        self.replicator = Replicator(self.shards)
         self._log = log.bind(node=cfg.name)
 
     # -- reports -----------------------------------------------------------------------------
@@ -261,6 +268,7 @@ class WorkerDaemon:
             turns += 1
             if turns % WATCH_EVERY == 0:
                 self._watch_processes()
+                self._replicate()
             if turns % ROTATE_EVERY == 0:
                 logs = [log_path(r.run_dir, rank) for r in self.runs.values() for rank in r.alive]
                 await asyncio.to_thread(self._rotate, logs)
@@ -336,8 +344,11 @@ class WorkerDaemon:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         ranks = {a.rank for a in assignments}
+        name = str((assignments[0].spec or {}).get("name", "")) if assignments else ""
+        if msg.restore_peer and name:
+            await self._restore(msg.restore_peer, name, sorted(ranks))
         run = RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
-                       status=StatusTailer(str(run_dir)))
+                       status=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer)
         run.alive |= ranks  # counted alive from the launch on; exits remove them
         self.runs[(msg.job_id, msg.attempt)] = run
         self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(ranks))
@@ -346,6 +357,24 @@ class WorkerDaemon:
             await self.launcher.launch(assignments)
         except LauncherError as exc:  # it just died: _launcher_died reports these ranks
             self._log.warning("launch failed", job=msg.job_id, error=str(exc))
+
+    async def _restore(self, peer: str, name: str, ranks: list[int]) -> None:
+        """This node replaces the one that ran ``ranks``: fetch their newest checkpoint step from ``peer``
+        (a failure only means the ranks start over)."""
+        try:
+            step = await restore(self.shards, peer, name, ranks)
+            self._log.info("checkpoint restored from peer", peer=peer, job_name=name, ranks=ranks, step=step)
+        except (grpc.aio.AioRpcError, OSError, BadShard) as exc:
+            self._log.warning("checkpoint restore failed; the ranks start over", peer=peer, job_name=name,
+                              error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
+
+    def _replicate(self) -> None:
+        """Start a push of new checkpoint steps for every run that has a replica peer."""
+        for run in self.runs.values():
+            if run.replica_peer and run.job_name and run.alive:
+                task = asyncio.create_task(self.replicator.push(run.replica_peer, run.job_name, sorted(run.ranks)))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def _cancel(self, msg: pb.Cancel) -> None:
         self._log.info("cancel", job=msg.job_id, reason=msg.reason)
@@ -415,6 +444,7 @@ class WorkerDaemon:
         return pb.NodeMessage(register=pb.Register(
             name=self.cfg.name, address=self.cfg.advertise_address, slots=self.cfg.slots,
             hardware=hardware_pb(self.launcher.hardware), running=running, session=self._session,
+            peer_port=self.cfg.peer_port,
             free_ports=free_ports(self.cfg.advertise_address, self.cfg.free_ports),
         ))
 
@@ -475,9 +505,9 @@ class WorkerDaemon:
                 if t is not stopping and not t.cancelled() and t.exception() is not None:
                     raise t.exception()
         finally:
-            for t in (stopping, *tasks):
+            for t in (stopping, *tasks, *self._background):
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, *self._background, return_exceptions=True)
             if self._own_launcher is not None:
                 await self._own_launcher.close()
 

@@ -12,7 +12,9 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
+from rankctl.worker.replicas import PeerServicer, ShardStore
 
 log = structlog.get_logger("rankctl.worker")
 
@@ -37,6 +39,20 @@ async def start_health(listen: str) -> tuple[grpc.aio.Server, int, Callable[[boo
     return server, port, set_serving
 
 
+async def start_peer(host: str, state_dir) -> tuple[grpc.aio.Server | None, int]:  # noqa: ANN001
+    """The PeerService (checkpoint replication) on the advertised address; (None, 0) when it cannot bind."""
+    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+    pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir)), server)
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    try:
+        port = server.add_insecure_port(f"{host}:0")
+    except RuntimeError:
+        log.warning("peer service not started: cannot bind", address=host)
+        return None, 0
+    await server.start()
+    return server, port
+
+
 async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launcher=None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None); kills every rank on exit.
 
@@ -51,6 +67,8 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
     if cfg.slots < 1:  # one rank per GPU, or one slot on a CPU node
         cfg = replace(cfg, slots=len(launcher.hardware.get("gpus", [])) or 1)
     health_server, port, set_serving = await start_health(cfg.health_listen)
+    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir)
+    cfg = replace(cfg, peer_port=peer_port)
     daemon = WorkerDaemon(cfg, launcher, start_launcher=lambda: Launcher.start(python=sys.executable),
                           set_serving=set_serving)
     log.info("worker started", node=cfg.name, slots=cfg.slots, coordinator=cfg.coordinator, health_port=port,
@@ -74,4 +92,6 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
                 await launcher.close()
             await set_serving(False)
             await health_server.stop(0.5)
+            if peer_server is not None:
+                await peer_server.stop(0.5)
             log.info("worker stopped", node=cfg.name)

@@ -35,30 +35,25 @@ import glob
 import hashlib
 import json
 import os
-import re
 from typing import Any
 
 import torch
 
-_STEP_RE = re.compile(r"^step-(\d{8})$")
+from rankctl.contract.checkpoints import (
+    complete_for, list_steps, marker_file, rank_file, read_marker, root_in, step_dir,
+)
+
+# the layout's helpers live in contract.checkpoints (the daemon replicates these files); re-exported here
+__all__ = ["checkpoint_root", "complete_for", "differences", "export_full_state_dict", "fingerprint",
+           "latest_complete", "list_steps", "load_rank", "marker_file", "rank_file", "read_marker",
+           "remove_rank_files", "save_rank", "step_dir"]
+
 
 
 def checkpoint_root(run_dir: str, job_name: str) -> str:
     """``{state}/checkpoints/{job_name}`` for ``run_dir = {state}/jobs/{job_id}/{attempt}``."""
     state = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(run_dir))))
-    return os.path.join(state, "checkpoints", job_name)
-
-
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step-{step:08d}")
-
-
-def rank_file(root: str, step: int, rank: int) -> str:
-    return os.path.join(step_dir(root, step), f"rank-{rank:05d}.pt")
-
-
-def marker_file(root: str, step: int, rank: int) -> str:
-    return os.path.join(step_dir(root, step), f"rank-{rank:05d}.done")
+    return root_in(state, job_name)
 
 
 def fingerprint(identity: dict[str, Any]) -> str:
@@ -107,33 +102,6 @@ def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
 
 def load_rank(root: str, step: int, rank: int, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     return torch.load(rank_file(root, step, rank), map_location=map_location, weights_only=True)
-
-
-def list_steps(root: str) -> list[int]:
-    """Every step that has a directory, ascending."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for n in names if (m := _STEP_RE.match(n)))
-
-
-def read_marker(root: str, step: int, rank: int) -> dict[str, Any] | None:
-    try:
-        with open(marker_file(root, step, rank), encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def complete_for(root: str, ranks: list[int] | range, fp: str | None = None) -> list[int]:
-    """Steps for which every rank in ``ranks`` has a marker (matching ``fp`` if given)."""
-    out = []
-    for step in list_steps(root):
-        markers = [read_marker(root, step, r) for r in ranks]
-        if all(m is not None and (fp is None or m.get("fingerprint") == fp) for m in markers):
-            out.append(step)
-    return out
 
 
 def latest_complete(root: str, world_size: int, fp: str | None = None) -> int | None:
