@@ -228,9 +228,7 @@ class JobProgress:
     def summary(self) -> JobSummary:
         stragglers: list[int] = []
         if self.max_step > self.min_step:
-            stragglers = sorted(self.at_step.get(self.min_step, ()))[:SHOWN] \
-                if len(self.at_step.get(self.min_step, ())) <= 4 * SHOWN else \
-                heapq.nsmallest(SHOWN, self.at_step.get(self.min_step, ()))
+            stragglers = heapq.nsmallest(SHOWN, self.at_step.get(self.min_step, ()))
         failing = [self.failed[r] for r in heapq.nsmallest(SHOWN, self._failed_heap)]
         return JobSummary(
             phases=dict(self.phases), running=self.running, exited=self.exited, failed=len(self.failed),

@@ -124,6 +124,16 @@ def coalesce_steps(events: list[EventRecord]) -> list[EventRecord]:
     return out
 
 
+def _fill(repeated, messages, budget: int) -> None:  # noqa: ANN001 - a repeated message field, an iterator
+    """Append ``messages`` to ``repeated`` until their bytes pass ``budget`` (always at least one)."""
+    used = 0
+    for msg in messages:
+        used += msg.ByteSize()
+        if used > budget and len(repeated):
+            break
+        repeated.append(msg)
+
+
 async def _upload_chunks(first: pb.BlobChunk, rest: AsyncIterator[pb.BlobChunk]) -> AsyncIterator[bytes]:
     yield first.data
     async for chunk in rest:
@@ -144,13 +154,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         ranks = [] if summary_only else self.core.rank_page(job.id, offset, limit)
         msg = convert.job_to_pb(job, summary=summary, rank_offset=offset, nodes=_nodes_fit(job.nodes))
         msg.attempts.extend(convert.attempts_to_pb(self.core.attempts(job.id, ATTEMPTS_SHOWN)))
-        used = 0
-        for r in ranks:
-            rank = convert.rank_to_pb(r)
-            used += rank.ByteSize()
-            if used > RANK_PAGE_BYTES and msg.ranks:
-                break
-            msg.ranks.append(rank)
+        _fill(msg.ranks, map(convert.rank_to_pb, ranks), RANK_PAGE_BYTES)
         end = offset + len(msg.ranks)
         msg.next_rank_offset = end if msg.ranks and end < job.world_size else 0
         return msg
@@ -159,13 +163,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         """The job now and ``events`` from the first, stopping near BATCH_BYTES (at least one event)."""
         batch = pb.JobEventBatch(state=convert.job_state(job.state), reason=job.reason, attempt=job.attempt,
                                  summary=convert.summary_to_pb(self.core.summary(job.id)))
-        used = 0
-        for ev in events:
-            msg = convert.event_to_pb(ev)
-            used += msg.ByteSize()
-            if used > BATCH_BYTES and batch.events:
-                break
-            batch.events.append(msg)
+        _fill(batch.events, map(convert.event_to_pb, events), BATCH_BYTES)
         return batch
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
