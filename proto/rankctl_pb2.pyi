@@ -62,7 +62,7 @@ class Hardware(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen", "rejected_reports")
+    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen", "rejected_reports", "draining", "excluded_for")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class Node(_message.Message):
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     REJECTED_REPORTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -79,10 +81,12 @@ class Node(_message.Message):
     hardware: Hardware
     last_seen: float
     rejected_reports: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ..., rejected_reports: _Optional[int] = ...) -> None: ...
+    draining: bool
+    excluded_for: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "updated_at", "loss", "val_loss", "tokens_per_s", "step_time_s", "process")
+    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "updated_at", "loss", "val_loss", "tokens_per_s", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +101,10 @@ class RankStatus(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     phase: str
@@ -111,7 +119,11 @@ class RankStatus(_message.Message):
     tokens_per_s: float
     step_time_s: float
     process: str
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., updated_at: _Optional[float] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ...) -> None: ...
+    compute_s: float
+    wait_s: float
+    collectives: str
+    stack: str
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., updated_at: _Optional[float] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "job_id", "ts", "state", "kind", "message", "rank", "step", "metrics_json")
@@ -136,7 +148,7 @@ class JobEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., ts: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ...) -> None: ...
 
 class JobSummary(_message.Message):
-    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "metrics_json", "reports")
+    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "metrics_json", "reports", "slow")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +166,7 @@ class JobSummary(_message.Message):
     FAILING_FIELD_NUMBER: _ClassVar[int]
     METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.ScalarMap[str, int]
     running: int
     exited: int
@@ -164,7 +177,22 @@ class JobSummary(_message.Message):
     failing: _containers.RepeatedCompositeFieldContainer[RankStatus]
     metrics_json: str
     reports: int
-    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., metrics_json: _Optional[str] = ..., reports: _Optional[int] = ...) -> None: ...
+    slow: _containers.RepeatedCompositeFieldContainer[SlowRank]
+    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., metrics_json: _Optional[str] = ..., reports: _Optional[int] = ..., slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ...) -> None: ...
+
+class SlowRank(_message.Message):
+    __slots__ = ("rank", "node", "compute_s", "median_s", "steps")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_S_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node: str
+    compute_s: float
+    median_s: float
+    steps: int
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ..., median_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind", "summary", "rank_offset", "next_rank_offset", "attempts")
@@ -401,18 +429,30 @@ class Registered(_message.Message):
     def __init__(self, node: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("registered", "assign", "cancel", "ack", "fetch_logs")
+    __slots__ = ("registered", "assign", "cancel", "ack", "fetch_logs", "checkpoint")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     FETCH_LOGS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     assign: Assign
     cancel: Cancel
     ack: Ack
     fetch_logs: FetchLogs
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., fetch_logs: _Optional[_Union[FetchLogs, _Mapping]] = ...) -> None: ...
+    checkpoint: CheckpointNow
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., fetch_logs: _Optional[_Union[FetchLogs, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointNow, _Mapping]] = ...) -> None: ...
+
+class CheckpointNow(_message.Message):
+    __slots__ = ("job_id", "attempt", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class BlobChunk(_message.Message):
     __slots__ = ("digest", "size", "data")
@@ -522,6 +562,24 @@ class ListNodesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DrainNodeRequest(_message.Message):
+    __slots__ = ("node", "undrain", "reason")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    UNDRAIN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    undrain: bool
+    reason: str
+    def __init__(self, node: _Optional[str] = ..., undrain: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DrainNodeResponse(_message.Message):
+    __slots__ = ("node", "jobs")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    node: Node
+    jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[_Union[Node, _Mapping]] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -593,20 +651,22 @@ class BlobRef(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
-    __slots__ = ("job_name", "step", "rank", "file", "data", "last")
+    __slots__ = ("job_name", "step", "rank", "file", "root", "data", "last")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     step: int
     rank: int
     file: str
+    root: str
     data: bytes
     last: bool
-    def __init__(self, job_name: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., file: _Optional[str] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job_name: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., file: _Optional[str] = ..., root: _Optional[str] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PutShardsResponse(_message.Message):
     __slots__ = ("files",)
@@ -615,9 +675,11 @@ class PutShardsResponse(_message.Message):
     def __init__(self, files: _Optional[int] = ...) -> None: ...
 
 class GetShardsRequest(_message.Message):
-    __slots__ = ("job_name", "ranks")
+    __slots__ = ("job_name", "ranks", "root")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    root: str
+    def __init__(self, job_name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., root: _Optional[str] = ...) -> None: ...

@@ -185,6 +185,11 @@ class ClientServiceStub:
                 request_serializer=rankctl__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=rankctl__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.DrainNode = channel.unary_unary(
+                '/rankctl.v1.ClientService/DrainNode',
+                request_serializer=rankctl__pb2.DrainNodeRequest.SerializeToString,
+                response_deserializer=rankctl__pb2.DrainNodeResponse.FromString,
+                _registered_method=True)
         self.GetLogs = channel.unary_stream(
                 '/rankctl.v1.ClientService/GetLogs',
                 request_serializer=rankctl__pb2.GetLogsRequest.SerializeToString,
@@ -254,6 +259,13 @@ class ClientServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DrainNode(self, request, context):
+        """ctl drain / ctl undrain
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetLogs(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -317,6 +329,11 @@ def add_ClientServiceServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=rankctl__pb2.ListNodesRequest.FromString,
                     response_serializer=rankctl__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'DrainNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainNode,
+                    request_deserializer=rankctl__pb2.DrainNodeRequest.FromString,
+                    response_serializer=rankctl__pb2.DrainNodeResponse.SerializeToString,
             ),
             'GetLogs': grpc.unary_stream_rpc_method_handler(
                     servicer.GetLogs,
@@ -528,6 +545,33 @@ class ClientService:
             '/rankctl.v1.ClientService/ListNodes',
             rankctl__pb2.ListNodesRequest.SerializeToString,
             rankctl__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankctl.v1.ClientService/DrainNode',
+            rankctl__pb2.DrainNodeRequest.SerializeToString,
+            rankctl__pb2.DrainNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
