@@ -42,7 +42,7 @@ from rankctl.kinds.registry import blobs_of
 from rankctl.worker.assign import claimed_ranks, expand
 from rankctl.worker.blobs import FetchFailed, WorkdirCache
 from rankctl.worker.launcher_client import Launcher, LauncherError
-from rankctl.contract.rankfiles import log_path
+from rankctl.contract.rankfiles import log_path, write_control
 from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
 from rankctl.worker.paths import Refused, run_dir_for
 from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
@@ -383,6 +383,18 @@ class WorkerDaemon:
         except LauncherError:
             pass  # no launcher, so none of its ranks is left
 
+    def _checkpoint(self, msg: pb.CheckpointNow) -> None:
+        """Ask the live ranks of the attempt to save a checkpoint at the end of ``msg.step``."""
+        run = self.runs.get((msg.job_id, msg.attempt))
+        if run is None:
+            return
+        for rank in sorted(run.alive):
+            try:
+                write_control(run.run_dir, rank, {"checkpoint_at": int(msg.step)})
+            except OSError as exc:
+                self._log.warning("checkpoint request not written", job=msg.job_id, rank=rank, error=str(exc))
+        self._log.info("checkpoint requested", job=msg.job_id, attempt=msg.attempt, step=msg.step)
+
     async def _read(self, call: Any) -> None:
         while (msg := await call.read()) is not grpc.aio.EOF:  # read() style only: aio forbids mixing
             body = msg.WhichOneof("body")
@@ -392,6 +404,8 @@ class WorkerDaemon:
                 await self._cancel(msg.cancel)
             elif body == "ack":
                 self.reports.acked(msg.ack.last_seq)
+            elif body == "checkpoint":
+                self._checkpoint(msg.checkpoint)
             elif body == "fetch_logs":
                 task = asyncio.create_task(self._answer_fetch(msg.fetch_logs))
                 self._answers.add(task)
