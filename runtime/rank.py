@@ -21,6 +21,7 @@ from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.spec import RestartSpec
 from rankctl.kinds import registry
 from rankctl.kinds.spec import parse_spec
+from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.context import RankContext, set_current
 from rankctl.runtime.rendezvous import is_collective_timeout, victim_line
 from rankctl.runtime.status import StatusWriter
@@ -69,6 +70,9 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
     log = structlog.get_logger("rankctl.rank")
     seconds = timeout_s or RestartSpec().collective_timeout  # until the spec is read
     phase = "starting"
+    counters = CollectiveCounters(run_dir, a.rank, a.world_size, a.groups)
+    uncount = install(counters)  # hang attribution and wait time (the daemon reads the counters)
+    status.counters = counters
     try:
         spec = parse_spec(a.spec)
         seconds = timeout_s or spec.restart.collective_timeout
@@ -96,4 +100,6 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
         status.write("failed", **fields)
         return 1
     finally:
+        uncount()
         status.close()
+        counters.close()

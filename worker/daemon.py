@@ -164,6 +164,9 @@ class WorkerDaemon:
         if rec.get("traceback"):
             status.error = f"{status.error}\n{rec['traceback']}".strip()
         step_figures(status, rec.get("metrics"))
+        for name in ("compute_s", "wait_s"):  # the step's split (runtime.status); unset: not reported
+            if isinstance(rec.get(name), (int, float)):
+                setattr(status, name, float(rec[name]))
         previous = run.phase.get(status.rank)
         run.phase[status.rank] = status.phase
         step_only = (status.phase == previous == "running" and not status.error and rec.get("result") is None)
