@@ -69,6 +69,8 @@ class RankRecord:
     updated_at: float = 0.0
     result_json: str = ""
     process: str = ""          # the daemon's view of the process ("stopped"); kept in memory only
+    collectives: str = ""      # the daemon's snapshot of its collective counters when they stopped moving (memory only)
+    stack: str = ""            # the rank's Python stack at that moment (memory only)
 
     def passed_running(self) -> bool:
         """True once the rank reported ``running`` or any later phase (or exited)."""

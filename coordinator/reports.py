@@ -193,6 +193,8 @@ class ReportsMixin:
                 old.updated_at = st.updated_at
             if st.process != old.process:  # the daemon saw the process stop or go on (memory only)
                 old.process = st.process
+            if st.collectives or st.stack:  # hang evidence: counters that stopped moving (memory only)
+                old.collectives, old.stack = st.collectives, st.stack
             progress.reports += 1
             step = st.step
             if step and step != old.step:
