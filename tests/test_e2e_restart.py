@@ -1,9 +1,10 @@
 """End to end: a train job restarts by itself onto a spare node after one of its daemons is SIGKILLed
 (issue 13, first part), through a real coordinator and three real worker daemons (separate processes).
 
-The restarted run's losses equal an uninterrupted run's, step for step. Without shared checkpoints,
-the replacement node holds none of the lost node's shards, so the new attempt starts over (the
-losses are the same function of the seed); what it prints is how long detection and recovery took.
+The restarted run's losses equal an uninterrupted run's, step for step. The lost node's shards were
+copied to its peer node (checkpoint replication), so the replacement fetches them and the new attempt
+resumes from the newest common checkpoint; it prints how long detection and recovery took and how many
+steps were lost.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def test_a_killed_daemon_is_replaced_by_a_spare_and_the_losses_equal_an_uninterr
     job = submit(three, tmp_path, "faulted", 2)
     st = wait_for(lambda: (s := status(three.address, job))["state"] == "RUNNING"
                   and s["summary"]["min_step"] >= 5 and s, 240, "the job past its first checkpoint")
-    victim = st["nodes"][1]
+    victim, keeper = st["nodes"][1], st["nodes"][0]
+    # a checkpoint of the victim's ranks (2, 3) is copied to the other job node before the fault
+    copies = three.root / keeper / "replicas" / "faulted"
+    wait_for(lambda: any(all((d / f"rank-{r:05d}.done").exists() for r in (2, 3)) for d in copies.glob("step-*")),
+             60, "a checkpoint of the victim's ranks replicated to its peer")
+    st = status(three.address, job)
     spare = ({"node-0", "node-1", "node-2"} - set(st["nodes"])).pop()
     fault_step, t_fault = st["summary"]["min_step"], time.monotonic()
     three.workers[victim].kill(signal.SIGKILL)
@@ -76,6 +82,7 @@ def test_a_killed_daemon_is_replaced_by_a_spare_and_the_losses_equal_an_uninterr
     for (step, ours), (_, theirs) in zip(losses(done), losses(ref)):
         assert abs(ours - theirs) <= 1e-5 * abs(theirs), (step, ours, theirs)
     resumed = done["result"].get("resumed_from") or 0
+    assert 5 <= resumed <= fault_step, (resumed, fault_step)  # resumed from the replicated checkpoint, not over
     print(f"\nfault: SIGKILL of {victim}'s daemon at step {fault_step}; detected (RESTARTING) after "
           f"{t_detect:.1f} s; first completed step of attempt 2 after {t_step:.1f} s; "
           f"steps lost {fault_step - resumed} (attempt 2 resumed from step {resumed})")
