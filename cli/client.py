@@ -101,6 +101,11 @@ class Client:
         with rpc_errors(self.address):
             return list(self.stub.ListNodes(pb.ListNodesRequest()).nodes)
 
+    def drain(self, node: str, reason: str = "", undrain: bool = False) -> pb.DrainNodeResponse:
+        """Drain a node (its jobs move off it) or undrain it (it takes work again, its exclusions cleared)."""
+        with rpc_errors(self.address):
+            return self.stub.DrainNode(pb.DrainNodeRequest(node=node, reason=reason, undrain=undrain))
+
     def watch(self, job_id: str, after_seq: int = 0) -> Iterator[pb.JobEvent]:
         with rpc_errors(self.address):
             yield from self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id, after_seq=after_seq))

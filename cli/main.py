@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "logs": ("rankctl.cli.jobs", "logs", "Print (or follow) the ranks' output."),
     "cancel": ("rankctl.cli.jobs", "cancel", "Cancel a job."),
     "nodes": ("rankctl.cli.nodes", "nodes", "List worker nodes."),
+    "drain": ("rankctl.cli.nodes", "drain", "Take a node out of service: no new work, its jobs move off it."),
+    "undrain": ("rankctl.cli.nodes", "undrain", "Put a drained node back in service (clears its exclusions)."),
     "coordinator": ("rankctl.cli.daemons", "coordinator", "Run the coordinator service."),
     "worker": ("rankctl.cli.daemons", "worker", "Run a worker daemon for this node."),
     "up": ("rankctl.cli.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),

@@ -1,4 +1,5 @@
-"""``ctl nodes``: the worker nodes the coordinator knows."""
+"""``ctl nodes``, ``ctl drain``, ``ctl undrain``: the worker nodes the coordinator knows, and taking
+one out of service and back."""
 
 from __future__ import annotations
 
@@ -6,19 +7,68 @@ import click
 
 from rankctl.cli.context import Ctx, pass_ctx
 
+JOBS_SHOWN = 3  # job ids named per node in the table (--json has them all)
+
+
+def _flags(n: dict) -> str:
+    """What the table says beside the state: draining, and the jobs the node is not placed for again."""
+    parts = ["draining"] if n["draining"] else []
+    jobs = n["excluded_for"]
+    if jobs:
+        more = f" +{len(jobs) - JOBS_SHOWN}" if len(jobs) > JOBS_SHOWN else ""
+        parts.append(f"excluded for {', '.join(jobs[:JOBS_SHOWN])}{more}")
+    return "; ".join(parts)
+
 
 @click.command("nodes")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout (adds draining, excluded_for).")
 @pass_ctx
 def nodes(ctx: Ctx, as_json: bool) -> None:
-    """List nodes: name, address, slots, state (READY when connected)."""
+    """List nodes: name, address, slots, state (READY when connected), whether it is draining and the jobs
+    it is excluded from (its ranks failed in two attempts in a row; `ctl undrain NODE` clears them)."""
     from rankctl.cli.render import node_to_dict, print_json, rows_table, stdout_console, when
 
     with ctx.client() as client:
-        found = [node_to_dict(n) for n in client.nodes()]
+        found = [{**node_to_dict(n), "draining": n.draining, "excluded_for": list(n.excluded_for)}
+                 for n in client.nodes()]
     if as_json:
         print_json(found)
         return
     rows = [{"name": n["name"], "address": n["address"], "state": n["state"], "slots": n["slots"],
              "free": n["free_slots"], "gpus": len(n["gpus"]), "last seen": when(n["last_seen"])} for n in found]
+    if any(_flags(n) for n in found):
+        for row, n in zip(rows, found):
+            row["service"] = _flags(n) or "-"
     stdout_console().print(rows_table("nodes", rows) if rows else "no nodes")
+
+
+@click.command("drain")
+@click.argument("node")
+@click.option("--reason", default="", metavar="TEXT", help="Why (stored, shown in the moved jobs' reasons).")
+@pass_ctx
+def drain(ctx: Ctx, node: str, reason: str) -> None:
+    """Take NODE out of service: it gets no new work and stays connected while its jobs move off it.
+
+    A running train job on it is asked for a checkpoint a couple of steps ahead, then restarts without
+    the node and resumes from that checkpoint (at most 60 s later); other jobs restart at once. A drain
+    restart does not count against restart.max_restarts. Jobs wait when no other node can take them.
+    The drain survives a coordinator restart; `ctl undrain NODE` ends it.
+    """
+    with ctx.client() as client:
+        answer = client.drain(node, reason)
+    jobs = list(answer.jobs)
+    moving = f"; moving {len(jobs)} job(s) off it: {', '.join(jobs)}" if jobs else "; no job runs on it"
+    click.echo(f"node {answer.node.name} is draining: it takes no new work{moving}")
+
+
+@click.command("undrain")
+@click.argument("node")
+@pass_ctx
+def undrain(ctx: Ctx, node: str) -> None:
+    """Put NODE back in service: it takes new work again, and it is placed again for the jobs it was
+    excluded from after its ranks failed in two attempts in a row (those exclusions are cleared)."""
+    with ctx.client() as client:
+        answer = client.drain(node, undrain=True)
+    jobs = list(answer.jobs)
+    cleared = f"; it may run {', '.join(jobs)} again" if jobs else ""
+    click.echo(f"node {answer.node.name} takes work again{cleared}")

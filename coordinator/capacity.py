@@ -7,6 +7,10 @@ first job that cannot start holds every later job back, but only while it *could
 cluster (enough known nodes with enough slots) and for at most ``head_wait`` seconds; after
 that, later jobs that fit start around it (backfill) while it keeps its place at the head.
 A job that can never fit (submitted with ``--queue-anyway``) holds nothing back.
+
+A restarted job is placed against its previous attempt (``place_keeping``): each node that can
+still run its ranks keeps them (its launcher is warm, its checkpoints are its own) and only the
+others are replaced, by spares in name order.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from typing import Iterable
 
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.records import JobRecord
+from rankctl.parallel.placement import NodeSlots, place
 
 
 def free_slots(ready: Iterable[NodeSession], active: Iterable[JobRecord]) -> dict[str, int]:
-    """READY node name -> slots not taken by an active job (a job takes slots_per_node on each of its nodes)."""
+    """READY node name -> slots not taken by the jobs given (active ones, and ended ones whose ranks are not
+    confirmed gone yet); a job takes slots_per_node on each of its nodes."""
     free = {s.name: s.record.slots for s in ready}
     for job in active:
         for name in job.nodes:
@@ -46,3 +52,21 @@ def shortfall(sessions: list[NodeSession], nodes: int, slots_per_node: int) -> s
 def may_pass(head: JobRecord, sessions: list[NodeSession], waited: float, head_wait: float) -> bool:
     """Whether jobs behind ``head`` (which cannot start now) may start before it."""
     return waited >= head_wait or shortfall(sessions, head.nodes_needed, head.slots_per_node) is not None
+
+
+def place_keeping(previous: list[str], nodes_needed: int, slots_per_node: int, nodes: list[NodeSlots]) -> list[str]:
+    """``place``, but job node k stays on ``previous[k]`` where that node still fits; the others are filled
+    with the fitting nodes not kept, in the given order. Raises PlacementError (from ``place``) on a shortfall."""
+    if len(previous) != nodes_needed:
+        return place(nodes_needed, slots_per_node, nodes)
+    fits = [n.name for n in nodes if n.free >= slots_per_node]
+    fitting = set(fits)
+    out = [name if name in fitting else "" for name in previous]
+    kept = set(out)
+    spares = iter(name for name in fits if name not in kept)
+    for k, name in enumerate(out):
+        if not name:
+            out[k] = next(spares, "")
+            if not out[k]:
+                return place(nodes_needed, slots_per_node, nodes)  # the shortfall, named
+    return out

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.records import (
@@ -105,11 +105,13 @@ def hardware_to_pb(hw: dict[str, Any]) -> pb.Hardware:
     )
 
 
-def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0) -> pb.Node:
+def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0, *, draining: bool = False,
+               excluded_for: Sequence[str] = ()) -> pb.Node:
     r = session.record
     return pb.Node(
         name=r.name, address=r.address, slots=r.slots, free_slots=free_slots, state=_NODE_STATE[session.status],
         hardware=hardware_to_pb(r.hardware), last_seen=r.last_seen, rejected_reports=rejected_reports,
+        draining=draining, excluded_for=excluded_for,
     )
 
 
@@ -126,6 +128,10 @@ def assign_message(job_id: str, attempt: int, assignments: list[RankAssignment])
 
 def cancel_message(job_id: str, attempt: int, reason: str) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(cancel=pb.Cancel(job_id=job_id, attempt=attempt, reason=reason))
+
+
+def checkpoint_message(job_id: str, attempt: int, step: int) -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(checkpoint=pb.CheckpointNow(job_id=job_id, attempt=attempt, step=step))
 
 
 # -- pb -> domain ---------------------------------------------------------------

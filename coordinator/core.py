@@ -18,6 +18,10 @@ Every per-message path is constant time in the job's size: per-job counters
 (``progress.JobProgress``), indexes of active and pending jobs, a node -> job-node index per
 job, and a compact per-node Assign. The failure detector discounts the time the event loop
 itself was stalled (``tick(loop_lag=...)``), so a slow moment never marks live nodes LOST.
+
+Operators drain nodes (``drain``/``undrain``): a draining node takes no new work and its jobs
+move off it (``restarts``). An ended attempt's slots and ports are reused only once its ranks
+are confirmed gone (``restarts.Stop``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from rankctl.contract.limits import MAX_SLOTS_PER_NODE
 from rankctl.contract.names import node_name_problem
 from rankctl.contract.spec import JobSpec
 from rankctl.coordinator import capacity, convert
-from rankctl.coordinator.errors import CapacityError, NodeNameTaken, ProtocolError
+from rankctl.coordinator.errors import CapacityError, InvalidRequest, NodeNameTaken, ProtocolError
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable, Outbox
 from rankctl.coordinator.logfetch import LogFetcher
@@ -43,18 +47,19 @@ from rankctl.coordinator.planner import assign_messages, pick_port, plan_layout
 from rankctl.coordinator.progress import JobSummary, failure_reason, rank_span
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob
 from rankctl.coordinator.reports import ReportsMixin
-from rankctl.coordinator.restarts import RestartsMixin
+from rankctl.coordinator.restarts import DrainWait, RestartsMixin, Stop
 from rankctl.coordinator.results import aggregate, parse_rank_results
 from rankctl.coordinator.signals import Signals
 from rankctl.coordinator.states import JobState, is_active, is_terminal
 from rankctl.coordinator.store import Store, StoreError
 from rankctl.kinds.spec import build_spec, check_job
-from rankctl.parallel.placement import NodeSlots, PlacementError, place
+from rankctl.parallel.placement import NodeSlots, PlacementError
 from rankctl.proto import rankctl_pb2 as pb
 
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
 HEAD_WAIT_S = 60.0          # how long the first job that cannot start holds back the jobs behind it
+DRAIN_REASON_MAX = 1000     # characters of a ctl drain --reason
 
 
 def _gone(ranks: list[int]) -> str:
@@ -77,7 +82,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
         self.head_wait = head_wait
         self.signals = signals or Signals()
         self.book = JobBook(store, clock, self.signals)
-        self.nodes = NodeTable.from_records(store.load_nodes())
+        self.nodes = NodeTable.from_records(store.load_nodes(), store.load_drains(), store.load_exclusions())
         self.started_at = clock()
         self.stopping = False
         self.rejected_reports: Counter[str] = Counter()  # node -> reports for ranks it does not own
@@ -89,9 +94,13 @@ class Coordinator(ReportsMixin, RestartsMixin):
         self._queued = 0
         self._refused_at = 0.0
         self._deferred: list[tuple[str, pb.CoordinatorMessage]] | None = None  # sent after the commit
-        self._restart_since: dict[str, float] = {}       # RESTARTING job -> when its attempt was told to stop
-        self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes
+        self._stops: dict[str, Stop] = {}                # job -> its ended attempt, until its ranks are gone
+        self._drains: dict[str, DrainWait] = {}          # RUNNING train job -> the drain checkpoint it is asked for
+        self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes (cache)
         self.logfetch = LogFetcher(self.nodes.send)
+        for job in self.book.active():  # restarts under way before the coordinator stopped: confirm them again
+            if job.state is S.RESTARTING:
+                self._begin_stop(job)
 
     @property
     def heartbeat_interval(self) -> float:
@@ -113,6 +122,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
                 stored = {r.name: r.last_seq for r in self.store.load_nodes()}
                 for session in self.nodes:
                     session.record.last_seq = stored.get(session.name, 0)
+                self.nodes.draining, self.nodes.excluded = self.store.load_drains(), self.store.load_exclusions()
             raise
 
     @contextmanager
@@ -228,6 +238,54 @@ class Coordinator(ReportsMixin, RestartsMixin):
         free = self._free_slots()
         return [(s, free.get(s.name, 0)) for s in self.nodes]
 
+    def node_view(self, name: str) -> tuple[NodeSession, int]:
+        """One node and its free slots; NodeNotFound when no node has that name."""
+        session = self.nodes.known(name)
+        return session, self._free_slots().get(name, 0)
+
+    def drain(self, name: str, reason: str = "") -> list[JobRecord]:
+        """``ctl drain``: the node takes no new work (stored: it survives a restart) and every active job
+        on it moves off it (``restarts``); the jobs concerned. Draining again only updates the reason."""
+        self._node_request(name, reason)
+        with self._consistent():
+            if self.nodes.draining.get(name) != reason:
+                with self.store.transaction(f"the drain of node {name}"):
+                    self.store.set_drain(name, reason, self.clock())
+                    self.nodes.draining[name] = reason
+            moved = self._drain_jobs(name)
+        log.warning("node.draining", node=name, reason=reason, jobs=len(moved))
+        return moved
+
+    def undrain(self, name: str) -> list[str]:
+        """``ctl undrain``: the node takes work again and is placed again for the jobs it was excluded from;
+        those jobs' ids."""
+        self._node_request(name, "")
+        cleared = self.nodes.exclusions_by_node().get(name, [])
+        with self._consistent():
+            with self.store.transaction(f"the undrain of node {name}"):
+                self.store.clear_drain(name)
+                self.store.clear_exclusions(node=name)
+                self.nodes.draining.pop(name, None)
+                for job_id in cleared:
+                    names = self.nodes.excluded[job_id]
+                    names.pop(name, None)
+                    if not names:
+                        del self.nodes.excluded[job_id]
+                    self.book.event(self.book.jobs[job_id], "node", f"node {name} may run this job again (undrained)")
+                self._stop_draining(name)
+        log.info("node.undrained", node=name, cleared=len(cleared))
+        self.schedule()
+        return cleared
+
+    def _node_request(self, name: str, reason: str) -> NodeSession:
+        """The node a drain or undrain names; InvalidRequest / NodeNotFound naming the bad field."""
+        problem = node_name_problem(name, "node")
+        if problem is not None:
+            raise InvalidRequest(problem)
+        if len(reason) > DRAIN_REASON_MAX:
+            raise InvalidRequest(f"reason is {len(reason)} characters; at most {DRAIN_REASON_MAX}")
+        return self.nodes.known(name)
+
     def pending_work(self) -> bool:
         """Whether a flush has reports to store (the server's group-commit loop asks)."""
         return bool(self._inbox or self._held)
@@ -266,19 +324,34 @@ class Coordinator(ReportsMixin, RestartsMixin):
             self._head_since.setdefault(job.id, now)
             head = head or job
 
+    def _holding(self) -> list[JobRecord]:
+        """Jobs that hold slots and ports: the active ones, and ended ones whose ranks are not confirmed gone."""
+        jobs = self.book.active()
+        for job_id in self._stops:
+            job = self.book.jobs.get(job_id)
+            if job is not None and is_terminal(job.state):
+                jobs.append(job)
+        return jobs
+
     def _free_slots(self) -> dict[str, int]:
-        return capacity.free_slots(self.nodes.ready(), self.book.active())
+        return capacity.free_slots(self.nodes.ready(), self._holding())
 
     def _ports_in_use(self, node: str) -> set[int]:
-        return {int(j.rendezvous.rsplit(":", 1)[1]) for j in self.book.active() if j.nodes[:1] == [node]}
+        return {int(j.rendezvous.rsplit(":", 1)[1]) for j in self._holding() if j.nodes[:1] == [node]}
 
     def _try_start(self, job: JobRecord) -> str | None:
-        """Place and start ``job``; or return why it must wait."""
-        slots = [NodeSlots(name, n) for name, n in self._free_slots().items()]
+        """Place and start ``job`` (a restart against its previous attempt's nodes); or return why it must wait.
+
+        Draining nodes and the nodes excluded for this job are not placed; the reason names them."""
+        blocked = self.nodes.blocked(job.id)
+        slots = [NodeSlots(name, n) for name, n in self._free_slots().items() if name not in blocked]
         try:
-            names = place(job.nodes_needed, job.slots_per_node, slots)
+            names = capacity.place_keeping(self._prev_attempt_nodes(job), job.nodes_needed, job.slots_per_node,
+                                           slots)
         except PlacementError as exc:
-            return f"waiting for capacity: {exc}"
+            shown = "; ".join(f"{name} {why}" for name, why in sorted(blocked.items())[:8])
+            more = f" and {len(blocked) - 8} more" if len(blocked) > 8 else ""
+            return f"waiting for capacity: {exc}" + (f"; not placed: {shown}{more}" if blocked else "")
         port = pick_port(self.nodes.get(names[0]).free_ports, self._ports_in_use(names[0]))
         if port is None:
             return f"waiting for a rendezvous port: node {names[0]} reported no free port that is not in use"
@@ -303,13 +376,24 @@ class Coordinator(ReportsMixin, RestartsMixin):
         for name, msg in zip(names, messages):
             self._send(name, msg)
 
-    def _finish(self, job: JobRecord, state: JobState, reason: str) -> None:
-        """Move to a terminal state; FAILED/CANCELLED tell every node of the job to stop it."""
+    def _finish(self, job: JobRecord, state: JobState, reason: str, *, stop: bool = True) -> None:
+        """Move to a terminal state; FAILED/CANCELLED tell every node of the job to stop it, and its slots
+        wait until its ranks are confirmed gone (``stop``; False: they are free at once)."""
         self.book.transition(job, state, reason)
+        self._drains.pop(job.id, None)
+        self._prev_nodes.pop(job.id, None)
+        if job.id in self.nodes.excluded:  # an ended job is placed nowhere again
+            self.store.clear_exclusions(job_id=job.id)
+            del self.nodes.excluded[job.id]
         if state is not S.SUCCEEDED:
             msg = convert.cancel_message(job.id, job.attempt, reason)
             for name in dict.fromkeys(job.nodes):
                 self._send(name, msg)
+        if stop and state is not S.SUCCEEDED and job.nodes:
+            self._begin_stop(job)
+            self._check_stop(job, quiet=True)  # nothing left to confirm: free now, without an event
+        else:
+            self._stops.pop(job.id, None)
         self.schedule()
 
     # -- node sessions -------------------------------------------------------
@@ -344,6 +428,10 @@ class Coordinator(ReportsMixin, RestartsMixin):
                 self._reconcile(session, hello.running)
                 if not same_daemon:  # a new daemon instance has no buffered reports to replay
                     self._verify(session)
+                self._resend_checkpoints(hello.name)
+                if hello.name in self.nodes.draining:  # drained while the coordinator was down: move its jobs
+                    self._drain_jobs(hello.name)
+                self._check_stops()
         except StoreError as exc:  # the session stands; the jobs it concerns are re-checked by tick
             log.warning("node.reconcile_store_failed", node=hello.name, error=str(exc))
         self.schedule()
@@ -358,10 +446,22 @@ class Coordinator(ReportsMixin, RestartsMixin):
             raise ProtocolError(f"Register: slots={hello.slots} must be between 1 and {MAX_SLOTS_PER_NODE}")
 
     def _reconcile(self, session: NodeSession, running: Iterable[RunningJob]) -> None:
-        """Note our jobs the node did not list (checked by ``_verify``); cancel the ones we do not run."""
+        """Note our jobs the node did not list (checked by ``_verify``); cancel the ones we do not run.
+
+        An attempt being stopped is told to stop again when listed (the first Cancel may never have
+        reached the node); when not listed, its ranks there count as gone."""
         listed = {(r.job_id, r.attempt) for r in running}
+        for job_id, stop in self._stops.items():
+            job = self.book.jobs.get(job_id)
+            k = job.node_index().get(session.name) if job is not None and job.attempt == stop.attempt else None
+            if k is None:
+                continue
+            if (job.id, job.attempt) not in listed:
+                stop.gone.add(k)
+            elif job.state is S.RESTARTING:
+                self._send(session.name, convert.cancel_message(job.id, job.attempt, "the attempt is stopping"))
         for job in self.book.active():
-            if not job.runs_on(session.name):
+            if not job.runs_on(session.name) or job.state is S.RESTARTING:
                 continue
             if (job.id, job.attempt) in listed:
                 self.book.event(job, "node", f"node {session.name} reconnected")
@@ -382,7 +482,8 @@ class Coordinator(ReportsMixin, RestartsMixin):
                 ranks = self.book.ranks(job.id)
                 missing = [r for r in job.ranks_on(session.name) if not (r in ranks and ranks[r].exited)]
                 if missing:
-                    self._fail_attempt(job, f"node {session.name} reconnected without this job; {_gone(missing)}")
+                    self._fail_attempt(job, f"node {session.name} reconnected without this job; {_gone(missing)}",
+                                       node=session.name)
             session.unverified.discard((job_id, attempt))
 
     def disconnect(self, session: NodeSession, detail: str = "stream closed") -> None:
@@ -431,9 +532,13 @@ class Coordinator(ReportsMixin, RestartsMixin):
         """Retry what a refused write left undone: held reports, owed job advances, lost nodes' jobs, scheduling."""
         if self._held:
             self.flush()
-        if self._restart_since:
-            with self._consistent():
-                self._check_restarts()
+        if self._stops or self._drains:
+            try:
+                with self._consistent():
+                    self._check_stops()
+                    self._check_drains()
+            except StoreError as exc:
+                log.warning("job.stop_store_failed", error=str(exc))
         for s in [s for s in self.nodes.sessions.values() if s.owes_failures]:
             if s.status is NodeStatus.LOST:
                 self._fail_jobs_of(s)
@@ -454,21 +559,24 @@ class Coordinator(ReportsMixin, RestartsMixin):
         """FAILED for every active job with ranks on a lost node (retried by tick if the store refuses)."""
         try:
             with self._consistent():
+                self._node_gone(session.name)
                 for job in self.book.active():
-                    if not job.runs_on(session.name):
-                        continue
-                    if job.state is S.RESTARTING:  # its ranks there are gone too: that may complete the stop
-                        self._maybe_requeue(job)
+                    if not job.runs_on(session.name) or job.state is S.RESTARTING:
+                        continue  # a restart's stop is checked below: the node's ranks there are gone too
+                    gone = _gone(job.ranks_on(session.name))
+                    if session.name in self.nodes.draining:  # drained, then taken away: still no failure
+                        self._drain_restart(job, [session.name], f"then lost ({session.detail}); {gone}")
                     else:
-                        ranks = job.ranks_on(session.name)
-                        self._fail_attempt(job, f"node {session.name} lost ({session.detail}); {_gone(ranks)}")
+                        self._fail_attempt(job, f"node {session.name} lost ({session.detail}); {gone}",
+                                           node=session.name)
+                self._check_stops()
             session.owes_failures = False
         except StoreError as exc:
             log.warning("node.lost_store_failed", node=session.name, error=str(exc))
 
     def _advance(self, job: JobRecord) -> None:
         """Move an active job along from its rank statuses (owed to tick when the store refuses)."""
-        if not is_active(job.state):
+        if not is_active(job.state) and job.id not in self._stops:
             return
         try:
             with self._consistent():
@@ -480,6 +588,8 @@ class Coordinator(ReportsMixin, RestartsMixin):
     def _advance_once(self, job: JobRecord) -> None:
         """Move the job along from its counters (constant time; a result reads every rank once)."""
         if not is_active(job.state):
+            if job.id in self._stops:  # an ended attempt: an exit may complete its stop
+                self._check_stop(job)
             return
         if job.state is S.RESTARTING:
             self._maybe_requeue(job)
@@ -487,7 +597,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
         progress = self.book.progress(job)
         bad = progress.lowest_failed()
         if bad is not None:
-            self._fail_attempt(job, failure_reason(bad))
+            self._fail_attempt(job, failure_reason(bad), node=bad.node)
             return
         if job.state is S.STARTING and progress.all_running():
             self.book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")

@@ -4,6 +4,10 @@ An *outbox* is a callable taking one ``CoordinatorMessage``; the NodeService ser
 passes ``queue.put_nowait`` of the stream's asyncio.Queue, tests pass ``list.append``.
 Messages for a node that is not connected are dropped (it learns the truth when it
 registers again).
+
+Beside the sessions the table holds what operators and failures decided about nodes (kept in
+the store too): the nodes being drained (``ctl drain``: no new work, their jobs move off them)
+and, per job, the nodes it is not placed on again (its ranks there failed twice in a row).
 """
 
 from __future__ import annotations
@@ -12,10 +16,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterator
 
+from rankctl.contract.names import shown
+from rankctl.coordinator.errors import CoordinatorError
 from rankctl.coordinator.records import NodeHello, NodeRecord
 from rankctl.proto import rankctl_pb2 as pb
 
 Outbox = Callable[[pb.CoordinatorMessage], None]
+
+
+class NodeNotFound(CoordinatorError):
+    """No node has this name (NOT_FOUND)."""
 
 
 class NodeStatus(str, Enum):
@@ -56,13 +66,39 @@ class NodeTable:
 
     sessions: dict[str, NodeSession] = field(default_factory=dict)
     _names: list[str] | None = field(default=None, repr=False)  # sorted names, rebuilt when a name is added
+    draining: dict[str, str] = field(default_factory=dict)             # node -> why (ctl drain)
+    excluded: dict[str, dict[str, str]] = field(default_factory=dict)  # job id -> node -> why not placed for it
 
     @classmethod
-    def from_records(cls, records: list[NodeRecord]) -> "NodeTable":
-        return cls({r.name: NodeSession(r, NodeStatus.DISCONNECTED, detail="waiting to reconnect") for r in records})
+    def from_records(cls, records: list[NodeRecord], draining: dict[str, str] | None = None,
+                     excluded: dict[str, dict[str, str]] | None = None) -> "NodeTable":
+        sessions = {r.name: NodeSession(r, NodeStatus.DISCONNECTED, detail="waiting to reconnect") for r in records}
+        return cls(sessions, draining=dict(draining or {}), excluded=dict(excluded or {}))
 
     def get(self, name: str) -> NodeSession | None:
         return self.sessions.get(name)
+
+    def known(self, name: str) -> NodeSession:
+        """The node's session; NodeNotFound naming the value when no node has that name."""
+        session = self.sessions.get(name)
+        if session is None:
+            raise NodeNotFound(f"no node {shown(name)} is known to this coordinator (`ctl nodes` lists them)")
+        return session
+
+    def blocked(self, job_id: str) -> dict[str, str]:
+        """Nodes a job is not placed on now, with why: every draining node and the job's exclusions."""
+        out = {name: "draining" for name in self.draining}
+        for name, why in self.excluded.get(job_id, {}).items():
+            out.setdefault(name, f"excluded for this job: {why}")
+        return out
+
+    def exclusions_by_node(self) -> dict[str, list[str]]:
+        """node -> the jobs it is not placed for again (one pass over the exclusions)."""
+        out: dict[str, list[str]] = {}
+        for job_id, names in self.excluded.items():
+            for name in names:
+                out.setdefault(name, []).append(job_id)
+        return out
 
     def __iter__(self) -> Iterator[NodeSession]:
         """Sessions in name order (the order placement uses)."""

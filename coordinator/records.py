@@ -108,7 +108,7 @@ class EventRecord:
     seq: int
     ts: float
     state: JobState
-    kind: str              # transition | waiting | rank | node | result | step
+    kind: str              # transition | waiting | rank | node | result | step | stop (an ended attempt's ranks gone)
     message: str
     rank: RankRecord | None = None
     step: int = 0                          # kind "step": the step every rank has finished

@@ -8,6 +8,8 @@ the event loop, so a hostile job file cannot stall heartbeats, reports or other 
 Reads are bounded whatever the job's size: a Job carries the core's constant-size summary
 and one page of ranks (``_job``); watchers read stored events in chunks and send what is
 ready in batches (``WatchJobBatches``), with step events coalesced under ``min_interval``.
+A job whose ended attempt still has ranks not confirmed gone says so in ``stopping`` and at the
+end of its reason ("; stopping: N rank(s) not yet confirmed gone"), so every client shows it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rankctl.coordinator.errors import (
 )
 from rankctl.coordinator.jobs import MAX_PAGE
 from rankctl.coordinator.logfetch import get_logs
+from rankctl.coordinator.nodes import NodeNotFound, NodeSession
 from rankctl.coordinator.records import EventRecord, JobRecord
 from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.states import is_terminal
@@ -56,6 +59,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AmbiguousJob, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (JobNotFound, grpc.StatusCode.NOT_FOUND),
+    (NodeNotFound, grpc.StatusCode.NOT_FOUND),
     (ProtocolError, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.FAILED_PRECONDITION),
     (BlobMissing, grpc.StatusCode.FAILED_PRECONDITION),
@@ -140,6 +144,11 @@ async def _upload_chunks(first: pb.BlobChunk, rest: AsyncIterator[pb.BlobChunk])
         yield chunk.data
 
 
+def stopping_reason(reason: str, stopping: int) -> str:
+    """The job's reason, plus how many ranks of its ended attempt are not yet confirmed gone."""
+    return f"{reason}; stopping: {stopping} rank(s) not yet confirmed gone" if stopping else reason
+
+
 class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
     """ctl's API: submit, inspect, watch, cancel, logs, plan, blobs (packed workdirs)."""
 
@@ -153,6 +162,8 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         summary = self.core.summary(job.id)
         ranks = [] if summary_only else self.core.rank_page(job.id, offset, limit)
         msg = convert.job_to_pb(job, summary=summary, rank_offset=offset, nodes=_nodes_fit(job.nodes))
+        msg.stopping = self.core.stopping_ranks(job.id)
+        msg.reason = stopping_reason(job.reason, msg.stopping)
         msg.attempts.extend(convert.attempts_to_pb(self.core.attempts(job.id, ATTEMPTS_SHOWN)))
         _fill(msg.ranks, map(convert.rank_to_pb, ranks), RANK_PAGE_BYTES)
         end = offset + len(msg.ranks)
@@ -161,7 +172,8 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     def _batch(self, job: JobRecord, events: list[EventRecord]) -> pb.JobEventBatch:
         """The job now and ``events`` from the first, stopping near BATCH_BYTES (at least one event)."""
-        batch = pb.JobEventBatch(state=convert.job_state(job.state), reason=job.reason, attempt=job.attempt,
+        batch = pb.JobEventBatch(state=convert.job_state(job.state), attempt=job.attempt,
+                                 reason=stopping_reason(job.reason, self.core.stopping_ranks(job.id)),
                                  summary=convert.summary_to_pb(self.core.summary(job.id)))
         _fill(batch.events, map(convert.event_to_pb, events), BATCH_BYTES)
         return batch
@@ -218,9 +230,28 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
         try:
-            rejected = self.core.rejected_reports
-            return pb.ListNodesResponse(nodes=[convert.node_to_pb(s, free, rejected[s.name])
-                                               for s, free in self.core.node_views()])
+            excluded = self.core.nodes.exclusions_by_node()
+            return pb.ListNodesResponse(nodes=[self._node(s, free, excluded) for s, free in self.core.node_views()])
+        except Exception as exc:
+            await _abort(context, exc)
+
+    def _node(self, session: NodeSession, free: int, excluded: dict[str, list[str]]) -> pb.Node:
+        """A node with its free slots, rejected reports, drain state and the jobs it is excluded from."""
+        return convert.node_to_pb(session, free, self.core.rejected_reports[session.name],
+                                  draining=session.name in self.core.nodes.draining,
+                                  excluded_for=excluded.get(session.name, ()))
+
+    async def DrainNode(self, request: pb.DrainNodeRequest, context: grpc.aio.ServicerContext) -> pb.DrainNodeResponse:
+        """Drain: ``jobs`` are the jobs that move off the node. Undrain: the jobs it may run again (its
+        exclusions, cleared). ``node`` is the node afterwards."""
+        try:
+            if request.undrain:
+                jobs = self.core.undrain(request.node)
+            else:
+                jobs = [job.id for job in self.core.drain(request.node, request.reason)]
+            session, free = self.core.node_view(request.node)
+            node = self._node(session, free, self.core.nodes.exclusions_by_node())
+            return pb.DrainNodeResponse(node=node, jobs=jobs)
         except Exception as exc:
             await _abort(context, exc)
 

@@ -2,7 +2,10 @@
 
 Rank logs are not stored here: they stay on the nodes (``coordinator.logfetch``). The ``logs``
 table of schema version 1 is left in place, unused. Schema version 2 adds the events'
-``data_json`` (a ``step`` event's step and metrics).
+``data_json`` (a ``step`` event's step and metrics). Schema version 3 (issue 13) adds the
+``drains`` and ``exclusions`` tables (``ctl drain``; nodes not placed for a job again) and the
+attempts' ``cause`` (``failure`` or ``drain``: a drain is no failure) and ``blamed`` (the node a
+failure is attributed to). An older database is upgraded in place.
 
 One connection, owned by the coordinator and used from the event loop thread. Writes
 happen inside ``transaction()``; the outermost block commits before it returns, so a
@@ -34,7 +37,7 @@ from rankctl.coordinator.states import JobState
 
 DB_NAME = "coordinator.db"
 LOCK_NAME = "coordinator.lock"
-SCHEMA_VERSION = 2  # PRAGMA user_version of a database this code writes
+SCHEMA_VERSION = 3  # PRAGMA user_version of a database this code writes
 WAL_CHECKPOINT_PAGES = 128  # checkpoint the WAL into the database every ~512 KiB
 WAL_SIZE_LIMIT = 1 << 20    # and truncate it back to 1 MiB after a checkpoint
 
@@ -51,7 +54,7 @@ CREATE INDEX IF NOT EXISTS jobs_name ON jobs(name);
 CREATE TABLE IF NOT EXISTS attempts (
   job_id TEXT NOT NULL, attempt INTEGER NOT NULL, nodes_json TEXT NOT NULL, rendezvous TEXT NOT NULL,
   started_at REAL NOT NULL, finished_at REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL,
-  PRIMARY KEY (job_id, attempt));
+  cause TEXT NOT NULL DEFAULT '', blamed TEXT NOT NULL DEFAULT '', PRIMARY KEY (job_id, attempt));
 CREATE TABLE IF NOT EXISTS events (
   job_id TEXT NOT NULL, seq INTEGER NOT NULL, ts REAL NOT NULL, state TEXT NOT NULL, kind TEXT NOT NULL,
   message TEXT NOT NULL, rank_json TEXT, data_json TEXT, PRIMARY KEY (job_id, seq));
@@ -59,7 +62,16 @@ CREATE TABLE IF NOT EXISTS ranks (
   job_id TEXT NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL, phase TEXT NOT NULL, step INTEGER NOT NULL,
   metrics_json TEXT NOT NULL, error TEXT NOT NULL, exit_code INTEGER NOT NULL, exited INTEGER NOT NULL,
   updated_at REAL NOT NULL, result_json TEXT NOT NULL, PRIMARY KEY (job_id, rank));
+CREATE TABLE IF NOT EXISTS drains (node TEXT PRIMARY KEY, reason TEXT NOT NULL, since REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS exclusions (
+  job_id TEXT NOT NULL, node TEXT NOT NULL, reason TEXT NOT NULL, since REAL NOT NULL, PRIMARY KEY (job_id, node));
 """
+# columns added after a table's first version: (table, column, its definition)
+ADDED_COLUMNS = (
+    ("events", "data_json", "TEXT"),                          # version 2
+    ("attempts", "cause", "TEXT NOT NULL DEFAULT ''"),       # version 3
+    ("attempts", "blamed", "TEXT NOT NULL DEFAULT ''"),      # version 3
+)
 
 _JOB_COLS = (
     "seqno, id, name, kind, spec_json, state, reason, attempt, world_size, slots_per_node, "
@@ -163,10 +175,10 @@ class Store:
         # the database again, and the store stays full after space is freed.
         self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
         self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
-        self._db.executescript(SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(events)")}
-        if "data_json" not in columns:  # a version 1 database: one more column, nothing else changes
-            self._db.execute("ALTER TABLE events ADD COLUMN data_json TEXT")
+        self._db.executescript(SCHEMA)  # an older database gets the tables it lacks
+        for table, column, definition in ADDED_COLUMNS:  # ... and the columns (nothing else changes)
+            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     def close(self) -> None:
@@ -260,7 +272,8 @@ class Store:
     # -- attempts ------------------------------------------------------------
     def put_attempt(self, job: JobRecord, started_at: float) -> None:
         self._write(
-            "INSERT OR REPLACE INTO attempts VALUES (?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO attempts (job_id, attempt, nodes_json, rendezvous, started_at, finished_at, "
+            "state, reason) VALUES (?,?,?,?,?,?,?,?)",
             (job.id, job.attempt, json.dumps(job.nodes), job.rendezvous, started_at, 0.0, job.state.value,
              job.reason),
         )
@@ -271,12 +284,34 @@ class Store:
             (job.finished_at, job.state.value, job.reason, job.id, job.attempt),
         )
 
-    def end_attempt(self, job_id: str, attempt: int, ts: float, state: str, reason: str) -> None:
-        """Close one attempt (a restart's: the job itself goes on)."""
+    def end_attempt(self, job_id: str, attempt: int, ts: float, state: str, reason: str, cause: str = "failure"
+                    ) -> None:
+        """Close one attempt (a restart's: the job itself goes on); ``cause`` "failure" or "drain"."""
         self._write(
-            "UPDATE attempts SET finished_at=?, state=?, reason=? WHERE job_id=? AND attempt=?",
-            (ts, state, reason, job_id, attempt),
+            "UPDATE attempts SET finished_at=?, state=?, reason=?, cause=? WHERE job_id=? AND attempt=?",
+            (ts, state, reason, cause, job_id, attempt),
         )
+
+    def blame_attempt(self, job_id: str, attempt: int, node: str) -> None:
+        """The node an attempt's failure is attributed to ("" for none)."""
+        self._write("UPDATE attempts SET blamed=? WHERE job_id=? AND attempt=?", (node, job_id, attempt))
+
+    def attempt_nodes(self, job_id: str, attempt: int) -> list[str]:
+        """The nodes one stored attempt ran on ([] when it has no row)."""
+        row = self._db.execute("SELECT nodes_json FROM attempts WHERE job_id=? AND attempt=?",
+                               (job_id, attempt)).fetchone()
+        return json.loads(row[0]) if row else []
+
+    def attempt_blamed(self, job_id: str, attempt: int) -> str:
+        """The node one attempt's failure was attributed to ("": none, or it did not fail)."""
+        row = self._db.execute("SELECT blamed FROM attempts WHERE job_id=? AND attempt=?",
+                               (job_id, attempt)).fetchone()
+        return row[0] if row else ""
+
+    def drained_attempts(self, job_id: str) -> int:
+        """How many of the job's attempts ended because a node of theirs was drained."""
+        return self._db.execute("SELECT COUNT(*) FROM attempts WHERE job_id=? AND cause='drain'",
+                                (job_id,)).fetchone()[0]
 
     def attempts(self, job_id: str, last: int = 0) -> list[dict]:
         """The job's attempts, oldest first (``last`` > 0: only the newest ``last``), without node lists."""
@@ -357,3 +392,31 @@ class Store:
     def load_nodes(self) -> list[NodeRecord]:
         rows = self._db.execute("SELECT * FROM nodes ORDER BY name").fetchall()
         return [NodeRecord(n, a, s, json.loads(h), sess, seq, seen) for n, a, s, h, sess, seq, seen in rows]
+
+    # -- drains and exclusions ---------------------------------------------------
+    def set_drain(self, node: str, reason: str, since: float) -> None:
+        self._write("INSERT OR REPLACE INTO drains VALUES (?,?,?)", (node, reason, since))
+
+    def clear_drain(self, node: str) -> None:
+        self._write("DELETE FROM drains WHERE node=?", (node,))
+
+    def load_drains(self) -> dict[str, str]:
+        """node -> the reason it was drained."""
+        return dict(self._db.execute("SELECT node, reason FROM drains ORDER BY node").fetchall())
+
+    def add_exclusion(self, job_id: str, node: str, reason: str, since: float) -> None:
+        self._write("INSERT OR REPLACE INTO exclusions VALUES (?,?,?,?)", (job_id, node, reason, since))
+
+    def clear_exclusions(self, *, job_id: str | None = None, node: str | None = None) -> None:
+        """Forget the exclusions of a job (it ended) or of a node (ctl undrain)."""
+        if job_id is not None:
+            self._write("DELETE FROM exclusions WHERE job_id=?", (job_id,))
+        if node is not None:
+            self._write("DELETE FROM exclusions WHERE node=?", (node,))
+
+    def load_exclusions(self) -> dict[str, dict[str, str]]:
+        """job id -> node -> why it is not placed for that job again."""
+        out: dict[str, dict[str, str]] = {}
+        for job_id, node, reason in self._db.execute("SELECT job_id, node, reason FROM exclusions ORDER BY job_id"):
+            out.setdefault(job_id, {})[node] = reason
+        return out
