@@ -109,13 +109,14 @@ def test_a_second_daemon_with_a_live_nodes_name_exits_2(two: ProcCluster) -> Non
 
 
 def _fill(path: Path) -> None:
-    with open(path, "wb") as f:
-        try:
+    """Write until the disk is full (the bytes a short write left buffered fail again at close: ignored too)."""
+    try:
+        with open(path, "wb") as f:
             while True:
                 f.write(b"\0" * 65536)
                 f.flush()
-        except OSError:
-            pass
+    except OSError:
+        pass
 
 
 @pytest.fixture
