@@ -37,7 +37,7 @@ import structlog
 from rankctl.coordinator import convert
 from rankctl.contract.spec import DEFAULT_HANG_TIMEOUT_S
 from rankctl.coordinator.nodes import NodeStatus
-from rankctl.coordinator.progress import JobProgress, rank_span
+from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import JobRecord
 from rankctl.coordinator.states import JobState, is_terminal
 from rankctl.parallel.placement import ranks_of_node
@@ -339,18 +339,9 @@ class RestartsMixin:
                 self._fail_attempt(job, self._hang_reason(job, idle, timeout))
 
     def _hang_reason(self, job: JobRecord, idle: float, timeout: float) -> str:
-        """What is known of a hang: stopped processes first (the daemons watch them), then the slowest ranks."""
-        ranks = self.book.ranks(job.id)
-        summary = self.book.progress(job).summary()
-        parts = [f"hang: no rank advanced for {idle:.0f} s (restart.hang_timeout={timeout:g})"]
-        stopped = sorted((r.rank, r.node) for r in ranks.values() if r.process == "stopped" and not r.exited)
-        if stopped:
-            nodes = ", ".join(sorted({n for _, n in stopped}))
-            parts.append(f"{rank_span([r for r, _ in stopped])} stopped (SIGSTOP or a debugger) on {nodes}")
-        if summary.stragglers:
-            parts.append(f"slowest step {summary.min_step} held by {rank_span(summary.stragglers)}"
-                         f"{' (and more)' if len(summary.stragglers) >= 16 else ''}")
-        else:
-            parts.append(f"every rank at step {summary.min_step}")
-        return "; ".join(parts)
+        """Who the hang waits for (``coordinator.hangs``): stopped or spinning ranks, the groups waiting and
+        the members that never entered their operation, from the evidence the daemons sent; else the slowest ranks."""
+        from rankctl.coordinator.hangs import hang_reason
+
+        return hang_reason(self.book.ranks(job.id), self.book.progress(job).summary(), idle, timeout)
 

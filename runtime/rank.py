@@ -9,7 +9,9 @@ The context is ``rankctl.context()`` while the entry runs.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -56,6 +58,16 @@ def _error_fields(exc: BaseException, victim: str | None = None) -> dict[str, An
     return {"error": f"{type(exc).__name__}: {exc}", "traceback": lines}
 
 
+def _stack_on_sigusr1() -> bool:
+    """SIGUSR1 writes every thread's Python stack to stderr (the rank's log): the daemon's way to see
+    where a stalled rank is when py-spy is not installed. False when stderr has no file descriptor."""
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> int:
     """Run one rank to completion; 0 on success, 1 on failure (the status file says why).
 
@@ -73,6 +85,7 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
     counters = CollectiveCounters(run_dir, a.rank, a.world_size, a.groups)
     uncount = install(counters)  # hang attribution and wait time (the daemon reads the counters)
     status.counters = counters
+    dumps = _stack_on_sigusr1()
     try:
         spec = parse_spec(a.spec)
         seconds = timeout_s or spec.restart.collective_timeout
@@ -100,6 +113,8 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
         status.write("failed", **fields)
         return 1
     finally:
+        if dumps:
+            faulthandler.unregister(signal.SIGUSR1)
         uncount()
         status.close()
         counters.close()

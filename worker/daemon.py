@@ -41,7 +41,10 @@ from rankctl.contract.assignment import RankAssignment
 from rankctl.kinds.registry import blobs_of
 from rankctl.worker.assign import claimed_ranks, expand
 from rankctl.worker.blobs import FetchFailed, WorkdirCache
+from rankctl.worker import hangwatch
+from rankctl.worker.hangwatch import HangWatch
 from rankctl.worker.launcher_client import Launcher, LauncherError
+from rankctl.contract.collfiles import read_counters
 from rankctl.contract.rankfiles import log_path, write_control
 from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
 from rankctl.worker.paths import Refused, run_dir_for
@@ -76,6 +79,7 @@ class DaemonConfig:
     launcher_restarts: int = 4  # tries to start a new launcher before the daemon gives up
     launcher_backoff: float = 1.0  # seconds before the second try; doubles each time
     launcher_stable_s: float = 30.0  # a launcher that dies sooner than this counts towards giving up
+    py_spy: str | None = None  # py-spy for a stalled rank's stack; None: on PATH or beside python; "": never
 
 
 class LauncherLost(RuntimeError):
@@ -106,6 +110,7 @@ class RunState:
     job_name: str = ""                                   # the spec's name: its checkpoints' directory
     replica_peer: str = ""                               # where its checkpoint steps are copied
     process: dict[int, str] = field(default_factory=dict)  # rank -> last reported process state
+    hangs: HangWatch | None = None                       # whose collective counters stopped moving
 
 
 class WorkerDaemon:
@@ -142,6 +147,8 @@ class WorkerDaemon:
         self.shards = ShardStore(cfg.state_dir)
         self.replicator = Replicator(self.shards)
         self._log = log.bind(node=cfg.name)
+        self._py_spy = hangwatch.find_py_spy() if cfg.py_spy is None else cfg.py_spy or None
+        self._stacks = asyncio.Semaphore(4)              # stack dumps of stalled ranks at once
 
     # -- reports -----------------------------------------------------------------------------
     def _report(self, job_id: str, attempt: int, status: pb.RankStatus, result: Any = None, *,
@@ -169,6 +176,8 @@ class WorkerDaemon:
                 setattr(status, name, float(rec[name]))
         previous = run.phase.get(status.rank)
         run.phase[status.rank] = status.phase
+        if run.hangs is not None:
+            run.hangs.touch(status.rank)
         step_only = (status.phase == previous == "running" and not status.error and rec.get("result") is None)
         self._report(run.job_id, run.attempt, status, rec.get("result"), step_only=step_only)
 
@@ -278,8 +287,9 @@ class WorkerDaemon:
             await asyncio.sleep(self.cfg.poll_interval)
 
     def _watch_processes(self) -> None:
-        """Report a rank whose process is stopped (SIGSTOP, a debugger), and when it goes on: the
-        coordinator's hang detector names it. One read of ``/proc/PID/stat`` per live rank."""
+        """Report a rank whose process is stopped (SIGSTOP, a debugger), and when it goes on, and a
+        running rank whose collective counters stopped moving (``worker.hangwatch``): the coordinator's
+        hang detector names them. Per live rank: one read of ``/proc/PID/stat`` and of its counter file."""
         for run in self.runs.values():
             for rank in run.alive:
                 pid = run.pids.get(rank)
@@ -290,6 +300,39 @@ class WorkerDaemon:
                                                                         process=state))
                     self._log.warning("rank process state", job=run.job_id, rank=rank, pid=pid,
                                       state=state or "running")
+                if run.hangs is None or run.phase.get(rank) != "running" or not pid:
+                    continue
+                seen = run.hangs.observe(rank, hangwatch.signature(run.run_dir, rank))
+                if seen == hangwatch.STALLED:
+                    self._stalled(run, rank, pid, state)
+                elif seen == hangwatch.MOVED:  # withdraw the evidence: the rank went on
+                    self._report(run.job_id, run.attempt, pb.RankStatus(
+                        rank=rank, node=self.cfg.name, process=state, collectives=hangwatch.MOVED_JSON))
+
+    def _stalled(self, run: RunState, rank: int, pid: int, state: str) -> None:
+        """A rank's counters stopped moving: its counters now (read here), its stack off the loop, one report."""
+        still = run.hangs.still_for(rank) if run.hangs is not None else 0.0
+        evidence = hangwatch.evidence_json(read_counters(run.run_dir, rank), still)
+        self._log.warning("rank stalled", job=run.job_id, rank=rank, pid=pid, still_s=round(still, 1),
+                          state=state or "running")
+        task = asyncio.create_task(self._send_evidence(run, rank, pid, state, evidence))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_evidence(self, run: RunState, rank: int, pid: int, state: str, evidence: str) -> None:
+        token = run.hangs.stalled(rank) if run.hangs is not None else None
+        try:
+            async with self._stacks:
+                stack = await hangwatch.stack_of(pid, state == "stopped", log_path(run.run_dir, rank), self._py_spy)
+        except OSError as exc:
+            stack = f"no stack: {exc}"
+        if rank not in run.alive or run.hangs is None or run.hangs.stalled(rank) != token or token is None \
+                or self.runs.get((run.job_id, run.attempt)) is not run:
+            return  # it exited, or moved again meanwhile: this evidence no longer holds
+        state = process_state(pid)
+        run.process[rank] = state  # the report carries the process state the coordinator keeps
+        self._report(run.job_id, run.attempt, pb.RankStatus(rank=rank, node=self.cfg.name, process=state,
+                                                            collectives=evidence, stack=stack))
 
     def _rotate(self, paths: list[str]) -> None:
         """Keep each live rank's log bounded (``logship.rotate_if_big``); runs on a worker thread."""
@@ -350,8 +393,10 @@ class WorkerDaemon:
         name = str((assignments[0].spec or {}).get("name", "")) if assignments else ""
         if msg.restore_peer and name:
             await self._restore(msg.restore_peer, name, sorted(ranks))
+        spec = assignments[0].spec if assignments else None
         run = RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
-                       status=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer)
+                       status=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer,
+                       hangs=HangWatch(hangwatch.stall_after(spec)))
         run.alive |= ranks  # counted alive from the launch on; exits remove them
         self.runs[(msg.job_id, msg.attempt)] = run
         self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(ranks))
@@ -384,7 +429,24 @@ class WorkerDaemon:
         try:
             await self.launcher.kill(msg.job_id)
         except LauncherError:
-            pass  # no launcher, so none of its ranks is left
+            return  # no launcher, so none of its ranks is left
+        task = asyncio.create_task(self._continue_stopped(msg.job_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _continue_stopped(self, job_id: str, delay: float = 0.5) -> None:
+        """A stopped rank keeps a SIGTERM pending until it goes on: continue the job's stopped ranks once
+        the launcher had time to signal them, so that they end now rather than at the SIGKILL after the grace."""
+        await asyncio.sleep(delay)
+        for run in list(self.runs.values()):
+            if run.job_id != job_id:
+                continue
+            for rank in sorted(run.alive):
+                pid = run.pids.get(rank)
+                if pid and process_state(pid) == "stopped":
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGCONT)
+                        self._log.info("stopped rank continued to end it", job=job_id, rank=rank, pid=pid)
 
     def _checkpoint(self, msg: pb.CheckpointNow) -> None:
         """Ask the live ranks of the attempt to save a checkpoint at the end of ``msg.step``."""

@@ -1,0 +1,267 @@
+"""Hang attribution (issue 13): the daemon's evidence of a stalled rank (``worker.hangwatch``) and the
+coordinator's reason built from it (``coordinator.hangs``), on constructed evidence of a tp2·pp2 job
+(tp groups [0, 1], [2, 3]; pp groups [0, 2], [1, 3]; the world [0..3] is named ``mp``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rankctl.coordinator.hangs import REASON_CHARS, compact_stack, hang_reason
+from rankctl.coordinator.records import RankRecord
+from rankctl.worker import hangwatch
+from rankctl.worker.hangwatch import MOVED, MOVED_JSON, STALLED, HangWatch, evidence_json
+
+TP = "tp,tp_cp,tp_dp,tp_dp_cp,expt_tp,tp_ep"
+PP = "pp,embd"
+MP = "mp,tp_ep_pp"
+PYSPY = """Thread 4242 (idle): "MainThread"
+    _wait (torch/distributed/distributed_c10d.py:3021)
+    exchange (rankctl/parallel/pipeline.py:148)
+    run_schedule (rankctl/parallel/schedules.py:210)
+    train_step (rankctl/kinds/train/loop.py:120)
+Thread 4250 (idle): "pin_memory"
+    loop (threading.py:320)"""
+
+
+def tp(rank: int) -> list[int]:
+    return [0, 1] if rank < 2 else [2, 3]
+
+
+def pp(rank: int) -> list[int]:
+    return [rank % 2, rank % 2 + 2]
+
+
+def counters(rank: int, *, tp_n: tuple[int, int], pp_n: tuple[int, int], mp_n: tuple[int, int] = (1, 1),
+             blocked: str = "", op: dict[str, str] | None = None) -> dict:
+    """``contract.collfiles.read_counters``'s shape: (entered, completed) per group, ``blocked`` the kind it is in."""
+    op = op or {}
+    groups = [{"kind": TP, "members": tp(rank), "size": 2, "entered": tp_n[0], "completed": tp_n[1],
+               "op": op.get("tp", "all_reduce"), "since": 1000.0, "wait_s": 1.0},
+              {"kind": PP, "members": pp(rank), "size": 2, "entered": pp_n[0], "completed": pp_n[1],
+               "op": op.get("pp", "batch_isend_irecv"), "since": 1000.0, "wait_s": 1.0},
+              {"kind": MP, "members": [0, 1, 2, 3], "size": 4, "entered": mp_n[0], "completed": mp_n[1],
+               "op": op.get("mp", "barrier"), "since": 1000.0, "wait_s": 0.1},
+              {"kind": "dp,cp,dp_cp", "members": [rank], "size": 1, "entered": 7, "completed": 7,
+               "op": "all_reduce", "since": 999.0, "wait_s": 0.0}]
+    slot = {"": -1, "tp": 0, "pp": 1, "mp": 2}[blocked]
+    return {"in": slot, "wait_s": 2.1, "groups": groups}
+
+
+def rec(rank: int, c: dict | None, *, process: str = "", stack: str = PYSPY, step: int = 7) -> RankRecord:
+    return RankRecord(rank=rank, node=f"node-{rank // 2}", phase="running", step=step, process=process,
+                      collectives=evidence_json(c, 10.0) if c is not None else "", stack=stack if c is not None else "")
+
+
+SUMMARY = SimpleNamespace(min_step=7, stragglers=[])
+
+
+def test_a_stopped_rank_is_named_with_the_pipeline_and_tensor_groups_that_wait_for_it() -> None:
+    ranks = {
+        0: rec(0, counters(0, tp_n=(21, 20), pp_n=(10, 10), blocked="tp")),
+        1: rec(1, counters(1, tp_n=(20, 20), pp_n=(11, 10), blocked="pp")),
+        2: rec(2, counters(2, tp_n=(21, 20), pp_n=(10, 10), blocked="tp")),
+        3: rec(3, counters(3, tp_n=(20, 20), pp_n=(10, 10)), process="stopped"),
+    }
+    reason = hang_reason(ranks, SUMMARY, 21.4, 20)
+    print(reason)
+    assert reason.startswith("hang: no rank advanced for 21 s (restart.hang_timeout=20); "
+                             "rank 3 stopped (SIGSTOP or a debugger) on node-1; ")
+    assert "pp group [1, 3] waits in batch_isend_irecv #11 (rank 1 in it): rank 3 not in it" in reason
+    assert "tp group [2, 3] waits in all_reduce #21 (rank 2 entered it): rank 3 never entered it" in reason
+    # rank 1 (in pp, waiting for rank 3) never entered rank 0's tp all_reduce: named after rank 3's groups
+    assert "tp group [0, 1] waits in all_reduce #21 (rank 0 entered it): rank 1 never entered it" in reason
+    assert reason.index("rank 3 never entered") < reason.index("rank 1 never entered")
+    assert ("rank 3 last seen on node-1: phase running, step 7, process stopped (SIGSTOP or a debugger), "
+            "in no collective, counters still for 10 s when sent; stack: _wait (distributed_c10d.py:3021) <- "
+            "exchange (pipeline.py:148) <- run_schedule (schedules.py:210) <- train_step (loop.py:120)") in reason
+    assert "every rank at step 7" in reason and len(reason) <= REASON_CHARS
+
+
+def test_a_rank_spinning_outside_any_collective_is_named() -> None:
+    ranks = {
+        0: rec(0, counters(0, tp_n=(5, 4), pp_n=(3, 3), blocked="tp")),
+        1: rec(1, counters(1, tp_n=(5, 4), pp_n=(4, 3), blocked="pp")),
+        2: rec(2, counters(2, tp_n=(4, 4), pp_n=(3, 3)), stack="Thread 7 (active): \"MainThread\"\n"
+                                                                "    busy (user.py:3)\n    main (user.py:9)"),
+        3: rec(3, counters(3, tp_n=(5, 4), pp_n=(3, 3), blocked="tp")),
+    }
+    reason = hang_reason(ranks, SimpleNamespace(min_step=3, stragglers=[2]), 30, 20)
+    print(reason)
+    assert "rank 2 in no collective while no rank advanced (process running)" in reason
+    assert "tp group [2, 3] waits in all_reduce #5 (rank 3 entered it): rank 2 never entered it" in reason
+    assert "stopped" not in reason
+    assert "rank 2 last seen on node-1: phase running, step 7, process running, in no collective" in reason
+    assert "stack: busy (user.py:3) <- main (user.py:9)" in reason and "slowest step 3 held by rank 2" in reason
+
+
+def test_a_tp_all_reduce_one_rank_never_entered_because_it_waits_elsewhere() -> None:
+    """Mismatched order: rank 0 waits in tp all_reduce #7, rank 1 in the world barrier #3 rank 0 never entered."""
+    ranks = {
+        0: rec(0, counters(0, tp_n=(7, 6), pp_n=(2, 2), mp_n=(2, 2), blocked="tp")),
+        1: rec(1, counters(1, tp_n=(6, 6), pp_n=(2, 2), mp_n=(3, 2), blocked="mp")),
+        2: rec(2, counters(2, tp_n=(6, 6), pp_n=(2, 2), mp_n=(3, 2), blocked="mp")),
+        3: rec(3, counters(3, tp_n=(6, 6), pp_n=(2, 2), mp_n=(3, 2), blocked="mp")),
+    }
+    reason = hang_reason(ranks, SUMMARY, 25, 20)
+    print(reason)
+    assert "tp group [0, 1] waits in all_reduce #7 (rank 0 entered it): rank 1 never entered it" in reason
+    assert "mp group [0, 1, 2, 3] waits in barrier #3 (ranks 1-3 entered it): rank 0 never entered it" in reason
+    assert "rank 0 last seen on node-0: phase running, step 7, process running, waits in tp all_reduce #7" in reason
+
+
+def test_a_rank_stopped_inside_the_collective_and_ranks_without_evidence() -> None:
+    ranks = {
+        0: rec(0, None),
+        1: rec(1, counters(1, tp_n=(9, 9), pp_n=(4, 3), blocked="pp")),
+        2: rec(2, counters(2, tp_n=(21, 20), pp_n=(4, 4), blocked="tp")),
+        3: rec(3, counters(3, tp_n=(21, 20), pp_n=(3, 3), blocked="tp"), process="stopped",
+               stack="stopped, no stack (py-spy is not installed)"),
+    }
+    reason = hang_reason(ranks, SUMMARY, 22, 20)
+    print(reason)
+    assert "tp group [2, 3] waits in all_reduce #21 (ranks 2-3 entered it): rank 3 stopped inside it" in reason
+    assert "pp group [1, 3] waits in batch_isend_irecv #4 (rank 1 in it): rank 3 not in it" in reason
+    assert "stack: stopped, no stack (py-spy is not installed)" in reason
+
+
+def test_a_rank_stopped_inside_an_earlier_operation_never_entered_the_one_its_peer_waits_in() -> None:
+    """Gloo lets rank 2 finish tp all_reduce #20 and enter #21 while rank 3, stopped, never returned from #20."""
+    ranks = {
+        0: rec(0, counters(0, tp_n=(9, 9), pp_n=(4, 3), blocked="pp")),
+        1: rec(1, counters(1, tp_n=(9, 9), pp_n=(4, 3), blocked="pp")),
+        2: rec(2, counters(2, tp_n=(21, 20), pp_n=(4, 4), blocked="tp")),
+        3: rec(3, counters(3, tp_n=(20, 19), pp_n=(3, 3), blocked="tp"), process="stopped"),
+    }
+    reason = hang_reason(ranks, SUMMARY, 22, 20)
+    print(reason)
+    assert "tp group [2, 3] waits in all_reduce #21 (rank 2 entered it): rank 3 never entered it" in reason
+    assert "stopped inside it" not in reason
+    assert "rank 3 last seen on node-1: phase running, step 7, process stopped (SIGSTOP or a debugger), " \
+           "waits in tp all_reduce #20" in reason
+
+
+def test_without_evidence_the_reason_is_what_the_coordinator_knows() -> None:
+    ranks = {r: RankRecord(rank=r, node=f"n{r // 2}", phase="running", step=1 if r != 2 else 0,
+                           process="stopped" if r == 2 else "") for r in range(4)}
+    reason = hang_reason(ranks, SimpleNamespace(min_step=0, stragglers=[2]), 21, 20)
+    assert reason == ("hang: no rank advanced for 21 s (restart.hang_timeout=20); rank 2 stopped (SIGSTOP or a "
+                      "debugger) on n1; slowest step 0 held by rank 2; rank 2 last seen on n1: phase running, step 0, "
+                      "process stopped (SIGSTOP or a debugger), no counters reported; stack: none"), reason
+    # evidence withdrawn (the rank moved again after its stall was sent) counts as none
+    ranks = {r: RankRecord(rank=r, node="n0", phase="running", step=1, collectives=MOVED_JSON) for r in range(4)}
+    reason = hang_reason(ranks, SimpleNamespace(min_step=1, stragglers=[]), 21, 20)
+    assert reason.endswith("; no rank sent collective counters; every rank at step 1"), reason
+
+
+def test_the_reason_stays_bounded_for_a_large_job() -> None:
+    """8,192 ranks, tp 8: every rank waits in its tp all_reduce #100 but rank 5000 (stopped at #99)."""
+    world, size = 8192, 8
+    ranks = {}
+    for r in range(world):
+        members = list(range(r - r % size, r - r % size + size))
+        blocked = r != 5000
+        c = {"in": 0 if blocked else -1, "wait_s": 1.0, "groups": [
+            {"kind": TP, "members": members, "size": size, "entered": 100 if blocked else 99, "completed": 99,
+             "op": "all_reduce", "since": 1.0, "wait_s": 1.0},
+            {"kind": "dp", "members": list(range(r % size, world, size)), "size": world // size, "entered": 50,
+             "completed": 50, "op": "all_reduce", "since": 1.0, "wait_s": 1.0}]}
+        ranks[r] = rec(r, c, process="stopped" if r == 5000 else "")
+    reason = hang_reason(ranks, SimpleNamespace(min_step=12, stragglers=[]), 40, 30)
+    print(reason)
+    assert len(reason) <= REASON_CHARS
+    assert "rank 5000 stopped" in reason
+    assert ("tp group [5000, 5001, 5002, 5003, 5004, 5005, 5006, 5007] waits in all_reduce #100 "
+            "(ranks 5001-5007 entered it): rank 5000 never entered it") in reason
+
+
+def test_compact_stack_reads_py_spy_and_faulthandler() -> None:
+    fault = ('Thread 0x00007f01 (most recent call first):\n  File "/x/threading.py", line 320 in wait\n\n'
+             'Current thread 0x00007f00 (most recent call first):\n  File "/a/b/loop.py", line 12 in step\n')
+    assert compact_stack(fault) == "wait (threading.py:320)"
+    assert compact_stack(PYSPY).startswith("_wait (distributed_c10d.py:3021) <- exchange (pipeline.py:148)")
+    assert compact_stack("") == "none"
+
+
+# -- the daemon's side ------------------------------------------------------------------------
+def test_hang_watch_reports_a_stall_once_and_its_end_once() -> None:
+    now = [0.0]
+    w = HangWatch(10.0, clock=lambda: now[0])
+    assert w.observe(3, b"a") == ""
+    for t in (5.0, 9.9):
+        now[0] = t
+        assert w.observe(3, b"a") == ""
+    now[0] = 10.0
+    assert w.observe(3, b"a") == STALLED and w.stalled(3) == 10.0
+    now[0] = 30.0
+    assert w.observe(3, b"a") == ""                       # one report per stall
+    now[0] = 31.0
+    assert w.observe(3, b"b") == MOVED and w.stalled(3) is None
+    assert w.observe(3, b"b") == ""
+    now[0] = 38.0
+    w.touch(3)                                            # a status record (step) moves it too
+    now[0] = 47.0
+    assert w.observe(3, b"b") == ""
+    now[0] = 48.0
+    assert w.observe(3, b"b") == STALLED
+    assert hangwatch.stall_after({"restart": {"hang_timeout": 20}}) == 10.0
+    assert hangwatch.stall_after({}) == hangwatch.STALL_MAX_S
+
+
+def test_evidence_is_bounded_and_puts_the_waited_group_first() -> None:
+    c = counters(1, tp_n=(20, 20), pp_n=(11, 10), blocked="pp")
+    c["groups"] += [{"kind": f"k{i}", "members": list(range(1000)), "size": 1000, "entered": 1, "completed": 1,
+                     "op": "all_reduce", "since": 1.0, "wait_s": 0.0} for i in range(28)]
+    text = evidence_json(c, 12.34, limit=1500)
+    assert len(text) <= 1500 and '"more":' in text
+    doc = __import__("json").loads(text)
+    assert doc["groups"][0]["kind"] == PP and doc["groups"][0]["in"] is True and doc["still_s"] == 12.3
+    assert all(len(g["members"]) <= hangwatch.MEMBERS_OTHER for g in doc["groups"][1:])
+    assert __import__("json").loads(evidence_json(None, 3.0)) == {"still_s": 3.0, "groups": [], "counters": False}
+
+
+SPIN = """
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+print("up", flush=True)
+def spin_here():
+    while True:
+        time.sleep(0.05)
+spin_here()
+"""
+
+
+@pytest.fixture
+def spinner(tmp_path):
+    log = tmp_path / "rank-0.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen([sys.executable, "-c", SPIN], stdout=out, stderr=out)
+    deadline = time.monotonic() + 30
+    while "up" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield p, str(log)
+    p.kill()
+    p.wait()
+
+
+def test_stack_of_a_running_and_a_stopped_process(spinner) -> None:
+    p, log = spinner
+    py_spy = hangwatch.find_py_spy()
+    fault = asyncio.run(hangwatch.stack_of(p.pid, False, log, None))  # the faulthandler path
+    assert "spin_here" in compact_stack(fault), fault
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        assert asyncio.run(hangwatch.stack_of(p.pid, True, log, None)).startswith("stopped, no stack")
+        if py_spy is None:
+            pytest.skip("py-spy is not installed")
+        stack = asyncio.run(hangwatch.stack_of(p.pid, True, log, py_spy))
+        assert "spin_here" in compact_stack(stack), stack  # --nonblocking reads a stopped process
+    finally:
+        os.kill(p.pid, signal.SIGCONT)

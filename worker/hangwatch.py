@@ -1,0 +1,235 @@
+"""Hang evidence on the node: which live rank's collective counters stopped moving, and its stack.
+
+The daemon looks at each running rank's counter file (``contract.collfiles``, written by
+``runtime.collectives``) once a second (``HangWatch.observe``: one read of a 1.2 KB file, compared
+byte for byte). A rank whose counters, step and phase have not moved for ``stall_after(spec)``
+seconds (``min(restart.hang_timeout / 2, 30 s)``) is *stalled*: the daemon sends ONE report for it
+with ``RankStatus.collectives`` (``evidence_json``: its groups, counts, the operation it waits in)
+and ``RankStatus.stack`` (``stack_of``: ``py-spy dump --nonblocking``, which also reads a stopped
+process, or the rank's faulthandler answer to SIGUSR1). When the rank moves again, one report with
+``MOVED_JSON`` withdraws the evidence; a new stall sends a new one. The coordinator compares the
+evidence of a job's ranks when it declares the job hung (``coordinator.hangs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rankctl.contract import collfiles
+from rankctl.contract.spec import DEFAULT_HANG_TIMEOUT_S
+
+STALL_MAX_S = 30.0          # a rank still for this long is stalled, whatever the hang timeout
+EVIDENCE_CHARS = 4096       # RankStatus.collectives at most
+STACK_CHARS = 4096          # RankStatus.stack at most
+MEMBERS_SHOWN = 64          # members of the group a rank waits in (its other groups: MEMBERS_OTHER)
+MEMBERS_OTHER = 8
+KIND_CHARS = 64
+STACK_TIMEOUT_S = 5.0       # py-spy, or the faulthandler answer, within this
+MOVED_JSON = '{"moved":true}'  # the rank moved again: the evidence sent for its stall no longer holds
+STALLED, MOVED = "stalled", "moved"
+
+
+def stall_after(spec: dict[str, Any] | None) -> float:
+    """Seconds without movement after which a rank's evidence is sent: min(hang_timeout / 2, 30)."""
+    restart = (spec or {}).get("restart") or {}
+    try:
+        timeout = float(restart.get("hang_timeout", DEFAULT_HANG_TIMEOUT_S))
+    except (TypeError, ValueError):
+        timeout = DEFAULT_HANG_TIMEOUT_S
+    return max(0.5, min(timeout / 2, STALL_MAX_S))
+
+
+def signature(run_dir: str, rank: int) -> bytes | None:
+    """The raw counter file: any entered, completed or blocked change alters it (None: no file yet)."""
+    try:
+        with open(collfiles.counters_path(run_dir, rank), "rb") as f:
+            return f.read(collfiles.FILE_BYTES)
+    except OSError:
+        return None
+
+
+@dataclass
+class _Rank:
+    signature: bytes | None
+    moved_at: float
+    reported_at: float | None = None  # when its stall was reported (None: not stalled, or moved since)
+
+
+class HangWatch:
+    """Per attempt on this node: when each rank last moved, and whether its stall was reported."""
+
+    def __init__(self, stall_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stall_after = stall_after_s
+        self._clock = clock
+        self._ranks: dict[int, _Rank] = {}
+
+    def touch(self, rank: int) -> None:
+        """The rank wrote a status record (a step or a phase): it moved."""
+        r = self._ranks.get(rank)
+        if r is not None:
+            r.moved_at = self._clock()
+
+    def observe(self, rank: int, sig: bytes | None) -> str:
+        """One look at ``rank``'s counters: STALLED once per stall, MOVED once after a reported stall, else ""."""
+        now = self._clock()
+        r = self._ranks.get(rank)
+        if r is None:
+            self._ranks[rank] = _Rank(sig, now)
+            return ""
+        if sig != r.signature:
+            r.signature, r.moved_at = sig, now
+        if r.reported_at is not None:
+            if r.moved_at > r.reported_at:
+                r.reported_at = None
+                return MOVED
+            return ""
+        if now - r.moved_at >= self.stall_after:
+            r.reported_at = now
+            return STALLED
+        return ""
+
+    def still_for(self, rank: int) -> float:
+        r = self._ranks.get(rank)
+        return max(0.0, self._clock() - r.moved_at) if r is not None else 0.0
+
+    def stalled(self, rank: int) -> float | None:
+        """When the rank's current stall was reported (a token: evidence made for it is still good)."""
+        r = self._ranks.get(rank)
+        return r.reported_at if r is not None else None
+
+    def forget(self, rank: int) -> None:
+        self._ranks.pop(rank, None)
+
+
+# -- the evidence ----------------------------------------------------------------------------
+def evidence_json(counters: dict[str, Any] | None, still_s: float, limit: int = EVIDENCE_CHARS) -> str:
+    """A rank's counters as compact JSON, at most ``limit`` characters: ``{"still_s", "wait_s", "groups":
+    [{kind, members, size, entered, completed, op, since, in}]}``; the group it waits in comes first."""
+    doc: dict[str, Any] = {"still_s": round(still_s, 1), "groups": []}
+    if counters is None:
+        doc["counters"] = False  # no counter file: not a torch rank, or not yet started
+        return json.dumps(doc, separators=(",", ":"))
+    doc["wait_s"] = round(float(counters.get("wait_s") or 0.0), 3)
+    current = counters.get("in", -1)
+    groups = []
+    for i, g in enumerate(counters.get("groups") or []):
+        blocked = i == current
+        members = list(g.get("members") or [])[: MEMBERS_SHOWN if blocked else MEMBERS_OTHER]
+        groups.append({"kind": str(g.get("kind", "group"))[:KIND_CHARS], "members": members,
+                       "size": int(g.get("size") or len(members)), "entered": int(g.get("entered", 0)),
+                       "completed": int(g.get("completed", 0)), "op": str(g.get("op", "?")),
+                       "since": round(float(g.get("since") or 0.0), 3), "in": blocked})
+    # the group it waits in, then those with an operation under way, then the rest (what a cut drops)
+    groups.sort(key=lambda g: (not g["in"], g["entered"] == g["completed"]))
+    size = len(json.dumps(doc, separators=(",", ":"))) + 16
+    kept = []
+    for g in groups:
+        text = json.dumps(g, separators=(",", ":"))
+        if size + len(text) + 1 > limit:
+            doc["more"] = len(groups) - len(kept)
+            break
+        kept.append(g)
+        size += len(text) + 1
+    doc["groups"] = kept
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def find_py_spy() -> str | None:
+    """``py-spy`` on PATH, or next to this interpreter (a virtual environment's bin)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else None
+
+
+def _cut(text: str, limit: int = STACK_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+async def py_spy_dump(py_spy: str, pid: int, timeout: float = STACK_TIMEOUT_S) -> str:
+    """``py-spy dump --nonblocking`` (reads a stopped process too; never pauses it), header dropped."""
+    proc = await asyncio.create_subprocess_exec(py_spy, "dump", "--nonblocking", "--pid", str(pid),
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return f"no stack: py-spy gave none within {timeout:g} s"
+    if proc.returncode != 0:
+        lines = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
+        return f"no stack: py-spy failed: {lines[0][:200] if lines else f'exit {proc.returncode}'}"
+    lines = out.decode(errors="replace").splitlines()
+    body = [ln for ln in lines if not ln.startswith(("Process ", "Python v"))]
+    return _cut("\n".join(body).strip())
+
+
+def handles_sigusr1(pid: int) -> bool:
+    """The process catches SIGUSR1 (the rank runtime's faulthandler): sending it cannot kill it."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)))
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+_FAULT_START = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):", re.M)
+
+
+def _read_from(path: str, offset: int, limit: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(limit).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+async def faulthandler_dump(pid: int, log: str, timeout: float = STACK_TIMEOUT_S) -> str:
+    """SIGUSR1 to a rank whose runtime registered faulthandler on it; its answer from the rank's log."""
+    if not handles_sigusr1(pid):
+        return "no stack: py-spy is not installed and the process does not answer SIGUSR1"
+    try:
+        offset = os.path.getsize(log)
+    except OSError:
+        offset = 0
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except OSError as exc:
+        return f"no stack: {exc}"
+    deadline, seen = time.monotonic() + timeout, -1
+    text = ""
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        text = await asyncio.to_thread(_read_from, log, offset)
+        if _FAULT_START.search(text) and len(text) == seen:
+            break  # its answer is there and no longer growing
+        seen = len(text)
+    m = _FAULT_START.search(text)
+    if m is None:
+        return f"no stack: no faulthandler answer within {timeout:g} s"
+    return _cut(text[m.start():].strip())
+
+
+async def stack_of(pid: int, stopped: bool, log: str, py_spy: str | None) -> str:
+    """The rank's Python stack now, bounded: py-spy if there is one, else faulthandler (not if stopped)."""
+    if py_spy:
+        return await py_spy_dump(py_spy, pid)
+    if stopped:
+        return "stopped, no stack (py-spy is not installed)"
+    return await faulthandler_dump(pid, log)
