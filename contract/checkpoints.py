@@ -1,9 +1,20 @@
-"""Where a train job's sharded checkpoints lie on a node (the rank writes, the daemon replicates).
+"""Where a train job's sharded checkpoints and in-memory snapshots lie on a node (the rank writes,
+the daemon replicates).
 
 ::
 
     {state}/checkpoints/{job name}/step-{s:08d}/rank-{r:05d}.pt     one rank's shard of step s
     {state}/checkpoints/{job name}/step-{s:08d}/rank-{r:05d}.done   its done-marker (JSON), written after
+
+Snapshots (``train.snapshot_every``) have the same layout and content under a root in the node's
+memory (tmpfs), so that they outlive the rank process but cost no disk write::
+
+    /dev/shm/rankctl-{hash of the state dir}/snapshots/{job name}/step-.../rank-...     this node's ranks
+    /dev/shm/rankctl-{hash of the state dir}/snapshot-replicas/{job name}/...         copies kept for a peer
+
+(``{state}/snapshots/...`` and ``{state}/snapshot-replicas/...`` when /dev/shm is missing, not
+writable, or its ``rankctl-*`` directory is not this user's). Each root keeps the newest
+``KEEP_STEPS`` marked steps per rank (``prune``).
 
 Pure paths and directory listing only: the rank side (``kinds.train.checkpoint``) writes and reads
 the files, the daemon side (``worker.replicas``) copies complete ones to a peer node and back.
@@ -11,17 +22,53 @@ the files, the daemon side (``worker.replicas``) copies complete ones to a peer 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import stat
 from typing import Any
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
+RANK_FILE_RE = re.compile(r"^rank-(\d{5})\.")
+SHM = "/dev/shm"      # the node's memory-backed filesystem (tests point it elsewhere)
+KEEP_STEPS = 2        # marked steps kept per rank in a snapshot root and in a replica root
 
 
 def root_in(state_dir: str, job_name: str) -> str:
     """``{state}/checkpoints/{job name}`` (the name is checked by whoever takes it from a spec)."""
     return os.path.join(state_dir, "checkpoints", job_name)
+
+
+def memory_base(state_dir: str) -> str:
+    """``/dev/shm/rankctl-{hash}``, this node's directory in memory (one per state dir, so daemons
+    sharing a machine do not mix), or ``state_dir`` itself when that cannot be used."""
+    state = os.path.realpath(state_dir)
+    digest = hashlib.sha1(state.encode(), usedforsecurity=False).hexdigest()[:12]
+    base = os.path.join(SHM, f"rankctl-{digest}")
+    try:
+        st = os.lstat(base)
+    except FileNotFoundError:
+        return base if os.path.isdir(SHM) and os.access(SHM, os.W_OK | os.X_OK) else state
+    except OSError:
+        return state
+    mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()  # never a link or another user's
+    return base if mine and os.access(base, os.W_OK | os.X_OK) else state
+
+
+def snapshot_root(state_dir: str, job_name: str) -> str:
+    """Where this node's ranks keep their snapshots of ``job_name`` (see the module doc)."""
+    return os.path.join(memory_base(state_dir), "snapshots", job_name)
+
+
+def snapshot_replica_root(state_dir: str, job_name: str) -> str:
+    """Where this node keeps the snapshots its peers push for ``job_name``."""
+    return os.path.join(memory_base(state_dir), "snapshot-replicas", job_name)
+
+
+def state_dir_of(run_dir: str) -> str:
+    """``{state}`` for a rank's ``run_dir = {state}/jobs/{job_id}/{attempt}``."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(run_dir))))
 
 
 def step_dir(root: str, step: int) -> str:
@@ -61,3 +108,49 @@ def complete_for(root: str, ranks: list[int] | range, fp: str | None = None) -> 
         if all(m is not None and (fp is None or m.get("fingerprint") == fp) for m in markers):
             out.append(step)
     return out
+
+
+def ranks_in(root: str) -> set[int]:
+    """Every rank that has a file in some step of ``root``."""
+    out: set[int] = set()
+    for step in list_steps(root):
+        try:
+            out.update(int(m.group(1)) for n in os.listdir(step_dir(root, step)) if (m := RANK_FILE_RE.match(n)))
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def remove_rank_step(root: str, step: int, rank: int) -> None:
+    """Delete ``rank``'s files of ``step`` (its marker first, so the step never looks complete while
+    going), then the step's directory if that left it empty."""
+    d = step_dir(root, step)
+    try:
+        names = sorted(os.listdir(d), key=lambda n: not n.endswith(".done"))
+    except FileNotFoundError:
+        return
+    prefix = f"rank-{rank:05d}."
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
+    try:
+        os.rmdir(d)
+    except OSError:
+        pass  # other ranks' files are there (or a writer is about to put one)
+
+
+def prune(root: str, ranks: list[int] | set[int] | None = None, keep: int = KEEP_STEPS) -> None:
+    """Keep the newest ``keep`` marked steps of each rank (every rank in ``root`` when ``ranks`` is
+    None): its files of older steps go, leftovers of unfinished writes included. Newer unmarked
+    files (a write in progress) stay."""
+    for rank in sorted(ranks_in(root) if ranks is None else ranks):
+        marked = complete_for(root, [rank])
+        if len(marked) < keep:
+            continue
+        oldest = marked[-keep]
+        for step in list_steps(root):
+            if step < oldest:
+                remove_rank_step(root, step, rank)

@@ -59,6 +59,7 @@ MAX_BUFFERED_REPORTS = 200_000
 BATCH_REPORTS = 4096          # reports in one ReportBatch at most
 ROTATE_EVERY = 50             # poll turns between two checks of the rank logs' sizes
 WATCH_EVERY = 10              # poll turns between two looks at the ranks' process states
+REPLICATE_EVERY = 2           # poll turns between two looks for new checkpoint or snapshot steps to push
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +112,7 @@ class RunState:
     replica_peer: str = ""                               # where its checkpoint steps are copied
     process: dict[int, str] = field(default_factory=dict)  # rank -> last reported process state
     hangs: HangWatch | None = None                       # whose collective counters stopped moving
+    succeeded: set[int] = field(default_factory=set)     # ranks that exited 0
 
 
 class WorkerDaemon:
@@ -202,6 +204,21 @@ class WorkerDaemon:
                                error=tail if code != 0 else "")
         self._report(run.job_id, run.attempt, status)
         self._log.info("rank exited", job=run.job_id, rank=rank, code=code)
+        if code == 0:
+            run.succeeded.add(rank)
+            if run.succeeded == run.ranks and run.job_name:
+                self._background_task(self._drop_snapshots(run))
+
+    async def _drop_snapshots(self, run: RunState) -> None:
+        """Every rank of the run on this node finished its job: its in-memory snapshots (and the copies this
+        node keeps for the job's other node) served only restarts; free that memory."""
+        try:
+            removed = await asyncio.to_thread(self.shards.drop_snapshots, run.job_name, sorted(run.ranks))
+        except OSError as exc:
+            self._log.warning("snapshots not removed", job=run.job_id, error=str(exc))
+            return
+        if removed:
+            self._log.info("snapshots removed", job=run.job_id, job_name=run.job_name, files=removed)
 
     async def _pump_launcher(self) -> None:
         """Launcher events in order; when the launcher dies, fail its ranks and start another."""
@@ -280,6 +297,7 @@ class WorkerDaemon:
             turns += 1
             if turns % WATCH_EVERY == 0:
                 self._watch_processes()
+            if turns % REPLICATE_EVERY == 0:
                 self._replicate()
             if turns % ROTATE_EVERY == 0:
                 logs = [log_path(r.run_dir, rank) for r in self.runs.values() for rank in r.alive]
@@ -315,7 +333,11 @@ class WorkerDaemon:
         evidence = hangwatch.evidence_json(read_counters(run.run_dir, rank), still)
         self._log.warning("rank stalled", job=run.job_id, rank=rank, pid=pid, still_s=round(still, 1),
                           state=state or "running")
-        task = asyncio.create_task(self._send_evidence(run, rank, pid, state, evidence))
+        self._background_task(self._send_evidence(run, rank, pid, state, evidence))
+
+    def _background_task(self, coro: Awaitable[Any]) -> None:
+        """Run ``coro`` beside the loop; kept referenced until done (stop() waits for or cancels them)."""
+        task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -420,9 +442,7 @@ class WorkerDaemon:
         """Start a push of new checkpoint steps for every run that has a replica peer."""
         for run in self.runs.values():
             if run.replica_peer and run.job_name and run.alive:
-                task = asyncio.create_task(self.replicator.push(run.replica_peer, run.job_name, sorted(run.ranks)))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._background_task(self.replicator.push(run.replica_peer, run.job_name, sorted(run.ranks)))
 
     async def _cancel(self, msg: pb.Cancel) -> None:
         self._log.info("cancel", job=msg.job_id, reason=msg.reason)
@@ -430,9 +450,7 @@ class WorkerDaemon:
             await self.launcher.kill(msg.job_id)
         except LauncherError:
             return  # no launcher, so none of its ranks is left
-        task = asyncio.create_task(self._continue_stopped(msg.job_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background_task(self._continue_stopped(msg.job_id))
 
     async def _continue_stopped(self, job_id: str, delay: float = 0.5) -> None:
         """A stopped rank keeps a SIGTERM pending until it goes on: continue the job's stopped ranks once

@@ -1,13 +1,18 @@
-"""Checkpoint replication between nodes: a node's lost shards survive on a peer.
+"""Checkpoint and snapshot replication between nodes: a node's lost shards survive on a peer.
 
-A train rank writes each checkpoint step under its node's ``{state}/checkpoints/{job name}``
-(``contract.checkpoints``). Each daemon pushes the newest complete step of each of its ranks to
-the job's *replica peer* (``Assign.replica_peer``: the next node of the job), which keeps them under
-``{state}/replicas/{job name}`` (the newest ``KEEP_STEPS`` steps). When a node replaces a lost
-one, its Assign names a ``restore_peer`` that holds those ranks' files (the lost node's peer,
-or a node that ran them before), and the daemon fetches the newest step complete for all of its
-ranks into its own checkpoint root before they start; they then resume from it (a restart's
-ranks agree on the newest step every rank has). A node without them starts over.
+A train rank writes each checkpoint step under its node's ``{state}/checkpoints/{job name}``, and
+each in-memory snapshot (``train.snapshot_every``) under the node's tmpfs snapshot root
+(``contract.checkpoints``). Two kinds of files (``KINDS``; the wire's ``root``: ``""`` checkpoints,
+``"snapshots"``), handled alike: each daemon pushes the newest complete step of each of its ranks,
+of each kind, to the job's *replica peer* (``Assign.replica_peer``: the next node of the job), which
+keeps checkpoints under ``{state}/replicas/{job name}`` and snapshots in its own memory
+(``contract.checkpoints.snapshot_replica_root``), the newest ``KEEP_STEPS`` steps of each rank; a
+step that arrives drops the rank's newer steps there (they belong to an earlier run or attempt).
+When a node replaces a lost one, its Assign names a ``restore_peer`` that holds those ranks' files
+(the lost node's peer, or a node that ran them before), and the daemon fetches, of each kind, the
+newest step complete for all of its ranks into its own roots before they start; they then resume
+(a restart's ranks agree on the newest step every rank holds in either root). A node without
+them starts over.
 
 Files travel as ``ShardChunk`` streams (1 MiB chunks, the .pt first, then its done-marker), are
 written to a temporary name and renamed, and every name from the wire is checked before it
@@ -17,6 +22,7 @@ becomes a path. File IO runs on worker threads, never on the daemon's event loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 from typing import AsyncIterator, Iterable
@@ -31,21 +37,25 @@ from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("rankctl.worker")
 CHUNK = 1 << 20
-KEEP_STEPS = 2
+KEEP_STEPS = layout.KEEP_STEPS
 FILES = ("pt", "done")
 MAX_RANK = 1 << 20
+SNAPSHOTS = "snapshots"
+KINDS = (SNAPSHOTS, "")  # the wire's ``root``; snapshots first, the newer state of the two
 
 
 class BadShard(ValueError):
     """A chunk whose names cannot be paths (or a request for nothing)."""
 
 
-def _check(name: str, step: int, rank: int, file: str) -> None:
+def _check(name: str, step: int, rank: int, file: str, kind: str = "") -> None:
     problem = job_name_problem(name, "job_name")
     if problem:
         raise BadShard(problem)
     if not 0 <= step < 10 ** 8 or not 0 <= rank < MAX_RANK or file not in FILES:
         raise BadShard(f"step={step}, rank={rank}, file={file!r}: not a checkpoint file")
+    if kind not in KINDS:
+        raise BadShard(f"root={kind[:40]!r}: not one of {KINDS}")
 
 
 def _path(root: str, step: int, rank: int, file: str) -> str:
@@ -53,20 +63,25 @@ def _path(root: str, step: int, rank: int, file: str) -> str:
 
 
 class ShardStore:
-    """This node's complete checkpoint steps: its own ranks' and the copies it keeps for peers."""
+    """This node's complete checkpoint and snapshot steps (``kind``: ``""`` or ``"snapshots"``): its own
+    ranks' and the copies it keeps for peers."""
 
     def __init__(self, state_dir: Path | str) -> None:
         self.state_dir = str(state_dir)
 
-    def own_root(self, name: str) -> str:
+    def own_root(self, name: str, kind: str = "") -> str:
+        if kind == SNAPSHOTS:
+            return layout.snapshot_root(self.state_dir, name)
         return layout.root_in(self.state_dir, name)
 
-    def replica_root(self, name: str) -> str:
+    def replica_root(self, name: str, kind: str = "") -> str:
+        if kind == SNAPSHOTS:
+            return layout.snapshot_replica_root(self.state_dir, name)
         return os.path.join(self.state_dir, "replicas", name)
 
-    def newest(self, name: str, ranks: list[int]) -> tuple[int, dict[int, str]] | None:
+    def newest(self, name: str, ranks: list[int], kind: str = "") -> tuple[int, dict[int, str]] | None:
         """The newest step complete for every rank in either root, and the root of each rank's files."""
-        roots = (self.own_root(name), self.replica_root(name))
+        roots = (self.own_root(name, kind), self.replica_root(name, kind))
         steps = set()
         for root in roots:
             steps.update(layout.list_steps(root))
@@ -81,26 +96,51 @@ class ShardStore:
                 return step, where
         return None
 
-    def prune(self, name: str) -> None:
-        """Keep the newest KEEP_STEPS steps of the copies kept for peers."""
-        root = self.replica_root(name)
-        for step in layout.list_steps(root)[:-KEEP_STEPS]:
-            d = layout.step_dir(root, step)
-            for entry in os.listdir(d):
-                os.unlink(os.path.join(d, entry))
-            os.rmdir(d)
+    def drop_snapshots(self, name: str, ranks: Iterable[int]) -> int:
+        """A run of ``name`` ended with every rank of this node done: its snapshots served only its restarts.
+        Removes ``ranks``' own snapshot files and every copy kept for peers under the name; files removed."""
+        own, kept = self.own_root(name, SNAPSHOTS), self.replica_root(name, SNAPSHOTS)
+        removed = _remove_ranks(own, ranks) + _remove_ranks(kept, layout.ranks_in(kept))
+        for root in (own, kept):
+            with contextlib.suppress(OSError):
+                os.rmdir(root)   # only when empty (another run of the name may still write)
+        return removed
+
+    def prune(self, name: str, kind: str = "", arrived: dict[int, int] | None = None) -> None:
+        """Keep the newest KEEP_STEPS steps of each rank among the copies kept for peers; a rank's
+        step that just ``arrived`` (rank -> step) first drops that rank's newer steps."""
+        root = self.replica_root(name, kind)
+        for rank, step in (arrived or {}).items():
+            for newer in layout.list_steps(root):
+                if newer > step:
+                    layout.remove_rank_step(root, newer, rank)
+        layout.prune(root, keep=KEEP_STEPS)
+
+
+def _remove_ranks(root: str, ranks: Iterable[int]) -> int:
+    """Every step's files of ``ranks`` under ``root``; how many files went."""
+    before = _files(root)
+    for rank in ranks:
+        for step in layout.list_steps(root):
+            layout.remove_rank_step(root, step, rank)
+    return before - _files(root)
+
+
+def _files(root: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(root))
 
 
 class _Writer:
     """Chunks in, files out (temporary name, renamed on the last chunk)."""
 
-    def __init__(self, root_of) -> None:  # noqa: ANN001 - name -> root
+    def __init__(self, root_of) -> None:  # noqa: ANN001 - (name, kind) -> root
         self.root_of, self.f, self.tmp, self.final, self.files = root_of, None, "", "", 0
+        self.markers: dict[tuple[str, str], dict[int, int]] = {}  # (name, kind) -> rank -> step of a marker
 
     def feed(self, c: pb.ShardChunk) -> None:
         if self.f is None:
-            _check(c.job_name, c.step, c.rank, c.file)
-            self.final = _path(self.root_of(c.job_name), c.step, c.rank, c.file)
+            _check(c.job_name, c.step, c.rank, c.file, c.root)
+            self.final = _path(self.root_of(c.job_name, c.root), c.step, c.rank, c.file)
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
             self.tmp = f"{self.final}.part"
             self.f = open(self.tmp, "wb")
@@ -109,6 +149,8 @@ class _Writer:
             self.f.close()
             os.replace(self.tmp, self.final)
             self.f, self.files = None, self.files + 1
+            if c.file == "done":
+                self.markers.setdefault((c.job_name, c.root), {})[c.rank] = c.step
 
     def abort(self) -> None:
         if self.f is not None:
@@ -119,13 +161,14 @@ class _Writer:
                 pass
 
 
-def _chunks(name: str, step: int, rank: int, root: str) -> Iterable[pb.ShardChunk]:
+def _chunks(name: str, step: int, rank: int, root: str, kind: str = "") -> Iterable[pb.ShardChunk]:
     for file in FILES:
         with open(_path(root, step, rank, file), "rb") as f:
             data = f.read(CHUNK)
             while True:
                 nxt = f.read(CHUNK)
-                yield pb.ShardChunk(job_name=name, step=step, rank=rank, file=file, data=data, last=not nxt)
+                yield pb.ShardChunk(job_name=name, step=step, rank=rank, file=file, data=data, last=not nxt,
+                                    root=kind)
                 if not nxt:
                     break
                 data = nxt
@@ -144,52 +187,55 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
         self.store = store
 
     async def PutShards(self, request_iterator, context):  # noqa: ANN001, ANN201, N802 - gRPC
-        writer, names = _Writer(self.store.replica_root), set()
+        writer = _Writer(self.store.replica_root)
         try:
             async for chunk in request_iterator:
                 await asyncio.to_thread(writer.feed, chunk)
-                names.add(chunk.job_name)
         except BadShard as exc:
             writer.abort()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except BaseException:
             writer.abort()
             raise
-        for name in names:
-            await asyncio.to_thread(self.store.prune, name)
+        for (name, kind), arrived in writer.markers.items():
+            await asyncio.to_thread(self.store.prune, name, kind, arrived)
         return pb.PutShardsResponse(files=writer.files)
 
     async def GetShards(self, request, context):  # noqa: ANN001, ANN201, N802 - gRPC
-        ranks = list(request.ranks)
+        ranks, kind = list(request.ranks), request.root
         try:
             for r in ranks or [-1]:
-                _check(request.job_name, 0, r, "pt")
+                _check(request.job_name, 0, r, "pt", kind)
         except BadShard as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        found = await asyncio.to_thread(self.store.newest, request.job_name, ranks)
+        found = await asyncio.to_thread(self.store.newest, request.job_name, ranks, kind)
         if found is None:
             return
         step, where = found
         for r in ranks:
-            async for chunk in _threaded(_chunks(request.job_name, step, r, where[r])):
+            async for chunk in _threaded(_chunks(request.job_name, step, r, where[r], kind)):
                 yield chunk
 
 
 class Replicator:
-    """Pushes the newest complete step of each of this node's ranks to their replica peer, once."""
+    """Pushes the newest complete step of each of this node's ranks, checkpoints and snapshots, to
+    their replica peer, once."""
 
     def __init__(self, store: ShardStore) -> None:
         self.store = store
-        self._pushed: dict[tuple[str, str, int], int] = {}   # (peer, job name, rank) -> newest step pushed
-        self._busy: set[str] = set()                         # peers with a push in flight
+        self._pushed: dict[tuple[str, str, str, int], int] = {}  # (peer, job name, kind, rank) -> newest step pushed
+        self._busy: set[str] = set()                             # peers with a push in flight
 
-    def due(self, peer: str, name: str, ranks: Iterable[int]) -> list[tuple[int, int]]:
-        """(rank, step) pairs whose newest complete step has not reached ``peer`` (blocking: a thread)."""
-        root, out = self.store.own_root(name), []
-        for r in ranks:
-            steps = layout.complete_for(root, [r])
-            if steps and steps[-1] > self._pushed.get((peer, name, r), -1):
-                out.append((r, steps[-1]))
+    def due(self, peer: str, name: str, ranks: Iterable[int]) -> list[tuple[str, int, int]]:
+        """(kind, rank, step) whose newest complete step has not reached ``peer`` (blocking: a thread).
+        A newest step below the one pushed last is pushed too: a new run under the name started over."""
+        out, ranks = [], list(ranks)
+        for kind in KINDS:
+            root = self.store.own_root(name, kind)
+            for r in ranks:
+                steps = layout.complete_for(root, [r])
+                if steps and steps[-1] != self._pushed.get((peer, name, kind, r)):
+                    out.append((kind, r, steps[-1]))
         return out
 
     async def push(self, peer: str, name: str, ranks: list[int]) -> None:
@@ -201,17 +247,18 @@ class Replicator:
             due = await asyncio.to_thread(self.due, peer, name, ranks)
             if not due:
                 return
-            root = self.store.own_root(name)
 
             def all_chunks() -> Iterable[pb.ShardChunk]:
-                for r, step in due:
-                    yield from _chunks(name, step, r, root)
+                for kind, r, step in due:
+                    yield from _chunks(name, step, r, self.store.own_root(name, kind), kind)
 
             async with grpc.aio.insecure_channel(peer) as channel:
                 await pb_grpc.PeerServiceStub(channel).PutShards(_threaded(all_chunks()), timeout=300)
-            for r, step in due:
-                self._pushed[(peer, name, r)] = step
-            log.info("checkpoint replicated", peer=peer, job_name=name, steps=sorted({s for _, s in due}))
+            for kind, r, step in due:
+                self._pushed[(peer, name, kind, r)] = step
+            log.info("checkpoint replicated", peer=peer, job_name=name,
+                     steps={kind or "checkpoints": sorted({s for k, _, s in due if k == kind}) for kind in KINDS
+                            if any(k == kind for k, _, _ in due)})
         except (grpc.aio.AioRpcError, OSError) as exc:
             log.warning("checkpoint replication failed", peer=peer, job_name=name,
                         error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
@@ -220,17 +267,21 @@ class Replicator:
 
 
 async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], timeout: float = 300.0) -> int | None:
-    """Fetch the newest step ``peer`` holds for all of ``ranks`` into this node's checkpoint root."""
+    """Fetch, of checkpoints and of snapshots, the newest step ``peer`` holds for all of ``ranks`` into
+    this node's own roots; the newer of the two steps (None when the peer has neither)."""
     writer = _Writer(store.own_root)
-    step = None
+    steps: list[int] = []
     try:
         async with grpc.aio.insecure_channel(peer) as channel:
-            call = pb_grpc.PeerServiceStub(channel).GetShards(pb.GetShardsRequest(job_name=name, ranks=ranks),
-                                                               timeout=timeout)
-            async for chunk in call:
-                await asyncio.to_thread(writer.feed, chunk)
-                step = chunk.step
+            stub = pb_grpc.PeerServiceStub(channel)
+            for kind in KINDS:
+                call = stub.GetShards(pb.GetShardsRequest(job_name=name, ranks=ranks, root=kind), timeout=timeout)
+                async for chunk in call:
+                    if chunk.root != kind:
+                        raise BadShard(f"asked for root={kind!r}, got a chunk of root={chunk.root[:40]!r}")
+                    await asyncio.to_thread(writer.feed, chunk)
+                    steps.append(chunk.step)
     except BaseException:
         writer.abort()
         raise
-    return step
+    return max(steps, default=None)

@@ -6,7 +6,8 @@ Layout on disk::
     {root}/step-{s:08d}/rank-{r:05d}.done   JSON {step, rank, fingerprint, identity}, after the .pt
 
 Both are written to a temporary name and ``os.replace``d, so a reader never sees a torn
-file. A step counts as complete only when every rank of the world has its marker with the
+file. In-memory snapshots (``train.snapshot_every``) are the same files under
+``snapshot_root`` (``contract.checkpoints``: the node's tmpfs). A step counts as complete only when every rank of the world has its marker with the
 same ``fingerprint``: a hash of the run's identity (world size, layout, model, seed, data; see
 ``kinds.train.train_state.identity_of``), which the marker also keeps so that a refused resume
 can name what differs (``differences``): ``latest_complete``.
@@ -40,20 +41,36 @@ from typing import Any
 import torch
 
 from rankctl.contract.checkpoints import (
-    complete_for, list_steps, marker_file, rank_file, read_marker, root_in, step_dir,
+    complete_for, list_steps, marker_file, prune, rank_file, read_marker, root_in, snapshot_root, state_dir_of,
+    step_dir,
 )
 
 # the layout's helpers live in contract.checkpoints (the daemon replicates these files); re-exported here
-__all__ = ["checkpoint_root", "complete_for", "differences", "export_full_state_dict", "fingerprint",
-           "latest_complete", "list_steps", "load_rank", "marker_file", "rank_file", "read_marker",
-           "remove_rank_files", "save_rank", "step_dir"]
-
+__all__ = ["checkpoint_root", "complete_for", "copied", "differences", "export_full_state_dict", "fingerprint",
+           "latest_complete", "list_steps", "load_rank", "marker_file", "prune", "rank_file", "read_marker",
+           "remove_rank_files", "save_rank", "snapshot_root_for", "step_dir"]
 
 
 def checkpoint_root(run_dir: str, job_name: str) -> str:
     """``{state}/checkpoints/{job_name}`` for ``run_dir = {state}/jobs/{job_id}/{attempt}``."""
-    state = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(run_dir))))
-    return root_in(state, job_name)
+    return root_in(state_dir_of(run_dir), job_name)
+
+
+def snapshot_root_for(run_dir: str, job_name: str) -> str:
+    """The node's in-memory snapshot root of ``job_name`` (``contract.checkpoints.snapshot_root``)."""
+    return snapshot_root(state_dir_of(run_dir), job_name)
+
+
+def copied(obj: Any) -> Any:
+    """``obj`` with every tensor copied to the CPU (dicts, lists and tuples rebuilt; other values
+    shared, they are immutable here): a state that later optimizer steps cannot change."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(copied(v) for v in obj)
+    return obj
 
 
 def fingerprint(identity: dict[str, Any]) -> str:
@@ -89,13 +106,16 @@ def _atomic_write(path: str, write: Any) -> None:
 
 
 def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
-              identity: dict[str, Any] | None = None) -> str:
-    """Write this rank's state for ``step`` and then its done-marker (``fp`` and ``identity``);
-    returns the .pt path."""
+              identity: dict[str, Any] | None = None, job_id: str | None = None) -> str:
+    """Write this rank's state for ``step`` and then its done-marker (``fp``, ``identity`` and the
+    writing job's id); returns the .pt path."""
     os.makedirs(step_dir(root, step), exist_ok=True)
     path = rank_file(root, step, rank)
     _atomic_write(path, lambda f: torch.save(state, f))
-    marker = json.dumps({"step": step, "rank": rank, "fingerprint": fp, "identity": identity}).encode()
+    fields = {"step": step, "rank": rank, "fingerprint": fp, "identity": identity}
+    if job_id is not None:
+        fields["job_id"] = job_id
+    marker = json.dumps(fields).encode()
     _atomic_write(marker_file(root, step, rank), lambda f: f.write(marker))
     return path
 

@@ -8,7 +8,10 @@ through ``step_fn`` (loss sum / global token count per micro-batch; gradients re
 gradients summed between the first and last pipeline stage, global-norm clipping over
 ``mp`` (tp x pp), AdamW with warm-up + cosine LR, then a status record with loss, lr, grad
 norm, tokens/s, step time and peak memory. Held-out loss every ``train.eval_every`` steps, a
-sharded checkpoint every ``train.checkpoint_every`` steps (``kinds.train.checkpoint``).
+sharded checkpoint every ``train.checkpoint_every`` steps and when the daemon asks for one (the
+rank's control file), both saved before the step's status record, and an in-memory snapshot
+every ``train.snapshot_every`` steps (copied before the record, written in the background;
+``kinds.train.train_state``).
 
 Layouts. A rank holds ``chunks``: its pipeline stage's model chunks (``models.stages``; one,
 the whole model, when pp = 1; ``parallel.vpp`` of them when set). pp = 1 runs ``plain_step``;
@@ -72,7 +75,9 @@ from rankctl.parallel.pipeline import MicroBatch, init_p2p, pipeline_step
 from rankctl.parallel.schedules import Action, PipelineShape, stage_actions
 from rankctl.kinds.train import optim
 from rankctl.kinds.train.spec import TrainSpec
-from rankctl.kinds.train.train_state import TrainState, restore_or_reset, save_checkpoint
+from rankctl.kinds.train.train_state import (
+    CheckpointRequests, Snapshots, TrainState, restore_or_reset, save_after_step,
+)
 
 if TYPE_CHECKING:
     from rankctl.runtime.rank import RankContext
@@ -354,19 +359,24 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
     """Steps ``state.step + 1 .. steps``; returns the job result."""
     step_fn = step_fn or (pipelined_step(t) if t.layout.pp > 1 else plain_step(t))
     st, log = t.state, t.ctx.log
+    snapshots = Snapshots(t, t.cfg.snapshot_every)
+    requests = CheckpointRequests(t.ctx.assignment.run_dir, t.ctx.assignment.rank)
     metrics: dict[str, Any] = {}
-    for step in range(st.step + 1, t.cfg.steps + 1):
-        metrics = train_step(t, step_fn, step)
-        st.step = step
-        st.losses.append({"step": step, "loss": metrics["loss"]})
-        if _every(t.cfg.eval_every, step) or (t.cfg.eval_every and step == t.cfg.steps):
-            metrics["val_loss"] = evaluate(t)
-            st.val_losses.append({"step": step, "loss": metrics["val_loss"]})
-        t.ctx.status.write("running", step=step, metrics=metrics)
-        log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if isinstance(v, (int, float))})
-        if _every(t.cfg.checkpoint_every, step):
-            path = save_checkpoint(t, step)
-            log.info("checkpoint", step=step, path=path)
+    try:
+        for step in range(st.step + 1, t.cfg.steps + 1):
+            metrics = train_step(t, step_fn, step)
+            st.step = step
+            st.losses.append({"step": step, "loss": metrics["loss"]})
+            if _every(t.cfg.eval_every, step) or (t.cfg.eval_every and step == t.cfg.steps):
+                metrics["val_loss"] = evaluate(t)
+                st.val_losses.append({"step": step, "loss": metrics["val_loss"]})
+            save_after_step(t, step, snapshots, requests)  # a checkpoint is complete before the step's record
+            t.ctx.status.write("running", step=step, metrics=metrics)
+            log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if isinstance(v, (int, float))})
+    finally:
+        snapshots.wait(t)
+    if snapshots.every:
+        log.info("snapshots", written=len(snapshots.written), waited_s=round(snapshots.waited_s, 3))
     final = {"step": st.step, **metrics}
     if st.val_losses:
         final["val_loss"] = st.val_losses[-1]["loss"]

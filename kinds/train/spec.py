@@ -45,4 +45,7 @@ class TrainSpec(Section):
     data: str = BUILTIN_PYDOC
     eval_every: StrictInt = Field(0, ge=0, le=L.MAX_STEPS)
     checkpoint_every: StrictInt = Field(0, ge=0, le=L.MAX_STEPS)
+    # every K steps a copy of the rank's state in the node's memory (tmpfs), replicated to a peer node;
+    # a restart resumes from it (0: off)
+    snapshot_every: StrictInt = Field(0, ge=0, le=L.MAX_STEPS)
     resume: StrictBool = False

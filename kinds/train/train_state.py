@@ -16,19 +16,43 @@ steps its own marker says it finished with the same fingerprint (``identity_of``
 are all-gathered over the world, and the latest step common to all is loaded; checkpoints of
 a different identity are refused with the fields that differ. A fresh run with checkpointing
 on first deletes this rank's files under the job name, so shards of an earlier run of the same
-name can never be mixed with new ones.
+name can never be mixed with new ones (without checkpointing, this happens before the run's first
+checkpoint on request, if any).
+
+Snapshots (``train.snapshot_every: K``, ``Snapshots``): every K steps the same state as a
+checkpoint, copied synchronously at the step boundary (tensors cloned to the CPU) and written
+by one background thread to the node's tmpfs (``contract.checkpoints.snapshot_root``), marker
+last; the rank keeps its newest ``KEEP_STEPS`` (2) snapshot steps. One write is outstanding at a
+time: the next snapshot *waits* for the previous write rather than skipping a step, so a fault
+loses at most K steps plus the newest write, and at most two copies of the state are held.
+A fresh run deletes this rank's snapshots under the job name (they only ever serve its restarts).
+
+A resume or restart takes the newest step every rank holds in *either* root (a checkpoint,
+preferred when both hold the step, or a snapshot), with the same identity check. A restart
+without ``train.resume`` takes only files its own job wrote (the marker's ``job_id``): an earlier
+run under the same name with the same identity is never mixed in.
+
+Checkpoints on request (``CheckpointRequests``): the daemon writes ``{"checkpoint_at": S}`` to the
+rank's control file (``contract.rankfiles``); the rank stats it once per step and saves a full
+checkpoint at the end of step S (or of the step it is in when it sees S late), complete before
+that step's status record, so "every rank reported step >= S" means the checkpoint is saved.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from rankctl.contract.names import job_id_problem, job_name_problem
+from rankctl.contract.rankfiles import control_path, read_control
 from rankctl.kinds.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -41,6 +65,7 @@ class TrainState:
     losses: list[dict[str, float | None]] = field(default_factory=list)  # loss None off the last stage
     val_losses: list[dict[str, float | None]] = field(default_factory=list)
     resumed_from: int | None = None
+    stale_checkpoints: bool = False  # not saved: this fresh run's first checkpoint clears older files first
 
 
 def _layout(t: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -56,14 +81,24 @@ def _layout(t: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
     return parallel, model
 
 
-def root_of(t: Trainer) -> str:
-    """``{state}/checkpoints/{job name}``; the name must be one safe path component."""
+def _job_name(t: Trainer) -> str:
+    """The directory name of the job's files: its name (one safe path component)."""
     a = t.ctx.assignment
     name = a.spec.get("name", a.job_id)
     problem = job_name_problem(name) if "name" in a.spec else job_id_problem(name)
     if problem:
         raise ValueError(f"no checkpoint directory: {problem}")
-    return ckpt.checkpoint_root(a.run_dir, name)
+    return name
+
+
+def root_of(t: Trainer) -> str:
+    """``{state}/checkpoints/{job name}``."""
+    return ckpt.checkpoint_root(t.ctx.assignment.run_dir, _job_name(t))
+
+
+def snapshot_root_of(t: Trainer) -> str:
+    """The node's in-memory ``.../snapshots/{job name}``."""
+    return ckpt.snapshot_root_for(t.ctx.assignment.run_dir, _job_name(t))
 
 
 DIGEST_TOKENS = 1 << 19  # tokens hashed at each end of each split
@@ -99,24 +134,124 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return out
 
 
-def state_dict(t: Trainer, step: int) -> dict[str, Any]:
+def state_dict(t: Trainer, step: int, *, copy: bool = False) -> dict[str, Any]:
+    """Everything a resume needs (data are a pure function of (seed, step, i): the step is the data
+    position). ``copy``: every tensor is a CPU copy that later steps leave alone."""
     a = t.ctx.assignment
     parallel, model = _layout(t)
     return {
         "step": step, "rank": a.rank, "world_size": a.world_size, "coords": dict(a.coords),
         "parallel": parallel, "model_config": model,
-        "model": {n: p.detach().cpu() for n, p in t.named_parameters()},
+        "model": {n: p.detach().to("cpu", copy=copy) for n, p in t.named_parameters()},
         "meta": {n: dataclasses.asdict(m) for n, m in t.meta().items()},
-        "optimizer": t.optimizer.state_dict(),
+        "optimizer": ckpt.copied(t.optimizer.state_dict()) if copy else t.optimizer.state_dict(),
         "rng": _rng_state(t.device),
         "history": {"losses": list(t.state.losses), "val_losses": list(t.state.val_losses)},
     }
 
 
 def save_checkpoint(t: Trainer, step: int) -> str:
+    """A full checkpoint of ``step`` under the checkpoint root, its marker written when this returns."""
+    a, root = t.ctx.assignment, root_of(t)
+    if t.state.stale_checkpoints:  # a fresh run's first checkpoint: an earlier run's files must not mix in
+        t.state.stale_checkpoints = False
+        if ckpt.remove_rank_files(root, a.rank):
+            t.ctx.log.info("removed stale checkpoint files", root=root)
     identity = identity_of(t)
-    return ckpt.save_rank(root_of(t), step, t.ctx.assignment.rank, state_dict(t, step), ckpt.fingerprint(identity),
-                          identity)
+    return ckpt.save_rank(root, step, a.rank, state_dict(t, step), ckpt.fingerprint(identity), identity, a.job_id)
+
+
+class Snapshots:
+    """``train.snapshot_every``: the rank's state every ``every`` steps, copied at the step boundary and
+    written to the node's memory by a background thread (one write outstanding; the next waits)."""
+
+    def __init__(self, t: Trainer, every: int) -> None:
+        a = t.ctx.assignment
+        self.every, self.rank, self.job_id = every, a.rank, a.job_id
+        self.root = snapshot_root_of(t)
+        self.identity = identity_of(t) if every > 0 else {}
+        self.fp = ckpt.fingerprint(self.identity)
+        self._thread: threading.Thread | None = None
+        self._failure: tuple[int, BaseException] | None = None
+        self.waited_s = 0.0  # time the loop spent waiting for an earlier write, over the run
+        self.written: list[int] = []  # steps whose write finished, marker included
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def take(self, t: Trainer, step: int) -> None:
+        """Copy the state of ``step`` now; write it in the background."""
+        self.wait(t)
+        state = state_dict(t, step, copy=True)
+        self._thread = threading.Thread(target=self._write, args=(step, state), name=f"snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, step: int, state: dict[str, Any]) -> None:
+        try:
+            ckpt.save_rank(self.root, step, self.rank, state, self.fp, self.identity, self.job_id)
+            ckpt.prune(self.root, [self.rank])
+            self.written.append(step)
+        except BaseException as exc:  # noqa: BLE001 - reported on the loop's thread (wait)
+            self._failure = (step, exc)
+
+    def wait(self, t: Trainer) -> None:
+        """Until the outstanding write is done; a failed write is logged and training goes on."""
+        if self._thread is not None:
+            t0 = time.perf_counter()
+            self._thread.join()
+            self.waited_s += time.perf_counter() - t0
+            self._thread = None
+        if self._failure is not None:
+            step, exc = self._failure
+            self._failure = None
+            t.ctx.log.warning("snapshot not written", step=step, root=self.root, error=f"{type(exc).__name__}: {exc}")
+
+
+class CheckpointRequests:
+    """The daemon's ``{"checkpoint_at": S}`` in the rank's control file: one ``os.stat`` a step; the
+    file is read only when it was replaced (the daemon renames a new one into place)."""
+
+    def __init__(self, run_dir: str, rank: int) -> None:
+        self.path = control_path(run_dir, rank)
+        self._seen: tuple[int, int, int] | None = None
+        self.pending: int | None = None
+
+    def poll(self) -> int | None:
+        """The step a checkpoint is asked for and not yet saved, if any."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return self.pending
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._seen:
+            self._seen = key
+            at = read_control(self.path).get("checkpoint_at")
+            if isinstance(at, int) and not isinstance(at, bool) and at >= 0:
+                self.pending = at
+        return self.pending
+
+    def due(self, step: int) -> int | None:
+        """The requested step when a checkpoint is to be saved at the end of ``step``."""
+        at = self.poll()
+        return at if at is not None and step >= at else None
+
+    def saved(self) -> None:
+        self.pending = None
+
+
+def save_after_step(t: Trainer, step: int, snapshots: Snapshots, requests: CheckpointRequests) -> None:
+    """What the rank keeps at the end of ``step``, before it reports the step: a checkpoint
+    (``train.checkpoint_every``, or asked for by the daemon) and a snapshot copy."""
+    asked = requests.due(step)
+    if asked is not None or (t.cfg.checkpoint_every > 0 and step % t.cfg.checkpoint_every == 0):
+        path = save_checkpoint(t, step)
+        if asked is not None:
+            requests.saved()
+            t.ctx.log.info("checkpoint", step=step, path=path, requested_at=asked)
+        else:
+            t.ctx.log.info("checkpoint", step=step, path=path)
+    if snapshots.due(step):
+        snapshots.take(t, step)
 
 
 @torch.no_grad()
@@ -131,9 +266,14 @@ def load_state(t: Trainer, state: dict[str, Any]) -> None:
                          val_losses=list(state["history"]["val_losses"]), resumed_from=state["step"])
 
 
-def _latest_identity(root: str, rank: int, steps: list[int]) -> dict[str, Any] | None:
-    marker = ckpt.read_marker(root, steps[-1], rank) if steps else None
-    return (marker or {}).get("identity")
+def _held(root: str, rank: int, fp: str, job_id: str | None) -> set[int]:
+    """Steps of ``root`` this rank finished with fingerprint ``fp`` (and written by ``job_id``, if given)."""
+    out = set()
+    for step in ckpt.list_steps(root):
+        m = ckpt.read_marker(root, step, rank)
+        if m is not None and m.get("fingerprint") == fp and (job_id is None or m.get("job_id") == job_id):
+            out.add(step)
+    return out
 
 
 def refusal(root: str, saved: dict[str, Any] | None, identity: dict[str, Any]) -> str:
@@ -146,13 +286,22 @@ def refusal(root: str, saved: dict[str, Any] | None, identity: dict[str, Any]) -
     return f"cannot resume from {root}: its checkpoints were written by another run ({what}); {hint}"
 
 
-def agree_resume_step(root: str, rank: int, world_size: int, identity: dict[str, Any], *,
-                      restart: bool = False) -> int | None:
-    """The latest step every rank has finished with this ``identity`` (one world collective);
-    None when there is no checkpoint at all, or (``restart``) when no step is held by every rank
-    (a replacement node has none: the attempt starts over); RuntimeError naming what differs otherwise."""
-    fp, every = ckpt.fingerprint(identity), ckpt.complete_for(root, [rank])
-    mine = (ckpt.complete_for(root, [rank], fp), every, _latest_identity(root, rank, every))
+def agree_resume_step(roots: str | Sequence[str], rank: int, world_size: int, identity: dict[str, Any], *,
+                      restart: bool = False, job_id: str | None = None) -> int | None:
+    """The latest step every rank has finished with this ``identity`` in any of ``roots`` (checkpoints,
+    snapshots; one world collective), only files ``job_id`` wrote when it is given. None when there is
+    no file at all, or (``restart``) when no step is held by every rank (a replacement node has none:
+    the attempt starts over); RuntimeError naming what differs otherwise."""
+    roots = [roots] if isinstance(roots, str) else list(roots)
+    fp = ckpt.fingerprint(identity)
+    held: set[int] = set()
+    marked: list[tuple[int, str]] = []  # (step, root) of every marker of this rank, any identity
+    for root in roots:
+        held |= _held(root, rank, fp, job_id)
+        marked += [(s, root) for s in ckpt.complete_for(root, [rank])]
+    newest = max(marked, default=None)
+    saved = (ckpt.read_marker(newest[1], newest[0], rank) or {}).get("identity") if newest else None
+    mine = (sorted(held), bool(marked), saved, newest[1] if newest else roots[0])
     views = [mine]
     if world_size > 1:
         views = [None] * world_size
@@ -163,26 +312,40 @@ def agree_resume_step(root: str, rank: int, world_size: int, identity: dict[str,
     if restart:
         return None
     if any(v[1] for v in views):
-        saved = next((v[2] for v in views if v[2] is not None), None)
-        raise RuntimeError(refusal(root, saved, identity))
+        saved, where = next(((v[2], v[3]) for v in views if v[2] is not None), (None, roots[0]))
+        raise RuntimeError(refusal(where, saved, identity))
     return None
 
 
-def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
-    """Load the latest complete checkpoint when resuming; clear stale files on a fresh run.
+def holding_root(roots: Sequence[str], step: int, rank: int, fp: str) -> str:
+    """The first of ``roots`` whose marker of (``step``, ``rank``) has ``fp``: a checkpoint before a snapshot."""
+    return next(r for r in roots if (ckpt.read_marker(r, step, rank) or {}).get("fingerprint") == fp)
 
-    ``restart``: this attempt restarts the same job after a failure, so it continues from the
-    job's own checkpoints even without ``train.resume`` (the one place to pass that in).
+
+def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
+    """Load the newest step every rank holds (checkpoint or snapshot) when resuming; clear stale
+    files on a fresh run.
+
+    ``restart``: this attempt restarts the same job after a failure, so it continues from the job's
+    own checkpoints and snapshots even without ``train.resume`` (the one place to pass that in).
     """
     a, cfg = t.ctx.assignment, t.cfg
-    root = root_of(t)
+    roots = [root_of(t), snapshot_root_of(t)]
     if cfg.resume or restart:
-        step = agree_resume_step(root, a.rank, a.world_size, identity_of(t), restart=restart and not cfg.resume)
+        own = restart and not cfg.resume  # the job's own files only
+        identity = identity_of(t)
+        step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own, job_id=a.job_id if own else None)
         if step is not None:
+            root = holding_root(roots, step, a.rank, ckpt.fingerprint(identity))
             load_state(t, ckpt.load_rank(root, step, a.rank))
-            t.ctx.log.info("resumed", step=step, root=root, restart=restart)
+            t.ctx.log.info("resumed", step=step, root=root, snapshot=root == roots[1], restart=restart)
         elif restart:
-            t.ctx.log.info("restart without a checkpoint every rank has; starting over", root=root)
+            t.ctx.log.info("restart without a checkpoint or snapshot every rank has; starting over", roots=roots)
         return
-    if cfg.checkpoint_every > 0 and ckpt.remove_rank_files(root, a.rank):
-        t.ctx.log.info("removed stale checkpoint files", root=root)
+    if ckpt.remove_rank_files(roots[1], a.rank):  # snapshots only ever serve this run's restarts
+        t.ctx.log.info("removed stale snapshot files", root=roots[1])
+    if cfg.checkpoint_every > 0:
+        if ckpt.remove_rank_files(roots[0], a.rank):
+            t.ctx.log.info("removed stale checkpoint files", root=roots[0])
+    else:  # no checkpoint planned: an earlier run's files stay unless this run saves one (on request)
+        t.state.stale_checkpoints = True

@@ -1,0 +1,155 @@
+"""In-memory snapshots (``train.snapshot_every``) without rank processes: where they lie (the node's tmpfs,
+never a link or another user's directory), how many steps each root keeps, which step a resume takes from
+checkpoints and snapshots together (and only the job's own files on a restart), and how a peer keeps a
+node's snapshots in its memory and hands them to a replacement node over the real PeerService."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+import torch
+from rankctl.contract import checkpoints as layout
+from rankctl.kinds.train import checkpoint as ckpt
+from rankctl.kinds.train.train_state import agree_resume_step, holding_root
+from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+from rankctl.worker.replicas import SNAPSHOTS, PeerServicer, Replicator, ShardStore, restore
+
+
+@pytest.fixture()
+def shm(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A stand-in for /dev/shm."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setattr(layout, "SHM", str(d))
+    return d
+
+
+def save(root: str, step: int, rank: int, fp: str = "fp", job_id: str | None = "j-1") -> None:
+    ckpt.save_rank(root, step, rank, {"step": step, "rank": rank, "x": torch.full((4,), float(step))}, fp,
+                   {"seed": 1}, job_id)
+
+
+def test_snapshots_live_in_the_nodes_memory_one_directory_per_state_dir(tmp_path, shm) -> None:
+    a, b = str(tmp_path / "node-a"), str(tmp_path / "node-b")
+    root_a = layout.snapshot_root(a, "gpt")
+    assert root_a.startswith(str(shm) + os.sep) and root_a.endswith(os.path.join("snapshots", "gpt"))
+    assert layout.snapshot_root(b, "gpt") != root_a        # two daemons on one machine do not mix
+    assert layout.snapshot_replica_root(a, "gpt") == os.path.join(os.path.dirname(os.path.dirname(root_a)),
+                                                                  "snapshot-replicas", "gpt")
+
+
+def test_a_link_planted_where_the_memory_directory_goes_is_never_followed(tmp_path, shm) -> None:
+    state = str(tmp_path / "node-a")
+    base = layout.memory_base(state)
+    os.symlink(str(tmp_path / "elsewhere"), base)
+    assert layout.memory_base(state) == os.path.realpath(state)   # the state dir itself, not the link
+    assert layout.snapshot_root(state, "gpt") == os.path.join(os.path.realpath(state), "snapshots", "gpt")
+
+
+def test_without_a_writable_tmpfs_snapshots_go_to_the_state_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layout, "SHM", str(tmp_path / "no-shm"))
+    state = str(tmp_path / "node-a")
+    assert layout.memory_base(state) == os.path.realpath(state)
+
+
+def test_prune_keeps_each_ranks_newest_marked_steps_and_a_write_in_progress(tmp_path) -> None:
+    root = str(tmp_path)
+    for step in (2, 4, 6, 8):
+        save(root, step, 0)
+    for step in (2, 4):
+        save(root, step, 1)
+    os.makedirs(layout.step_dir(root, 10), exist_ok=True)
+    open(layout.rank_file(root, 10, 0), "wb").close()         # rank 0 writing step 10: no marker yet
+    layout.prune(root)
+    assert layout.complete_for(root, [0]) == [6, 8] and layout.complete_for(root, [1]) == [2, 4]
+    assert os.path.exists(layout.rank_file(root, 10, 0))
+    assert not os.path.exists(layout.rank_file(root, 2, 0)) and os.path.exists(layout.rank_file(root, 2, 1))
+    assert layout.ranks_in(root) == {0, 1}
+
+
+def test_a_resume_takes_the_newest_step_of_checkpoints_and_snapshots_together(tmp_path) -> None:
+    ckpts, snaps = str(tmp_path / "c"), str(tmp_path / "s")
+    save(ckpts, 10, 0)
+    save(snaps, 12, 0)
+    save(snaps, 14, 0)
+    identity = {"seed": 1}
+    fp = ckpt.fingerprint(identity)
+    for root in (ckpts, snaps):   # the fingerprint is of the identity: rewrite the markers with it
+        for step in layout.list_steps(root):
+            save(root, step, 0, fp)
+    assert agree_resume_step([ckpts, snaps], 0, 1, identity) == 14
+    assert holding_root([ckpts, snaps], 14, 0, fp) == snaps
+    save(ckpts, 14, 0, fp)        # both hold it: the checkpoint is preferred
+    assert holding_root([ckpts, snaps], 14, 0, fp) == ckpts
+
+
+def test_a_restart_takes_only_its_own_jobs_files(tmp_path) -> None:
+    identity = {"seed": 1}
+    fp = ckpt.fingerprint(identity)
+    ckpts, snaps = str(tmp_path / "c"), str(tmp_path / "s")
+    save(ckpts, 4, 0, fp, "j-mine")
+    save(snaps, 6, 0, fp, "j-earlier-run")    # same name and identity, another job: never mixed in
+    assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-mine") == 4
+    assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-other") is None
+    assert agree_resume_step([ckpts, snaps], 0, 1, identity) == 6    # train.resume: any run of this identity
+
+
+def test_snapshots_reach_the_peers_memory_and_a_replacement_node_fetches_them(tmp_path, shm) -> None:
+    """Node a pushes its ranks' newest snapshot and checkpoint to peer b (a real PeerService on loopback);
+    b keeps the snapshot in its memory root and the checkpoint on disk; node c, replacing a, fetches both."""
+    a, b, c = (ShardStore(tmp_path / n) for n in ("a", "b", "c"))
+    for step in (2, 4):
+        for rank in (2, 3):
+            save(a.own_root("gpt", SNAPSHOTS), step, rank)
+    for rank in (2, 3):
+        save(a.own_root("gpt"), 3, rank)
+
+    async def scenario() -> int | None:
+        server = grpc.aio.server()
+        pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(b), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            peer = f"127.0.0.1:{port}"
+            replicator = Replicator(a)
+            await replicator.push(peer, "gpt", [2, 3])
+            assert replicator.due(peer, "gpt", [2, 3]) == []   # nothing new: nothing pushed again
+            return await restore(c, peer, "gpt", [2, 3])
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(scenario()) == 4
+    kept = b.replica_root("gpt", SNAPSHOTS)
+    assert kept.startswith(str(shm)) and layout.complete_for(kept, [2, 3]) == [4]
+    assert layout.complete_for(b.replica_root("gpt"), [2, 3]) == [3]
+    assert layout.complete_for(c.own_root("gpt", SNAPSHOTS), [2, 3]) == [4]
+    assert layout.complete_for(c.own_root("gpt"), [2, 3]) == [3]
+    assert torch.equal(ckpt.load_rank(c.own_root("gpt", SNAPSHOTS), 4, 3)["x"], torch.full((4,), 4.0))
+
+
+def test_a_step_arriving_at_the_peer_drops_that_ranks_newer_steps_of_an_earlier_run(tmp_path, shm) -> None:
+    b = ShardStore(tmp_path / "b")
+    kept = b.replica_root("gpt", SNAPSHOTS)
+    for step in (8, 10):
+        save(kept, step, 0)
+    save(kept, 2, 0)     # a new run under the same name reached step 2
+    b.prune("gpt", SNAPSHOTS, {0: 2})
+    assert layout.complete_for(kept, [0]) == [2]
+
+
+def test_a_finished_run_frees_its_snapshots_and_the_copies_kept_for_its_peer(tmp_path, shm) -> None:
+    a = ShardStore(tmp_path / "a")
+    own, kept = a.own_root("gpt", SNAPSHOTS), a.replica_root("gpt", SNAPSHOTS)
+    for step in (2, 4):
+        for rank in (0, 1):
+            save(own, step, rank)
+        save(kept, step, 2)
+    save(a.own_root("gpt"), 4, 0)                       # a checkpoint: never touched
+    save(a.own_root("other", SNAPSHOTS), 4, 0)          # another job's snapshots: never touched
+    assert a.drop_snapshots("gpt", [0, 1]) == 12        # (.pt + .done) x 2 steps x 3 rank-copies
+    assert not os.path.exists(own) and not os.path.exists(kept)
+    assert layout.complete_for(a.own_root("gpt"), [0]) == [4]
+    assert layout.complete_for(a.own_root("other", SNAPSHOTS), [0]) == [4]
