@@ -48,6 +48,7 @@ def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str]
 LIVE_INTERVAL = 0.2   # seconds between event batches while a live view is shown (steps coalesced between)
 WAIT_INTERVAL = 1.0   # ... while only the end matters (--wait)
 SHOWN_RANKS = 64      # ranks in a status or live view's table
+NOTED_EVENTS = ("straggler",)  # event kinds a live view prints as lines (the rest only update the view)
 
 
 def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120.0):
@@ -109,6 +110,7 @@ class _Follower:
                 self.job = client.get(self.job.id, rank_limit=SHOWN_RANKS)
             apply_batch(self.job, batch)
             self.after = max([self.after, *(ev.seq for ev in batch.events)])
+            self._notes(batch.events)
             self._show(LIVE_INTERVAL / 2)  # the coordinator spaces batches already; this only spares a backlog
 
     def events(self, client) -> None:
@@ -118,6 +120,7 @@ class _Follower:
         for event in client.watch(self.job.id, after_seq=self.after):
             apply_event(self.job, event)
             self.after = max(self.after, event.seq)
+            self._notes([event])
             self._show(LIVE_INTERVAL)
             if state_name(event.state) in TERMINAL:
                 return
@@ -130,6 +133,13 @@ class _Follower:
     def _show(self, throttle: float = 0.0) -> None:
         if self.display:
             self.display.update(self.job, throttle)
+
+    def _notes(self, events) -> None:
+        """Events worth a line of their own above the live view (a rank flagged or unflagged as a straggler)."""
+        if self.display:
+            for event in events:
+                if event.kind in NOTED_EVENTS:
+                    self.display.note(f"step {event.step}: {event.message}")
 
     def stop(self) -> None:
         if self.display:
@@ -151,6 +161,9 @@ class _LiveView:
         if now - self._last >= throttle:
             self._last = now
             self._live.update(self._render(job), refresh=True)
+
+    def note(self, line: str) -> None:
+        self._live.console.print(line, style="yellow", highlight=False, markup=False)
 
     def stop(self) -> None:
         self._live.stop()

@@ -37,6 +37,7 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
         "world_size": job.world_size,
         "created_at": job.created_at,
         "finished_at": job.finished_at or None,
+        "stopping": job.stopping,
         "nodes": list(job.nodes),
         "ranks": [rank_to_dict(r) for r in job.ranks],
         "summary": summary_to_dict(job.summary) if job.HasField("summary") else None,
@@ -63,7 +64,12 @@ def summary_to_dict(s: pb.JobSummary) -> dict[str, Any]:
     return {"phases": dict(s.phases), "running": s.running, "exited": s.exited, "failed": s.failed,
             "min_step": s.min_step, "max_step": s.max_step, "stragglers": list(s.stragglers),
             "failing": [rank_to_dict(r) for r in s.failing], "metrics": _loads(s.metrics_json) or {},
-            "reports": s.reports}
+            "reports": s.reports, "slow": [slow_to_dict(r) for r in s.slow]}
+
+
+def slow_to_dict(r: pb.SlowRank) -> dict[str, Any]:
+    """A straggler by compute time: its last step's compute, its peers' median then, over steps in a row."""
+    return {"rank": r.rank, "node": r.node, "compute_s": r.compute_s, "median_s": r.median_s, "steps": r.steps}
 
 
 def last_line(error: str) -> str:
@@ -110,6 +116,8 @@ def node_to_dict(node: pb.Node) -> dict[str, Any]:
         "state": pb.NodeState.Name(node.state),
         "last_seen": node.last_seen,
         "rejected_reports": node.rejected_reports,
+        "draining": node.draining,
+        "excluded_for": list(node.excluded_for),
         "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in hw.gpus],
         "hostname": hw.hostname,
     }
@@ -209,6 +217,7 @@ def job_view(job: pb.Job, max_ranks: int = 64):
 
 NODES_NAMED = 8       # node names in a job's head line; the rest are counted
 FAILING_SHOWN = 4     # failing ranks in a job's view, each with its error's last line ...
+SLOW_SHOWN = 4        # stragglers by compute time in a job's view (the summary carries the worst 16)
 ERROR_LINE_MAX = 160  # ... cut to this many characters
 
 
@@ -223,6 +232,13 @@ def _few(ranks: list[int], shown: int = 8) -> str:
     return ", ".join(map(str, ranks[:shown])) + (f" (+{more} more)" if more > 0 else "")
 
 
+def slow_text(r: dict[str, Any]) -> str:
+    """One straggler by compute time, as ``ctl status`` shows it."""
+    ratio = f" ({r['compute_s'] / r['median_s']:.1f}x)" if r["median_s"] > 0 else ""
+    return (f"straggler: rank {r['rank']} on {r['node'] or '-'}: compute {r['compute_s']:.3f} s per step vs "
+            f"median {r['median_s']:.3f} s of its peers{ratio}, {r['steps']} step(s) over")
+
+
 def summary_text(s: dict[str, Any], world: int):
     """Ranks per phase, the step spread, stragglers and failing ranks (one line each)."""
     from rich.text import Text
@@ -232,6 +248,11 @@ def summary_text(s: dict[str, Any], world: int):
                 f"of {world})\nsteps: {s['min_step']}-{s['max_step']}")
     if s["stragglers"]:
         text.append(f"  stragglers at step {s['min_step']}: {_few(s['stragglers'])}")
+    for r in s["slow"][:SLOW_SHOWN]:
+        text.append(f"\n{slow_text(r)}", style="yellow")
+    if len(s["slow"]) > SLOW_SHOWN:
+        text.append(f"\n... {len(s['slow']) - SLOW_SHOWN} more straggler(s) by compute; `--json` lists "
+                    f"the worst {len(s['slow'])}", style="yellow")
     for r in s["failing"][:FAILING_SHOWN]:
         line = last_line(r.get("error", ""))
         line = line if len(line) <= ERROR_LINE_MAX else line[:ERROR_LINE_MAX - 1] + "…"

@@ -6,6 +6,7 @@ import json
 from typing import TYPE_CHECKING, Any, Sequence
 
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
+from rankctl.coordinator.progress import SHOWN
 from rankctl.coordinator.records import (
     EventRecord, JobRecord, LogRecord, NodeHello, RankRecord, RankUpdate, RunningJob,
 )
@@ -68,6 +69,8 @@ def summary_to_pb(s: "JobSummary") -> pb.JobSummary:
         phases=s.phases, running=s.running, exited=s.exited, failed=s.failed, min_step=s.min_step,
         max_step=s.max_step, stragglers=s.stragglers, failing=[_error_tail(rank_to_pb(r)) for r in s.failing],
         metrics_json=json.dumps(s.metrics) if s.metrics else "", reports=s.reports,
+        slow=[pb.SlowRank(rank=r.rank, node=r.node, compute_s=r.compute_s, median_s=r.median_s, steps=r.steps)
+              for r in s.slow[:SHOWN]],
     )
 
 

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 import structlog
 
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
-from rankctl.coordinator.progress import JobProgress
+from rankctl.coordinator.progress import SLOW_EVENTS, JobProgress, SlowRank
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
 from rankctl.coordinator.store import StoreError
 from rankctl.parallel.placement import node_of_rank
@@ -161,6 +161,7 @@ class ReportsMixin:
                     continue
                 lo, hi = k * job.slots_per_node, (k + 1) * job.slots_per_node
                 ranks, progress = self.book.ranks(job.id), self.book.progress(job)
+                progress.bind(job)  # its pipeline stages and nodes, for stragglers by compute time (once)
             if not lo <= update.status.rank < hi:
                 self._reject(session, update, job)
                 continue
@@ -222,10 +223,29 @@ class ReportsMixin:
         return True
 
     def _stepped(self, job: JobRecord, progress: JobProgress, step: int | None) -> None:
-        """One job-level event when the slowest rank finished a step (once per step, restarts included)."""
-        if step is None or step <= progress.emitted_step:
+        """One job-level event when the slowest rank finished a step (once per step, restarts included);
+        a ``straggler`` event for each rank flagged or unflagged by its compute time then."""
+        if step is None:
+            return
+        changes = progress.slow_changes()
+        if changes:
+            self._straggler_events(job, step, changes)
+        if step <= progress.emitted_step:
             return
         progress.emitted_step = step
         m = progress.metrics
         loss = f", loss {m['loss']:.4g}" if isinstance(m.get("loss"), float) else ""
         self.book.event(job, "step", f"step {step}{loss}", step=step, metrics=m)
+
+    def _straggler_events(self, job: JobRecord, step: int, changes: list[tuple[SlowRank, bool]]) -> None:
+        """One event per rank flagged or unflagged (at most ``SLOW_EVENTS``, then one counting the rest)."""
+        for fig, flagged in changes[:SLOW_EVENTS]:
+            what = "is a straggler" if flagged else "is no longer a straggler"
+            self.book.event(job, "straggler", f"rank {fig.rank} on {fig.node or '-'} {what} (compute): "
+                            f"{fig.compute_s:.3f} s vs median {fig.median_s:.3f} s of its peers",
+                            step=step, metrics={**fig.as_dict(), "slow": flagged})
+        rest = changes[SLOW_EVENTS:]
+        if rest:
+            up = sum(flagged for _, flagged in rest)
+            self.book.event(job, "straggler", f"{up} more rank(s) flagged and {len(rest) - up} unflagged as "
+                            f"stragglers (compute); `ctl status` shows the worst", step=step)

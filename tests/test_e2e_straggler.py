@@ -1,0 +1,130 @@
+"""End to end: a slowed rank is flagged as a straggler by its compute time (issue 13). A dp4 train job over
+2 nodes × 2 slots, through a real coordinator, two worker daemons and ``ctl``; the test slows one rank to
+about half speed (SIGSTOP 0.1 s, SIGCONT 0.1 s, over and over). ``ctl status`` (JSON and text) names that
+rank and its node, ``ctl watch`` prints its ``straggler`` event, and no other rank is ever flagged, before,
+during or after; once it runs freely again it is unflagged. Prints how compute times compared."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from cluster import CTL, ProcCluster, ctl, rank_pids, status, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+VICTIM = 3
+DUTY_S = 0.1   # stopped this long, then running this long
+JOB = """
+name: slow-rank
+kind: train
+resources: {nodes: 2, slots_per_node: 2}
+model: {layers: 2, hidden: 256, heads: 4, seq_len: 64, vocab: 256}
+train: {steps: 100000, global_batch: 32, micro_batch: 8, lr: 1.0e-3, warmup: 2, seed: 3, checkpoint_every: 100000,
+        data: builtin:pydoc}
+"""
+
+
+def rank_pid(job: str, rank: int) -> int:
+    """The pid of one rank of the job: its stdout is the rank's log file ``rank-R.log``."""
+    for pid in rank_pids(job):
+        if re.search(rf"rank-{rank}\.log$", os.readlink(f"/proc/{pid}/fd/1")):
+            return pid
+    raise AssertionError(f"no process of rank {rank} of job {job}")
+
+
+class Slowdown:
+    """SIGSTOP / SIGCONT one process in turn (a thread), until ``stop``, which always leaves it running."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self._done = pid, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(DUTY_S)
+                os.kill(self.pid, signal.SIGCONT)
+                self._done.wait(DUTY_S)
+        except ProcessLookupError:
+            pass
+        finally:
+            self._cont()
+
+    def _cont(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+        self._cont()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    c = ProcCluster(tmp_path_factory.mktemp("straggler"), ["node-0", "node-1"], 2)
+    yield c
+    c.stop()
+
+
+class Seen:
+    """Every status read: the ranks flagged in any of them (``ever``), and the last one."""
+
+    def __init__(self, address: str, job: str) -> None:
+        self.address, self.job, self.ever, self.last = address, job, set(), {}
+
+    def read(self) -> dict:
+        self.last = status(self.address, self.job)
+        self.ever |= {(s["rank"], s["node"]) for s in self.last["summary"]["slow"]}
+        return self.last
+
+    def after(self, steps: int) -> None:
+        """Read until the slowest rank has finished ``steps`` more steps."""
+        start = self.read()["summary"]["min_step"]
+        wait_for(lambda: self.read()["summary"]["min_step"] >= start + steps, 120, f"{steps} more steps")
+
+
+def test_a_rank_slowed_to_half_speed_is_the_only_straggler_named_with_its_node(cluster: ProcCluster) -> None:
+    (cluster.root / "job.yaml").write_text(JOB)
+    job = cluster.submit(str(cluster.root / "job.yaml"))
+    seen = Seen(cluster.address, job)
+    wait_for(lambda: (s := seen.read())["state"] == "RUNNING" and s["summary"]["min_step"] >= 3, 120, "steps")
+    node = {r["rank"]: r["node"] for r in seen.last["ranks"]}[VICTIM]
+    watch = subprocess.Popen([*CTL, "--coordinator", cluster.address, "watch", job], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    slowdown = None
+    try:
+        seen.after(8)
+        assert seen.ever == set(), "a rank was flagged while all ran freely"
+        slowdown = Slowdown(rank_pid(job, VICTIM))
+        flagged = wait_for(lambda: seen.read()["summary"]["slow"], 90, f"rank {VICTIM} flagged")
+        assert [(s["rank"], s["node"]) for s in flagged] == [(VICTIM, node)], flagged
+        slow = flagged[0]
+        assert slow["compute_s"] > slow["median_s"] and slow["steps"] >= 3, slow
+        text = ctl(cluster.address, "status", job)
+        assert text.returncode == 0, text.stderr
+        assert f"straggler: rank {VICTIM} on {node}: compute " in text.stdout, text.stdout
+        seen.after(6)   # still slowed: still flagged, and still alone
+        assert [(s["rank"], s["node"]) for s in seen.last["summary"]["slow"]] == [(VICTIM, node)]
+        slowdown.stop()
+        wait_for(lambda: not seen.read()["summary"]["slow"], 90, f"rank {VICTIM} unflagged")
+        print(f"\nrank {VICTIM} on {node} at half speed: compute {slow['compute_s']:.3f} s per step vs median "
+              f"{slow['median_s']:.3f} s of its peers ({slow['compute_s'] / slow['median_s']:.2f}x)")
+    finally:
+        if slowdown is not None:
+            slowdown.stop()
+        ctl(cluster.address, "cancel", job)
+        watch_err = watch.communicate(timeout=120)[1]
+    assert seen.ever == {(VICTIM, node)}, seen.ever
+    events = re.findall(r"rank (\d+) on (\S+) is (a|no longer a) straggler", watch_err)
+    assert events == [(str(VICTIM), node, "a"), (str(VICTIM), node, "no longer a")], watch_err[-3000:]

@@ -1,0 +1,176 @@
+"""Stragglers by compute time (coordinator.progress.ComputeSkew), without processes or a network: the rule
+(margin, floor, consecutive steps, hysteresis), the peers (pipeline stages), the cost per report, and
+how a flagged rank reaches GetJob and ``ctl status``."""
+
+from __future__ import annotations
+
+from rankctl.cli.render import job_to_dict, node_to_dict, summary_text
+from rankctl.coordinator.convert import summary_to_pb
+from rankctl.coordinator.progress import (
+    SHOWN, SLOW_LEAST, SLOW_STEPS, SLOW_WINDOW, ComputeSkew, JobProgress, SlowRank, pipeline_peers,
+)
+from rankctl.coordinator.records import JobRecord
+from rankctl.coordinator.states import JobState
+from rankctl.proto import rankctl_pb2 as pb
+
+NODES = ["node-a", "node-b"]
+
+
+def node_of(rank: int) -> str:
+    return NODES[rank // 2]
+
+
+def run(skew: ComputeSkew, steps: list[dict[int, float]]) -> list[list[tuple[int, bool]]]:
+    """Feed each step's samples (rank -> compute_s) then judge; the changes after each step."""
+    out = []
+    for samples in steps:
+        for rank, compute in samples.items():
+            skew.sample(rank, compute)
+        skew.judge()
+        out.append([(fig.rank, flagged) for fig, flagged in skew.take_changes()])
+    return out
+
+
+def steps_of(*rows: tuple[float, ...]) -> list[dict[int, float]]:
+    return [dict(enumerate(row)) for row in rows]
+
+
+WARM = (5.0, 5.0, 5.0, 5.0)   # the warm-up step: skipped whatever it says
+EVEN = (0.10, 0.11, 0.10, 0.10)
+SLOW3 = (0.10, 0.11, 0.10, 0.21)
+
+
+def test_a_rank_is_flagged_after_three_consecutive_over_judgements_with_its_node() -> None:
+    skew = ComputeSkew(4, node_of=node_of)
+    assert (SLOW_WINDOW, SLOW_LEAST, SLOW_STEPS) == (5, 3, 3)
+    # judged from its 3rd sample (a window of 3), flagged at the 3rd over judgement in a row
+    changes = run(skew, steps_of(WARM, SLOW3, SLOW3, SLOW3, SLOW3, SLOW3, SLOW3))
+    assert changes == [[], [], [], [], [], [(3, True)], []]
+    (slow,) = skew.worst()
+    assert (slow.rank, slow.node, slow.compute_s, slow.median_s, slow.steps) == (3, "node-b", 0.21, 0.10, 4)
+
+
+def test_a_rank_that_becomes_slow_is_flagged_once_most_of_its_window_is_slow() -> None:
+    skew = ComputeSkew(4, node_of=node_of)
+    changes = run(skew, steps_of(WARM, *[EVEN] * 5, *[SLOW3] * 5))
+    assert changes == [[]] * 10 + [[(3, True)]]
+
+
+def test_one_noisy_step_is_not_enough() -> None:
+    skew = ComputeSkew(4, node_of=node_of)
+    changes = run(skew, steps_of(WARM, EVEN, EVEN, *[SLOW3, EVEN, EVEN] * 4, *[SLOW3, SLOW3, EVEN, EVEN, EVEN] * 3))
+    assert all(c == [] for c in changes) and skew.slow == {}
+
+
+def test_the_warm_up_sample_is_skipped() -> None:
+    skew = ComputeSkew(4, node_of=node_of)
+    assert run(skew, steps_of((0.1, 0.1, 0.1, 9.0), EVEN, EVEN, EVEN, EVEN)) == [[]] * 5
+    skew = ComputeSkew(4)
+    for rank in range(4):
+        skew.sample(rank, 0.1)
+    assert skew.sampled == 0 and not skew.due()
+
+
+def test_tiny_steps_need_the_absolute_floor_too() -> None:
+    skew = ComputeSkew(4)
+    tiny = (0.001, 0.001, 0.001, 0.009)   # 9x the median but 8 ms over: scheduler noise, not a straggler
+    assert run(skew, steps_of(WARM, *[tiny] * 8)) == [[]] * 9
+    over_floor = (0.001, 0.001, 0.001, 0.020)
+    assert run(skew, steps_of(*[over_floor] * 5)) == [[]] * 4 + [[(3, True)]]
+
+
+def test_unflagged_only_after_three_normal_judgements_and_not_between_the_margins() -> None:
+    skew = ComputeSkew(4, node_of=node_of)
+    run(skew, steps_of(WARM, *[SLOW3] * 5))
+    assert list(skew.slow) == [3]
+    between = (0.10, 0.10, 0.10, 0.125)   # 1.25x: neither over (1.3x) nor normal (1.15x) again
+    assert run(skew, steps_of(*[between] * 6)) == [[]] * 6
+    assert list(skew.slow) == [3] and skew.slow[3].compute_s == 0.125   # its current figures
+    # normal from the 3rd EVEN on (its window's median), unflagged at the 3rd normal judgement
+    assert run(skew, steps_of(*[EVEN] * 5)) == [[]] * 4 + [[(3, False)]]
+    assert skew.slow == {} and skew.worst() == []
+    assert run(skew, steps_of(*[SLOW3] * 4)) == [[]] * 4   # counts again from zero
+    assert run(skew, steps_of(SLOW3)) == [[(3, True)]]
+
+
+def test_peers_are_the_ranks_of_the_same_pipeline_stage() -> None:
+    # tp2 pp2 over 8 ranks (dp2): stage = rank // 4; the last stage computes the loss and is slower
+    job = JobRecord(id="j", name="j", kind="train", spec={"parallel": {"tp": 2, "pp": 2}}, state=JobState.RUNNING,
+                    reason="", world_size=8, slots_per_node=4, created_at=0.0, nodes=["n0", "n1"])
+    assert pipeline_peers(job) == (4, 2)
+    skew = ComputeSkew(8, *pipeline_peers(job))
+    staged = (0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.3, 0.3)
+    assert run(skew, steps_of(staged, *[staged] * 8)) == [[]] * 9
+    one_slow = (0.1, 0.25, 0.1, 0.1, 0.3, 0.3, 0.3, 0.3)   # under the job's median 0.3, 2.5x its stage's
+    assert run(skew, steps_of(*[one_slow] * 5))[-1] == [(1, True)]
+    flat = ComputeSkew(8)   # all ranks as peers: the whole last stage would be flagged
+    assert run(flat, steps_of(staged, *[staged] * 5))[-1] == [(4, True), (5, True), (6, True), (7, True)]
+
+
+def test_no_pipeline_or_an_unreadable_layout_makes_all_ranks_peers() -> None:
+    def job(parallel) -> JobRecord:
+        return JobRecord(id="j", name="j", kind="train", spec={"parallel": parallel}, state=JobState.RUNNING,
+                         reason="", world_size=4, slots_per_node=2, created_at=0.0)
+
+    assert pipeline_peers(job({"tp": 2})) == (1, 1)
+    assert pipeline_peers(job({"tp": 3, "pp": 2})) == (1, 1)
+    assert pipeline_peers(job("nonsense")) == (1, 1)
+
+
+def test_judgements_cost_in_proportion_to_the_reports_at_4096_ranks() -> None:
+    world, steps, slow_rank = 4096, 7, 1234
+    progress = JobProgress(world)
+    progress.peers = (1, 1, lambda r: f"node-{r // 8}")
+    reports = 0
+    for step in range(1, steps + 1):
+        for rank in range(world):   # every rank's report of this step, one at a time
+            progress.compute_sample(rank, 0.2 if rank == slow_rank else 0.1 + (rank % 7) * 0.001)
+            progress.moved_step(rank, step - 1, step)
+            reports += 1
+    skew = progress.skew
+    assert skew.judged == steps - 1   # once per step the slowest rank finished, the warm-up step not judged
+    assert skew.work <= 2 * reports   # each judgement scans the world once, paid for by >= world/2 reports
+    assert [(s.rank, s.node) for s in progress.summary().slow] == [(slow_rank, "node-154")]
+
+
+def test_coalesced_reports_judge_only_when_half_the_ranks_have_a_new_sample() -> None:
+    skew = ComputeSkew(4)
+    run(skew, steps_of(WARM, *[EVEN] * 3))
+    assert skew.judged == 3
+    skew.sample(3, 0.5)
+    skew.judge()   # 1 fresh of 4: not due
+    assert skew.judged == 3 and skew.fresh == 1
+    skew.sample(0, 0.1)
+    skew.judge()
+    assert skew.judged == 4 and skew.fresh == 0
+
+
+def test_reported_compute_reaches_the_summary_and_ctl_status_bounded_to_the_worst() -> None:
+    world = 64
+    progress = JobProgress(world)
+    progress.peers = (1, 1, lambda r: f"node-{r // 4}")
+    for step in range(1, 7):
+        for rank in range(world):
+            st = pb.RankStatus(rank=rank, step=step, compute_s=0.1 + (0.01 * rank if rank >= 40 else 0.0))
+            progress.step_figures(step, st)
+            progress.moved_step(rank, step - 1, step)
+    summary = progress.summary()
+    assert len(summary.slow) == SHOWN and summary.slow[0].rank == 63   # the worst first, 24 flagged
+    assert len(progress.skew.slow) == 24
+    msg = summary_to_pb(summary)
+    assert [s.rank for s in msg.slow] == list(range(63, 63 - SHOWN, -1))
+    job = pb.Job(id="j", world_size=world, state=pb.RUNNING, summary=msg, stopping=2)
+    d = job_to_dict(job)
+    assert d["stopping"] == 2
+    assert d["summary"]["slow"][0] == {"rank": 63, "node": "node-15", "compute_s": summary.slow[0].compute_s,
+                                       "median_s": summary.slow[0].median_s, "steps": 3}
+    text = summary_text(d["summary"], world).plain
+    assert "straggler: rank 63 on node-15: compute 0.730 s per step vs median 0.100 s of its peers (7.3x)" in text
+    assert "12 more straggler(s) by compute" in text
+
+
+def test_a_slow_rank_figures_render_and_nodes_say_draining() -> None:
+    assert SlowRank(3, "n", 0.2, 0.1, 4).as_dict() == {"rank": 3, "node": "n", "compute_s": 0.2, "median_s": 0.1,
+                                                       "steps": 4}
+    d = node_to_dict(pb.Node(name="n", draining=True, excluded_for=["j1"]))
+    assert d["draining"] is True and d["excluded_for"] == ["j1"]
