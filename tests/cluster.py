@@ -138,3 +138,19 @@ class ProcCluster:
         for w in self.workers.values():
             w.stop()
         self.coord.stop()
+
+
+def highest_step(root: Path, job_id: str, attempt: int) -> int:
+    """The highest step any rank of ``attempt`` wrote to its status file (every node's state dir under
+    ``root``): how far the attempt really got, which a status query taken just before a fault understates
+    (the summary follows batched reports)."""
+    top = 0
+    for path in Path(root).glob(f"*/jobs/{job_id}/{attempt}/rank-*.status.jsonl"):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                step = json.loads(line).get("step")
+            except ValueError:
+                continue  # a torn last line of a killed rank
+            if isinstance(step, int) and step > top:
+                top = step
+    return top

@@ -1,0 +1,155 @@
+"""End to end, each worker daemon in its own network namespace with its own address (veth on a bridge):
+the faults of issue 13 on a train job (tp2 over 2 of 3 nodes × 2 slots, max_restarts 2) — a network
+partition of one node, SIGKILL of one node's daemon (its launcher and ranks die with it), SIGKILL of one
+rank process. Each time the job restarts by itself, reaches SUCCEEDED on attempt 2, and its losses equal
+an uninterrupted run's step for step (1e-5 relative); the test prints detection time, time to the first
+completed step after the fault, and steps lost. Skips with the reason where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import ctl, highest_step, rank_pids, status, wait_for, wait_state
+from test_e2e_restart import HEARTBEAT_TIMEOUT, JOB, losses
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def nets(tmp_path_factory: pytest.TempPathFactory):
+    from netns import NetnsCluster, netns_problem
+
+    problem = netns_problem()
+    if problem:
+        print(f"\nskipped: {problem}")
+        pytest.skip(problem)
+    c = NetnsCluster(tmp_path_factory.mktemp("netns"), 3, 2, HEARTBEAT_TIMEOUT)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(nets, tmp_path_factory: pytest.TempPathFactory) -> dict:  # noqa: ANN001 - a NetnsCluster
+    done = finish(nets, submit(nets, tmp_path_factory.mktemp("ref"), "calm", 0))
+    assert done["state"] == "SUCCEEDED", done["reason"]
+    return done
+
+
+def submit(c, tmp: Path, name: str, restarts: int, template: str = JOB) -> str:  # noqa: ANN001
+    path = tmp / f"{name}.yaml"
+    path.write_text(template.format(name=name, restarts=restarts))
+    out = ctl(c.address, "submit", str(path))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def finish(c, job: str) -> dict:  # noqa: ANN001
+    return wait_state(c.address, job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+
+
+def running_past(c, job: str, step: int) -> dict:  # noqa: ANN001
+    return wait_for(lambda: (s := status(c.address, job))["state"] == "RUNNING" and s["summary"]["min_step"] >= step
+                    and s, 240, f"the job past step {step}")
+
+
+def replicated(c, st: dict, name: str) -> None:  # noqa: ANN001
+    """Wait until a checkpoint of the second node's ranks (2, 3) is copied to the first node of the job."""
+    copies = c.root / st["nodes"][0] / "replicas" / name
+    wait_for(lambda: any(all((d / f"rank-{r:05d}.done").exists() for r in (2, 3)) for d in copies.glob("step-*")),
+             60, "a checkpoint of the victim's ranks replicated to its peer")
+
+
+def replicated_job(c, tmp: Path, name: str) -> tuple[str, str, int, float]:  # noqa: ANN001
+    """A job past its first checkpoint, replicated: (job, the victim node, status step, the time now)."""
+    job = submit(c, tmp, name, 2)
+    replicated(c, running_past(c, job, 5), name)
+    st = status(c.address, job)
+    return job, st["nodes"][1], st["summary"]["min_step"], time.monotonic()
+
+
+def recovered(c, job: str, ref: dict, what: str, fault_step: int, t_fault: float) -> dict:  # noqa: ANN001
+    """Wait for attempt 2 to complete a step and the job to succeed; check the losses; print the figures."""
+    wait_for(lambda: status(c.address, job)["attempt"] == 2, 90, "a restart")
+    t_detect = time.monotonic() - t_fault
+    wait_for(lambda: (s := status(c.address, job))["attempt"] == 2 and s["state"] == "RUNNING"
+             and s["summary"]["min_step"] >= 1, 180, "attempt 2 completing a step")
+    t_step = time.monotonic() - t_fault
+    done = finish(c, job)
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
+    assert [s for s, _ in losses(done)] == list(range(1, 41))
+    for (step, ours), (_, theirs) in zip(losses(done), losses(ref)):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs), (step, ours, theirs)
+    resumed = done["result"].get("resumed_from") or 0
+    reached = highest_step(c.root, job, 1)  # the status taken before the fault lags behind the ranks
+    assert 5 <= resumed <= reached, (resumed, reached)  # from a checkpoint every rank has, not from scratch
+    print(f"\nfault: {what} (status said step {fault_step}, ranks had reached {reached}); restart queued after "
+          f"{t_detect:.1f} s; first completed step of attempt 2 after {t_step:.1f} s; steps lost {reached - resumed} "
+          f"(resumed from step {resumed})")
+    return done
+
+
+def test_a_partitioned_node_is_replaced_by_a_spare(nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001
+    job, victim, fault_step, t_fault = replicated_job(nets, tmp_path, "split")
+    nets.partition(victim)
+    try:
+        done = recovered(nets, job, reference, f"partition of {victim}", fault_step, t_fault)
+        assert victim not in done["nodes"] and f"node {victim} lost" in done["attempts"][0]["reason"], done
+    finally:
+        nets.heal(victim)  # the daemon comes back and is told to stop what is left of attempt 1
+    nets.wait_ready()
+    wait_for(lambda: not rank_pids(job), 60, "every rank of the partitioned attempt to exit after the heal")
+
+
+def test_a_killed_rank_process_restarts_the_job(nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001
+    job = submit(nets, tmp_path, "rank-killed", 2)
+    st = running_past(nets, job, 5)
+    pid = sorted(rank_pids(job))[0]
+    fault_step, t_fault = st["summary"]["min_step"], time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    done = recovered(nets, job, reference, f"SIGKILL of rank process {pid}", fault_step, t_fault)
+    assert "exited with code -9" in done["attempts"][0]["reason"] or "killed" in done["attempts"][0]["reason"], \
+        done["attempts"]
+    wait_for(lambda: not rank_pids(job), 30, "every rank of both attempts to exit")
+
+
+HANG_TIMEOUT = 15
+HANGING_JOB = JOB.replace("restart: {{max_restarts: {restarts}}}",
+                          f"restart: {{{{max_restarts: {{restarts}}, hang_timeout: {HANG_TIMEOUT}}}}}")
+
+
+def test_a_stopped_rank_is_named_and_the_job_restarts(nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001
+    job = submit(nets, tmp_path, "rank-stopped", 2, HANGING_JOB)
+    st = running_past(nets, job, 5)
+    pid = max(rank_pids(job))
+    fault_step, t_fault = st["summary"]["min_step"], time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        done = recovered(nets, job, reference, f"SIGSTOP of rank process {pid}", fault_step, t_fault)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    reason = done["attempts"][0]["reason"]
+    assert reason.startswith("hang: ") and "stopped (SIGSTOP or a debugger) on node-" in reason, reason
+    assert re.search(r"[a-z,-]+ group \[[\d, ]+\] waits in \w+ #\d+", reason), reason   # where its peers wait
+    wait_for(lambda: not rank_pids(job), 30, "every rank of both attempts to exit")
+
+
+def test_a_killed_daemon_is_replaced_by_a_spare(nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001
+    job, victim, fault_step, t_fault = replicated_job(nets, tmp_path, "daemon-killed")
+    nets.workers[victim].kill(signal.SIGKILL)
+    try:
+        done = recovered(nets, job, reference, f"SIGKILL of {victim}'s daemon", fault_step, t_fault)
+        assert victim not in done["nodes"], done["nodes"]
+    finally:
+        nets.start_worker(victim)
+    nets.wait_ready()
+    wait_for(lambda: not rank_pids(job), 30, "every rank of both attempts to exit")
