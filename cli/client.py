@@ -26,19 +26,42 @@ class Unimplemented(CtlError):
 class Client:
     """Talks to the coordinator's ClientService at ``address`` (HOST:PORT)."""
 
-    def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT) -> None:
-        self.address = address
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT, tls_dir: str | None = None) -> None:
+        self.address, self.tls_dir = address, tls_dir
+        self._channel = self._open(address, tls_dir)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
             self._channel.close()
-            raise CtlError(
-                f"cannot reach the coordinator at {address} (start one with `ctl coordinator`, "
-                "or set --coordinator / RANKCTL_COORDINATOR)",
-                EXIT_UNREACHABLE,
-            ) from None
+            raise self._unreachable() from None
         self.stub = pb_grpc.ClientServiceStub(self._channel)
+
+    @staticmethod
+    def _open(address: str, tls_dir: str | None) -> grpc.Channel:
+        if not tls_dir:
+            return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        from rankctl.security.certs import CertError
+        from rankctl.security.tls import channel_credentials, load_identity_dir
+
+        try:
+            identity = load_identity_dir(tls_dir)
+        except CertError as exc:
+            raise CtlError(f"--tls-dir {tls_dir}: {exc}", EXIT_USAGE) from None
+        return grpc.secure_channel(address, channel_credentials(identity), options=CHANNEL_OPTIONS)
+
+    def _unreachable(self) -> CtlError:
+        """Why no channel came up: nothing listens (exit 3), or something listens but the handshake
+        failed: a TLS coordinator refusing plain text, or a certificate it does not accept (exit 2)."""
+        if not _listening(self.address):
+            return CtlError(f"cannot reach the coordinator at {self.address} (start one with `ctl coordinator`, "
+                            "or set --coordinator / RANKCTL_COORDINATOR)", EXIT_UNREACHABLE)
+        if not self.tls_dir:
+            return CtlError(f"the coordinator at {self.address} accepts no plain-text connection: it serves mutual "
+                            "TLS; pass --tls-dir DIR (or set RANKCTL_TLS_DIR) with your certificate from "
+                            "`ctl certs issue`", EXIT_USAGE)
+        return CtlError(f"the TLS handshake with the coordinator at {self.address} failed with the identity in "
+                        f"{self.tls_dir}: the coordinator refused its certificate (another CA, expired, or revoked) "
+                        "or its own certificate does not match (its CA or its --san names)", EXIT_USAGE)
 
     def close(self) -> None:
         self._channel.close()
@@ -140,6 +163,18 @@ class Client:
             yield from self.stub.GetLogs(req)
 
 
+def _listening(address: str, timeout: float = 2.0) -> bool:
+    """Whether a TCP connection to ``address`` (HOST:PORT) is accepted."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 @contextmanager
 def rpc_errors(address: str) -> Iterator[None]:
     """Map gRPC failures to CtlError with the exit codes of ``ctl``."""
@@ -149,6 +184,8 @@ def rpc_errors(address: str) -> Iterator[None]:
         code, details = exc.code(), exc.details() or ""
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise CtlError(f"lost the coordinator at {address}: {details}", EXIT_UNREACHABLE) from None
+        if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
+            raise CtlError(f"refused: {details}", EXIT_USAGE) from None
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
             raise CtlError(details, EXIT_USAGE) from None

@@ -14,11 +14,12 @@ if TYPE_CHECKING:
 @dataclass
 class Ctx:
     coordinator: str
+    tls_dir: str | None = None   # the caller's identity directory (mutual TLS); None: plain text
 
     def client(self) -> "Client":
         from rankctl.cli.client import Client
 
-        return Client(self.coordinator)
+        return Client(self.coordinator, tls_dir=self.tls_dir)
 
 
 pass_ctx = click.make_pass_decorator(Ctx)

@@ -16,12 +16,43 @@ log_level = click.option("--log-level", default="info", show_default=True,
                          type=click.Choice(["debug", "info", "warning", "error"]))
 
 
-async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float) -> None:
+tls_options = [
+    click.option("--tls-dir", default=None, metavar="DIR",
+                 help="This service's identity directory (ctl certs init / issue): serve and connect with mutual TLS."),
+    click.option("--insecure", is_flag=True,
+                 help="Allow plain text on a non-loopback address (only on a trusted private network)."),
+]
+
+
+def with_tls(f):  # noqa: ANN001, ANN201 - a click decorator
+    for option in reversed(tls_options):
+        f = option(f)
+    return f
+
+
+def plain_text_problem(addresses: dict[str, str], tls_dir: str | None, insecure: bool) -> str | None:
+    """Why this service may not run without TLS: one of its ``addresses`` (option -> HOST:PORT) is not
+    loopback and neither --tls-dir nor --insecure was given."""
+    from rankctl.security.tls import is_loopback
+
+    if tls_dir or insecure:
+        return None
+    for option, address in addresses.items():
+        if not is_loopback(address):
+            return (f"{option} {address} is not a loopback address: without TLS anyone who reaches it could act as "
+                    f"any party. Pass --tls-dir DIR (ctl certs init / ctl certs issue), or --insecure on a trusted "
+                    f"private network")
+    return None
+
+
+async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float,
+                             tls_dir: str | None) -> None:
     import structlog
 
     from rankctl.coordinator.server import start_coordinator
 
-    server = await start_coordinator(listen, state_dir, heartbeat_timeout=heartbeat_timeout, head_wait=head_wait)
+    server = await start_coordinator(listen, state_dir, heartbeat_timeout=heartbeat_timeout, head_wait=head_wait,
+                                     tls_dir=tls_dir)
     (state_dir / "address").write_text(server.address + "\n")  # the bound address, for scripts and tests
     structlog.get_logger("rankctl.coordinator").info(
         "coordinator listening", address=server.address, state_dir=str(state_dir))
@@ -42,13 +73,22 @@ async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: fl
               help="Seconds without a heartbeat before a node is lost.")
 @click.option("--head-wait", default=60.0, show_default=True, type=float,
               help="Seconds the first job that cannot start holds back later jobs that could (then they backfill).")
+@with_tls
 @log_level
-def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float, log_level: str) -> None:
-    """Run the coordinator service (gRPC) until SIGTERM/SIGINT."""
+def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float, tls_dir: str | None,
+                insecure: bool, log_level: str) -> None:
+    """Run the coordinator service (gRPC) until SIGTERM/SIGINT.
+
+    Example: ctl coordinator --listen 0.0.0.0:7420 --state-dir /var/lib/rankctl --tls-dir /etc/rankctl/coordinator
+    """
     from rankctl.coordinator.store import StateDirInUse, StoreUnusable
+    from rankctl.security.certs import CertError
     from rankctl.worker.procutil import configure_logging
 
     configure_logging(level=log_level)
+    problem = plain_text_problem({"--listen": listen}, tls_dir, insecure)
+    if problem:
+        raise CtlError(problem)
     if heartbeat_timeout <= 0:
         raise CtlError(f"--heartbeat-timeout={heartbeat_timeout} must be positive")
     if not 0 <= head_wait < float("inf"):
@@ -61,8 +101,8 @@ def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wai
 
     tune_gc()
     try:
-        asyncio.run(_serve_coordinator(listen, state_dir, heartbeat_timeout, head_wait))
-    except (StateDirInUse, StoreUnusable) as exc:
+        asyncio.run(_serve_coordinator(listen, state_dir, heartbeat_timeout, head_wait, tls_dir))
+    except (StateDirInUse, StoreUnusable, CertError) as exc:
         raise CtlError(str(exc)) from None
     except OSError as exc:
         raise CtlError(f"coordinator cannot serve on {listen}: {exc}") from None
@@ -92,11 +132,18 @@ def node_name(name: str | None) -> str:
 @click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory for rank logs and status files.")
 @click.option("--health-listen", default="127.0.0.1:0", show_default=True, help="gRPC health service address.")
+@with_tls
 @log_level
 @pass_ctx
 def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: str | None,
-           advertise_address: str | None, state_dir: Path, health_listen: str, log_level: str) -> None:
-    """Run the worker daemon for this node until SIGTERM/SIGINT."""
+           advertise_address: str | None, state_dir: Path, health_listen: str, tls_dir: str | None, insecure: bool,
+           log_level: str) -> None:
+    """Run the worker daemon for this node until SIGTERM/SIGINT.
+
+    Example: ctl worker --coordinator head:7420 --state-dir /var/lib/rankctl-worker --advertise-address 10.0.0.5
+    --tls-dir /etc/rankctl/node
+    """
+    from rankctl.security.certs import CertError
     from rankctl.worker.procutil import configure_logging
     from rankctl.worker.daemon import DaemonConfig, LauncherLost, NodeNameTaken
     from rankctl.worker.serve import run_worker
@@ -105,6 +152,22 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
     if slots is not None and slots < 1:
         raise CtlError(f"--slots={slots} must be at least 1")
     node = node_name(name)
+    tls_dir = tls_dir or ctx.tls_dir
+    address = coordinator_address or ctx.coordinator
+    problem = plain_text_problem({"--coordinator": address, "--advertise-address": f"{advertise_address or '127.0.0.1'}:0",
+                                  "--health-listen": health_listen}, tls_dir, insecure)
+    if problem:
+        raise CtlError(problem)
+    if tls_dir:
+        from rankctl.security.tls import load_identity_dir
+
+        try:
+            identity = load_identity_dir(tls_dir).identity
+        except CertError as exc:
+            raise CtlError(f"--tls-dir {tls_dir}: {exc}") from None
+        if identity.kind != "node" or identity.name != node:
+            raise CtlError(f"--tls-dir {tls_dir} holds the certificate of {identity}; node {node} needs a node "
+                           f"certificate for {node!r} (ctl certs issue CA_DIR --node {node} --out DIR)")
     state_dir.mkdir(parents=True, exist_ok=True)
     cfg = DaemonConfig(
         coordinator=coordinator_address or ctx.coordinator,
@@ -113,6 +176,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         state_dir=state_dir.resolve(),
         advertise_address=advertise_address or "127.0.0.1",
         health_listen=health_listen,
+        tls_dir=str(tls_dir) if tls_dir else None,
     )
     try:
         asyncio.run(run_worker(cfg))

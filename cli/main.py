@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "worker": ("rankctl.cli.daemons", "worker", "Run a worker daemon for this node."),
     "up": ("rankctl.cli.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
     "checkpoint": ("rankctl.cli.checkpoint", "checkpoint", "Work with training checkpoints (export)."),
+    "certs": ("rankctl.cli.certs", "certs", "Create a CA and issue node and user certificates (mutual TLS)."),
 }
 
 
@@ -49,10 +50,13 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="rankctl", prog_name="ctl")
 @click.option("--coordinator", envvar="RANKCTL_COORDINATOR", default="127.0.0.1:7420", show_default=True,
               metavar="HOST:PORT", help="Coordinator address (env RANKCTL_COORDINATOR).")
+@click.option("--tls-dir", envvar="RANKCTL_TLS_DIR", default=None, metavar="DIR",
+              help="Your identity directory (ca.pem, cert.pem, key.pem from `ctl certs issue`) for a coordinator "
+                   "that serves mutual TLS (env RANKCTL_TLS_DIR).")
 @click.pass_context
-def cli(ctx: click.Context, coordinator: str) -> None:
+def cli(ctx: click.Context, coordinator: str, tls_dir: str | None) -> None:
     """rankctl: a control plane for Megatron-style parallel training."""
-    ctx.obj = Ctx(coordinator=coordinator)
+    ctx.obj = Ctx(coordinator=coordinator, tls_dir=tls_dir or None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,6 +38,7 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
         "created_at": job.created_at,
         "finished_at": job.finished_at or None,
         "stopping": job.stopping,
+        "submitted_by": job.submitted_by,
         "nodes": list(job.nodes),
         "ranks": [rank_to_dict(r) for r in job.ranks],
         "summary": summary_to_dict(job.summary) if job.HasField("summary") else None,
@@ -189,6 +190,7 @@ def job_view(job: pb.Job, max_ranks: int = 64):
     head = Text.assemble(
         (f"{d['id']}  ", "bold"), (d["state"], _state_style(d["state"])),
         f"  attempt {d['attempt']}  world {d['world_size']}  nodes {_nodes_text(d['nodes'])}\n",
+        f"submitted by: {d['submitted_by']}\n" if d["submitted_by"] else "",
         f"reason: {d['reason'] or '-'}",
     )
     parts: list[Any] = [head]

@@ -50,7 +50,7 @@ def job_to_pb(job: JobRecord, ranks: list[RankRecord] = (), *, summary: "JobSumm
         world_size=job.world_size, created_at=job.created_at, finished_at=job.finished_at,
         nodes=job.nodes if nodes else (), ranks=[rank_to_pb(r) for r in ranks], spec_json=json.dumps(job.spec),
         result_json=json.dumps(job.result) if job.result is not None else "", kind=job.kind,
-        rank_offset=rank_offset, next_rank_offset=next_rank_offset,
+        rank_offset=rank_offset, next_rank_offset=next_rank_offset, submitted_by=job.submitted_by,
     )
     if summary is not None:
         msg.summary.CopyFrom(summary_to_pb(summary))

@@ -172,7 +172,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
         """Validate and submit (see ``submit_spec``)."""
         return self.submit_spec(self.validate(spec_yaml, overrides, source), queue_anyway=queue_anyway)
 
-    def submit_spec(self, spec: JobSpec, *, queue_anyway: bool = False) -> JobRecord:
+    def submit_spec(self, spec: JobSpec, *, queue_anyway: bool = False, submitted_by: str = "") -> JobRecord:
         """Store a validated job PENDING and run a schedule pass.
 
         A job larger than every node the cluster knows could hold is refused (CapacityError,
@@ -185,7 +185,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
         job = JobRecord(
             id=self._new_id(spec.name), name=spec.name, kind=spec.kind, spec=spec.to_dict(), state=S.PENDING,
             reason="queued" if short is None else f"queued for nodes: {short}", world_size=spec.world_size,
-            slots_per_node=res.slots_per_node, created_at=self.clock(),
+            slots_per_node=res.slots_per_node, created_at=self.clock(), submitted_by=submitted_by,
         )
         with self._consistent():
             self.book.add(job)

@@ -13,6 +13,7 @@ import grpc
 import structlog
 
 from rankctl.coordinator import convert
+from rankctl.coordinator.auth import caller
 from rankctl.coordinator.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import ProtocolError
@@ -61,6 +62,11 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             return
         if first.WhichOneof("body") != "register":
             await _abort(context, ProtocolError("the first message on a node stream must be Register"))
+        who = caller()
+        if who is not None and first.register.name != who.name:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{who} may not register as node {first.register.name[:64]!r}: a node registers "
+                                f"only under the name in its certificate")
         outbox: asyncio.Queue[pb.CoordinatorMessage | None] = asyncio.Queue()
         with structlog.contextvars.bound_contextvars(node=first.register.name[:64]):
             try:

@@ -33,6 +33,7 @@ class JobRecord:
     rendezvous: str = ""                             # "host:port" of rank 0's store
     result: dict[str, Any] | None = None
     seqno: int = 0                                   # submission order, set by the store
+    submitted_by: str = ""                           # the submitter's identity ("user alice (submitter)"; "" without TLS)
 
     @property
     def nodes_needed(self) -> int:

@@ -22,6 +22,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from rankctl.coordinator.auth import Authorizer
 from rankctl.coordinator.blobs import BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.node_service import NodeServiceServicer
@@ -132,21 +133,29 @@ def _split_listen(listen: str) -> str:
 
 
 async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float = 10.0, *,
-                            clock: Callable[[], float] = time.time, head_wait: float | None = None
-                            ) -> CoordinatorServer:
+                            clock: Callable[[], float] = time.time, head_wait: float | None = None,
+                            tls_dir: str | Path | None = None) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
-    ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken."""
+    ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
+
+    ``tls_dir``: the coordinator's identity directory (``ctl certs init``): serve mutual TLS only, every
+    call authorized by its client certificate (``coordinator.auth``); CertError when it is unusable."""
+    from rankctl.security.tls import load_identity_dir, peer_identity, server_credentials
+
+    identity = load_identity_dir(tls_dir) if tls_dir else None  # before anything is locked or bound
     store = Store(state_dir)
     extra = {} if head_wait is None else {"head_wait": head_wait}
     core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout, **extra)
     blobs = BlobStore(state_dir)  # after the store: its lock says this state dir is ours
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS,
+                             interceptors=[Authorizer(peer_identity, enabled=identity is not None)])
     rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core, blobs), server)
     rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core, blobs), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
-        port = server.add_insecure_port(listen)
+        port = (server.add_secure_port(listen, server_credentials(identity)) if identity is not None
+                else server.add_insecure_port(listen))
     except RuntimeError:
         store.close()
         raise OSError(f"cannot listen on {listen}: {_bind_problem(listen)}") from None
@@ -157,6 +166,7 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     coord = CoordinatorServer(server, core, store, health, _split_listen(listen), port)
     coord.monitor = asyncio.create_task(_monitor(core, period))
     core.schedule()
-    log.info("coordinator.started", address=coord.address, state_dir=str(state_dir), jobs=len(core.list()))
+    log.info("coordinator.started", address=coord.address, state_dir=str(state_dir), jobs=len(core.list()),
+             tls=identity is not None)
     return coord
 

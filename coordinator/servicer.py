@@ -24,6 +24,7 @@ import grpc
 import structlog
 
 from rankctl.coordinator import convert
+from rankctl.coordinator.auth import ADMIN, caller
 from rankctl.coordinator.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import (
@@ -186,7 +187,8 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             if missing:
                 raise BlobMissing(f"the job references {missing[0]}, which the coordinator does not hold: "
                                   "upload it first (ctl submit packs and uploads python.workdir)")
-            job = self.core.submit_spec(spec, queue_anyway=request.queue_anyway)
+            who = caller()
+            job = self.core.submit_spec(spec, queue_anyway=request.queue_anyway, submitted_by=who.name if who else "")
             return pb.SubmitJobResponse(job=self._job(job.id))
         except Exception as exc:
             await _abort(context, exc)
@@ -223,6 +225,13 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
         try:
+            who = caller()
+            if who is not None and who.role != ADMIN:
+                owner = self.core.book.get(request.job_id).submitted_by
+                if owner != who.name:
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"{who} may not cancel job {request.job_id} of {owner or 'another user'}: "
+                                        f"cancelling another user's job needs the admin role")
             job = self.core.cancel(request.job_id, request.reason)
             return pb.CancelJobResponse(job=self._job(job.id))
         except Exception as exc:

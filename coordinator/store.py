@@ -37,7 +37,7 @@ from rankctl.coordinator.states import JobState
 
 DB_NAME = "coordinator.db"
 LOCK_NAME = "coordinator.lock"
-SCHEMA_VERSION = 3  # PRAGMA user_version of a database this code writes
+SCHEMA_VERSION = 4  # PRAGMA user_version of a database this code writes
 WAL_CHECKPOINT_PAGES = 128  # checkpoint the WAL into the database every ~512 KiB
 WAL_SIZE_LIMIT = 1 << 20    # and truncate it back to 1 MiB after a checkpoint
 
@@ -71,11 +71,12 @@ ADDED_COLUMNS = (
     ("events", "data_json", "TEXT"),                          # version 2
     ("attempts", "cause", "TEXT NOT NULL DEFAULT ''"),       # version 3
     ("attempts", "blamed", "TEXT NOT NULL DEFAULT ''"),      # version 3
+    ("jobs", "submitted_by", "TEXT NOT NULL DEFAULT ''"),    # version 4
 )
 
 _JOB_COLS = (
     "seqno, id, name, kind, spec_json, state, reason, attempt, world_size, slots_per_node, "
-    "created_at, finished_at, nodes_json, rendezvous, result_json"
+    "created_at, finished_at, nodes_json, rendezvous, result_json, submitted_by"
 )
 _RANK_COLS = "rank, node, phase, step, metrics_json, error, exit_code, exited, updated_at, result_json"
 
@@ -121,11 +122,12 @@ def _store_error(exc: sqlite3.Error, what: str) -> StoreError:
 
 
 def _job_from_row(row: tuple) -> JobRecord:
-    (seqno, jid, name, kind, spec, state, reason, attempt, world, spn, created, finished, nodes, rdv, res) = row
+    (seqno, jid, name, kind, spec, state, reason, attempt, world, spn, created, finished, nodes, rdv, res, by) = row
     return JobRecord(
         id=jid, name=name, kind=kind, spec=json.loads(spec), state=JobState(state), reason=reason,
         world_size=world, slots_per_node=spn, created_at=created, attempt=attempt, finished_at=finished,
         nodes=json.loads(nodes), rendezvous=rdv, result=json.loads(res) if res else None, seqno=seqno,
+        submitted_by=by,
     )
 
 
@@ -246,7 +248,7 @@ class Store:
     def insert_job(self, job: JobRecord) -> None:
         """Store a new job; sets ``job.seqno`` (submission order)."""
         cur = self._write(
-            f"INSERT INTO jobs ({_JOB_COLS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._job_args(job)
+            f"INSERT INTO jobs ({_JOB_COLS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._job_args(job)
         )
         job.seqno = cur.lastrowid
 
@@ -261,7 +263,7 @@ class Store:
         return (
             job.id, job.name, job.kind, json.dumps(job.spec), job.state.value, job.reason, job.attempt,
             job.world_size, job.slots_per_node, job.created_at, job.finished_at, json.dumps(job.nodes),
-            job.rendezvous, json.dumps(job.result) if job.result is not None else None,
+            job.rendezvous, json.dumps(job.result) if job.result is not None else None, job.submitted_by,
         )
 
     def load_jobs(self) -> list[JobRecord]:

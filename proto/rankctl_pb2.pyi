@@ -195,7 +195,7 @@ class SlowRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ..., median_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind", "summary", "rank_offset", "next_rank_offset", "attempts", "stopping")
+    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind", "summary", "rank_offset", "next_rank_offset", "attempts", "stopping", "submitted_by")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class Job(_message.Message):
     NEXT_RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_BY_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -232,7 +233,8 @@ class Job(_message.Message):
     next_rank_offset: int
     attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
     stopping: int
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spec_json: _Optional[str] = ..., result_json: _Optional[str] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ...) -> None: ...
+    submitted_by: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spec_json: _Optional[str] = ..., result_json: _Optional[str] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ..., submitted_by: _Optional[str] = ...) -> None: ...
 
 class Attempt(_message.Message):
     __slots__ = ("attempt", "state", "reason", "started_at", "finished_at")

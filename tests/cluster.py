@@ -49,21 +49,23 @@ class Proc:
         return self.log.read_text(errors="replace")
 
 
-def start_coordinator(state: Path, heartbeat_timeout: float = 3.0, listen: str = "127.0.0.1:0") -> tuple[Proc, str]:
+def start_coordinator(state: Path, heartbeat_timeout: float = 3.0, listen: str = "127.0.0.1:0",
+                      extra: tuple[str, ...] = ()) -> tuple[Proc, str]:
     state.mkdir(parents=True, exist_ok=True)
     addr_file = state / "address"
     addr_file.unlink(missing_ok=True)
+    plain = [] if listen.startswith("127.") else ["--insecure"]  # e.g. a test bridge between namespaces
     proc = Proc(["coordinator", "--listen", listen, "--state-dir", str(state),
-                 "--heartbeat-timeout", str(heartbeat_timeout)], state.parent / f"{state.name}.log")
+                 "--heartbeat-timeout", str(heartbeat_timeout), *plain, *extra], state.parent / f"{state.name}.log")
     address = wait_for(lambda: addr_file.exists() and addr_file.read_text().strip(), 30, "coordinator address")
     return proc, address
 
 
-def start_worker(address: str, name: str, slots: int, root: Path) -> Proc:
+def start_worker(address: str, name: str, slots: int, root: Path, extra: tuple[str, ...] = ()) -> Proc:
     state = root / name
     state.mkdir(parents=True, exist_ok=True)
     return Proc(["worker", "--coordinator", address, "--slots", str(slots), "--name", name,
-                 "--state-dir", str(state)], root / f"{name}.log")
+                 "--state-dir", str(state), *extra], root / f"{name}.log")
 
 
 def ctl(address: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -185,7 +185,7 @@ def test_drains_exclusions_and_the_previous_attempts_nodes_survive_a_coordinator
     w.store.close()
 
     w2 = make_world(tmp_path)
-    assert w2.store.schema_version() == SCHEMA_VERSION == 3
+    assert w2.store.schema_version() == SCHEMA_VERSION == 4
     assert w2.core.nodes.draining == {"n0": "disk"}
     connect(w2, "n0", "n2", "n3")
     again = w2.core.get(job.id)
@@ -306,6 +306,7 @@ def test_after_a_coordinator_restart_a_restart_is_confirmed_by_the_nodes_coming_
 
 
 def test_a_version_2_store_is_upgraded_in_place(tmp_path: Path) -> None:
+    """Version 2 (no drains, exclusions, attempt causes) and 3 (no jobs.submitted_by) read as version 4."""
     import sqlite3
 
     db = sqlite3.connect(tmp_path / "coordinator.db")
@@ -314,10 +315,19 @@ def test_a_version_2_store_is_upgraded_in_place(tmp_path: Path) -> None:
           rendezvous TEXT NOT NULL, started_at REAL NOT NULL, finished_at REAL NOT NULL, state TEXT NOT NULL,
           reason TEXT NOT NULL, PRIMARY KEY (job_id, attempt));
         INSERT INTO attempts VALUES ('j-000001', 1, '["n0", "n1"]', 'n0:1', 1.0, 2.0, 'RESTARTING', 'boom');
+        CREATE TABLE jobs (
+          seqno INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL,
+          spec_json TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL, attempt INTEGER NOT NULL,
+          world_size INTEGER NOT NULL, slots_per_node INTEGER NOT NULL, created_at REAL NOT NULL,
+          finished_at REAL NOT NULL, nodes_json TEXT NOT NULL, rendezvous TEXT NOT NULL, result_json TEXT);
+        INSERT INTO jobs VALUES (NULL, 'j-000001', 'j', 'comm-check', '{}', 'FAILED', 'boom', 1, 2, 1, 1.0, 2.0,
+          '["n0", "n1"]', 'n0:1', NULL);
         PRAGMA user_version=2;""")
     db.close()
     store = Store(tmp_path)
-    assert store.schema_version() == 3
+    assert store.schema_version() == 4
+    (job,) = store.load_jobs()
+    assert job.id == "j-000001" and job.submitted_by == "" and job.reason == "boom"
     assert store.attempt_nodes("j-000001", 1) == ["n0", "n1"] and store.attempt_blamed("j-000001", 1) == ""
     assert store.drained_attempts("j-000001") == 0 and store.load_drains() == {} and store.load_exclusions() == {}
     assert store.attempts("j-000001")[0]["reason"] == "boom"

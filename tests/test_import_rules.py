@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"contract", "proto", "parallel", "models", "coordinator", "worker", "runtime", "kinds", "cli"}
+PACKAGES = {"contract", "proto", "parallel", "models", "coordinator", "worker", "runtime", "kinds", "cli", "security"}
 # modules that run in a rank (torch): the coordinator and ctl never import them, not even lazily
 KIND_RANK_MODULES = ("rankctl.kinds.train.loop", "rankctl.kinds.train.optim", "rankctl.kinds.train.checkpoint",
                      "rankctl.kinds.train.train_state", "rankctl.kinds.comm_check.run")
@@ -70,6 +70,11 @@ def test_kinds_declarations_stay_pure() -> None:
     torchy = {f: mods for f, mods in package_imports("kinds", lazy=False).items() if f in pure and
               any(_top(m) in ("torch", "models", "runtime", "worker") for m in mods)}
     assert torchy == {}
+
+
+def test_security_depends_on_the_contract_only() -> None:
+    """Certificates and identities: shared by the coordinator, the worker and ctl, so it imports none of them."""
+    assert _offenders("security", lambda m: m.startswith("rankctl.") and _top(m) not in ("security", "contract")) == []
 
 
 def test_parallel_does_not_import_models() -> None:

@@ -81,6 +81,7 @@ class DaemonConfig:
     launcher_backoff: float = 1.0  # seconds before the second try; doubles each time
     launcher_stable_s: float = 30.0  # a launcher that dies sooner than this counts towards giving up
     py_spy: str | None = None  # py-spy for a stalled rank's stack; None: on PATH or beside python; "": never
+    tls_dir: str | None = None  # this node's identity directory: mutual TLS to the coordinator and to peers
 
 
 class LauncherLost(RuntimeError):
@@ -147,7 +148,12 @@ class WorkerDaemon:
         self._channel: grpc.aio.Channel | None = None  # the session's, for FetchBlob
         self.workdirs = WorkdirCache(cfg.state_dir)
         self.shards = ShardStore(cfg.state_dir)
-        self.replicator = Replicator(self.shards)
+        self._credentials = None   # grpc.ChannelCredentials of this node's certificate (cfg.tls_dir)
+        if cfg.tls_dir:
+            from rankctl.security.tls import channel_credentials, load_identity_dir
+
+            self._credentials = channel_credentials(load_identity_dir(cfg.tls_dir))
+        self.replicator = Replicator(self.shards, self._credentials)
         self._log = log.bind(node=cfg.name)
         self._py_spy = hangwatch.find_py_spy() if cfg.py_spy is None else cfg.py_spy or None
         self._stacks = asyncio.Semaphore(4)              # stack dumps of stalled ranks at once
@@ -432,7 +438,7 @@ class WorkerDaemon:
         """This node replaces the one that ran ``ranks``: fetch their newest checkpoint step from ``peer``
         (a failure only means the ranks start over)."""
         try:
-            step = await restore(self.shards, peer, name, ranks)
+            step = await restore(self.shards, peer, name, ranks, credentials=self._credentials)
             self._log.info("checkpoint restored from peer", peer=peer, job_name=name, ranks=ranks, step=step)
         except (grpc.aio.AioRpcError, OSError, BadShard) as exc:
             self._log.warning("checkpoint restore failed; the ranks start over", peer=peer, job_name=name,
@@ -546,7 +552,9 @@ class WorkerDaemon:
         ))
 
     async def _session_once(self) -> None:
-        async with grpc.aio.insecure_channel(self.cfg.coordinator) as channel:
+        channel = (grpc.aio.secure_channel(self.cfg.coordinator, self._credentials) if self._credentials is not None
+                   else grpc.aio.insecure_channel(self.cfg.coordinator))
+        async with channel:
             self._channel = channel
             call = pb_grpc.NodeServiceStub(channel).Connect()
             await call.write(self._register_msg())

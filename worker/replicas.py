@@ -181,12 +181,25 @@ async def _threaded(chunks: Iterable[pb.ShardChunk]) -> AsyncIterator[pb.ShardCh
 
 
 class PeerServicer(pb_grpc.PeerServiceServicer):
-    """Serves this node's shards to peers and keeps the copies they push."""
+    """Serves this node's shards to peers and keeps the copies they push. ``identify(context)``: the
+    caller's certificate identity (mutual TLS), when given only nodes are served."""
 
-    def __init__(self, store: ShardStore) -> None:
-        self.store = store
+    def __init__(self, store: ShardStore, identify=None) -> None:  # noqa: ANN001 - context -> Identity | None
+        self.store, self.identify = store, identify
+
+    async def _admit(self, context) -> None:  # noqa: ANN001
+        if self.identify is None:
+            return
+        try:
+            who = self.identify(context)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not a rankctl identity: {exc}")
+        if who is None or who.kind != "node":
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{who or 'an anonymous caller'} is not a node: "
+                                "only nodes exchange checkpoint shards")
 
     async def PutShards(self, request_iterator, context):  # noqa: ANN001, ANN201, N802 - gRPC
+        await self._admit(context)
         writer = _Writer(self.store.replica_root)
         try:
             async for chunk in request_iterator:
@@ -202,6 +215,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
         return pb.PutShardsResponse(files=writer.files)
 
     async def GetShards(self, request, context):  # noqa: ANN001, ANN201, N802 - gRPC
+        await self._admit(context)
         ranks, kind = list(request.ranks), request.root
         try:
             for r in ranks or [-1]:
@@ -217,12 +231,23 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
                 yield chunk
 
 
+PEER_NAME = "rankctl-node"  # security.certs.PEER_SAN: on every node certificate; peers check "a node of this CA"
+
+
+def peer_channel(peer: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    """A channel to another node's PeerService: mutual TLS with this node's certificate when
+    ``credentials`` (the peer is checked as a node of the same CA), plain text otherwise."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(peer)
+    return grpc.aio.secure_channel(peer, credentials, options=(("grpc.ssl_target_name_override", PEER_NAME),))
+
+
 class Replicator:
     """Pushes the newest complete step of each of this node's ranks, checkpoints and snapshots, to
     their replica peer, once."""
 
-    def __init__(self, store: ShardStore) -> None:
-        self.store = store
+    def __init__(self, store: ShardStore, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.store, self.credentials = store, credentials
         self._pushed: dict[tuple[str, str, str, int], int] = {}  # (peer, job name, kind, rank) -> newest step pushed
         self._busy: set[str] = set()                             # peers with a push in flight
 
@@ -252,7 +277,7 @@ class Replicator:
                 for kind, r, step in due:
                     yield from _chunks(name, step, r, self.store.own_root(name, kind), kind)
 
-            async with grpc.aio.insecure_channel(peer) as channel:
+            async with peer_channel(peer, self.credentials) as channel:
                 await pb_grpc.PeerServiceStub(channel).PutShards(_threaded(all_chunks()), timeout=300)
             for kind, r, step in due:
                 self._pushed[(peer, name, kind, r)] = step
@@ -266,13 +291,14 @@ class Replicator:
             self._busy.discard(peer)
 
 
-async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], timeout: float = 300.0) -> int | None:
+async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], timeout: float = 300.0,
+                  credentials: grpc.ChannelCredentials | None = None) -> int | None:
     """Fetch, of checkpoints and of snapshots, the newest step ``peer`` holds for all of ``ranks`` into
     this node's own roots; the newer of the two steps (None when the peer has neither)."""
     writer = _Writer(store.own_root)
     steps: list[int] = []
     try:
-        async with grpc.aio.insecure_channel(peer) as channel:
+        async with peer_channel(peer, credentials) as channel:
             stub = pb_grpc.PeerServiceStub(channel)
             for kind in KINDS:
                 call = stub.GetShards(pb.GetShardsRequest(job_name=name, ranks=ranks, root=kind), timeout=timeout)

@@ -20,14 +20,27 @@ log = structlog.get_logger("rankctl.worker")
 
 
 SERVICES = ("", "rankctl.v1.Worker")
+PEER_MESSAGE_BYTES = 4 << 20   # shard chunks are 1 MiB
+SERVER_OPTIONS = (("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", PEER_MESSAGE_BYTES),
+                  ("grpc.max_send_message_length", PEER_MESSAGE_BYTES))
 
 
-async def start_health(listen: str) -> tuple[grpc.aio.Server, int, Callable[[bool], Awaitable[None]]]:
-    """The gRPC health service: (server, bound port, ``set_serving(ok)``)."""
-    server = grpc.aio.server()
+def _bind(server: grpc.aio.Server, address: str, identity, require_client_auth: bool) -> int:  # noqa: ANN001
+    """Add ``address`` to ``server``: TLS with this node's certificate when ``identity`` (an IdentityDir)."""
+    if identity is None:
+        return server.add_insecure_port(address)
+    creds = grpc.ssl_server_credentials([(identity.key, identity.cert)], root_certificates=identity.ca,
+                                        require_client_auth=require_client_auth)
+    return server.add_secure_port(address, creds)
+
+
+async def start_health(listen: str, identity=None) -> tuple[grpc.aio.Server, int, Callable[[bool], Awaitable[None]]]:  # noqa: ANN001
+    """The gRPC health service: (server, bound port, ``set_serving(ok)``); TLS (no client certificate
+    needed: it tells only whether the node serves) when ``identity``."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port(listen)
+    port = _bind(server, listen, identity, require_client_auth=False)
     await server.start()
 
     async def set_serving(ok: bool) -> None:
@@ -39,13 +52,17 @@ async def start_health(listen: str) -> tuple[grpc.aio.Server, int, Callable[[boo
     return server, port, set_serving
 
 
-async def start_peer(host: str, state_dir) -> tuple[grpc.aio.Server | None, int]:  # noqa: ANN001
-    """The PeerService (checkpoint replication) on the advertised address; (None, 0) when it cannot bind."""
-    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
-    pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir)), server)
+async def start_peer(host: str, state_dir, identity=None) -> tuple[grpc.aio.Server | None, int]:  # noqa: ANN001
+    """The PeerService (checkpoint replication) on the advertised address; (None, 0) when it cannot bind.
+    With ``identity``: mutual TLS, node certificates only."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    identify = None
+    if identity is not None:
+        from rankctl.security.tls import peer_identity as identify
+    pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir), identify), server)
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     try:
-        port = server.add_insecure_port(f"{host}:0")
+        port = _bind(server, f"{host}:0", identity, require_client_auth=True)
     except RuntimeError:
         log.warning("peer service not started: cannot bind", address=host)
         return None, 0
@@ -66,8 +83,13 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
         launcher = await Launcher.start(python=sys.executable)
     if cfg.slots < 1:  # one rank per GPU, or one slot on a CPU node
         cfg = replace(cfg, slots=len(launcher.hardware.get("gpus", [])) or 1)
-    health_server, port, set_serving = await start_health(cfg.health_listen)
-    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir)
+    identity = None
+    if cfg.tls_dir:
+        from rankctl.security.tls import load_identity_dir
+
+        identity = load_identity_dir(cfg.tls_dir)
+    health_server, port, set_serving = await start_health(cfg.health_listen, identity)
+    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir, identity)
     cfg = replace(cfg, peer_port=peer_port)
     daemon = WorkerDaemon(cfg, launcher, start_launcher=lambda: Launcher.start(python=sys.executable),
                           set_serving=set_serving)

@@ -1,0 +1,90 @@
+"""gRPC mTLS from an identity directory (ca.pem, cert.pem, key.pem), and who the peer of a call is.
+
+Both sides present a certificate signed by the one CA and check the other's. A server learns the
+caller's identity from the handshake (``peer_identity``), never from anything the caller sends.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from rankctl.security.certs import CA, CERT, KEY, CertError, check_identity_files, identity_of_pem
+from rankctl.security.identity import Identity
+
+PEER_CERT_KEY = "x509_pem_cert"  # gRPC's auth-context property: the peer's certificate, when it sent one
+
+
+@dataclass(frozen=True)
+class IdentityDir:
+    path: Path
+    ca: bytes
+    cert: bytes
+    key: bytes
+    identity: Identity
+
+
+def load_identity_dir(d: str | Path) -> IdentityDir:
+    """Read and check an identity directory: all three files there, the key private to its owner,
+    the certificate signed by ca.pem, matching the key, not expired, carrying an identity."""
+    path = Path(d)
+    ca, cert, key = (_read(path / name) for name in (CA, CERT, KEY))
+    mode = stat.S_IMODE(os.stat(path / KEY).st_mode)
+    if mode & 0o077:
+        raise CertError(f"{path / KEY} has mode {mode:04o}; it must be 0600 (chmod 600 {path / KEY})")
+    identity = check_identity_files(ca, cert, key, path)
+    return IdentityDir(path=path, ca=ca, cert=cert, key=key, identity=identity)
+
+
+def server_credentials(idd: IdentityDir) -> grpc.ServerCredentials:
+    """Serve with this identity; every client must present a certificate from the same CA."""
+    return grpc.ssl_server_credentials([(idd.key, idd.cert)], root_certificates=idd.ca, require_client_auth=True)
+
+
+def channel_credentials(idd: IdentityDir) -> grpc.ChannelCredentials:
+    """Connect with this identity; the server's certificate must come from the same CA and name its address."""
+    return grpc.ssl_channel_credentials(root_certificates=idd.ca, private_key=idd.key, certificate_chain=idd.cert)
+
+
+def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> Identity | None:
+    """The caller's identity from its mTLS certificate (sync or aio context); None on a plain-text call.
+
+    The certificate was verified against the CA in the handshake; CertError when it carries no identity.
+    """
+    pems = context.auth_context().get(PEER_CERT_KEY)
+    return identity_of_pem(pems[0]) if pems else None
+
+
+def is_loopback(listen_or_address: str) -> bool:
+    """Whether a listen address or target stays on this machine: ``127.0.0.1:7420``, ``[::1]:0``,
+    ``localhost:1``, a ``unix:`` socket. ``0.0.0.0:7420``, ``[::]:1``, ``:7420`` or any other host is not."""
+    text = listen_or_address.strip()
+    if text.startswith(("unix:", "unix-abstract:")):
+        return True
+    if text.startswith("["):
+        host = text[1:text.find("]")] if "]" in text else text[1:]
+    elif text.count(":") == 1:
+        host = text.split(":", 1)[0]
+    else:
+        host = text  # no port, or a bare IPv6 address
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise CertError(f"{path}: not found; an identity directory holds {CA}, {CERT} and {KEY} "
+                        "(`ctl certs issue` writes one)") from None
+    except OSError as exc:
+        raise CertError(f"{path}: cannot read it ({exc.strerror})") from None
