@@ -132,12 +132,15 @@ def node_name(name: str | None) -> str:
 @click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory for rank logs and status files.")
 @click.option("--health-listen", default="127.0.0.1:0", show_default=True, help="gRPC health service address.")
+@click.option("--data-root", "data_roots", multiple=True, metavar="DIR",
+              help="A directory under which jobs may name data and other paths on this node (repeatable; "
+                   "default: only builtin data and the state dir).")
 @with_tls
 @log_level
 @pass_ctx
 def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: str | None,
-           advertise_address: str | None, state_dir: Path, health_listen: str, tls_dir: str | None, insecure: bool,
-           log_level: str) -> None:
+           advertise_address: str | None, state_dir: Path, health_listen: str, data_roots: tuple[str, ...],
+           tls_dir: str | None, insecure: bool, log_level: str) -> None:
     """Run the worker daemon for this node until SIGTERM/SIGINT.
 
     Example: ctl worker --coordinator head:7420 --state-dir /var/lib/rankctl-worker --advertise-address 10.0.0.5
@@ -152,6 +155,12 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
     if slots is not None and slots < 1:
         raise CtlError(f"--slots={slots} must be at least 1")
     node = node_name(name)
+    from rankctl.worker.sandbox import allowed_roots
+
+    try:
+        allowed_roots(data_roots, str(state_dir))
+    except ValueError as exc:
+        raise CtlError(f"--data-root: {exc}") from None
     tls_dir = tls_dir or ctx.tls_dir
     address = coordinator_address or ctx.coordinator
     problem = plain_text_problem({"--coordinator": address, "--advertise-address": f"{advertise_address or '127.0.0.1'}:0",
@@ -177,6 +186,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         advertise_address=advertise_address or "127.0.0.1",
         health_listen=health_listen,
         tls_dir=str(tls_dir) if tls_dir else None,
+        data_roots=tuple(data_roots),
     )
     try:
         asyncio.run(run_worker(cfg))

@@ -72,8 +72,9 @@ class LocalCluster:
                                          heartbeat_timeout=self.heartbeat_timeout)
         self.address = server.address
         daemons = [
+            # the embedded cluster runs as you, on your machine, for your jobs only: they may name any path
             WorkerDaemon(DaemonConfig(coordinator=self.address, name=name, slots=self.slots,
-                                      state_dir=self.state_dir / name), launcher)
+                                      state_dir=self.state_dir / name, data_roots=("/",)), launcher)
             for name, launcher in zip(self.names, launchers)
         ]
         tasks = [asyncio.create_task(d.run()) for d in daemons]

@@ -1,12 +1,15 @@
 """Rendezvous and timeouts of a rank: the backend and device, the TCPStore, the default group.
 
-A collective that gives up waiting is reported as a *victim* line, since the peer that hung
-or died is usually the cause.
+Rank 0's store listens on the rendezvous address only (rank 0's node's advertised address), not on every
+interface as TCPStore binds by itself. A collective that gives up waiting is reported as a *victim* line, since
+the peer that hung or died is usually the cause.
 """
 
 from __future__ import annotations
 
+import errno
 import re
+import socket
 from datetime import timedelta
 
 import torch
@@ -40,14 +43,47 @@ def init_distributed(assignment: RankAssignment, timeout: timedelta) -> tuple[st
     backend, device = resolve_backend(assignment)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(
-        assignment.rendezvous_host, assignment.rendezvous_port, assignment.world_size,
-        is_master=assignment.rank == 0, timeout=timeout,
-    )
+    store = open_store(assignment, timeout)
     dist.init_process_group(
         backend, store=store, rank=assignment.rank, world_size=assignment.world_size, timeout=timeout,
     )
     return backend, device
+
+
+def open_store(assignment: RankAssignment, timeout: timedelta) -> dist.TCPStore:
+    """The job's TCPStore: rank 0 hosts it on the rendezvous address only, the others connect to it.
+
+    The rendezvous host is the address rank 0's node advertises (the one every rank connects to); the store
+    listens there rather than on every interface (TCPStore's own bind), through a socket bound here and
+    handed over (``master_listen_fd``; the store then owns it, so a store that fails to start leaves the socket
+    to the rank's exit rather than risk closing a descriptor twice).
+    """
+    host, port = assignment.rendezvous_host, assignment.rendezvous_port
+    if assignment.rank != 0:
+        return dist.TCPStore(host, port, assignment.world_size, is_master=False, timeout=timeout)
+    listener = listen_on(host, port)
+    return dist.TCPStore(host, port, assignment.world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=listener.detach())
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (a name is resolved here, its first address taken); a host
+    that is no address of this machine is a clear error, never a wider bind."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise RuntimeError(f"cannot resolve the rendezvous host {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own bind: a TIME_WAIT port
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        hint = " (the node's --advertise-address must be an address of this host)" \
+            if exc.errno == errno.EADDRNOTAVAIL else ""
+        raise RuntimeError(f"rank 0 cannot host the rendezvous store on {host}:{port}: {exc.strerror}{hint}") from None
+    return sock
 
 
 def is_collective_timeout(exc: BaseException) -> bool:

@@ -61,11 +61,14 @@ def start_coordinator(state: Path, heartbeat_timeout: float = 3.0, listen: str =
     return proc, address
 
 
-def start_worker(address: str, name: str, slots: int, root: Path, extra: tuple[str, ...] = ()) -> Proc:
+def start_worker(address: str, name: str, slots: int, root: Path, extra: tuple[str, ...] = (),
+                 data_roots: tuple[str, ...] = ("/",)) -> Proc:
+    """A worker daemon; by default its jobs may name any path (``data_roots=()``: the state dir only)."""
     state = root / name
     state.mkdir(parents=True, exist_ok=True)
+    roots = [arg for r in data_roots for arg in ("--data-root", r)]
     return Proc(["worker", "--coordinator", address, "--slots", str(slots), "--name", name,
-                 "--state-dir", str(state), *extra], root / f"{name}.log")
+                 "--state-dir", str(state), *roots, *extra], root / f"{name}.log")
 
 
 def ctl(address: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

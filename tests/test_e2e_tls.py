@@ -57,7 +57,8 @@ class TlsCluster:
             self.ids[name] = self._issue("--user", name, "--role", role)
         self.coord, self.address = start_coordinator(root / "coord", 3.0,
                                                      extra=("--tls-dir", str(self.ca / "coordinator")))
-        self.workers: dict[str, Proc] = {n: start_worker(self.address, n, 2, root, ("--tls-dir", self.ids[n]))
+        self.workers: dict[str, Proc] = {n: start_worker(self.address, n, 2, root, ("--tls-dir", self.ids[n]),
+                                                         data_roots=())  # the default sandbox: the state dir
                                          for n in NODES}
         wait_for(lambda: sorted(n["name"] for n in self.nodes() if n["state"] == "READY") == list(NODES), 60,
                  "both nodes READY over mTLS")
@@ -188,3 +189,18 @@ def test_plain_text_on_a_non_loopback_address_needs_insecure(service: str, tmp_p
     out = subprocess.run([*CTL, *args, "--state-dir", str(tmp_path / "s")], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "is not a loopback address" in out.stderr and "--insecure" in out.stderr, out.stderr
+
+
+def test_a_job_naming_data_outside_the_workers_roots_fails_naming_the_path_and_the_roots(tls: TlsCluster) -> None:
+    """The workers run with the default sandbox (their state dir only): /etc/passwd is refused on the node,
+    before any rank starts, and the job's reason names the field, the path and the roots."""
+    text = TRAIN.replace("name: tls-train", "name: peek").replace("data: builtin:pydoc", "data: /etc/passwd")
+    (tls.root / "peek.yaml").write_text(text)
+    sub = tls.ctl("alice", "submit", str(tls.root / "peek.yaml"))
+    assert sub.returncode == 0, sub.stderr   # the coordinator checks only the text: it never looks at the file
+    done = finish(tls, sub.stdout.strip())
+    assert done["state"] == "FAILED", done
+    assert "train.data: /etc/passwd is outside the allowed roots (" in done["reason"], done["reason"]
+    assert str((tls.root / "node-0").resolve()) in done["reason"] or str((tls.root / "node-1").resolve()) in \
+        done["reason"], done["reason"]
+    assert not any((tls.root / n / "checkpoints" / "peek").exists() for n in NODES)

@@ -50,6 +50,7 @@ from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
 from rankctl.worker.paths import Refused, run_dir_for
 from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
 from rankctl.worker.reportbuf import ReportBuffer
+from rankctl.worker.sandbox import allowed_roots, assignment_problem
 from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status, process_state, step_figures
 from rankctl.worker.status import StatusTailer
 
@@ -82,6 +83,7 @@ class DaemonConfig:
     launcher_stable_s: float = 30.0  # a launcher that dies sooner than this counts towards giving up
     py_spy: str | None = None  # py-spy for a stalled rank's stack; None: on PATH or beside python; "": never
     tls_dir: str | None = None  # this node's identity directory: mutual TLS to the coordinator and to peers
+    data_roots: tuple[str, ...] = ()  # where a job's data and other node paths may lie (besides the state dir)
 
 
 class LauncherLost(RuntimeError):
@@ -148,6 +150,7 @@ class WorkerDaemon:
         self._channel: grpc.aio.Channel | None = None  # the session's, for FetchBlob
         self.workdirs = WorkdirCache(cfg.state_dir)
         self.shards = ShardStore(cfg.state_dir)
+        self.roots = allowed_roots(cfg.data_roots, str(cfg.state_dir))  # ValueError: a root is not a directory
         self._credentials = None   # grpc.ChannelCredentials of this node's certificate (cfg.tls_dir)
         if cfg.tls_dir:
             from rankctl.security.tls import channel_credentials, load_identity_dir
@@ -413,6 +416,10 @@ class WorkerDaemon:
         try:
             run_dir, assignments = self._checked(msg)
             assignments = await self._with_workdir(assignments)
+            first = assignments[0] if assignments else None
+            problem = first and assignment_problem(first.spec, self.roots, workdir=first.workdir)
+            if problem:
+                raise Refused(problem)
         except Refused as exc:
             self._refuse(msg, str(exc))
             return

@@ -1,10 +1,12 @@
-"""The ``python`` kind's rules (pure), ``ctl``'s override making a relative workdir absolute, and the
-blob a shipped workdir references."""
+"""The ``python`` kind's rules (pure), ``ctl``'s override making a relative workdir absolute, the blob a
+shipped workdir references, and the node paths a rank uses (``node_paths``, for the worker's sandbox)."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+from typing import Any
 
 from rankctl.contract.names import shown
 from rankctl.contract.spec import JobSpec
@@ -44,3 +46,28 @@ def blobs(spec: dict) -> list[str]:
     """``JobKind.blobs``: the packed workdir ``ctl`` uploaded (``python.workdir_blob``), if any."""
     digest = (spec.get("python") or {}).get("workdir_blob")
     return [digest] if digest else []
+
+
+def node_paths(spec: dict[str, Any], workdir: str, cwd: str) -> list[tuple[str, Any, Any]]:
+    """``(field, value, path)`` of each node path a python rank uses, resolved as ``run.run`` resolves them:
+    the workdir (the daemon's copy of a shipped one, ``workdir``, else ``python.workdir``) relative to the
+    rank's working directory ``cwd``, and a script entry point relative to the workdir. A function entry
+    point (``package.module:function``) names no file. Non-string values are passed on for the sandbox to refuse.
+    """
+    cfg = spec.get("python") or {}
+    wd, entry = workdir or cfg.get("workdir") or "", cfg.get("entrypoint") or ""
+    if not isinstance(wd, str) or not isinstance(entry, str):
+        return [("python.workdir", wd, wd), ("python.entrypoint", entry, entry)]
+    out = [("python.workdir", wd, os.path.join(cwd, wd))] if wd else []
+    if entry and not is_function(entry):
+        out.append(("python.entrypoint", entry, script_path(entry, wd, cwd, cfg.get("env") or {})))
+    return out
+
+
+def script_path(entrypoint: str, workdir: str, cwd: str, env: dict[str, Any]) -> str:
+    """The script a rank runs, as ``run._script_path`` finds it: after ``chdir(workdir)``, ``workdir/entrypoint``
+    (so a relative workdir counts twice), ``~`` expanded with the job's ``env`` HOME when it sets one."""
+    home = env.get("HOME")
+    if isinstance(home, str) and (entrypoint == "~" or entrypoint.startswith("~/")):
+        entrypoint = home + entrypoint[1:]
+    return os.path.join(cwd, workdir, workdir, os.path.expanduser(entrypoint))

@@ -1,13 +1,14 @@
 """The ``train`` kind's cross-field rules: its layout, model shape, batch and data must fit together.
 
-Pure (no torch): run once at submit (by ``ctl`` locally and by the coordinator) through ``kinds.spec.check_job``.
+Pure (no torch, no file system): run once at submit (by ``ctl`` locally and by the coordinator) through
+``kinds.spec.check_job``. ``node_paths`` names the files a rank will open, for the worker's sandbox.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rankctl.contract.spec import JobSpec
@@ -80,12 +81,14 @@ def _train_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
 
 
 def _data_errors(spec: JobSpec) -> list[str]:
-    """The training data must exist where the job is submitted (nodes share the filesystem)."""
-    from rankctl.kinds.train.data import check_data_source  # numpy only, no torch
+    """``train.data`` by its text alone: where the job is checked (the coordinator, ``ctl``) is not where it
+    reads its data, and the coordinator's answer must not depend on the files of its host. The node checks
+    the file, inside its sandbox (``worker.sandbox``), before the ranks read it."""
+    from rankctl.kinds.train.data import data_problem  # numpy only, no torch
 
     if spec.train is None:
         return []
-    problem = check_data_source(spec.train.data)
+    problem = data_problem(spec.train.data)
     return [problem] if problem else []
 
 
@@ -101,3 +104,13 @@ def absolute_data(spec: JobSpec, job_dir: Path | None = None) -> list[str]:
     if data.startswith("builtin:") or Path(data).is_absolute():
         return []
     return [f"train.data={Path(data).resolve()}"]
+
+
+def node_paths(spec: dict[str, Any], workdir: str, cwd: str) -> list[tuple[str, Any, Any]]:
+    """The node files a train rank opens, as ``(field, value, path)``: ``train.data`` unless builtin, the path
+    joined to the rank's working directory ``cwd`` as its ``open`` does (``workdir`` is not used). A value that
+    is not a string (a spec no one validated) is passed on as it is, for the sandbox to refuse."""
+    data = (spec.get("train") or {}).get("data", "builtin:")
+    if not isinstance(data, str):
+        return [("train.data", data, data)]
+    return [] if data.startswith("builtin:") else [("train.data", data, os.path.join(cwd, data))]

@@ -22,6 +22,7 @@ until ``as_tensors``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rankctl.contract.names import shown
 from rankctl.kinds.train.spec import BUILTIN_PYDOC
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 VOCAB = 256
 TOKEN_SUFFIXES = (".bin", ".u16")
+MAX_PATH = 4096  # characters of a train.data path (Linux's PATH_MAX)
 VAL_FRACTION = 0.05
 TRAIN, VAL = 0, 1  # rng stream ids
 _U64 = (1 << 64) - 1
@@ -63,16 +66,36 @@ def is_token_file(source: str) -> bool:
     return source.lower().endswith(TOKEN_SUFFIXES)
 
 
-def check_data_source(source: str) -> str | None:
-    """Why ``source`` cannot be used (one line, naming ``train.data``), or None. Pure, cheap."""
+def data_problem(source: str) -> str | None:
+    """Why ``source`` cannot name training data, from its text alone (one line), or None.
+
+    Syntax only: this is what the coordinator and ``ctl`` check at submit. Whether the file exists, and
+    its size, are looked at only on the node (``check_data_source``), so that no answer of the coordinator
+    tells anything about the files of its host.
+    """
     if source.startswith("builtin:"):
         if source != BUILTIN_PYDOC:
-            return f"train.data={source!r}: unknown builtin data set; the builtin is {BUILTIN_PYDOC!r}"
-        try:
-            import pydoc_data.topics  # noqa: F401
-        except ImportError:
-            return f"train.data={source!r}: this Python has no pydoc_data module"
+            return f"train.data={shown(source)}: unknown builtin data set; the builtin is {BUILTIN_PYDOC!r}"
         return None
+    if not source:
+        return f"train.data is empty: give {BUILTIN_PYDOC!r} or the path of a text or uint16 token file"
+    if "\x00" in source:
+        return f"train.data={shown(source)}: a path cannot hold a NUL character"
+    if len(source) > MAX_PATH:
+        return f"train.data={shown(source)}: longer than the {MAX_PATH} characters a path may have"
+    return None
+
+
+def check_data_source(source: str) -> str | None:
+    """Why ``source`` cannot be used on this node (one line, naming ``train.data``), or None.
+
+    Looks at the file: run only where the ranks read it (on the node, after the worker's sandbox check).
+    """
+    problem = data_problem(source)
+    if problem:
+        return problem
+    if source.startswith("builtin:"):
+        return _builtin_problem(source)
     if not os.path.exists(source):
         return f"train.data={source!r}: no such file"
     if not os.path.isfile(source):
@@ -84,6 +107,12 @@ def check_data_source(source: str) -> str | None:
         return f"train.data={source!r}: a uint16 token file must have an even size, got {size} bytes"
     if not os.access(source, os.R_OK):
         return f"train.data={source!r}: not readable"
+    return None
+
+
+def _builtin_problem(source: str) -> str | None:
+    if importlib.util.find_spec("pydoc_data") is None:
+        return f"train.data={source!r}: this Python has no pydoc_data module"
     return None
 
 

@@ -1,0 +1,66 @@
+"""Rank 0's rendezvous store listens on the rendezvous address only (the node's advertised address), not on
+every interface. Linux routes all of 127.0.0.0/8 to loopback: a listener reachable on 127.0.0.1 but not on
+127.0.0.2 is bound to 127.0.0.1 alone."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from rankctl.contract.assignment import RankAssignment
+from rankctl.runtime.rendezvous import listen_on, open_store
+
+# the store's server thread stays in this process: run after the tests that fork ranks (tests/conftest.py)
+pytestmark = pytest.mark.grpc_in_process
+
+
+def reachable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, port)) == 0
+
+
+@pytest.fixture(scope="module")
+def loopback_aliases() -> None:
+    with socket.socket() as wild:
+        wild.bind(("0.0.0.0", 0))
+        wild.listen()
+        if not reachable("127.0.0.2", wild.getsockname()[1]):
+            pytest.skip("127.0.0.2 is not a loopback address here")
+
+
+def assignment(host: str, port: int, rank: int = 0) -> RankAssignment:
+    return RankAssignment(job_id="j-000000", attempt=1, rank=rank, world_size=1, local_rank=0, node="n0",
+                          coords={}, groups={}, rendezvous=f"{host}:{port}", backend="gloo", kind="train")
+
+
+@pytest.mark.parametrize(("host", "other"), [("127.0.0.1", "127.0.0.2"), ("127.0.0.2", "127.0.0.1")])
+def test_the_listener_takes_the_rendezvous_host_only(loopback_aliases, host: str, other: str) -> None:
+    with listen_on(host, 0) as sock:
+        bound, port = sock.getsockname()
+        assert bound == host and reachable(host, port) and not reachable(other, port)
+
+
+def test_a_host_that_is_not_this_machines_is_an_error_not_a_wider_bind() -> None:
+    with pytest.raises(RuntimeError, match=r"192\.0\.2\.1:\d+: .*--advertise-address must be an address of this host"):
+        listen_on("192.0.2.1", 0)  # TEST-NET-1: on no interface
+    with pytest.raises(RuntimeError, match="cannot resolve the rendezvous host 'no-such-host.invalid'"):
+        listen_on("no-such-host.invalid", 0)
+
+
+def test_rank_0_hosts_the_store_on_the_rendezvous_address_and_ranks_reach_it(loopback_aliases) -> None:
+    with listen_on("127.0.0.1", 0) as probe:
+        port = probe.getsockname()[1]  # free now; the store binds it again (SO_REUSEADDR, as torch does)
+    store = open_store(assignment("127.0.0.1", port), timedelta(seconds=10))
+    try:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        store.set("k", "v")
+        assert client.get("k") == b"v" and store.port == port
+        assert not reachable("127.0.0.2", port)
+        with pytest.raises(RuntimeError, match="cannot host the rendezvous store on 127.0.0.1"):
+            open_store(assignment("127.0.0.1", port), timedelta(seconds=1))  # the port is taken: said so
+    finally:
+        del store
