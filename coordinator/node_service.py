@@ -18,6 +18,7 @@ from rankctl.coordinator.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import ProtocolError
 from rankctl.coordinator.nodes import NodeSession
+from rankctl.coordinator.ratelimit import StreamBudget
 from rankctl.coordinator.servicer import _abort
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
@@ -83,9 +84,17 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
 
     async def _read(self, messages: AsyncIterator[pb.NodeMessage], session: NodeSession,
                     outbox: asyncio.Queue) -> None:
-        """Feed the daemon's messages to the core; end the stream when they stop."""
+        """Feed the daemon's messages to the core; end the stream when they stop. A stream over its
+        report or byte budget (``coordinator.ratelimit``) is read more slowly, never dropped."""
+        budget, loop = StreamBudget(), asyncio.get_running_loop()
         try:
             async for msg in messages:
+                body = msg.WhichOneof("body")
+                wait = budget.delay(len(msg.batch.reports) + 1 if body == "batch" else 1, msg.ByteSize(), loop.time())
+                if wait > 0:
+                    if budget.waited == wait:  # the first time only
+                        log.warning("node.rate_limited", node=session.name, wait_s=round(wait, 3))
+                    await asyncio.sleep(wait)
                 try:
                     self._handle(session, msg)
                 except Exception:  # a bug or a bad message must not end the session

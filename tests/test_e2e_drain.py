@@ -20,6 +20,7 @@ from cluster import ProcCluster, ctl, rank_pids, status, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 NODES = ["node-0", "node-1", "node-2"]
+STEPS = 60  # long enough that the job still runs when the drain comes, on a loaded 2-core machine
 JOB = """
 name: {name}
 kind: train
@@ -27,7 +28,7 @@ resources: {{nodes: 2, slots_per_node: 2}}
 parallel: {{tp: 2}}
 restart: {{max_restarts: 0}}
 model: {{layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 256}}
-train: {{steps: 30, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 13, checkpoint_every: 0,
+train: {{steps: {steps}, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 13, checkpoint_every: 0,
          data: builtin:pydoc}}
 """
 
@@ -41,7 +42,7 @@ def three(tmp_path_factory: pytest.TempPathFactory):
 
 def submit(c: ProcCluster, tmp: Path, name: str) -> str:
     path = tmp / f"{name}.yaml"
-    path.write_text(JOB.format(name=name))
+    path.write_text(JOB.format(name=name, steps=STEPS))
     return c.submit(str(path))
 
 
@@ -80,7 +81,7 @@ def test_a_drained_node_hands_its_train_job_to_the_spare_and_the_losses_equal_an
     assert spare in done["nodes"] and victim not in done["nodes"], done["nodes"]
     first = done["attempts"][0]
     assert first["state"] == "RESTARTING" and f"node {victim} drained (maintenance)" in first["reason"], first
-    assert [s for s, _ in losses(done)] == list(range(1, 31))
+    assert [s for s, _ in losses(done)] == list(range(1, STEPS + 1))
     for (step, ours), (_, theirs) in zip(losses(done), losses(ref)):
         assert abs(ours - theirs) <= 1e-5 * abs(theirs), (step, ours, theirs)
     resumed = done["result"].get("resumed_from") or 0

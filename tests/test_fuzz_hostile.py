@@ -155,10 +155,11 @@ def target(tmp_path_factory: pytest.TempPathFactory):
 
 @FUZZ
 @given(text=job_texts(), overrides=st.lists(st.one_of(st.text(max_size=30), st.sampled_from(
-    ["resources.nodes=1", "parallel.tp=-1", "name=x", "=", "a.b.c.d=1", "kind=python"])), max_size=3))
-def test_fuzzed_job_files_never_crash_the_coordinator_and_only_accepted_jobs_are_stored(target: Target, text: str,
-                                                                                       overrides: list[str]) -> None:
-    target.submit(pb.SubmitJobRequest(spec_yaml=text, overrides=overrides, source="fuzz.yaml"))
+    ["resources.nodes=1", "parallel.tp=-1", "name=x", "=", "a.b.c.d=1", "kind=python"])), max_size=3),
+    queue=st.booleans())
+def test_fuzzed_job_files_never_crash_the_coordinator_and_only_accepted_jobs_are_stored(
+        target: Target, text: str, overrides: list[str], queue: bool) -> None:
+    target.submit(pb.SubmitJobRequest(spec_yaml=text, overrides=overrides, source="fuzz.yaml", queue_anyway=queue))
 
 
 @FUZZ
@@ -180,7 +181,7 @@ def test_fuzzed_node_streams_never_crash_the_coordinator(target: Target, data: s
         register.slots = data.draw(st.integers(1, 4))
         register.address = "127.0.0.1"
     if data.draw(st.booleans()):   # a job for the node to be given, so that reports can name it
-        target.submit(pb.SubmitJobRequest(spec_yaml=VALID, source="fuzz.yaml"))
+        target.submit(pb.SubmitJobRequest(spec_yaml=VALID, source="fuzz.yaml", queue_anyway=True))
     ids = sorted(target.accepted)[-4:]
     body = data.draw(st.lists(messages(pb.NodeMessage.DESCRIPTOR, ids=ids), max_size=6))
     stream = target.nodes.Connect(iter([pb.NodeMessage(register=register), *body]), timeout=10)

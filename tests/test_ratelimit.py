@@ -1,0 +1,26 @@
+"""Node stream budgets (coordinator.ratelimit): within the burst nothing waits; past it the wait is what
+the rate needs, debts add up, and an idle stream earns its burst back."""
+
+from __future__ import annotations
+
+import pytest
+
+from rankctl.coordinator.ratelimit import BYTES_BURST, REPORTS_BURST, REPORTS_PER_S, StreamBudget, TokenBucket
+
+
+def test_a_burst_passes_and_then_the_rate_holds() -> None:
+    b = TokenBucket(rate=100.0, burst=10.0)
+    assert [b.delay(1, 0.0) for _ in range(10)] == [0.0] * 10
+    assert b.delay(1, 0.0) == pytest.approx(0.01)
+    assert b.delay(1, 0.0) == pytest.approx(0.02)      # debts add up
+    assert b.delay(1, 1.0) == 0.0                       # a second later the bucket is full again
+    assert b.tokens == pytest.approx(9.0)
+
+
+def test_a_node_replaying_many_reports_is_slowed_not_dropped() -> None:
+    s = StreamBudget()
+    assert s.delay(int(REPORTS_BURST), 1000, 0.0) == 0.0
+    wait = s.delay(int(REPORTS_PER_S), 1000, 0.0)
+    assert wait == pytest.approx(1.0)
+    assert s.delay(1, BYTES_BURST, 10.0) == 0.0 and s.delay(1, 8 << 20, 10.0) == pytest.approx(1.0)
+    assert s.waited == pytest.approx(2.0)
