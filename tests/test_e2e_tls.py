@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import grpc
@@ -132,7 +133,13 @@ def test_clients_without_a_valid_certificate_are_refused_and_change_nothing(tls:
     assert certs("issue", str(other), "--user", "mallory", "--role", "admin", "--out", str(tmp_path / "m")).returncode == 0
     foreign = tls.ctl(str(tmp_path / "m"), "jobs")
     assert foreign.returncode == 2 and "TLS handshake" in foreign.stderr, foreign.stderr
-    assert "Traceback" not in plain.stderr + foreign.stderr
+    from rankctl.security.certs import issue
+
+    ago = datetime.now(timezone.utc) - timedelta(days=10)
+    issue(tls.ca, tmp_path / "old", user="olga", role="admin", days=1, not_before=ago)
+    expired = tls.ctl(str(tmp_path / "old"), "cancel", tls.jobs()[0] if before else "none")
+    assert expired.returncode == 2 and "expired" in expired.stderr, expired.stderr
+    assert "Traceback" not in plain.stderr + foreign.stderr + expired.stderr
     assert tls.jobs() == before
 
 
