@@ -145,17 +145,42 @@ class ProcCluster:
         self.coord.stop()
 
 
+def rank_steps(root: Path, job_id: str, attempt: int) -> dict[int, tuple[str, int]]:
+    """rank -> (its node, the highest step it wrote) for every rank of ``attempt`` with a status file under
+    ``root`` (each node's state dir): what the ranks did, read at once, without asking the coordinator (a
+    ``ctl status`` process takes seconds on a loaded machine, long enough for a short job to end)."""
+    out = {}
+    for path in Path(root).glob(f"*/jobs/{job_id}/{attempt}/rank-*.status.jsonl"):
+        node, rank = path.relative_to(root).parts[0], int(path.name.split("-")[1].split(".")[0])
+        out[rank] = (node, _highest(path))
+    return out
+
+
+def stepping(root: Path, job_id: str, world: int, step: int, timeout: float = 240) -> dict:
+    """Wait until every rank of attempt 1 has written ``step``; a status-like dict: ``nodes`` (job node k runs
+    ranks k*slots..), ``summary.min_step``."""
+    def ready():  # noqa: ANN202
+        steps = rank_steps(root, job_id, 1)
+        return len(steps) == world and min(s for _, s in steps.values()) >= step and steps
+    steps = wait_for(ready, timeout, f"every rank of {job_id} past step {step}", interval=0.05)
+    nodes = list(dict.fromkeys(steps[r][0] for r in sorted(steps)))
+    return {"nodes": nodes, "summary": {"min_step": min(s for _, s in steps.values())}}
+
+
+def _highest(path: Path) -> int:
+    top = 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except ValueError:
+            continue  # a torn last line of a killed rank
+        if isinstance(step, int) and step > top:
+            top = step
+    return top
+
+
 def highest_step(root: Path, job_id: str, attempt: int) -> int:
     """The highest step any rank of ``attempt`` wrote to its status file (every node's state dir under
     ``root``): how far the attempt really got, which a status query taken just before a fault understates
     (the summary follows batched reports)."""
-    top = 0
-    for path in Path(root).glob(f"*/jobs/{job_id}/{attempt}/rank-*.status.jsonl"):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                step = json.loads(line).get("step")
-            except ValueError:
-                continue  # a torn last line of a killed rank
-            if isinstance(step, int) and step > top:
-                top = step
-    return top
+    return max((step for _, step in rank_steps(root, job_id, attempt).values()), default=0)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ProcCluster, ctl, rank_pids, status, wait_for
+from cluster import ProcCluster, ctl, rank_pids, status, stepping, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 NODES = ["node-0", "node-1", "node-2"]
@@ -62,14 +62,13 @@ def test_a_drained_node_hands_its_train_job_to_the_spare_and_the_losses_equal_an
     assert ref["state"] == "SUCCEEDED", ref["reason"]
 
     job = submit(three, tmp_path, "drained")
-    st = wait_for(lambda: (s := status(three.address, job))["state"] == "RUNNING"
-                  and s["summary"]["min_step"] >= 3 and s, 240, "the job running a few steps")
+    st = stepping(three.root, job, 4, 3)   # the ranks' own files: quick, the job is still running at the drain
     victim = st["nodes"][0]                                          # rank 0's node, the rendezvous
     spare = (set(NODES) - set(st["nodes"])).pop()
     out = ctl(three.address, "drain", victim, "--reason", "maintenance")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"node {victim} is draining: it takes no new work; moving 1 job(s) off it: {job}"
-    drained_at = st["summary"]["max_step"]
+    drained_at = st["summary"]["min_step"]
     listed = nodes_json(three)
     assert listed[victim]["draining"] and listed[victim]["state"] == "READY"   # still connected
     assert not listed[spare]["draining"] and listed[victim]["excluded_for"] == []
