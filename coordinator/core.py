@@ -56,6 +56,8 @@ from rankctl.kinds.spec import build_spec, check_job
 from rankctl.parallel.placement import NodeSlots, PlacementError
 from rankctl.proto import rankctl_pb2 as pb
 
+RECONNECT_GRACE_S = 10.0  # at least this long for a DISCONNECTED node to come back: a daemon retries at
+                          # least every 5 s (worker DaemonConfig.backoff_max), later on a loaded machine
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
 HEAD_WAIT_S = 60.0          # how long the first job that cannot start holds back the jobs behind it
@@ -523,9 +525,10 @@ class Coordinator(ReportsMixin, RestartsMixin):
         for s in self.nodes.sessions.values():
             if s.status is NodeStatus.READY and now - s.last_heartbeat > timeout:
                 self._node_lost(s, f"no heartbeat for {timeout:.1f} s")
-            elif s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > timeout:
+            elif s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > max(timeout,
+                                                                                                 RECONNECT_GRACE_S):
                 since = "of the coordinator start" if s.since == 0 else "of being asked to reconnect"
-                self._node_lost(s, f"did not reconnect within {timeout:.1f} s {since}")
+                self._node_lost(s, f"did not reconnect within {max(timeout, RECONNECT_GRACE_S):.1f} s {since}")
         self._settle()
 
     def _settle(self) -> None:

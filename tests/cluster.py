@@ -145,6 +145,16 @@ class ProcCluster:
         self.coord.stop()
 
 
+def rank_pid(job: str, rank: int) -> int:
+    """The pid of one rank of the job: its stdout is the rank's log file ``rank-R.log``."""
+    import re
+
+    for pid in rank_pids(job):
+        if re.search(rf"rank-{rank}\.log$", os.readlink(f"/proc/{pid}/fd/1")):
+            return pid
+    raise AssertionError(f"no process of rank {rank} of job {job}")
+
+
 def rank_steps(root: Path, job_id: str, attempt: int) -> dict[int, tuple[str, int]]:
     """rank -> (its node, the highest step it wrote) for every rank of ``attempt`` with a status file under
     ``root`` (each node's state dir): what the ranks did, read at once, without asking the coordinator (a

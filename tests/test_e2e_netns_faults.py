@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ctl, highest_step, rank_pids, status, stepping, wait_for, wait_state
+from cluster import ctl, highest_step, rank_pid, rank_pids, status, stepping, wait_for, wait_state
 from test_e2e_restart import HEARTBEAT_TIMEOUT, JOB, losses
 
 pytestmark = pytest.mark.timeout(900)
@@ -110,7 +110,7 @@ def test_a_partitioned_node_is_replaced_by_a_spare(nets, reference: dict, tmp_pa
 def test_a_killed_rank_process_restarts_the_job(nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001
     job = submit(nets, tmp_path, "rank-killed", 2)
     st = running_past(nets, job, 5)
-    pid = sorted(rank_pids(job))[0]
+    pid = rank_pid(job, 0)   # rank 0: its peers then fail too, and a reason names the lowest failed rank
     fault_step, t_fault = st["summary"]["min_step"], time.monotonic()
     os.kill(pid, signal.SIGKILL)
     done = recovered(nets, job, reference, f"SIGKILL of rank process {pid}", fault_step, t_fault)

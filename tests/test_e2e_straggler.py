@@ -11,11 +11,10 @@ import re
 import signal
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 
-from cluster import CTL, ProcCluster, ctl, rank_pids, status, wait_for
+from cluster import CTL, ProcCluster, ctl, rank_pid, status, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 VICTIM = 3
@@ -28,14 +27,6 @@ model: {layers: 2, hidden: 256, heads: 4, seq_len: 64, vocab: 256}
 train: {steps: 100000, global_batch: 32, micro_batch: 8, lr: 1.0e-3, warmup: 2, seed: 3, checkpoint_every: 100000,
         data: builtin:pydoc}
 """
-
-
-def rank_pid(job: str, rank: int) -> int:
-    """The pid of one rank of the job: its stdout is the rank's log file ``rank-R.log``."""
-    for pid in rank_pids(job):
-        if re.search(rf"rank-{rank}\.log$", os.readlink(f"/proc/{pid}/fd/1")):
-            return pid
-    raise AssertionError(f"no process of rank {rank} of job {job}")
 
 
 class Slowdown:
