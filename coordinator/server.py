@@ -21,6 +21,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
 from rankctl.coordinator.auth import Authorizer
 from rankctl.coordinator.blobs import BlobStore
@@ -153,6 +154,9 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core, blobs), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    # server reflection (grpcurl, Postman, Evans): the services' descriptors, no .proto file needed
+    reflection.enable_server_reflection((*SERVICES[1:], health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)
     try:
         port = (server.add_secure_port(listen, server_credentials(identity)) if identity is not None
                 else server.add_insecure_port(listen))
