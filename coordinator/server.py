@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 import structlog
@@ -31,6 +31,9 @@ from rankctl.coordinator.reports import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
 from rankctl.coordinator.store import Store
 from rankctl.proto import rankctl_pb2_grpc
+
+if TYPE_CHECKING:
+    from rankctl.coordinator.web.app import HttpServer
 
 log = structlog.get_logger("rankctl.coordinator")
 SERVICES = ("", "rankctl.v1.ClientService", "rankctl.v1.NodeService")
@@ -55,14 +58,34 @@ class CoordinatorServer:
     host: str
     port: int
     monitor: asyncio.Task | None = field(default=None, repr=False)
+    http: "HttpServer | None" = field(default=None, repr=False)   # the dashboard (``--http-listen``)
+    http_host: str = ""
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
+
+    @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the dashboard (None without one); ``http_url`` adds the scheme."""
+        if self.http is None:
+            return None
+        host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
+        return f"{host}:{self.http.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        return f"{'https' if self.http.tls else 'http'}://{self.http_address}" if self.http is not None else None
+
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving without failing running jobs (their state stays for the next start)."""
         self.core.shutdown()
+        if self.http is not None:
+            await self.http.stop()
         if self.monitor is not None:
             self.monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -135,12 +158,16 @@ def _split_listen(listen: str) -> str:
 
 async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float = 10.0, *,
                             clock: Callable[[], float] = time.time, head_wait: float | None = None,
-                            tls_dir: str | Path | None = None) -> CoordinatorServer:
+                            tls_dir: str | Path | None = None, http_listen: str | None = None,
+                            metrics_per_rank: bool = False) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
     ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
 
     ``tls_dir``: the coordinator's identity directory (``ctl certs init``): serve mutual TLS only, every
-    call authorized by its client certificate (``coordinator.auth``); CertError when it is unusable."""
+    call authorized by its client certificate (``coordinator.auth``); CertError when it is unusable.
+    ``http_listen``: also serve the dashboard and ``/metrics`` there (``coordinator.web``; HTTPS with client
+    certificates under ``tls_dir``); its bound address goes to ``state_dir/http_address``.
+    ``metrics_per_rank``: ``/metrics`` also has per-rank series."""
     from rankctl.security.tls import load_identity_dir, peer_identity, server_credentials
 
     identity = load_identity_dir(tls_dir) if tls_dir else None  # before anything is locked or bound
@@ -169,8 +196,25 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     period = max(0.05, min(0.5, heartbeat_timeout / 4))
     coord = CoordinatorServer(server, core, store, health, _split_listen(listen), port)
     coord.monitor = asyncio.create_task(_monitor(core, period))
+    if http_listen is not None:
+        await _start_dashboard(coord, http_listen, identity, metrics_per_rank, Path(state_dir))
     core.schedule()
     log.info("coordinator.started", address=coord.address, state_dir=str(state_dir), jobs=len(core.list()),
-             tls=identity is not None)
+             tls=identity is not None, dashboard=coord.http_url)
     return coord
+
+
+async def _start_dashboard(coord: CoordinatorServer, listen: str, identity, metrics_per_rank: bool,  # noqa: ANN001
+                           state_dir: Path) -> None:
+    """Serve the dashboard on ``listen``; write its bound address to ``state_dir/http_address``. On failure the
+    coordinator is stopped again and OSError raised (the CLI says the address cannot be served)."""
+    from rankctl.coordinator.web.app import start_http
+
+    try:
+        coord.http = await start_http(coord.core, listen, identity, metrics_per_rank)
+    except OSError as exc:
+        await coord.stop(0)
+        raise OSError(f"cannot serve the dashboard on {listen}: {exc.strerror or exc}") from None
+    coord.http_host = _split_listen(listen)
+    (state_dir / "http_address").write_text(coord.http_address + "\n")
 

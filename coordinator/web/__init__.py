@@ -1,0 +1,2 @@
+"""The coordinator's web dashboard (``ctl coordinator --http-listen``): jobs, a live job page, nodes, plan,
+and ``/metrics``; server-rendered HTML on the coordinator's event loop. See docs/dashboard.md."""

@@ -1,0 +1,75 @@
+"""Who may see the dashboard: the gRPC API's identities and roles, over HTTPS with client certificates.
+
+With a TLS identity the dashboard serves HTTPS only and the TLS handshake requires a client certificate
+signed by the cluster's CA; its subject is the viewer's identity (``security.certs.identity_of_pem``).
+Each route reads what one ClientService method reads and needs that method's role (``auth.CLIENT_ROLES``:
+pages need viewer); ``/metrics`` needs any certificate of the CA. Without TLS (a loopback-only
+coordinator) every request is allowed, as on the gRPC side. The dashboard only reads.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from rankctl.coordinator.auth import CLIENT_ROLES
+from rankctl.security.certs import CERT, KEY, CertError, identity_of_pem
+from rankctl.security.identity import ROLES, Identity, role_allows
+from rankctl.security.tls import IdentityDir
+
+ANY_CERT = "any"      # a route any certificate of the CA may read
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def ssl_context(idd: IdentityDir) -> ssl.SSLContext:
+    """Serve with the coordinator's certificate; require a client certificate from the same CA."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(idd.path / CERT, idd.path / KEY)
+    ctx.load_verify_locations(cadata=idd.ca.decode())
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def peer(request: web.Request) -> Identity | None:
+    """The identity of the request's client certificate (None on plain HTTP); CertError when it has none."""
+    sslobj = request.transport.get_extra_info("ssl_object") if request.transport else None
+    der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
+    return identity_of_pem(ssl.DER_cert_to_PEM_cert(der).encode()) if der else None
+
+
+def needs(method: str) -> str:
+    """The role a route needs: that of the ClientService ``method`` it mirrors, or ANY_CERT."""
+    return ANY_CERT if method == ANY_CERT else CLIENT_ROLES[method]
+
+
+def refusal(who: Identity | None, need: str, what: str) -> str | None:
+    if who is None:
+        return "no client certificate"
+    if need == ANY_CERT:
+        return None
+    if need in ROLES and (who.kind != "user" or not role_allows(who.role, need)):
+        return f"{who} may not read {what}: it needs the {need} role"
+    return None
+
+
+def guarded(method: str, enabled: bool, handler: Handler) -> Handler:
+    """``handler`` behind the role check of ``method`` (a no-op without TLS); the viewer in ``request["who"]``."""
+    need = needs(method)
+
+    async def admit(request: web.Request) -> web.StreamResponse:
+        who = None
+        if enabled:
+            try:
+                who = peer(request)
+            except CertError as exc:
+                raise web.HTTPUnauthorized(text=f"not a rankctl identity: {exc}") from None
+            why = refusal(who, need, request.path)
+            if why:
+                raise web.HTTPForbidden(text=why)
+        request["who"] = who
+        return await handler(request)
+
+    return admit

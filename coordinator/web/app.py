@@ -1,0 +1,222 @@
+"""The dashboard's aiohttp application, on the coordinator's own event loop.
+
+Handlers are thin: they read the core (on the loop, with no await between the reads of one answer, so
+they see one consistent state), take a snapshot, and render it. Rendering a job's fragment and planning
+a pasted job file run on a worker thread, as the gRPC PlanJob does; errors map as the servicer maps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from importlib import resources
+from typing import Any, Awaitable, Callable
+
+import structlog
+from aiohttp import web
+
+from rankctl.contract.jobfile import SpecError
+from rankctl.contract.limits import MAX_JOB_FILE_BYTES
+from rankctl.coordinator.logfetch import get_logs
+from rankctl.coordinator.servicer import _CODES, ATTEMPTS_SHOWN, stopping_reason
+from rankctl.coordinator.store import StoreError
+from rankctl.coordinator.web import jobview, views
+from rankctl.coordinator.web.access import ANY_CERT, guarded
+from rankctl.coordinator.web.grid import rank_grid, window
+from rankctl.coordinator.web.html import page
+from rankctl.coordinator.web.layouts import Layouts
+from rankctl.coordinator.web.series import SeriesCache, snapshot
+from rankctl.proto import rankctl_pb2 as pb
+
+log = structlog.get_logger("rankctl.coordinator")
+LOG_TIMEOUT_S = 15.0
+STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+HTTP_OF_GRPC = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "ALREADY_EXISTS": 409}
+
+
+def _int(text: str | None, default: int = 0) -> int:
+    return int(text) if text and text.isdigit() and len(text) < 12 else default
+
+
+def _html(body: str, status: int = 200) -> web.Response:
+    return web.Response(text=body, status=status, content_type="text/html")
+
+
+def http_error(exc: Exception) -> web.Response:
+    """The HTTP answer to a domain error, with the message a gRPC client would get (``servicer._CODES``)."""
+    if isinstance(exc, StoreError):
+        return web.Response(text=str(exc), status=503)
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            text = "\n".join(exc.errors) if isinstance(exc, SpecError) else str(exc)
+            return web.Response(text=text, status=HTTP_OF_GRPC.get(code.name, 400))
+    log.exception("http.internal_error")
+    return web.Response(text=f"internal error ({type(exc).__name__}); see the coordinator log", status=500)
+
+
+def _answers(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):  # noqa: ANN202
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every other error is answered, never a traceback
+            return http_error(exc)
+    return wrapped
+
+
+class Dashboard:
+    """The pages over one core; per-job caches (step series, layouts) shared by every viewer."""
+
+    def __init__(self, core: Any, metrics_per_rank: bool = False) -> None:
+        self.core, self.metrics_per_rank = core, metrics_per_rank
+        self.series = SeriesCache(core.events)
+        self.layouts = Layouts()
+        self._metrics: Any = None
+        self._static = {name: (resources.files(__package__) / "static" / name).read_bytes() for name in STATIC}
+
+    def _who(self, request: web.Request) -> str:
+        who = request.get("who")
+        return str(who) if who is not None else ""
+
+    async def jobs(self, request: web.Request) -> web.StreamResponse:
+        jobs, cursor = self.core.book.page(views.JOBS_PAGE, _int(request.query.get("before")))
+        layouts = await self.layouts.of(jobs)
+        return _html(page("jobs", views.jobs_table(jobs, layouts, cursor, time.time()), self._who(request)))
+
+    async def _fragment(self, job_id: str, node_page: int) -> tuple[str, dict]:
+        """The live fragment and the JSON data of a job, read at one moment, rendered on a worker thread."""
+        job = self.core.get(job_id)
+        cfg = (await self.layouts.of([job]))[job.id]
+        job = dataclasses.replace(self.core.get(job.id))  # from here to the render: no await, one state
+        summary = self.core.summary(job.id)
+        win = window(job.world_size, job.slots_per_node, node_page)
+        records = self.core.rank_page(job.id, *win.ranks)
+        series = snapshot(self.series.get(job.id))
+        attempts = self.core.attempts(job.id, ATTEMPTS_SHOWN)
+        reason = stopping_reason(job.reason, self.core.stopping_ranks(job.id))
+
+        def render() -> tuple[str, dict]:
+            grid = rank_grid(job, cfg, records, summary, win)
+            html = jobview.live_fragment(job, summary, series, grid, attempts, reason, time.time())
+            return html, jobview.job_data(job, summary, series)
+        return await asyncio.to_thread(render)
+
+    async def job(self, request: web.Request) -> web.StreamResponse:
+        fragment, data = await self._fragment(request.match_info["job_id"], _int(request.query.get("page")))
+        job = self.core.get(data["id"])
+        return _html(jobview.job_page(job, fragment, self._who(request), time.time()))
+
+    async def live(self, request: web.Request) -> web.StreamResponse:
+        fragment, _ = await self._fragment(request.match_info["job_id"], _int(request.query.get("page")))
+        return _html(fragment)
+
+    async def data(self, request: web.Request) -> web.StreamResponse:
+        _, data = await self._fragment(request.match_info["job_id"], _int(request.query.get("page")))
+        return web.json_response(data)
+
+    async def logs(self, request: web.Request) -> web.StreamResponse:
+        job = self.core.get(request.match_info["job_id"])
+        rank = _int(request.query.get("rank"), -1)
+        req = pb.GetLogsRequest(job_id=job.id, rank=rank, tail=jobview.LOG_TAIL)
+        lines: list[str] = []
+
+        async def read() -> None:
+            async for line in get_logs(self.core, req):
+                lines.append(line.line)
+        try:
+            await asyncio.wait_for(read(), LOG_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            lines.append(f"[rankctl: the log of rank {rank} was not read within {LOG_TIMEOUT_S:g} s]")
+        return web.Response(text=jobview.log_text(rank, lines[-jobview.LOG_TAIL * 2:]))
+
+    async def nodes(self, request: web.Request) -> web.StreamResponse:
+        views_ = self.core.node_views()
+        body = views.nodes_table(views_, dict(self.core.nodes.draining), _int(request.query.get("page")), time.time())
+        return _html(page("nodes", body, self._who(request)))
+
+    async def plan_form(self, request: web.Request) -> web.StreamResponse:
+        return _html(page("plan", views.plan_form(), self._who(request)))
+
+    async def plan(self, request: web.Request) -> web.StreamResponse:
+        form = await request.post()
+        text, sets = str(form.get("spec", "")), str(form.get("set", ""))
+        overrides = [line.strip() for line in sets.splitlines() if line.strip()]
+
+        def run() -> str:
+            doc, spec = self.core.plan(text, overrides, "pasted job file")  # PlanJob's call: pure, any thread
+            return views.plan_result(doc, spec)
+        try:
+            result, status = await asyncio.to_thread(run), 200
+        except SpecError as exc:
+            result, status = views.plan_errors(list(exc.errors)), 400
+        return _html(page("plan", views.plan_form(text) + result, self._who(request)), status)
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        if self._metrics is None:
+            try:
+                from rankctl.coordinator.metrics import CoordinatorMetrics
+            except ImportError:
+                return web.Response(text="metrics not available", status=503)
+            self._metrics = CoordinatorMetrics(self.core, per_rank=self.metrics_per_rank)
+        body, content_type = self._metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def static(self, request: web.Request) -> web.StreamResponse:
+        name = request.match_info["name"]
+        if name not in STATIC:
+            raise web.HTTPNotFound()
+        return web.Response(body=self._static[name], content_type=STATIC[name],
+                            headers={"Cache-Control": "max-age=300"})
+
+
+def build_app(dash: Dashboard, tls: bool) -> web.Application:
+    """Every route, behind the role of the ClientService method it mirrors (``access``)."""
+    app = web.Application(client_max_size=4 * MAX_JOB_FILE_BYTES)
+    routes = [("GET", "/", dash.jobs, "ListJobs"), ("GET", "/jobs/{job_id}", dash.job, "GetJob"),
+              ("GET", "/jobs/{job_id}/live", dash.live, "GetJob"), ("GET", "/jobs/{job_id}/data.json", dash.data,
+                                                                   "GetJob"),
+              ("GET", "/jobs/{job_id}/logs", dash.logs, "GetLogs"), ("GET", "/nodes", dash.nodes, "ListNodes"),
+              ("GET", "/plan", dash.plan_form, "PlanJob"), ("POST", "/plan", dash.plan, "PlanJob"),
+              ("GET", "/metrics", dash.metrics, ANY_CERT), ("GET", "/static/{name}", dash.static, ANY_CERT)]
+    for verb, path, handler, method in routes:
+        app.router.add_route(verb, path, guarded(method, tls, _answers(handler)))
+    return app
+
+
+@dataclasses.dataclass
+class HttpServer:
+    """The running dashboard: ``port`` is the one bound; ``tls``: HTTPS with client certificates."""
+
+    runner: web.AppRunner
+    port: int
+    tls: bool
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+def _host_port(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise OSError(f"--http-listen {listen!r} is not HOST:PORT (port 0 picks a free one)")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+async def start_http(core: Any, listen: str, identity: Any = None, metrics_per_rank: bool = False) -> HttpServer:
+    """Serve the dashboard on ``listen`` (HOST:PORT); with ``identity`` (an IdentityDir) HTTPS and client
+    certificates only. OSError when the address cannot be bound."""
+    from rankctl.coordinator.web.access import ssl_context
+
+    app = build_app(Dashboard(core, metrics_per_rank), tls=identity is not None)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    host, port = _host_port(listen)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(identity) if identity is not None else None)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    return HttpServer(runner, runner.addresses[0][1], identity is not None)

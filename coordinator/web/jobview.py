@@ -1,0 +1,87 @@
+"""The job page: a static shell, and the live fragment that dashboard.js fetches every second and swaps in.
+
+The fragment holds the state, the step figures, the loss and throughput charts (``charts``), the rank
+grid (``grid``), the newest notable events and the attempt history; everything in it is bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rankctl.coordinator.states import is_terminal
+from rankctl.coordinator.web.charts import Series, line_chart
+from rankctl.coordinator.web.html import age, e, job_href, number, page, state_badge, table
+from rankctl.coordinator.web.series import Snapshot
+
+REASON_SHOWN = 4000   # characters of an attempt's reason shown
+LOG_TAIL = 50         # lines of a rank's log shown
+LINE_CHARS = 2000     # characters of one log line shown
+
+
+def charts(series: Snapshot) -> str:
+    loss = line_chart("loss-curve", [Series("train", series.loss), Series("val", series.val_loss)])
+    tps = line_chart("throughput", [Series("tps", series.tokens_per_s, "tokens/s")])
+    return f'<div class="charts"><figure>{loss}</figure><figure>{tps}</figure></div>'
+
+
+def figures(summary: Any, series: Snapshot) -> str:
+    m = series.latest or summary.metrics or {}
+    items = [("step", f"{summary.min_step} (fastest {summary.max_step})"), ("step events", str(series.step_events)),
+             ("loss", number(m.get("loss"))), ("val loss", number(m.get("val_loss"))),
+             ("tokens/s", number(m.get("tokens_per_s"))),
+             ("step time", f"{number(m.get('step_time_min'), ' s')} – {number(m.get('step_time_max'), ' s')}"),
+             ("ranks", f"{summary.running} running, {summary.exited} exited, {summary.failed} failed")]
+    return '<dl class="figures">' + "".join(f"<dt>{e(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
+
+
+def attempts_table(attempts: list[dict], now: float) -> str:
+    rows = []
+    for a in reversed(attempts):
+        reason = a.get("reason") or ""
+        cls = "hang-reason" if reason.startswith("hang") else ""
+        took = (a.get("finished_at") or now) - (a.get("started_at") or now)
+        rows.append([str(a.get("attempt")), e(a.get("state") or "running"), age(took),
+                     f'<span class="{cls}">{e(reason[:REASON_SHOWN])}</span>'])
+    return table(["attempt", "state", "ran", "reason"], rows, "attempts")
+
+
+def notes(series: Snapshot, now: float) -> str:
+    items = [f'<li class="ev-{e(kind)}"><span class="age">{age(now - ts)} ago</span> {e(kind)}: {e(msg)}</li>'
+             for ts, kind, msg in reversed(series.notes)]
+    return f'<ul id="events">{"".join(items)}</ul>'
+
+
+def live_fragment(job: Any, summary: Any, series: Snapshot, grid_html: str, attempts: list[dict],
+                  reason: str, now: float) -> str:
+    done = "1" if is_terminal(job.state) else "0"
+    hang = ' class="hang-reason"' if reason.startswith("hang") else ""
+    return (f'<div id="live-body" data-state="{e(job.state.value)}" data-terminal="{done}" '
+            f'data-step-events="{series.step_events}">'
+            f'<p>{state_badge(job.state.value)} attempt {job.attempt} · <span{hang}>{e(reason)}</span></p>'
+            f'{figures(summary, series)}{charts(series)}<h2>ranks</h2>{grid_html}'
+            f'<h2>attempts</h2>{attempts_table(attempts, now)}<h2>recent events</h2>{notes(series, now)}</div>')
+
+
+def job_page(job: Any, fragment: str, who: str, now: float) -> str:
+    head = table(["id", "name", "kind", "world", "nodes", "submitted by", "age"],
+                 [[e(job.id), e(job.name), e(job.kind), str(job.world_size), str(len(job.nodes)),
+                   e(job.submitted_by or "–"), age(now - job.created_at)]])
+    logs = (f'<section id="log-panel"><h2>log of rank <span id="log-rank">0</span></h2>'
+            f'<form id="log-form" action="{job_href(job.id, "/logs")}"><label>rank '
+            f'<input name="rank" type="number" min="0" max="{job.world_size - 1}" value="0"></label>'
+            f'<button>show last {LOG_TAIL} lines</button> (or click a rank)</form><pre id="log-lines"></pre></section>')
+    live = f'<div id="live" data-src="{job_href(job.id, "/live")}">{fragment}</div>'
+    return page(f"job {job.id}", head + live + logs, who, script=True)
+
+
+def log_text(rank: int, lines: list[str]) -> str:
+    return "\n".join(line[:LINE_CHARS] for line in lines) or f"(rank {rank} has written nothing yet)"
+
+
+def job_data(job: Any, summary: Any, series: Snapshot) -> dict:
+    """The JSON twin of the live fragment (``/jobs/<id>/data.json``): for scripts and tests."""
+    return {"id": job.id, "state": job.state.value, "attempt": job.attempt, "world_size": job.world_size,
+            "step_events": series.step_events, "loss_points": series.loss_seen, "plotted": len(series.loss),
+            "min_step": summary.min_step, "max_step": summary.max_step, "metrics": series.latest,
+            "stragglers": list(summary.stragglers), "slow": [s.as_dict() for s in summary.slow],
+            "failing": [r.rank for r in summary.failing]}

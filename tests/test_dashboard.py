@@ -1,0 +1,212 @@
+"""The coordinator's web dashboard (``coordinator.web``) over a real in-process coordinator: pages, bounds,
+plan errors, rank logs and client-certificate auth."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import ssl
+import sys
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from rankctl.coordinator.server import CoordinatorServer, start_coordinator
+from rankctl.coordinator.web.grid import MAX_CELLS
+from rankctl.coordinator.web.series import MAX_POINTS
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.security.certs import init_ca, issue
+
+pytestmark = pytest.mark.grpc_in_process
+SMALL = """
+name: small
+kind: train
+resources: {nodes: 2, slots_per_node: 2}
+parallel: {tp: 2}
+model: {layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 256}
+train: {steps: 50, global_batch: 8, micro_batch: 2, lr: 1.0e-2, data: builtin:pydoc}
+"""
+BIG = """
+name: big
+kind: train
+resources: {nodes: 8192, slots_per_node: 8}
+parallel: {tp: 8, pp: 4}
+model: {layers: 8, hidden: 64, heads: 8, seq_len: 16, vocab: 256}
+train: {steps: 100, global_batch: 2048, micro_batch: 1, lr: 1.0e-2, data: builtin:pydoc}
+"""
+CC = "name: cc\nkind: comm-check\nresources: {nodes: 1, slots_per_node: 2}\n"
+
+
+def serve(test: Callable[[CoordinatorServer, aiohttp.ClientSession], Awaitable[Any]], state_dir: Path,
+          tls_dir: Path | None = None, ssl_ctx: ssl.SSLContext | None = None) -> Any:
+    """A coordinator with its dashboard on 127.0.0.1:0, a client session, ``test``; everything stopped after."""
+    async def main() -> Any:
+        coord = await start_coordinator("127.0.0.1:0", state_dir, http_listen="127.0.0.1:0", tls_dir=tls_dir)
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_ctx) if ssl_ctx else None) as s:
+                return await asyncio.wait_for(test(coord, s), 30)
+        finally:
+            await coord.stop(grace=0.1)
+    return asyncio.run(main())
+
+
+async def get(s: aiohttp.ClientSession, coord: CoordinatorServer, path: str) -> tuple[int, str]:
+    async with s.get(coord.http_url + path) as r:
+        return r.status, await r.text()
+
+
+def steps(coord: CoordinatorServer, job: Any, n: int, val_every: int = 0) -> None:
+    with coord.core.store.transaction("test steps"):
+        for i in range(1, n + 1):
+            m = {"loss": 6.0 - i / max(n, 1), "tokens_per_s": 1000.0 + i, "step_time_min": 0.1, "step_time_max": 0.2}
+            if val_every and i % val_every == 0:
+                m["val_loss"] = 6.5 - i / max(n, 1)
+            coord.core.book.event(job, "step", f"step {i}", step=i, metrics=m)
+
+
+def polyline_points(svg: str, cls: str) -> int:
+    m = re.search(rf'<polyline class="line {cls}" data-points="(\d+)" points="([^"]*)"', svg)
+    if m is None:
+        return 0
+    assert int(m.group(1)) == len(m.group(2).split())
+    return int(m.group(1))
+
+
+def loss_svg(html: str) -> str:
+    return re.search(r'<svg id="loss-curve".*?</svg>', html, re.S).group(0)
+
+
+def test_pages_render_and_the_loss_curve_has_one_point_per_step_event(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        job = coord.core.submit(SMALL, queue_anyway=True)
+        steps(coord, job, 37, val_every=10)
+        status, jobs = await get(s, coord, "/")
+        assert status == 200 and job.id in jobs and "tp2 cp1 ep1 dp2 pp1" in jobs and "PENDING" in jobs
+        status, page = await get(s, coord, f"/jobs/{job.id}")
+        assert status == 200 and 'id="live"' in page and "/static/dashboard.js" in page
+        svg = loss_svg(page)
+        assert re.search(r'data-points="(\d+)"', svg).group(1) == "37"
+        assert polyline_points(svg, "train") == 37 and polyline_points(svg, "val") == 3
+        assert len(re.findall(r'class="rank-cell', page)) == 4
+        assert len(re.findall(r'class="tp-group"', page)) == 2  # ranks 0-1 and 2-3
+        status, data = await get(s, coord, f"/jobs/{job.id}/data.json")
+        assert '"step_events": 37' in data and '"plotted": 37' in data
+        steps(coord, job, 5)  # the cache reads only what is new
+        _, live = await get(s, coord, f"/jobs/{job.id}/live")
+        assert 'data-step-events="42"' in live and polyline_points(loss_svg(live), "train") == 42
+        assert (await get(s, coord, "/jobs/no-such-job"))[0] == 404
+        status, js = await get(s, coord, "/static/dashboard.js")
+        assert status == 200 and "live-body" in js
+    serve(test, tmp_path)
+
+
+def test_a_large_job_is_bounded(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        job = coord.core.submit(BIG, queue_anyway=True)
+        steps(coord, job, 5000)
+        _, live = await get(s, coord, f"/jobs/{job.id}/live")
+        assert len(live) < 200_000
+        cells = [int(r) for r in re.findall(r'class="rank-cell[^"]*" data-rank="(\d+)"', live)]
+        assert cells == list(range(MAX_CELLS))
+        plotted = polyline_points(loss_svg(live), "train")
+        assert MAX_POINTS // 2 <= plotted <= MAX_POINTS
+        _, page3 = await get(s, coord, f"/jobs/{job.id}/live?page=3")
+        assert re.search(r'data-rank="(\d+)"', page3).group(1) == str(3 * MAX_CELLS)
+        _, last = await get(s, coord, f"/jobs/{job.id}/live?page=999999")
+        assert re.findall(r'data-rank="(\d+)"', last)[-1] == str(65535)
+    serve(test, tmp_path)
+
+
+def test_plan_shows_the_layout_or_the_rule_broken_and_creates_nothing(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        async with s.post(coord.http_url + "/plan", data={"spec": SMALL.replace("tp: 2", "tp: 3")}) as r:
+            assert r.status == 400
+            assert "world_size=4 is not divisible by tp*pp*cp=3" in await r.text()
+        async with s.post(coord.http_url + "/plan", data={"spec": SMALL, "set": "parallel.tp=4"}) as r:
+            text = await r.text()
+            assert r.status == 200 and 'id="plan-kinds"' in text and "dense: tp=4 cp=1 dp=1 pp=1" in text
+            assert "cross a node boundary" in text  # tp=4 over nodes of 2 slots
+        async with s.post(coord.http_url + "/plan", data={"spec": "kind: [oops"}) as r:
+            assert r.status == 400 and 'id="plan-errors"' in await r.text()
+        assert coord.core.list() == []
+    serve(test, tmp_path)
+
+
+def test_nodes_page_and_a_rank_log_read_from_its_node(tmp_path: Path) -> None:
+    import grpc
+
+    from test_servicer import FakeDaemon
+
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        async with grpc.aio.insecure_channel(coord.address) as channel:
+            daemon = FakeDaemon(channel, "n0", slots=2)
+            await daemon.expect("registered")
+            job = coord.core.submit(CC)
+            await daemon.expect("assign")
+            status, nodes = await get(s, coord, "/nodes")
+            assert status == 200 and "n0" in nodes and "READY" in nodes
+            reading = asyncio.ensure_future(get(s, coord, f"/jobs/{job.id}/logs?rank=1"))
+            ask = await daemon.expect("fetch_logs")
+            assert (ask.rank, ask.tail) == (1, 50)
+            daemon.send(log_chunk=pb.LogChunk(request_id=ask.request_id, lines=["hello from rank 1"], next_offset=18))
+            assert await reading == (200, "hello from rank 1")
+            status, text = await get(s, coord, f"/jobs/{job.id}/logs?rank=7")
+            assert status == 400 and "rank 7 is not a rank of job" in text
+            daemon.close()
+    serve(test, tmp_path)
+
+
+def test_metrics_answer_503_until_the_module_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "rankctl.coordinator.metrics", None)  # import fails
+
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        assert await get(s, coord, "/metrics") == (503, "metrics not available")
+    serve(test, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pki")
+    init_ca(root / "ca", sans=[])
+    issue(root / "ca", root / "val", user="val", role="viewer")
+    issue(root / "ca", root / "node-0", node="node-0")
+    init_ca(root / "other", sans=[])
+    issue(root / "other", root / "mallory", user="mallory", role="admin")
+    return root
+
+
+def client_ctx(pki: Path, who: str | None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(pki / "ca" / "ca.pem"))
+    if who is not None:
+        ctx.load_cert_chain(pki / who / "cert.pem", pki / who / "key.pem")
+    return ctx
+
+
+@pytest.mark.parametrize("who, page, metrics", [("val", 200, 200), ("node-0", 403, 200),
+                                                (None, None, None), ("mallory", None, None)])
+def test_with_tls_every_request_needs_a_certificate_of_the_ca_and_pages_a_user_role(
+        tmp_path: Path, pki: Path, who: str | None, page: int | None, metrics: int | None) -> None:
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        assert coord.http_url.startswith("https://127.0.0.1:")
+        out = []
+        for path in ("/", "/metrics"):
+            try:
+                async with s.get(coord.http_url + path) as r:
+                    out.append((r.status, await r.text()))
+            except aiohttp.ClientError:
+                out.append((None, "refused in the handshake"))
+        assert (out[0][0], out[1][0]) == (page, metrics), out
+        if page == 403:
+            assert "node node-0 may not read /: it needs the viewer role" in out[0][1]
+        if page == 200:
+            assert "user val (viewer)" in out[0][1]
+    serve(test, tmp_path / "state", tls_dir=pki / "ca" / "coordinator", ssl_ctx=client_ctx(pki, who))
+
+
+def test_the_bound_address_is_written_to_the_state_dir(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        assert (tmp_path / "http_address").read_text().strip() == coord.http_address == f"127.0.0.1:{coord.http_port}"
+        assert coord.http_port != coord.port
+    serve(test, tmp_path)
