@@ -61,6 +61,10 @@ class SafePrintLogger(structlog.PrintLogger):
 
     dropped = 0
 
+    def __init__(self, file: TextIO | None = None, name: str | None = None) -> None:
+        super().__init__(file)
+        self.name = name  # structlog.get_logger(NAME): the "logger" key
+
     def msg(self, message: str) -> None:
         try:
             super().msg(message)
@@ -70,27 +74,89 @@ class SafePrintLogger(structlog.PrintLogger):
     log = debug = info = warn = warning = err = error = critical = exception = fatal = failure = msg
 
 
-def configure_logging(stream: TextIO | None = None, *, level: int | str = logging.INFO) -> None:
-    """Configure structlog once per entry point: console on a TTY, JSON lines otherwise.
+class SafeStreamHandler(logging.StreamHandler):
+    """The root handler for the stdlib ``logging`` records (grpc, asyncio, aiohttp): like
+    SafePrintLogger, a record that cannot be written is dropped and counted, never raised or printed."""
 
+    dropped = 0
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        SafeStreamHandler.dropped += 1
+
+
+LOG_FORMATS = ("auto", "console", "json")
+
+
+def _add_logger_name(logger: object, method: str, event_dict: dict) -> dict:
+    """``logger``: the stdlib record's name, or the name given to ``structlog.get_logger``."""
+    record = event_dict.get("_record")
+    name = record.name if record is not None else getattr(logger, "name", None)
+    if name:
+        event_dict.setdefault("logger", name)
+    return event_dict
+
+
+def _renderer(stream: TextIO, fmt: str) -> structlog.types.Processor:
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format {fmt!r} is not one of {', '.join(LOG_FORMATS)}")
+    try:
+        tty = fmt == "auto" and stream.isatty()
+    except (OSError, ValueError):  # a closed stream
+        tty = False
+    if fmt == "console" or tty:
+        return structlog.dev.ConsoleRenderer(colors=False)
+    return structlog.processors.JSONRenderer()
+
+
+def _unroute_stdlib() -> logging.Logger:
+    """Take our handler off the root logger (a forked rank inherits the launcher's)."""
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, SafeStreamHandler)]:
+        root.removeHandler(old)
+    logging.captureWarnings(False)
+    return root
+
+
+def _route_stdlib(stream: TextIO, level: int, pre_chain: list, renderer: structlog.types.Processor) -> None:
+    """Replace our root handler (never stack them): stdlib records get ``pre_chain`` and ``renderer``."""
+    root = _unroute_stdlib()
+    handler = SafeStreamHandler(stream)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=pre_chain,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.format_exc_info, renderer],
+    ))
+    root.addHandler(handler)
+    root.setLevel(level)
+    logging.captureWarnings(True)  # warnings.warn lines are log records too
+
+
+def configure_logging(stream: TextIO | None = None, *, level: int | str = logging.INFO, fmt: str = "auto",
+                      stdlib: bool = True) -> None:
+    """Configure structlog once per entry point (again replaces, never stacks): ``fmt`` "console" for
+    human lines, "json" for one JSON object a line, "auto" for console on a TTY and JSON otherwise.
+
+    With ``stdlib`` the root ``logging`` handler renders the stdlib loggers' records (grpc, asyncio,
+    aiohttp) the same way; a rank passes False so that its user's code owns the root logger again.
     Context (job, node, rank) comes from structlog's contextvars, bound by each entry point.
     """
     stream = stream or sys.stderr
     if isinstance(level, str):
         level = logging.getLevelName(level.upper())
-    renderer = (
-        structlog.dev.ConsoleRenderer(colors=False)
-        if stream.isatty() else structlog.processors.JSONRenderer()
-    )
+    renderer = _renderer(stream, fmt)
+    pre_chain = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        _add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso"),
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*pre_chain, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=lambda *_: SafePrintLogger(stream),
+        logger_factory=lambda *args: SafePrintLogger(stream, args[0] if args else None),
         cache_logger_on_first_use=False,
     )
+    if stdlib:
+        _route_stdlib(stream, level, pre_chain, renderer)
+    else:
+        _unroute_stdlib()
