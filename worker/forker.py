@@ -242,7 +242,7 @@ def _child(a: RankAssignment, log_fd: int, parent: int, threads: int, timeout_s:
     try:
         gc.freeze()  # objects inherited from the launcher are never collected (no stray fd closes)
         _isolate(log_fd, parent)
-        configure_logging(sys.stderr)
+        configure_logging(sys.stderr, stdlib=False)  # the user's own logging.basicConfig() must work in a rank
         os.environ["OMP_NUM_THREADS"] = str(threads)
         import torch
 
