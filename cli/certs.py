@@ -11,24 +11,20 @@ from pathlib import Path
 import click
 
 from rankctl.cli.errors import EXIT_USAGE, CtlError
+from rankctl.cli.options import example, json_option
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
 days_option = click.option("--days", default=825, show_default=True, type=click.IntRange(min=1),
                            help="Days the certificate is valid (never past the CA's end).")
 
 
-@click.group("certs")
+@click.group("certs", epilog=example("ctl certs init ./ca --san coord.example.com",
+                                     "ctl certs issue ./ca --node node-3 --out ./node-3"))
 def certs() -> None:
-    """Create a CA and issue node and user certificates (one identity directory each).
-
-    \b
-    Example:
-      ctl certs init ./ca --san coord.example.com
-      ctl certs issue ./ca --node node-3 --out ./node-3
-    """
+    """Create a CA and issue node and user certificates (one identity directory each)."""
 
 
-@certs.command("init", short_help="Make a CA and the coordinator's identity directory.")
+@certs.command("init", short_help="Make a CA and the coordinator's identity directory.",
+               epilog=example("ctl certs init ./ca --san coord.example.com --san 10.0.0.2"))
 @click.argument("ca_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--san", "sans", multiple=True, metavar="HOST_OR_IP",
               help="A name or address clients dial the coordinator by (repeatable; loopback is always added).")
@@ -36,18 +32,15 @@ def certs() -> None:
 @json_option
 def init(ca_dir: Path, sans: tuple[str, ...], days: int, as_json: bool) -> None:
     """Make a CA in CA_DIR (ca.pem, ca-key.pem) and the coordinator's identity directory
-    CA_DIR/coordinator. Refuses when CA_DIR already holds a CA.
-
-    \b
-    Example:
-      ctl certs init ./ca --san coord.example.com --san 10.0.0.2
-    """
+    CA_DIR/coordinator. Refuses when CA_DIR already holds a CA. Prints the directory (--json: {"dir"})."""
     from rankctl.security.certs import init_ca
 
     _done(_run(lambda: init_ca(ca_dir, list(sans), days=days)), as_json)
 
 
-@certs.command("issue", short_help="Issue a node's or a user's identity directory.")
+@certs.command("issue", short_help="Issue a node's or a user's identity directory.",
+               epilog=example("ctl certs issue ./ca --node node-3 --san 10.0.0.13 --out ./node-3",
+                              "ctl certs issue ./ca --user alice --role submitter --out ~/.rankctl/alice"))
 @click.argument("ca_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--node", metavar="NAME", help="Issue a worker node's certificate (its name is also a SAN).")
 @click.option("--user", metavar="NAME", help="Issue a user's certificate (needs --role).")
@@ -61,13 +54,7 @@ def init(ca_dir: Path, sans: tuple[str, ...], days: int, as_json: bool) -> None:
 def issue(ca_dir: Path, node: str | None, user: str | None, role: str | None, out_dir: Path,
           sans: tuple[str, ...], days: int, as_json: bool) -> None:
     """Issue an identity directory OUT (ca.pem, cert.pem, key.pem) from the CA in CA_DIR, for a
-    node (--node) or a user (--user with --role).
-
-    \b
-    Examples:
-      ctl certs issue ./ca --node node-3 --san 10.0.0.13 --out ./node-3
-      ctl certs issue ./ca --user alice --role submitter --out ~/.rankctl/alice
-    """
+    node (--node) or a user (--user with --role). Prints the directory (--json: {"dir"})."""
     from rankctl.security.certs import issue as issue_dir
 
     _done(_run(lambda: issue_dir(ca_dir, out_dir, node=node, user=user, role=role, sans=sans, days=days)),
@@ -87,7 +74,7 @@ def _run(make) -> Path:  # noqa: ANN001 - a callable returning the directory mad
 
 def _done(path: Path, as_json: bool) -> None:
     if as_json:
-        from rankctl.cli.render import print_json
+        from rankctl.cli.console import print_json
 
         print_json({"dir": str(path)})
     else:

@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING
 
 import click
 
+from rankctl.cli.completion import complete_job_ids
 from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, CtlError
+from rankctl.cli.options import example, json_option
 
 if TYPE_CHECKING:
     from rankctl.contract.spec import JobSpec
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+job_id_argument = click.argument("job_id", shell_complete=complete_job_ids)
 
 
 def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str], "JobSpec"]:
@@ -59,7 +61,8 @@ def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120
     single events when the coordinator predates batches.
     """
     from rankctl.cli.client import Unimplemented
-    from rankctl.cli.render import TERMINAL, job_view, state_name, stderr_console
+    from rankctl.cli.console import stderr_console
+    from rankctl.cli.render import TERMINAL, job_view, state_name
 
     follower = _Follower(_LiveView(stderr_console(), job_view) if live else None)
     down_since, batches = None, True
@@ -178,29 +181,43 @@ def exit_for(job) -> None:
         sys.exit(EXIT_JOB_FAILED)
 
 
-@click.command("submit")
+@click.command("submit", epilog=example("ctl submit examples/comm-check.yaml --set resources.nodes=2 --wait"))
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a job-file field.")
 @click.option("--watch", "watch_", is_flag=True, help="Show live progress on stderr until the job ends.")
 @click.option("--wait", is_flag=True, help="Block until the job ends; exit 0 only on SUCCEEDED.")
 @click.option("--queue-anyway", is_flag=True,
               help="Accept a job larger than the cluster's nodes and let it wait for nodes.")
+@json_option
 @pass_ctx
-def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wait: bool, queue_anyway: bool) -> None:
-    """Submit JOB_FILE; print the job id alone on stdout. A python.workdir is packed and shipped with it."""
+def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wait: bool, queue_anyway: bool,
+           as_json: bool) -> None:
+    """Submit JOB_FILE; print the job id alone on stdout. A python.workdir is packed and shipped with it.
+
+    With --json: {"id", "name", "kind", "state", "world_size"}; with --wait or --watch too, only the
+    final status (as `ctl status --json`) once the job ends."""
+    from rankctl.cli.console import print_json
+    from rankctl.cli.render import job_to_dict, state_name
     from rankctl.cli.workdir import pack_workdir, ship
 
     text, sets, spec = read_job_file(job_file, overrides)
     packed = pack_workdir(spec)  # before connecting: an oversize workdir is refused here
     with ctx.client() as client:
         job = client.submit(text, sets + ship(client, packed), job_file, queue_anyway=queue_anyway)
-    click.echo(job.id)
-    sys.stdout.flush()
+    if not as_json:
+        click.echo(job.id)
+        sys.stdout.flush()
+    elif not (watch_ or wait):
+        print_json({"id": job.id, "name": job.name, "kind": job.kind, "state": state_name(job.state),
+                    "world_size": job.world_size})
     if watch_ or wait:
-        exit_for(follow_job(ctx, job.id, live=watch_))
+        final = follow_job(ctx, job.id, live=watch_)
+        if as_json:
+            print_json(job_to_dict(final))
+        exit_for(final)
 
 
-@click.command("jobs")
+@click.command("jobs", epilog=example("ctl jobs --state RUNNING --state PENDING --limit 20"))
 @click.option("--limit", type=int, default=0, help="Newest N jobs (0: all, fetched page by page).")
 @click.option("--state", "states", multiple=True, metavar="STATE",
               type=click.Choice(["PENDING", "PLACED", "STARTING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED",
@@ -210,7 +227,8 @@ def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wa
 @pass_ctx
 def jobs(ctx: Ctx, limit: int, states: tuple[str, ...], as_json: bool) -> None:
     """List jobs, newest first."""
-    from rankctl.cli.render import job_to_dict, print_json, rows_table, stdout_console, when
+    from rankctl.cli.console import print_json, stdout_console
+    from rankctl.cli.render import job_to_dict, rows_table, when
 
     with ctx.client() as client:
         found = [job_to_dict(j) for j in client.jobs(limit, [s.upper() for s in states])]
@@ -231,8 +249,8 @@ def _rank_span(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return int(first), int(last or first)
 
 
-@click.command("status")
-@click.argument("job_id")
+@click.command("status", epilog=example("ctl status train-0a1b2c --ranks 0-127"))
+@job_id_argument
 @click.option("--ranks", "span", metavar="A-B", callback=_rank_span,
               help="Ranks A to B (or one rank A), fetched page by page, instead of the first page.")
 @json_option
@@ -242,7 +260,8 @@ def status(ctx: Ctx, job_id: str, span: tuple[int, int] | None, as_json: bool) -
     the first 64 ranks, result. With --json, "ranks" holds the coordinator's first page (256 ranks)
     or the --ranks range; when that is not every rank, "ranks_shown" ({first, last}) and
     "next_rank_offset" (null: no more) say which."""
-    from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
+    from rankctl.cli.console import print_json, stdout_console
+    from rankctl.cli.render import job_to_dict, job_view
 
     with ctx.client() as client:
         if span is not None:
@@ -257,13 +276,15 @@ def status(ctx: Ctx, job_id: str, span: tuple[int, int] | None, as_json: bool) -
         stdout_console().print(job_view(job, max_ranks=len(job.ranks) if span is not None else SHOWN_RANKS))
 
 
-@click.command("watch")
-@click.argument("job_id")
+@click.command("watch", epilog=example("ctl watch train-0a1b2c --json > final.json"))
+@job_id_argument
 @json_option
 @pass_ctx
 def watch(ctx: Ctx, job_id: str, as_json: bool) -> None:
-    """Follow JOB_ID live (state, per-rank phase and step) until it ends."""
-    from rankctl.cli.render import job_to_dict, print_json
+    """Follow JOB_ID live (state, per-rank phase and step, on stderr) until it ends; exit 0 only on
+    SUCCEEDED. With --json, the final status (as `ctl status --json`) on stdout."""
+    from rankctl.cli.console import print_json
+    from rankctl.cli.render import job_to_dict
 
     job = follow_job(ctx, job_id, live=True)  # on stderr
     if as_json:
@@ -271,27 +292,34 @@ def watch(ctx: Ctx, job_id: str, as_json: bool) -> None:
     exit_for(job)
 
 
-@click.command("logs")
-@click.argument("job_id")
+@click.command("logs", epilog=example("ctl logs train-0a1b2c --rank 0 --follow | grep loss"))
+@job_id_argument
 @click.option("--rank", type=int, default=None, help="Only this rank (default: all ranks, prefixed).")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("--tail", type=int, default=0, help="Only the last N lines per rank (0: all kept).")
+@click.option("--json", "as_json", is_flag=True, help='One JSON object a line: {"rank", "attempt", "line"}.')
 @pass_ctx
-def logs(ctx: Ctx, job_id: str, rank: int | None, follow: bool, tail: int) -> None:
+def logs(ctx: Ctx, job_id: str, rank: int | None, follow: bool, tail: int, as_json: bool) -> None:
     """Print the ranks' stdout and stderr."""
+    from rankctl.cli.console import print_json_line
+
     with ctx.client() as client:
         for line in client.logs(job_id, rank, follow, tail):
-            click.echo(line.line if rank is not None else f"[{line.rank}] {line.line}")
+            if as_json:
+                print_json_line({"rank": line.rank, "attempt": line.attempt, "line": line.line})
+            else:
+                click.echo(line.line if rank is not None else f"[{line.rank}] {line.line}")
 
 
-@click.command("cancel")
-@click.argument("job_id")
+@click.command("cancel", epilog=example("ctl cancel train-0a1b2c --reason 'wrong data path'"))
+@job_id_argument
 @click.option("--reason", default="cancelled by user", show_default=True)
 @json_option
 @pass_ctx
 def cancel(ctx: Ctx, job_id: str, reason: str, as_json: bool) -> None:
     """Cancel JOB_ID: its ranks are stopped on every node."""
-    from rankctl.cli.render import job_to_dict, print_json, state_name
+    from rankctl.cli.console import print_json
+    from rankctl.cli.render import job_to_dict, state_name
 
     with ctx.client() as client:
         job = client.cancel(job_id, reason)

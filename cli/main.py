@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 import click
 
 from rankctl.cli.context import Ctx
+from rankctl.cli.contexts import CONTEXT_ENV, DEFAULT_COORDINATOR
 from rankctl.cli.errors import EXIT_USAGE
+from rankctl.cli.globalopts import hoist, option_spec
 
 # name -> (module, attribute, one-line help). Modules import only click at top level.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -27,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("rankctl.cli.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
     "checkpoint": ("rankctl.cli.checkpoint", "checkpoint", "Work with training checkpoints (export)."),
     "certs": ("rankctl.cli.certs", "certs", "Create a CA and issue node and user certificates (mutual TLS)."),
+    "config": ("rankctl.cli.config", "config", "Named contexts: coordinator address and TLS directory."),
+    "completion": ("rankctl.cli.completion", "completion", "Print the shell completion script (bash, zsh, fish)."),
 }
 
 
@@ -45,29 +52,94 @@ class LazyGroup(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Global options may also follow the subcommand (``cli/globalopts.py``)."""
+        return super().parse_args(ctx, hoist(args, option_spec(self), lambda name: self.get_command(ctx, name)))
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+    def make_context(self, *args, **kwargs) -> click.Context:  # noqa: ANN002, ANN003 - click's signature
+        with _reader_gone_ok():  # `ctl --help | head -1`
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context):  # noqa: ANN201 - click's signature
+        with _reader_gone_ok():
+            return super().invoke(ctx)
+
+
+@contextmanager
+def _reader_gone_ok() -> Iterator[None]:
+    """A closed stdout (`| head`) ends ``ctl`` with exit 0: the reader has what it wanted. Click itself
+    would exit 1, as if the command had failed."""
+    try:
+        yield
+    except BrokenPipeError:
+        _quiet_stdout()
+        raise click.exceptions.Exit(0) from None
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush does not fail again
+    (the SIGPIPE note in Python's ``signal`` docs)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # not a real file (CliRunner)
+        pass
+    finally:
+        os.close(devnull)
+
+
+EPILOG = """\b
+Global options (--coordinator, --tls-dir, --context) go before or after the subcommand.
+Exit codes: 0 ok, 1 job failed, 2 usage or refused, 3 coordinator unreachable.
+
+\b
+Example:
+  ctl --context prod jobs --state RUNNING --json
+"""
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.version_option(package_name="rankctl", prog_name="ctl")
-@click.option("--coordinator", envvar="RANKCTL_COORDINATOR", default="127.0.0.1:7420", show_default=True,
-              metavar="HOST:PORT", help="Coordinator address (env RANKCTL_COORDINATOR).")
+@click.option("--coordinator", envvar="RANKCTL_COORDINATOR", default=None, metavar="HOST:PORT",
+              help=f"Coordinator address (env RANKCTL_COORDINATOR; else the context's; else {DEFAULT_COORDINATOR}).")
 @click.option("--tls-dir", envvar="RANKCTL_TLS_DIR", default=None, metavar="DIR",
               help="Your identity directory (ca.pem, cert.pem, key.pem from `ctl certs issue`) for a coordinator "
-                   "that serves mutual TLS (env RANKCTL_TLS_DIR).")
+                   "that serves mutual TLS (env RANKCTL_TLS_DIR; else the context's).")
+@click.option("--context", "context_name", envvar=CONTEXT_ENV, default=None, metavar="NAME",
+              help=f"Use this context of `ctl config` for this command (env {CONTEXT_ENV}; else the current one).")
 @click.pass_context
-def cli(ctx: click.Context, coordinator: str, tls_dir: str | None) -> None:
+def cli(ctx: click.Context, coordinator: str | None, tls_dir: str | None, context_name: str | None) -> None:
     """rankctl: a control plane for Megatron-style parallel training."""
-    ctx.obj = Ctx(coordinator=coordinator, tls_dir=tls_dir or None)
+    ctx.obj = Ctx(coordinator=coordinator, tls_dir=tls_dir, context=context_name)
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        cli.main(args=argv, prog_name="ctl", standalone_mode=True)
+        code = _run(argv)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
     except Exception as exc:  # last line of defence: no traceback reaches the user
         click.echo(f"error: internal error: {type(exc).__name__}: {exc}", err=True)
         sys.exit(EXIT_USAGE if isinstance(exc, ValueError) else 1)
+    sys.exit(code)
+
+
+def _run(argv: list[str] | None) -> int | str | None:
+    """Run ``ctl``; its exit code, after stdout is flushed (a reader that left early is no failure)."""
+    try:
+        cli.main(args=argv, prog_name="ctl", standalone_mode=True)
+        code: int | str | None = 0
+    except SystemExit as exc:
+        code = exc.code
+    except BrokenPipeError:
+        code = 0
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+        code = 0
+    return code
 
 
 if __name__ == "__main__":

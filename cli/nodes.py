@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import click
 
+from rankctl.cli.completion import complete_node_names
 from rankctl.cli.context import Ctx, pass_ctx
+from rankctl.cli.options import example, json_option
 
 JOBS_SHOWN = 3  # job ids named per node in the table (--json has them all)
 
@@ -20,17 +22,17 @@ def _flags(n: dict) -> str:
     return "; ".join(parts)
 
 
-@click.command("nodes")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout (adds draining, excluded_for).")
+@click.command("nodes", epilog=example("ctl nodes --json | jq -r '.[] | select(.state == \"READY\") | .name'"))
+@json_option
 @pass_ctx
 def nodes(ctx: Ctx, as_json: bool) -> None:
     """List nodes: name, address, slots, state (READY when connected), whether it is draining and the jobs
     it is excluded from (its ranks failed in two attempts in a row; `ctl undrain NODE` clears them)."""
-    from rankctl.cli.render import node_to_dict, print_json, rows_table, stdout_console, when
+    from rankctl.cli.console import print_json, stdout_console
+    from rankctl.cli.render import node_to_dict, rows_table, when
 
     with ctx.client() as client:
-        found = [{**node_to_dict(n), "draining": n.draining, "excluded_for": list(n.excluded_for)}
-                 for n in client.nodes()]
+        found = [node_to_dict(n) for n in client.nodes()]
     if as_json:
         print_json(found)
         return
@@ -42,33 +44,49 @@ def nodes(ctx: Ctx, as_json: bool) -> None:
     stdout_console().print(rows_table("nodes", rows) if rows else "no nodes")
 
 
-@click.command("drain")
-@click.argument("node")
+def _answer(answer, as_json: bool, human: str) -> None:  # noqa: ANN001 - a DrainNodeResponse
+    if as_json:
+        from rankctl.cli.console import print_json
+
+        print_json({"node": answer.node.name, "draining": answer.node.draining, "jobs": list(answer.jobs)})
+    else:
+        click.echo(human)
+
+
+node_argument = click.argument("node", shell_complete=complete_node_names)
+
+
+@click.command("drain", epilog=example("ctl drain node-3 --reason 'ECC errors on GPU 5'"))
+@node_argument
 @click.option("--reason", default="", metavar="TEXT", help="Why (stored, shown in the moved jobs' reasons).")
+@json_option
 @pass_ctx
-def drain(ctx: Ctx, node: str, reason: str) -> None:
+def drain(ctx: Ctx, node: str, reason: str, as_json: bool) -> None:
     """Take NODE out of service: it gets no new work and stays connected while its jobs move off it.
 
     A running train job on it is asked for a checkpoint a couple of steps ahead, then restarts without
     the node and resumes from that checkpoint (at most 60 s later); other jobs restart at once. A drain
     restart does not count against restart.max_restarts. Jobs wait when no other node can take them.
     The drain survives a coordinator restart; `ctl undrain NODE` ends it.
+    With --json: {"node", "draining", "jobs"} (the jobs moving off it).
     """
     with ctx.client() as client:
         answer = client.drain(node, reason)
     jobs = list(answer.jobs)
     moving = f"; moving {len(jobs)} job(s) off it: {', '.join(jobs)}" if jobs else "; no job runs on it"
-    click.echo(f"node {answer.node.name} is draining: it takes no new work{moving}")
+    _answer(answer, as_json, f"node {answer.node.name} is draining: it takes no new work{moving}")
 
 
-@click.command("undrain")
-@click.argument("node")
+@click.command("undrain", epilog=example("ctl undrain node-3"))
+@node_argument
+@json_option
 @pass_ctx
-def undrain(ctx: Ctx, node: str) -> None:
+def undrain(ctx: Ctx, node: str, as_json: bool) -> None:
     """Put NODE back in service: it takes new work again, and it is placed again for the jobs it was
-    excluded from after its ranks failed in two attempts in a row (those exclusions are cleared)."""
+    excluded from after its ranks failed in two attempts in a row (those exclusions are cleared).
+    With --json: {"node", "draining", "jobs"} (the jobs it may run again)."""
     with ctx.client() as client:
         answer = client.drain(node, undrain=True)
     jobs = list(answer.jobs)
     cleared = f"; it may run {', '.join(jobs)} again" if jobs else ""
-    click.echo(f"node {answer.node.name} takes work again{cleared}")
+    _answer(answer, as_json, f"node {answer.node.name} takes work again{cleared}")

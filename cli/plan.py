@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from rankctl.cli.errors import CtlError
+from rankctl.cli.options import example
 
 if TYPE_CHECKING:
     from rankctl.parallel.layout import ParallelConfig, RankLayout
@@ -104,7 +105,7 @@ def _one_rank(layout: "RankLayout", rank: int, gpn: int, as_json: bool) -> str:
     return "\n".join(lines)
 
 
-@click.command("plan")
+@click.command("plan", epilog=example("ctl plan --world-size 64 --tp 8 --pp 4 --gpus-per-node 8"))
 @click.argument("job_file", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a job-file field.")
 @click.option("--world-size", type=int, help="Number of ranks (without a job file).")

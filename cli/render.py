@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from datetime import datetime, timezone
 from typing import Any
 
@@ -13,7 +12,13 @@ TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
 def state_name(state: int) -> str:
-    return pb.JobState.Name(state)
+    """``RUNNING``, whether the stubs name the value ``RUNNING`` or ``JOB_STATE_RUNNING``."""
+    return pb.JobState.Name(state).removeprefix("JOB_STATE_")
+
+
+def node_state_name(state: int) -> str:
+    """``READY``, whether the stubs name the value ``READY`` or ``NODE_STATE_READY``."""
+    return pb.NodeState.Name(state).removeprefix("NODE_STATE_")
 
 
 def _loads(text: str) -> Any:
@@ -114,7 +119,7 @@ def node_to_dict(node: pb.Node) -> dict[str, Any]:
         "address": node.address,
         "slots": node.slots,
         "free_slots": node.free_slots,
-        "state": pb.NodeState.Name(node.state),
+        "state": node_state_name(node.state),
         "last_seen": node.last_seen,
         "rejected_reports": node.rejected_reports,
         "draining": node.draining,
@@ -122,12 +127,6 @@ def node_to_dict(node: pb.Node) -> dict[str, Any]:
         "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in hw.gpus],
         "hostname": hw.hostname,
     }
-
-
-def print_json(doc: Any) -> None:
-    json.dump(doc, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
 
 
 def when(ts: float | None) -> str:
@@ -140,12 +139,14 @@ def rows_table(title: str, rows: list[dict[str, Any]]):
     """A rich Table from a list of uniform dicts (column order from the first row)."""
     from rich.table import Table
 
+    from rich.text import Text
+
     table = Table(title=title, title_justify="left")
     cols = list(rows[0]) if rows else []
     for c in cols:
         table.add_column(str(c), justify="right" if isinstance(rows[0][c], (int, float)) else "left")
-    for row in rows:
-        table.add_row(*[_cell(row.get(c)) for c in cols])
+    for row in rows:  # Text: a reason such as "[rank 3] ..." is data, never rich markup
+        table.add_row(*[Text(_cell(row.get(c))) for c in cols])
     return table
 
 
@@ -269,14 +270,3 @@ def summary_text(s: dict[str, Any], world: int):
 def _state_style(state: str) -> str:
     return {"SUCCEEDED": "green", "FAILED": "red", "CANCELLED": "yellow", "RUNNING": "cyan"}.get(state, "")
 
-
-def stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-def stdout_console():
-    from rich.console import Console
-
-    return Console()

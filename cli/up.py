@@ -11,6 +11,7 @@ import click
 
 from rankctl.cli.context import Ctx
 from rankctl.cli.errors import CtlError
+from rankctl.cli.options import example
 
 if TYPE_CHECKING:
     from rankctl.contract.spec import JobSpec
@@ -34,7 +35,7 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
     return n, s
 
 
-@click.command("up")
+@click.command("up", epilog=example("ctl up examples/comm-check.yaml --nodes 2 --slots 2 --json"))
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--nodes", type=int, default=None, help="Local worker daemons (default: the job's resources.nodes).")
 @click.option("--slots", type=int, default=None, help="Slots per daemon (default: resources.slots_per_node).")
@@ -51,7 +52,8 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     from rankctl.cli.local import LocalCluster
     from rankctl.cli.workdir import pack_workdir, ship
     from rankctl.worker.procutil import configure_logging
-    from rankctl.cli.render import job_to_dict, job_view, print_json, stdout_console
+    from rankctl.cli.console import print_json, stdout_console
+    from rankctl.cli.render import job_to_dict, job_view
 
     configure_logging(level=log_level)
     text, sets, spec = read_job_file(job_file, overrides)

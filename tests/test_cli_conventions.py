@@ -1,0 +1,378 @@
+"""``ctl`` conventions (docs/cli.md): global options anywhere, --json everywhere, pipes (no wrapping, no
+colour, a closed pipe is exit 0), an example ending every --help, shell completion, config contexts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+from click.shell_completion import BashComplete
+from click.testing import CliRunner
+
+from rankctl.cli import console
+from rankctl.cli.globalopts import hoist, option_spec
+from rankctl.cli.main import COMMANDS, cli
+from rankctl.proto import rankctl_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+CTL = [sys.executable, "-m", "rankctl.cli.main"]
+JOB_FILE = str(ROOT / "examples" / "comm-check.yaml")
+SEEDED = 120  # jobs in the shared coordinator: `jobs --json` is far more than a pipe holds (64 KiB)
+LONG_NAME = "a-job-name-long-enough-for-a-table-row-to-pass-80-cols"
+
+
+def run(*args: str, env: dict | None = None):
+    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
+
+
+def sh(command: str, **env: str) -> subprocess.CompletedProcess:
+    """``command`` in sh with pipefail: its exit status is ctl's, not the last reader's."""
+    full = {**os.environ, "CTL": " ".join(CTL), **env}
+    return subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True, text=True,
+                          env=full, timeout=120, cwd=ROOT)
+
+
+@pytest.fixture(autouse=True)
+def no_user_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test has its own (absent) config file and no coordinator or context from the environment."""
+    path = tmp_path / "config" / "config.yaml"
+    monkeypatch.setenv("RANKCTL_CONFIG", str(path))
+    for var in ("RANKCTL_COORDINATOR", "RANKCTL_TLS_DIR", "RANKCTL_CONTEXT", "NO_COLOR", "FORCE_COLOR"):
+        monkeypatch.delenv(var, raising=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory):
+    """A real ``ctl coordinator`` process with SEEDED pending jobs (no nodes: they wait)."""
+    from cluster import start_coordinator
+
+    root = tmp_path_factory.mktemp("conventions")
+    proc, address = start_coordinator(root / "coord")
+    seed = (f"from rankctl.cli.client import Client\nc = Client({address!r})\n"
+            f"text = open({JOB_FILE!r}).read()\n"
+            f"for i in range({SEEDED}): c.submit(text, [f'name={LONG_NAME}-{{i}}'], 'seed', queue_anyway=True)\n")
+    subprocess.run([sys.executable, "-c", seed], check=True, timeout=120)
+    yield address
+    proc.stop()
+
+
+# -- global options before or after the subcommand ---------------------------------------------
+def _hoist(*args: str) -> list[str]:
+    return hoist(list(args), option_spec(cli), lambda name: cli.get_command(click.Context(cli), name))
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["jobs", "--coordinator", "h:1", "--json"], ["--coordinator", "h:1", "jobs", "--json"]),
+    (["jobs", "--json", "--coordinator=h:1"], ["--coordinator=h:1", "jobs", "--json"]),
+    (["status", "j1", "--tls-dir", "/id", "--context", "prod"], ["--tls-dir", "/id", "--context", "prod", "status", "j1"]),
+    (["--context", "a", "cancel", "j1", "--reason", "--coordinator"], ["--context", "a", "cancel", "j1", "--reason",
+                                                                        "--coordinator"]),  # a value of --reason
+    (["logs", "j1", "--", "--coordinator", "h:1"], ["logs", "j1", "--", "--coordinator", "h:1"]),
+    (["worker", "--coordinator", "h:1", "--tls-dir", "/node", "--state-dir", "s"],
+     ["worker", "--coordinator", "h:1", "--tls-dir", "/node", "--state-dir", "s"]),  # the worker's own options
+    (["config", "set-context", "p", "--coordinator", "h:1"], ["config", "set-context", "p", "--coordinator", "h:1"]),
+    (["config", "current-context", "--coordinator", "h:1"], ["--coordinator", "h:1", "config", "current-context"]),
+    (["certs", "issue", "ca", "--context", "p"], ["--context", "p", "certs", "issue", "ca"]),
+    (["nosuch", "--coordinator", "h:1"], ["nosuch", "--coordinator", "h:1"]),
+])
+def test_global_options_after_the_subcommand_move_in_front_of_it(args: list[str], expected: list[str]) -> None:
+    assert _hoist(*args) == expected
+
+
+def test_the_same_global_option_after_the_subcommand_wins(no_user_config: Path) -> None:
+    res = run("--coordinator", "first:1", "config", "current-context", "--json", "--coordinator", "second:2")
+    assert json.loads(res.stdout)["coordinator"] == "second:2"
+
+
+def test_the_worker_keeps_its_own_coordinator_and_tls_dir(tmp_path: Path) -> None:
+    """``ctl worker --tls-dir`` is the daemon's identity: a user certificate there is refused by the worker."""
+    from rankctl.security.certs import init_ca, issue
+
+    init_ca(tmp_path / "ca", [])
+    user = issue(tmp_path / "ca", tmp_path / "alice", user="alice", role="viewer")
+    res = CliRunner().invoke(cli, ["worker", "--coordinator", "127.0.0.1:9", "--name", "n1", "--tls-dir", str(user),
+                                   "--state-dir", str(tmp_path / "w")])
+    assert res.exit_code == 2 and "needs a node certificate" in res.output
+
+
+# -- config contexts and precedence -------------------------------------------------------------
+def write_config(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc))
+
+
+CONTEXTS = {"current-context": "cur", "contexts": {"cur": {"coordinator": "cur:1", "tls_dir": "/cur"},
+                                                    "other": {"coordinator": "other:2"}}}
+
+
+@pytest.mark.parametrize("flag, env, context, file, expected", [
+    (None, None, None, None, ("127.0.0.1:7420", None)),            # default
+    (None, None, None, CONTEXTS, ("cur:1", "/cur")),               # the file's current context
+    (None, None, "other", CONTEXTS, ("other:2", None)),            # --context / RANKCTL_CONTEXT selects
+    (None, "env:3", None, CONTEXTS, ("env:3", "/cur")),            # env beats the context (per field)
+    (None, "env:3", "other", CONTEXTS, ("env:3", None)),
+    ("flag:4", "env:3", None, CONTEXTS, ("flag:4", "/cur")),        # the flag beats the env
+    ("flag:4", None, None, None, ("flag:4", None)),
+])
+@pytest.mark.parametrize("context_by", ["flag", "env"])
+def test_precedence_flag_env_context_default(no_user_config: Path, flag, env, context, file, expected,
+                                             context_by: str) -> None:
+    if file:
+        write_config(no_user_config, file)
+    args = ["--coordinator", flag] if flag else []
+    environ = {"RANKCTL_COORDINATOR": env} if env else {}
+    if context and context_by == "flag":
+        args += ["--context", context]
+    elif context:
+        environ["RANKCTL_CONTEXT"] = context
+    res = run(*args, "config", "current-context", "--json", env=environ)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert (doc["coordinator"], doc["tls_dir"]) == expected
+    assert doc["name"] == (context or (file or {}).get("current-context"))
+
+
+def test_tls_dir_flag_and_env_beat_the_context(no_user_config: Path) -> None:
+    write_config(no_user_config, CONTEXTS)
+    assert json.loads(run("config", "current-context", "--json", env={"RANKCTL_TLS_DIR": "/env"}).stdout)["tls_dir"] \
+        == "/env"
+    res = run("config", "current-context", "--json", "--tls-dir", "/flag", env={"RANKCTL_TLS_DIR": "/env"})
+    assert json.loads(res.stdout)["tls_dir"] == "/flag"
+
+
+def test_set_use_get_delete_contexts(no_user_config: Path, tmp_path: Path) -> None:
+    assert run("config", "set-context", "prod", "--coordinator", "head:7420", "--tls-dir", str(tmp_path)).exit_code == 0
+    assert run("config", "set-context", "dev", "--coordinator", "127.0.0.1:7420").exit_code == 0
+    assert run("config", "current-context").stdout == "prod\n"  # the first context became current
+    assert run("config", "use-context", "dev").exit_code == 0
+    rows = json.loads(run("config", "get-contexts", "--json").stdout)
+    assert rows == [{"name": "prod", "coordinator": "head:7420", "tls_dir": str(tmp_path), "current": False},
+                    {"name": "dev", "coordinator": "127.0.0.1:7420", "tls_dir": None, "current": True}]
+    assert run("config", "set-context", "prod", "--coordinator", "head:7421").exit_code == 0  # tls_dir kept
+    assert json.loads(run("config", "view", "--json").stdout)["contexts"]["prod"] == \
+        {"coordinator": "head:7421", "tls_dir": str(tmp_path)}
+    assert run("config", "delete-context", "dev").exit_code == 0
+    res = run("config", "current-context")
+    assert res.exit_code == 1 and "no current context" in res.output
+    assert no_user_config.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in no_user_config.parent.iterdir()] == ["config.yaml"]  # no temporary file left
+
+
+@pytest.mark.parametrize("text, words", [
+    ("contexts: [a, b]\n", ["contexts is", "must be a mapping"]),
+    ("contexts: {prod: {coordinator: 7420}}\n", ["contexts.prod.coordinator=7420", "HOST:PORT"]),
+    ("contexts: {prod: {coordinator: 'head'}}\n", ["contexts.prod.coordinator='head'", "port 1-65535"]),
+    ("contexts: {prod: {coordinator: 'h:1', tls: x}}\n", ["contexts.prod.tls", "unknown field"]),
+    ("contexts: {'bad name': {coordinator: 'h:1'}}\n", ["contexts.bad name", "letters, digits"]),
+    ("current-context: gone\ncontexts: {prod: {coordinator: 'h:1'}}\n", ["current-context='gone'", "prod"]),
+    ("contexts: {prod: {coordinator: 'h:1'\n", ["not valid YAML at line"]),
+    ("- 1\n", ["holds list", "must be a mapping"]),
+])
+def test_a_malformed_config_file_is_a_clear_error_exit_2(no_user_config: Path, text: str, words: list[str]) -> None:
+    no_user_config.parent.mkdir(parents=True)
+    no_user_config.write_text(text)
+    res = CliRunner().invoke(cli, ["jobs"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert res.output.startswith(f"error: {no_user_config}: ")
+    for word in words:
+        assert word in res.output
+
+
+def test_an_unknown_context_is_exit_2_naming_the_file(no_user_config: Path) -> None:
+    write_config(no_user_config, CONTEXTS)
+    res = CliRunner().invoke(cli, ["jobs", "--context", "nope"])
+    assert res.exit_code == 2 and str(no_user_config) in res.output and "no context 'nope'" in res.output
+    assert "cur, other" in res.output
+    res = CliRunner().invoke(cli, ["config", "use-context", "nope"])
+    assert res.exit_code == 2 and "no context 'nope'" in res.output
+
+
+def test_commands_that_need_no_coordinator_ignore_a_broken_config(no_user_config: Path) -> None:
+    no_user_config.parent.mkdir(parents=True)
+    no_user_config.write_text("{{{")
+    assert run("plan", "--world-size", "8", "--tp", "2").exit_code == 0
+
+
+# -- --help ends with an example ------------------------------------------------------------------
+def _walk(command: click.Command, path: tuple[str, ...]):
+    yield path, command
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        yield from _walk(sub, (*path, name))
+
+
+def every_command():
+    ctx = click.Context(cli)
+    return [item for name in sorted(COMMANDS) for item in _walk(cli.get_command(ctx, name), (name,))]
+
+
+COMMAND_TREE = [((), cli), *every_command()]
+
+
+@pytest.mark.parametrize("path, command", COMMAND_TREE, ids=[" ".join(("ctl", *p)) for p, _ in COMMAND_TREE])
+def test_every_help_ends_with_an_example(path: tuple[str, ...], command: click.Command) -> None:
+    text = (command.epilog or command.help or "").strip()
+    last = text.split("\n\n")[-1].replace("\b\n", "").strip()
+    assert last.startswith("Example"), f"ctl {' '.join(path)}: help ends with {last!r}"
+    assert "ctl " in last
+    shown = run(*path, "--help").output
+    assert "Example" in shown and "Traceback" not in shown
+    if command.epilog:  # printed after the options: the example block is the end of --help
+        assert shown.rindex("Example") > shown.rindex("Options:") and "ctl " in shown[shown.rindex("Example"):]
+
+
+# -- output to pipes and terminals ----------------------------------------------------------------
+def test_a_pipe_gets_no_colour_and_an_unlimited_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    c = console.stdout_console()
+    assert c.width == console.PIPE_WIDTH and c.no_color and c.color_system is None and not c.is_terminal
+
+
+def test_a_terminal_honours_no_color(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(console, "is_terminal", lambda stream: True)
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert console.stdout_console().no_color
+    monkeypatch.delenv("NO_COLOR")
+    assert not console.stdout_console().no_color
+
+
+def test_a_table_to_a_pipe_has_one_line_per_row_and_no_escapes(coordinator: str) -> None:
+    out = sh(f'$CTL jobs --coordinator {coordinator} --limit 5 | cat', COLUMNS="40")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if LONG_NAME in line]
+    assert len(rows) == 5 and all("waiting for capacity" in row and "PENDING" in row for row in rows)
+    assert max(map(len, rows)) > 120 and "\x1b[" not in out.stdout
+
+
+@pytest.mark.parametrize("command", [
+    "$CTL jobs --json --coordinator {address} | head -1",
+    "$CTL --coordinator {address} jobs | head -3",
+    "$CTL plan --world-size 4096 --tp 8 --all-ranks --json | head -c 10",
+    "$CTL plan --world-size 4096 --tp 8 --all-ranks | head -1",
+])
+def test_a_reader_that_leaves_early_is_exit_0_without_noise(coordinator: str, command: str) -> None:
+    out = sh(command.format(address=coordinator))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "" and out.stdout
+
+
+# -- --json on every command that prints a result -------------------------------------------------
+@pytest.mark.grpc_in_process
+def test_submit_cancel_jobs_status_watch_json(coordinator: str) -> None:
+    res = run("submit", JOB_FILE, "--queue-anyway", "--set", "name=json-shapes", "--json", "--coordinator", coordinator)
+    sub = json.loads(res.stdout)
+    assert set(sub) == {"id", "name", "kind", "state", "world_size"} and sub["state"] == "PENDING"
+    assert sub["name"] == "json-shapes" and sub["world_size"] == 8
+    assert json.loads(run("status", sub["id"], "--json", "--coordinator", coordinator).stdout)["id"] == sub["id"]
+    listed = json.loads(run("jobs", "--limit", "1", "--json", "--coordinator", coordinator).stdout)
+    assert [j["id"] for j in listed] == [sub["id"]]
+    cancelled = json.loads(run("cancel", sub["id"], "--json", "--coordinator", coordinator).stdout)
+    assert cancelled["state"] == "CANCELLED"
+    res = CliRunner().invoke(cli, ["watch", sub["id"], "--json", "--coordinator", coordinator])
+    assert res.exit_code == 1 and json.loads(res.stdout)["state"] == "CANCELLED"
+
+
+@pytest.mark.grpc_in_process
+def test_drain_of_an_unknown_node_is_exit_2_on_stderr(coordinator: str) -> None:
+    res = CliRunner().invoke(cli, ["drain", "no-such-node", "--json", "--coordinator", coordinator])
+    assert res.exit_code == 2 and res.stdout == "" and res.stderr.startswith("error: ")
+
+
+def test_logs_json_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankctl.cli.context import Ctx
+
+    class FakeClient:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def logs(self, job_id: str, rank, follow: bool, tail: int):  # noqa: ANN001
+            yield pb.LogLine(rank=0, attempt=2, line="step 1 loss 2.5")
+            yield pb.LogLine(rank=3, attempt=2, line='{"not": "parsed"}')
+
+    monkeypatch.setattr(Ctx, "client", lambda self: FakeClient())
+    res = run("logs", "j1", "--json")
+    assert [json.loads(line) for line in res.output.splitlines()] == [
+        {"rank": 0, "attempt": 2, "line": "step 1 loss 2.5"}, {"rank": 3, "attempt": 2, "line": '{"not": "parsed"}'}]
+    assert run("logs", "j1").output == '[0] step 1 loss 2.5\n[3] {"not": "parsed"}\n'
+
+
+def test_state_names_drop_the_enum_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankctl.cli import render
+
+    monkeypatch.setattr(render.pb.JobState, "Name", lambda v: "JOB_STATE_RUNNING")
+    monkeypatch.setattr(render.pb.NodeState, "Name", lambda v: "NODE_STATE_READY")
+    assert render.state_name(2) == "RUNNING" and render.node_state_name(1) == "READY"
+
+
+# -- shell completion --------------------------------------------------------------------------------
+def test_completion_scripts() -> None:
+    for shell, word in (("bash", "complete -o"), ("zsh", "compdef"), ("fish", "complete --no-files")):
+        res = run("completion", shell)
+        assert res.exit_code == 0 and word in res.output and "_CTL_COMPLETE" in res.output
+
+
+def test_job_ids_complete_in_a_subprocess_from_the_coordinator(coordinator: str) -> None:
+    env = {**os.environ, "_CTL_COMPLETE": "bash_complete", "COMP_WORDS": f"ctl --coordinator {coordinator} status "
+           f"{LONG_NAME}-11", "COMP_CWORD": "4"}
+    out = subprocess.run(CTL, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() and all(line.startswith(f"plain,{LONG_NAME}-11") for line in out.stdout.splitlines())
+
+
+def test_completion_is_silent_when_no_coordinator_answers() -> None:
+    env = {**os.environ, "_CTL_COMPLETE": "bash_complete", "COMP_WORDS": "ctl --coordinator 127.0.0.1:9 cancel ",
+           "COMP_CWORD": "4"}
+    out = subprocess.run(CTL, capture_output=True, text=True, env=env, timeout=60)
+    assert (out.returncode, out.stdout.strip(), out.stderr) == (0, "", "")  # click ends even no answer with a newline
+
+
+@pytest.fixture
+def in_process_coordinator(tmp_path: Path):
+    """A coordinator on its own event loop thread with one fake node registered (no daemon)."""
+    from rankctl.coordinator.records import NodeHello
+    from rankctl.coordinator.server import start_coordinator
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro):  # noqa: ANN001, ANN202
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    server = call(start_coordinator("127.0.0.1:0", tmp_path / "state", heartbeat_timeout=3600.0))
+
+    async def register() -> None:
+        server.core.register(NodeHello("gpu-node-7", "10.0.0.7", 8, session="s1"), lambda msg: None)
+
+    call(register())
+    yield server
+    call(server.stop(0.1))
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+@pytest.mark.grpc_in_process
+def test_node_names_and_job_ids_complete_in_process(in_process_coordinator) -> None:
+    from rankctl.cli.client import Client
+
+    address = in_process_coordinator.address
+    with Client(address) as client:
+        job = client.submit(Path(JOB_FILE).read_text(), ["name=complete-me"], "test", queue_anyway=True)
+    complete = BashComplete(cli, {}, "ctl", "_CTL_COMPLETE")
+    nodes = complete.get_completions(["--coordinator", address, "drain"], "gpu")
+    assert [(c.value, c.help) for c in nodes] == [("gpu-node-7", "READY")]
+    jobs = complete.get_completions(["status", "--coordinator", address], "comp")
+    assert [(c.value, c.help) for c in jobs] == [(job.id, "complete-me PENDING")]
+    assert complete.get_completions(["--coordinator", address, "cancel"], "zzz") == []
