@@ -11,9 +11,14 @@ import click
 
 from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_USAGE, CtlError
+from rankctl.cli.options import example
 
 log_level = click.option("--log-level", default="info", show_default=True,
                          type=click.Choice(["debug", "info", "warning", "error"]))
+log_format = click.option("--log-format", default="auto", show_default=True, envvar="RANKCTL_LOG_FORMAT",
+                          type=click.Choice(["auto", "console", "json"]),
+                          help="Log lines for people (console) or one JSON object a line (json); auto: console on "
+                               "a terminal, else json.")
 
 
 tls_options = [
@@ -45,14 +50,14 @@ def plain_text_problem(addresses: dict[str, str], tls_dir: str | None, insecure:
     return None
 
 
-async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float,
-                             tls_dir: str | None) -> None:
+async def _serve_coordinator(listen: str, state_dir: Path, tls_dir: str | None, **options: object) -> None:
+    """Serve until SIGTERM/SIGINT; ``options``: start_coordinator's keyword arguments (heartbeat_timeout,
+    head_wait, http_listen, metrics_per_rank)."""
     import structlog
 
     from rankctl.coordinator.server import start_coordinator
 
-    server = await start_coordinator(listen, state_dir, heartbeat_timeout=heartbeat_timeout, head_wait=head_wait,
-                                     tls_dir=tls_dir)
+    server = await start_coordinator(listen, state_dir, tls_dir=tls_dir, **options)
     (state_dir / "address").write_text(server.address + "\n")  # the bound address, for scripts and tests
     structlog.get_logger("rankctl.coordinator").info(
         "coordinator listening", address=server.address, state_dir=str(state_dir))
@@ -64,7 +69,9 @@ async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: fl
     await server.stop(1.0)
 
 
-@click.command("coordinator")
+@click.command("coordinator", epilog=example(
+    "ctl coordinator --listen 0.0.0.0:7420 --state-dir /var/lib/rankctl --tls-dir /etc/rankctl/coordinator \\",
+    "    --http-listen 0.0.0.0:9420 --log-format json"))
 @click.option("--listen", default="127.0.0.1:7420", show_default=True, metavar="HOST:PORT",
               help="Address to serve on (port 0 picks a free port and logs it).")
 @click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
@@ -73,20 +80,23 @@ async def _serve_coordinator(listen: str, state_dir: Path, heartbeat_timeout: fl
               help="Seconds without a heartbeat before a node is lost.")
 @click.option("--head-wait", default=60.0, show_default=True, type=float,
               help="Seconds the first job that cannot start holds back later jobs that could (then they backfill).")
+@click.option("--http-listen", default=None, metavar="HOST:PORT",
+              help="Serve the dashboard and Prometheus /metrics over HTTP here (default: off).")
+@click.option("--metrics-per-rank", is_flag=True,
+              help="Add per-rank series to /metrics (one per rank of every active job: large clusters beware).")
 @with_tls
 @log_level
-def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float, tls_dir: str | None,
-                insecure: bool, log_level: str) -> None:
-    """Run the coordinator service (gRPC) until SIGTERM/SIGINT.
-
-    Example: ctl coordinator --listen 0.0.0.0:7420 --state-dir /var/lib/rankctl --tls-dir /etc/rankctl/coordinator
-    """
+@log_format
+def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float, http_listen: str | None,
+                metrics_per_rank: bool, tls_dir: str | None, insecure: bool, log_level: str, log_format: str) -> None:
+    """Run the coordinator service (gRPC) until SIGTERM/SIGINT."""
     from rankctl.coordinator.store import StateDirInUse, StoreUnusable
     from rankctl.security.certs import CertError
     from rankctl.worker.procutil import configure_logging
 
-    configure_logging(level=log_level)
-    problem = plain_text_problem({"--listen": listen}, tls_dir, insecure)
+    configure_logging(level=log_level, fmt=log_format)
+    problem = plain_text_problem({"--listen": listen, **({"--http-listen": http_listen} if http_listen else {})},
+                                 tls_dir, insecure)
     if problem:
         raise CtlError(problem)
     if heartbeat_timeout <= 0:
@@ -101,7 +111,9 @@ def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wai
 
     tune_gc()
     try:
-        asyncio.run(_serve_coordinator(listen, state_dir, heartbeat_timeout, head_wait, tls_dir))
+        asyncio.run(_serve_coordinator(listen, state_dir, tls_dir, heartbeat_timeout=heartbeat_timeout,
+                                       head_wait=head_wait, http_listen=http_listen,
+                                       metrics_per_rank=metrics_per_rank))
     except (StateDirInUse, StoreUnusable, CertError) as exc:
         raise CtlError(str(exc)) from None
     except OSError as exc:
@@ -123,7 +135,23 @@ def node_name(name: str | None) -> str:
     return name
 
 
-@click.command("worker")
+def _check_node_identity(tls_dir: str, node: str) -> None:
+    """``--tls-dir`` must hold this node's own node certificate."""
+    from rankctl.security.certs import CertError
+    from rankctl.security.tls import load_identity_dir
+
+    try:
+        identity = load_identity_dir(tls_dir).identity
+    except CertError as exc:
+        raise CtlError(f"--tls-dir {tls_dir}: {exc}") from None
+    if identity.kind != "node" or identity.name != node:
+        raise CtlError(f"--tls-dir {tls_dir} holds the certificate of {identity}; node {node} needs a node "
+                       f"certificate for {node!r} (ctl certs issue CA_DIR --node {node} --out DIR)")
+
+
+@click.command("worker", epilog=example(
+    "ctl worker --coordinator head:7420 --state-dir /var/lib/rankctl-worker --advertise-address 10.0.0.5 \\",
+    "    --tls-dir /etc/rankctl/node --metrics-listen 10.0.0.5:9421"))
 @click.option("--coordinator", "coordinator_address", default=None, metavar="HOST:PORT",
               help="Coordinator address (default: ctl --coordinator / RANKCTL_COORDINATOR).")
 @click.option("--slots", type=int, default=None, help="Rank slots (default: GPUs on this node, or 1).")
@@ -132,26 +160,24 @@ def node_name(name: str | None) -> str:
 @click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory for rank logs and status files.")
 @click.option("--health-listen", default="127.0.0.1:0", show_default=True, help="gRPC health service address.")
+@click.option("--metrics-listen", default=None, metavar="HOST:PORT",
+              help="Serve this node's Prometheus /metrics over HTTP here (default: off).")
 @click.option("--data-root", "data_roots", multiple=True, metavar="DIR",
               help="A directory under which jobs may name data and other paths on this node (repeatable; "
                    "default: only builtin data and the state dir).")
 @with_tls
 @log_level
+@log_format
 @pass_ctx
 def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: str | None,
-           advertise_address: str | None, state_dir: Path, health_listen: str, data_roots: tuple[str, ...],
-           tls_dir: str | None, insecure: bool, log_level: str) -> None:
-    """Run the worker daemon for this node until SIGTERM/SIGINT.
-
-    Example: ctl worker --coordinator head:7420 --state-dir /var/lib/rankctl-worker --advertise-address 10.0.0.5
-    --tls-dir /etc/rankctl/node
-    """
-    from rankctl.security.certs import CertError
+           advertise_address: str | None, state_dir: Path, health_listen: str, metrics_listen: str | None,
+           data_roots: tuple[str, ...], tls_dir: str | None, insecure: bool, log_level: str, log_format: str) -> None:
+    """Run the worker daemon for this node until SIGTERM/SIGINT."""
     from rankctl.worker.procutil import configure_logging
     from rankctl.worker.daemon import DaemonConfig, LauncherLost, NodeNameTaken
     from rankctl.worker.serve import run_worker
 
-    configure_logging(level=log_level)
+    configure_logging(level=log_level, fmt=log_format)
     if slots is not None and slots < 1:
         raise CtlError(f"--slots={slots} must be at least 1")
     node = node_name(name)
@@ -163,23 +189,23 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         raise CtlError(f"--data-root: {exc}") from None
     tls_dir = tls_dir or ctx.tls_dir
     address = coordinator_address or ctx.coordinator
-    problem = plain_text_problem({"--coordinator": address, "--advertise-address": f"{advertise_address or '127.0.0.1'}:0",
-                                  "--health-listen": health_listen}, tls_dir, insecure)
+    addresses = {"--coordinator": address, "--advertise-address": f"{advertise_address or '127.0.0.1'}:0",
+                 "--health-listen": health_listen, **({"--metrics-listen": metrics_listen} if metrics_listen else {})}
+    problem = plain_text_problem(addresses, tls_dir, insecure)
     if problem:
         raise CtlError(problem)
     if tls_dir:
-        from rankctl.security.tls import load_identity_dir
+        _check_node_identity(tls_dir, node)
+    if metrics_listen:
+        from rankctl.worker.metrics import split_listen
 
         try:
-            identity = load_identity_dir(tls_dir).identity
-        except CertError as exc:
-            raise CtlError(f"--tls-dir {tls_dir}: {exc}") from None
-        if identity.kind != "node" or identity.name != node:
-            raise CtlError(f"--tls-dir {tls_dir} holds the certificate of {identity}; node {node} needs a node "
-                           f"certificate for {node!r} (ctl certs issue CA_DIR --node {node} --out DIR)")
+            split_listen(metrics_listen)
+        except ValueError as exc:
+            raise CtlError(f"--metrics-listen: {exc}") from None
     state_dir.mkdir(parents=True, exist_ok=True)
     cfg = DaemonConfig(
-        coordinator=coordinator_address or ctx.coordinator,
+        coordinator=address,
         name=node,
         slots=slots or 0,
         state_dir=state_dir.resolve(),
@@ -187,6 +213,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         health_listen=health_listen,
         tls_dir=str(tls_dir) if tls_dir else None,
         data_roots=tuple(data_roots),
+        metrics_listen=metrics_listen or "",
     )
     try:
         asyncio.run(run_worker(cfg))
@@ -194,3 +221,5 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         raise CtlError(str(exc), code=EXIT_JOB_FAILED) from None
     except NodeNameTaken as exc:  # a usage error: another daemon holds this name
         raise CtlError(str(exc), code=EXIT_USAGE) from None
+    except OSError as exc:
+        raise CtlError(f"worker cannot serve: {exc}") from None

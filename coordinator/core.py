@@ -43,6 +43,7 @@ from rankctl.coordinator.errors import CapacityError, InvalidRequest, NodeNameTa
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable, Outbox
 from rankctl.coordinator.logfetch import LogFetcher
+from rankctl.coordinator.metrics import CoordinatorStats
 from rankctl.coordinator.planner import assign_messages, pick_port, plan_layout
 from rankctl.coordinator.progress import JobSummary, failure_reason, rank_span
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob
@@ -88,6 +89,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
         self.started_at = clock()
         self.stopping = False
         self.rejected_reports: Counter[str] = Counter()  # node -> reports for ranks it does not own
+        self.stats = CoordinatorStats()                  # counters for the metrics (coordinator.metrics)
         self._head_since: dict[str, float] = {}          # job id -> when it first could not start
         self._owed: set[str] = set()                     # jobs whose advance failed to store: retried by tick
         self._reschedule = False                         # a schedule pass failed to store: retried by tick
@@ -369,12 +371,14 @@ class Coordinator(ReportsMixin, RestartsMixin):
             log.exception("job.assignments_failed", job=job.id)
             self.book.transition(job, S.FAILED, f"cannot build rank assignments: {exc}")
             return
+        waited = self.book.waited(job)
         with self.store.transaction(f"the placement of job {job.id}"):
             job.nodes, job.rendezvous = names, rendezvous
             self.book.transition(job, S.PLACED, f"placed on {_node_span(names)}; rendezvous {job.rendezvous}")
             self.store.put_attempt(job, self.clock())
             self.book.start_ranks(job)
             self.book.transition(job, S.STARTING, f"sent {job.world_size} rank assignment(s) to {len(names)} node(s)")
+        self.stats.queue_wait.observe(waited)
         for name, msg in zip(names, messages):
             self._send(name, msg)
 

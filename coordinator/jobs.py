@@ -64,6 +64,8 @@ class JobBook:
         self._seqnos: list[int] = [j.seqno for j in self._order]
         self._active: dict[str, JobRecord] = {j.id: j for j in self._order if is_active(j.state)}
         self._pending: dict[str, JobRecord] = {j.id: j for j in self._order if j.state is JobState.PENDING}
+        known = getattr(self, "queued_at", {})  # kept across a resync; after a restart, since submission
+        self.queued_at: dict[str, float] = {j.id: known.get(j.id, j.created_at) for j in self._pending.values()}
 
     def _rebuild(self, job: JobRecord) -> JobProgress:
         progress = JobProgress(job.world_size)
@@ -123,6 +125,10 @@ class JobBook:
         return sorted(self._pending.values(), key=lambda j: j.seqno) if len(self._pending) > 1 \
             else list(self._pending.values())
 
+    def waited(self, job: JobRecord) -> float:
+        """Seconds a PENDING job has been queued (this attempt; since submission after a coordinator restart)."""
+        return max(0.0, self.clock() - self.queued_at.get(job.id, job.created_at))
+
     def active(self) -> list[JobRecord]:
         return list(self._active.values())
 
@@ -178,8 +184,10 @@ class JobBook:
             self._active.pop(job.id, None)
         if job.state is JobState.PENDING:
             self._pending[job.id] = job
+            self.queued_at.setdefault(job.id, self.clock())
         else:
             self._pending.pop(job.id, None)
+            self.queued_at.pop(job.id, None)
 
     def event(self, job: JobRecord, kind: str, message: str, rank: RankRecord | None = None, *,
               step: int = 0, metrics: dict[str, Any] | None = None) -> EventRecord:

@@ -264,6 +264,8 @@ class _StepAcc:
     tokens_per_s: float | None = None
     time_min: float | None = None
     time_max: float | None = None
+    time_sum: float = 0.0     # of the ranks' step times, for their mean (metrics)
+    time_n: int = 0
 
     def add(self, m: dict[str, Any]) -> None:
         """Fold a metrics dict (numbers only; ``step_time_s`` or ``step_time``)."""
@@ -280,6 +282,12 @@ class _StepAcc:
         if dt is not None:
             self.time_min = dt if self.time_min is None or dt < self.time_min else self.time_min
             self.time_max = dt if self.time_max is None or dt > self.time_max else self.time_max
+            self.time_sum += dt
+            self.time_n += 1
+
+    @property
+    def time_mean(self) -> float | None:
+        return self.time_sum / self.time_n if self.time_n else None
 
     def as_dict(self) -> dict[str, Any]:
         out = {"loss": self.loss, "tokens_per_s": self.tokens_per_s,
@@ -307,6 +315,8 @@ class JobProgress:
     max_step: int = 0
     _acc: dict[int, _StepAcc] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)        # of the last job-level step event
+    last_step: _StepAcc | None = None                            # the figures behind ``metrics``
+    val_loss: float | None = None                                # the latest step's that had one
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
     advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
     skew: ComputeSkew | None = None   # stragglers by compute time; made at the first compute_s reported
@@ -409,7 +419,9 @@ class JobProgress:
             before = self.min_step
             self.min_step = min(self.at_step)
             if self.min_step > before:
-                acc = self._acc.get(self.min_step)
+                acc = self.last_step = self._acc.get(self.min_step)
+                if acc is not None and acc.val_loss is not None:
+                    self.val_loss = acc.val_loss
                 self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}
                 for s in [s for s in self._acc if s <= self.min_step]:
                     del self._acc[s]

@@ -78,12 +78,13 @@ class ReportsMixin:
         self._held, self._inbox, self._queued = [], [], 0
         touched: dict[str, JobRecord] = {}
         seqs: dict[str, tuple[NodeSession, int]] = {}
+        applied = 0
         try:
             with self._consistent(), self._outgoing_after_commit():
                 with self.store.transaction("rank reports"):
                     for session, updates in batch:
                         if self.nodes.is_current(session):
-                            self._apply_updates(session, updates, touched)
+                            applied += self._apply_updates(session, updates, touched)
                         if session.record.last_seq:
                             seqs[session.name] = (session, session.record.last_seq)
                     for name, (session, seq) in seqs.items():
@@ -96,6 +97,7 @@ class ReportsMixin:
             self._check_held()
             log.warning("reports.store_failed", held=sum(len(u) for _, u in self._held), error=str(exc))
             return False
+        self.stats.rank_reports += applied
         self._ack(seqs.values())
         if self._reschedule:  # a job finished inside the transaction: its slots are free now
             self.schedule()
@@ -138,10 +140,11 @@ class ReportsMixin:
         return job.nodes[node_of_rank(rank, job.slots_per_node)] if 0 <= rank < job.world_size and job.nodes else None
 
     def _apply_updates(self, session: NodeSession, updates: Sequence[RankUpdate | pb.RankReport],
-                       touched: dict[str, JobRecord]) -> None:
-        """Apply one node's reports in order; the job, its counters and the node's rank range are
-        looked up once per run of reports for the same job (the hot path reads the wire objects)."""
+                       touched: dict[str, JobRecord]) -> int:
+        """Apply one node's reports in order; how many applied. The job, its counters and the node's rank
+        range are looked up once per run of reports for the same job (the hot path reads the wire objects)."""
         rec, name = session.record, session.name
+        applied = 0
         job: JobRecord | None = None
         lo = hi = 0
         ranks: dict[int, RankRecord] = {}
@@ -165,8 +168,10 @@ class ReportsMixin:
             if not lo <= update.status.rank < hi:
                 self._reject(session, update, job)
                 continue
+            applied += 1
             if self._apply_rank(job, ranks, progress, name, update):
                 touched[job.id] = job
+        return applied
 
     def _reject(self, session: NodeSession, update: RankUpdate, job: JobRecord | None) -> None:
         """Count (and log, sparingly) a report for a rank this node does not run in this attempt."""

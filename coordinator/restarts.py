@@ -112,6 +112,7 @@ class RestartsMixin:
             if blamed:
                 self.store.blame_attempt(job.id, job.attempt, blamed)
                 self._exclude_if_repeated(job, blamed)
+        self.stats.restarts[cause] += 1
         self._drains.pop(job.id, None)
         self._begin_stop(job)
         cancel = convert.cancel_message(job.id, job.attempt, headline)

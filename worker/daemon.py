@@ -8,13 +8,13 @@ rank under backlog). Heartbeats never queue behind reports: the writer sends a d
 before the next batch (and skips it, but for every fifth, which carries free ports, when a batch
 went out within the interval: a report shows the node alive as well). Rank logs stay in their files here; the coordinator reads them on
 demand (FetchLogs, answered by ``worker.logship``, which also rotates them past a size cap). While the coordinator is away it
-reconnects with backoff and keeps every report; after re-registering it replays those the
-coordinator has not yet stored.
+reconnects with jittered backoff (``reconnect_delay``) and keeps every report; after re-registering
+it replays those the coordinator has not yet stored.
 
 When the launcher dies, every rank it had forked died with it (``PR_SET_PDEATHSIG``): the
-daemon reports them killed, reports NOT_SERVING (``set_serving``), starts a new launcher and
-serves again; ``LauncherLost`` ends ``run()`` when no launcher starts after a few tries, so
-that the process exits and its supervisor restarts it. ``NodeNameTaken`` ends it when the
+daemon reports them killed and starts a new launcher. Health (``set_serving``) is SERVING only
+while a coordinator session is registered and a launcher runs. ``LauncherLost`` ends ``run()``
+when no launcher starts after a few tries, so that the process exits and its supervisor restarts it. ``NodeNameTaken`` ends it when the
 coordinator refuses the node's name. A coordinator's ids become paths only once
 ``worker.paths`` has checked them; rank logs ship within ``worker.logship``'s limits.
 """
@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import time
 from collections import deque
@@ -47,6 +48,7 @@ from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.contract.collfiles import read_counters
 from rankctl.contract.rankfiles import log_path, write_control
 from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
+from rankctl.worker.metrics import DaemonStats
 from rankctl.worker.paths import Refused, run_dir_for
 from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
 from rankctl.worker.reportbuf import ReportBuffer
@@ -76,7 +78,7 @@ class DaemonConfig:
     log_cap_bytes: int = ROTATE_BYTES  # a rank log past this is rotated (one older generation kept)
     peer_port: int = 0            # where this node's PeerService listens (on advertise_address); 0: none
     backoff_initial: float = 0.2
-    backoff_max: float = 5.0
+    backoff_max: float = 5.0      # retries at least this often (the coordinator's RECONNECT_GRACE_S counts on it)
     free_ports: int = 8
     launcher_restarts: int = 4  # tries to start a new launcher before the daemon gives up
     launcher_backoff: float = 1.0  # seconds before the second try; doubles each time
@@ -84,6 +86,7 @@ class DaemonConfig:
     py_spy: str | None = None  # py-spy for a stalled rank's stack; None: on PATH or beside python; "": never
     tls_dir: str | None = None  # this node's identity directory: mutual TLS to the coordinator and to peers
     data_roots: tuple[str, ...] = ()  # where a job's data and other node paths may lie (besides the state dir)
+    metrics_listen: str = ""      # HOST:PORT of the Prometheus /metrics endpoint (worker.metrics); "": none
 
 
 class LauncherLost(RuntimeError):
@@ -92,6 +95,13 @@ class LauncherLost(RuntimeError):
 
 class NodeNameTaken(RuntimeError):
     """The coordinator refused this node's name: another live daemon holds it. Retrying cannot help."""
+
+
+def reconnect_delay(previous: float, initial: float, cap: float, rng: random.Random) -> float:
+    """The wait before the next connection attempt: "decorrelated jitter", uniform between ``initial`` and
+    three times the previous wait, at most ``cap`` (``previous`` 0: the first retry after a session ended).
+    Daemons cut off together (a coordinator restart) thus come back spread out, not in lockstep."""
+    return min(cap, rng.uniform(initial, 3 * max(previous, initial)))
 
 
 def name_taken(exc: grpc.aio.AioRpcError) -> bool:
@@ -122,13 +132,18 @@ class WorkerDaemon:
     """Runs until ``stop()``; ``launcher`` is a started ``worker.launcher.Launcher``.
 
     ``start_launcher`` starts a replacement when the launcher dies (the daemon closes those it
-    started); ``set_serving`` reports the health service's status (False while no launcher).
+    started); ``set_serving`` reports the health service's status when it changes (True while a session is
+    registered and a launcher runs); ``rng`` jitters the reconnect waits (tests pass a seeded one).
     """
 
     def __init__(self, cfg: DaemonConfig, launcher: Any, *,
                  start_launcher: Callable[[], Awaitable[Any]] | None = None,
-                 set_serving: Callable[[bool], Awaitable[None]] | None = None) -> None:
+                 set_serving: Callable[[bool], Awaitable[None]] | None = None,
+                 rng: random.Random | None = None) -> None:
         self.cfg = cfg
+        self.stats = DaemonStats()
+        self._rng = rng or random.Random()
+        self._healthy: bool | None = None  # what set_serving was last told
         self.launcher = launcher
         self._start_launcher = start_launcher or Launcher.start
         self._set_serving = set_serving
@@ -247,14 +262,26 @@ class WorkerDaemon:
                 await asyncio.sleep(self.cfg.launcher_backoff * 2 ** (quick_deaths - 2))
             await self._restart_launcher()
 
-    async def _serving(self, ok: bool) -> None:
-        if self._set_serving is not None:
+    @property
+    def online(self) -> bool:
+        """A session with the coordinator is registered."""
+        return self._online
+
+    @property
+    def launcher_alive(self) -> bool:
+        return self._launcher_up.is_set()
+
+    async def _update_health(self) -> None:
+        """Tell ``set_serving`` when the node's health changed: SERVING needs a session and a launcher."""
+        ok = self._online and self._launcher_up.is_set()
+        if ok != self._healthy and self._set_serving is not None:
+            self._healthy = ok
             await self._set_serving(ok)
 
     async def _launcher_died(self) -> None:
         """Report every rank the dead launcher had forked as killed (they died with it)."""
         self._launcher_up.clear()
-        await self._serving(False)
+        await self._update_health()
         proc = getattr(self.launcher, "proc", None)
         if proc is not None:  # its exit status, once reaped
             with contextlib.suppress(asyncio.TimeoutError):
@@ -284,8 +311,9 @@ class WorkerDaemon:
             if self._own_launcher is not None:
                 await self._own_launcher.close()  # the dead replacement: reap it
             self.launcher = self._own_launcher = launcher
+            self.stats.launcher_restarts += 1
             self._launcher_up.set()
-            await self._serving(True)
+            await self._update_health()
             self._log.info("launcher restarted", pid=launcher.pid, attempt=attempt)
             return
         raise LauncherLost(f"the launcher died and did not restart after {self.cfg.launcher_restarts} tries: {error}")
@@ -510,6 +538,7 @@ class WorkerDaemon:
     async def _answer_fetch(self, req: pb.FetchLogs) -> None:
         """Read a rank's log file off the loop and send the chunk back."""
         chunk = await asyncio.to_thread(answer_fetch, self.cfg.state_dir, req)
+        self.stats.log_lines_shipped += len(chunk.lines)
         self._send_control(pb.NodeMessage(log_chunk=chunk))
 
     async def _write(self, call: Any) -> None:
@@ -537,7 +566,9 @@ class WorkerDaemon:
                 self._wake.set()
                 continue
             last_batch = loop.time()
-            await call.write(pb.NodeMessage(batch=pb.ReportBatch(reports=self.reports.take(BATCH_REPORTS))))
+            batch = self.reports.take(BATCH_REPORTS)
+            await call.write(pb.NodeMessage(batch=pb.ReportBatch(reports=batch)))
+            self.stats.reports_sent += len(batch)
             if self.reports.unsent:
                 self._wake.set()
 
@@ -573,8 +604,10 @@ class WorkerDaemon:
             replayed = self.reports.rewind(ack.last_seq)
             self._control.clear()
             self._online = True
+            self.stats.registrations += 1
             self._wake.set()
             self.connected.set()
+            await self._update_health()
             self._log.info("registered", coordinator=self.cfg.coordinator, replayed=replayed)
             tasks = [asyncio.create_task(c) for c in (self._read(call), self._write(call), self._heartbeats())]
             try:
@@ -589,22 +622,27 @@ class WorkerDaemon:
                     t.cancel()
                 self._answers.clear()
                 call.cancel()
+                await self._update_health()  # last: a cancellation here skips nothing else
 
     async def _connect_loop(self) -> None:
-        delay = self.cfg.backoff_initial
+        delay = 0.0  # the previous wait; 0 after a registered session
         while not self._stopping.is_set():
+            registered, error = self.stats.registrations, ""
             try:
                 await self._session_once()
-                delay = self.cfg.backoff_initial
             except (grpc.aio.AioRpcError, ConnectionError, OSError) as exc:
                 if isinstance(exc, grpc.aio.AioRpcError) and name_taken(exc):
                     self._log.error("node name taken; stopping", error=exc.details())
                     raise NodeNameTaken(exc.details()) from None
-                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                self._log.warning("coordinator unreachable", coordinator=self.cfg.coordinator,
-                                  error=detail, retry_in=round(delay, 2))
+                self.stats.connect_failures += 1
+                error = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            if self.stats.registrations > registered:
+                delay = 0.0
+            delay = reconnect_delay(delay, self.cfg.backoff_initial, self.cfg.backoff_max, self._rng)
+            if error:
+                self._log.warning("coordinator unreachable", coordinator=self.cfg.coordinator, error=error,
+                                  retry_in=round(delay, 2))
             await asyncio.sleep(delay)
-            delay = min(delay * 2, self.cfg.backoff_max)
 
     async def run(self) -> None:
         """Until ``stop()``; raises ``LauncherLost`` or ``NodeNameTaken`` when the daemon must exit."""

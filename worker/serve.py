@@ -1,12 +1,17 @@
-"""Run one worker daemon: warm launcher first (before any gRPC), health service, session."""
+"""Run one worker daemon: warm launcher first (before any gRPC), health service, session, metrics.
+
+Health (grpc.health.v1): the overall service "" is SERVING while the daemon has a registered
+coordinator session and a live launcher (the daemon says when that changes); ``PEER_SERVICE``
+is SERVING while this node serves checkpoint shards to its peers (it does not need the coordinator).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import sys
-from dataclasses import replace
-from typing import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Awaitable, Callable
 
 import grpc
 import structlog
@@ -19,7 +24,8 @@ from rankctl.worker.replicas import PeerServicer, ShardStore
 log = structlog.get_logger("rankctl.worker")
 
 
-SERVICES = ("", "rankctl.v1.Worker")
+OVERALL = ""                               # the node: coordinator session and launcher
+PEER_SERVICE = "rankctl.v1.PeerService"    # served on the advertised address (start_peer)
 PEER_MESSAGE_BYTES = 4 << 20   # shard chunks are 1 MiB
 SERVER_OPTIONS = (("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", PEER_MESSAGE_BYTES),
                   ("grpc.max_send_message_length", PEER_MESSAGE_BYTES))
@@ -34,22 +40,30 @@ def _bind(server: grpc.aio.Server, address: str, identity, require_client_auth: 
     return server.add_secure_port(address, creds)
 
 
-async def start_health(listen: str, identity=None) -> tuple[grpc.aio.Server, int, Callable[[bool], Awaitable[None]]]:  # noqa: ANN001
-    """The gRPC health service: (server, bound port, ``set_serving(ok)``); TLS (no client certificate
-    needed: it tells only whether the node serves) when ``identity``."""
+def _status(ok: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def start_health(listen: str,
+                       identity=None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:  # noqa: ANN001
+    """The gRPC health service, every service NOT_SERVING until told otherwise: (server, bound port,
+    servicer); TLS (no client certificate needed: it tells only whether the node serves) when ``identity``."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = _bind(server, listen, identity, require_client_auth=False)
     await server.start()
+    for service in (OVERALL, PEER_SERVICE):
+        await servicer.set(service, _status(False))
+    return server, port, servicer
 
+
+def serving_setter(servicer: health.aio.HealthServicer, service: str = OVERALL) -> Callable[[bool], Awaitable[None]]:
+    """``set_serving(ok)`` for one service of ``servicer``."""
     async def set_serving(ok: bool) -> None:
-        state = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in SERVICES:
-            await servicer.set(service, state)
+        await servicer.set(service, _status(ok))
 
-    await set_serving(True)
-    return server, port, set_serving
+    return set_serving
 
 
 async def start_peer(host: str, state_dir, identity=None) -> tuple[grpc.aio.Server | None, int]:  # noqa: ANN001
@@ -70,11 +84,53 @@ async def start_peer(host: str, state_dir, identity=None) -> tuple[grpc.aio.Serv
     return server, port
 
 
+@dataclass
+class _Services:
+    """The daemon's servers beside its coordinator session: health, peer shards, metrics (optional)."""
+
+    health: grpc.aio.Server
+    health_port: int
+    servicer: health.aio.HealthServicer
+    peer: grpc.aio.Server | None
+    peer_port: int
+    identity: Any = None           # security.tls.IdentityDir: TLS everywhere; None: plain text
+    metrics: Any = None            # aiohttp AppRunner of /metrics; None: off
+    metrics_port: int = 0
+
+    async def start_metrics(self, listen: str, daemon: WorkerDaemon) -> None:
+        """The daemon's Prometheus endpoint (``worker.metrics``) when ``listen``; OSError when it cannot bind."""
+        if listen:
+            from rankctl.worker.metrics import WorkerMetrics, serve_metrics
+
+            self.metrics, self.metrics_port = await serve_metrics(listen, WorkerMetrics(daemon), self.identity)
+
+    async def stop(self) -> None:
+        for service in (OVERALL, PEER_SERVICE):
+            await self.servicer.set(service, _status(False))
+        if self.metrics is not None:
+            await self.metrics.cleanup()
+        await self.health.stop(0.5)
+        if self.peer is not None:
+            await self.peer.stop(0.5)
+
+
+async def _start_services(cfg: DaemonConfig) -> _Services:
+    identity = None
+    if cfg.tls_dir:
+        from rankctl.security.tls import load_identity_dir
+
+        identity = load_identity_dir(cfg.tls_dir)
+    health_server, port, servicer = await start_health(cfg.health_listen, identity)
+    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir, identity)
+    await servicer.set(PEER_SERVICE, _status(peer_server is not None))
+    return _Services(health_server, port, servicer, peer_server, peer_port, identity)
+
+
 async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launcher=None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None); kills every rank on exit.
 
     Raises ``LauncherLost`` when the launcher died and no new one would start, ``NodeNameTaken``
-    when the coordinator refuses the node's name.
+    when the coordinator refuses the node's name, OSError when the metrics address cannot be bound.
     """
     from rankctl.worker.launcher_client import Launcher
 
@@ -83,37 +139,32 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
         launcher = await Launcher.start(python=sys.executable)
     if cfg.slots < 1:  # one rank per GPU, or one slot on a CPU node
         cfg = replace(cfg, slots=len(launcher.hardware.get("gpus", [])) or 1)
-    identity = None
-    if cfg.tls_dir:
-        from rankctl.security.tls import load_identity_dir
-
-        identity = load_identity_dir(cfg.tls_dir)
-    health_server, port, set_serving = await start_health(cfg.health_listen, identity)
-    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir, identity)
-    cfg = replace(cfg, peer_port=peer_port)
+    services = await _start_services(cfg)
+    cfg = replace(cfg, peer_port=services.peer_port)
     daemon = WorkerDaemon(cfg, launcher, start_launcher=lambda: Launcher.start(python=sys.executable),
-                          set_serving=set_serving)
-    log.info("worker started", node=cfg.name, slots=cfg.slots, coordinator=cfg.coordinator, health_port=port,
-             gpus=len(launcher.hardware.get("gpus", [])))
+                          set_serving=serving_setter(services.servicer))
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    runner = asyncio.create_task(daemon.run())
+    runner: asyncio.Task | None = None
     stopped = asyncio.create_task(stop.wait())
     try:
+        await services.start_metrics(cfg.metrics_listen, daemon)
+        log.info("worker started", node=cfg.name, slots=cfg.slots, coordinator=cfg.coordinator,
+                 health_port=services.health_port, metrics_port=services.metrics_port,
+                 gpus=len(launcher.hardware.get("gpus", [])))
+        runner = asyncio.create_task(daemon.run())
         await asyncio.wait([runner, stopped], return_when=asyncio.FIRST_COMPLETED)
     finally:
         daemon.stop()
         stopped.cancel()
         try:
-            await runner  # re-raises why the daemon ended on its own
+            if runner is not None:
+                await runner  # re-raises why the daemon ended on its own
         finally:
             if own_launcher:
                 await launcher.close()
-            await set_serving(False)
-            await health_server.stop(0.5)
-            if peer_server is not None:
-                await peer_server.stop(0.5)
+            await services.stop()
             log.info("worker stopped", node=cfg.name)

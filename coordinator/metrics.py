@@ -1,0 +1,229 @@
+"""Prometheus metrics of the coordinator, collected from the core's state at scrape time.
+
+``CoordinatorStats`` holds the few counters the core keeps for them (O(1) per increment);
+``CoordinatorMetrics`` is a registry of its own (never the process-global one) whose collector
+reads the core when scraped. The scrape runs on the event loop thread, so it reads the core
+without locks; it costs O(jobs + nodes), plus O(ranks of the active jobs) only with
+``per_rank`` (opt-in). Series, labels and cardinality: docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from rankctl.coordinator.nodes import NodeStatus
+from rankctl.coordinator.progress import JobProgress
+from rankctl.coordinator.records import PHASES, JobRecord
+from rankctl.coordinator.states import JobState
+
+if TYPE_CHECKING:
+    from rankctl.coordinator.core import Coordinator
+
+QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+RESTART_CAUSES = ("failure", "drain")
+OTHER = "other"   # a phase outside PHASES (ranks write their own): one label value for all of them
+
+
+@dataclass
+class Histogram:
+    """Fixed buckets, counted per bucket (the last one: above every bound); Prometheus wants them cumulative."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1   # le: a value equal to a bound is in it
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, n in zip((*map(repr, self.bounds), "+Inf"), self.counts):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass
+class CoordinatorStats:
+    """What the core counts for its metrics (since the process started, as Prometheus counters are)."""
+
+    rank_reports: int = 0                                    # applied and stored
+    restarts: Counter = field(default_factory=Counter)       # cause ("failure" | "drain") -> attempts restarted
+    queue_wait: Histogram = field(default_factory=lambda: Histogram(QUEUE_WAIT_BUCKETS))
+
+
+def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def _phase(phase: str) -> str:
+    return phase if phase in PHASES else OTHER
+
+
+class _Collector:
+    """Reads the core when the registry is scraped (event loop thread)."""
+
+    def __init__(self, core: Coordinator, per_rank: bool) -> None:
+        self.core, self.per_rank = core, per_rank
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._jobs()
+        yield from self._queue()
+        yield from self._nodes()
+        yield from self._counters()
+        active = self.core.book.active()
+        yield from self._job_series(active)
+        if self.per_rank:
+            yield from self._rank_series(active)
+
+    def _jobs(self) -> Iterator[Metric]:
+        jobs = _gauge("rankctl_jobs", "Jobs known to the coordinator, by state.", ("state",))
+        counts = Counter(j.state for j in self.core.book.jobs.values())
+        for state in JobState:
+            jobs.add_metric([state.value], counts.get(state, 0))
+        yield jobs
+
+    def _queue(self) -> Iterator[Metric]:
+        book = self.core.book
+        yield GaugeMetricFamily("rankctl_job_queue_length", "PENDING jobs.", value=len(book.queued_at))
+        oldest = max(0.0, self.core.clock() - min(book.queued_at.values())) if book.queued_at else 0.0
+        yield GaugeMetricFamily("rankctl_job_queue_oldest_wait_seconds",
+                                "How long the longest-waiting PENDING job has waited (0: none).", value=oldest)
+        wait = self.core.stats.queue_wait
+        yield HistogramMetricFamily("rankctl_job_queue_wait_seconds",
+                                    "Queue wait of each started attempt: queued (submitted or requeued) to placed.",
+                                    buckets=wait.buckets(), sum_value=wait.total)
+
+    def _nodes(self) -> Iterator[Metric]:
+        core, now = self.core, self.core.clock()
+        nodes = _gauge("rankctl_nodes", "Known nodes, by state.", ("state",))
+        counts = Counter(s.status for s in core.nodes)
+        for status in NodeStatus:
+            nodes.add_metric([status.value], counts.get(status, 0))
+        yield nodes
+        yield GaugeMetricFamily("rankctl_nodes_draining", "Nodes being drained (ctl drain).",
+                                value=len(core.nodes.draining))
+        age = _gauge("rankctl_node_heartbeat_age_seconds", "Seconds since a READY node was last heard from.",
+                     ("node",))
+        for s in core.nodes.ready():
+            age.add_metric([s.name], max(0.0, now - s.last_heartbeat))
+        yield age
+        slots = _gauge("rankctl_slots", "Rank slots of the READY nodes: all of them, and those not taken.",
+                       ("state",))
+        views = core.node_views()
+        slots.add_metric(["total"], sum(s.record.slots for s, _ in views if s.status is NodeStatus.READY))
+        slots.add_metric(["free"], sum(free for _, free in views))
+        yield slots
+
+    def _counters(self) -> Iterator[Metric]:
+        core, stats = self.core, self.core.stats
+        yield CounterMetricFamily("rankctl_rank_reports", "Rank reports applied and stored.",
+                                  value=stats.rank_reports)
+        rejected = CounterMetricFamily("rankctl_rank_reports_rejected",
+                                       "Reports for a rank the sending node does not run in this attempt.",
+                                       labels=["node"])
+        for node, n in sorted(core.rejected_reports.items()):
+            rejected.add_metric([node], n)
+        yield rejected
+        yield GaugeMetricFamily("rankctl_rank_reports_held", "Reports received but not stored: the store refuses.",
+                                value=core.held_reports)
+        restarts = CounterMetricFamily("rankctl_job_restarts", "Job attempts restarted, by cause.", labels=["cause"])
+        for cause in sorted({*RESTART_CAUSES, *stats.restarts}):
+            restarts.add_metric([cause], stats.restarts.get(cause, 0))
+        yield restarts
+
+    def _job_series(self, active: list[JobRecord]) -> Iterator[Metric]:
+        """One series per active job (PLACED, STARTING, RUNNING, RESTARTING) and figure: O(active jobs)."""
+        fam = JobFamilies()
+        for job in active:
+            fam.add(job, self.core.book.progress(job))
+        yield from fam.all()
+
+    def _rank_series(self, active: list[JobRecord]) -> Iterator[Metric]:
+        """Opt-in (``per_rank``): one series per rank of every active job, O(ranks)."""
+        flag = _gauge("rankctl_rank_straggler", "1: the rank is flagged a straggler by its compute time.",
+                      ("job", "rank"))
+        step = _gauge("rankctl_rank_step", "The latest step a rank reported.", ("job", "rank"))
+        for job in active:
+            progress = self.core.book.progress(job)
+            slow = progress.skew.slow if progress.skew is not None else {}
+            for r in range(job.world_size):
+                flag.add_metric([job.id, str(r)], 1 if r in slow else 0)
+            for r, rec in self.core.book.ranks(job.id).items():
+                step.add_metric([job.id, str(r)], rec.step)
+        yield flag
+        yield step
+
+
+class JobFamilies:
+    """The per-job families, filled one job at a time."""
+
+    def __init__(self) -> None:
+        j = ("job",)
+        self.info = _gauge("rankctl_job_info", "1 per active job: its name, kind and state.",
+                           ("job", "name", "kind", "state"))
+        self.attempt = _gauge("rankctl_job_attempt", "The job's current attempt (1 + restarts).", j)
+        self.ranks = _gauge("rankctl_job_ranks", "The job's ranks by phase (this attempt).", ("job", "phase"))
+        self.step = _gauge("rankctl_job_step", "The slowest rank's step: every rank has finished it.", j)
+        self.step_max = _gauge("rankctl_job_step_max", "The fastest rank's step.", j)
+        self.loss = _gauge("rankctl_job_loss", "Training loss of the last completed step.", j)
+        self.val_loss = _gauge("rankctl_job_val_loss", "The latest validation loss (of the last step that had one).", j)
+        self.tokens = _gauge("rankctl_job_tokens_per_second", "Tokens/s of the last completed step (slowest rank).", j)
+        self.step_time = _gauge("rankctl_job_step_time_seconds",
+                                "Step time of the last completed step across the ranks that reported it.",
+                                ("job", "stat"))
+        self.stragglers = _gauge("rankctl_job_stragglers", "Ranks flagged as stragglers by their compute time.", j)
+        self.lagging = _gauge("rankctl_job_lagging_ranks", "Ranks still at the slowest step while others are ahead.",
+                              j)
+
+    def add(self, job: JobRecord, p: JobProgress) -> None:
+        self.info.add_metric([job.id, job.name, job.kind, job.state.value], 1)
+        self.attempt.add_metric([job.id], job.attempt)
+        phases = Counter()
+        for phase, n in p.phases.items():
+            phases[_phase(phase)] += n
+        for phase, n in sorted(phases.items()):
+            self.ranks.add_metric([job.id, phase], n)
+        self.step.add_metric([job.id], p.min_step)
+        self.step_max.add_metric([job.id], p.max_step)
+        self.stragglers.add_metric([job.id], len(p.skew.slow) if p.skew is not None else 0)
+        lagging = len(p.at_step.get(p.min_step, ())) if p.max_step > p.min_step else 0
+        self.lagging.add_metric([job.id], lagging)
+        if p.val_loss is not None:
+            self.val_loss.add_metric([job.id], p.val_loss)
+        acc = p.last_step
+        if acc is None:
+            return
+        for family, value in ((self.loss, acc.loss), (self.tokens, acc.tokens_per_s)):
+            if value is not None:
+                family.add_metric([job.id], value)
+        for stat, value in (("min", acc.time_min), ("mean", acc.time_mean), ("max", acc.time_max)):
+            if value is not None:
+                self.step_time.add_metric([job.id, stat], value)
+
+    def all(self) -> list[Metric]:
+        return [self.info, self.attempt, self.ranks, self.step, self.step_max, self.loss, self.val_loss,
+                self.tokens, self.step_time, self.stragglers, self.lagging]
+
+
+class CoordinatorMetrics:
+    """The coordinator's /metrics: a registry of its own with one collector bound to ``core``."""
+
+    def __init__(self, core: Coordinator, *, per_rank: bool = False) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(core, per_rank))
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of a scrape, in the Prometheus text format; call on the event loop thread."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
