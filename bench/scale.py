@@ -49,6 +49,7 @@ import grpc
 
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
+from rankctl.proto import short_name
 
 HERE = Path(__file__).resolve().parent
 SIM = HERE / "scale_sim.py"
@@ -178,7 +179,7 @@ def which_code(python: str, env: dict) -> str:
 async def job_progress(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str) -> tuple[int, int, str]:
     """(slowest rank's stored step, ranks reported, state): from the summary, else from every rank."""
     job = await client.GetJob(pb.GetJobRequest(job_id=job_id, summary_only=True), timeout=60)
-    state = pb.JobState.Name(job.state)
+    state = short_name(pb.JobState, job.state)
     if job.HasField("summary"):
         s = job.summary
         reported = job.world_size - s.phases.get("pending", 0) if s.phases else job.world_size

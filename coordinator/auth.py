@@ -36,7 +36,7 @@ NODES = "/rankctl.v1.NodeService/"
 VIEWER, SUBMITTER, ADMIN = ROLES
 CLIENT_ROLES = {
     "GetJob": VIEWER, "ListJobs": VIEWER, "ListNodes": VIEWER, "WatchJob": VIEWER, "WatchJobBatches": VIEWER,
-    "GetLogs": VIEWER, "PlanJob": VIEWER, "StatBlob": VIEWER,
+    "GetLogs": VIEWER, "PlanJob": VIEWER, "StatBlob": VIEWER, "GetJobSchema": VIEWER,
     "SubmitJob": SUBMITTER, "UploadBlob": SUBMITTER, "CancelJob": SUBMITTER,
     "DrainNode": ADMIN,
 }

@@ -151,7 +151,7 @@ def stopping_reason(reason: str, stopping: int) -> str:
 
 
 class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
-    """ctl's API: submit, inspect, watch, cancel, logs, plan, blobs (packed workdirs)."""
+    """ctl's API: submit, inspect, watch, cancel, logs, plan, blobs (packed workdirs), the job file's schema."""
 
     def __init__(self, core: Coordinator, blobs: BlobStore) -> None:
         self.core = core
@@ -269,6 +269,14 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             layout, spec = await _off_loop(self.core.plan, request.spec_yaml, list(request.overrides),
                                            request.source or "job file")
             return pb.PlanJobResponse(layout_json=json.dumps(layout, separators=(",", ":")), spec_json=json.dumps(spec))
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def GetJobSchema(self, request: pb.GetJobSchemaRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetJobSchemaResponse:
+        """The job file's JSON Schema: built once (tens of ms, on a worker thread), then cached."""
+        try:
+            return await _off_loop(convert.job_schema_to_pb)
         except Exception as exc:
             await _abort(context, exc)
 

@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -10,6 +13,14 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     JOB_STATE_UNSPECIFIED: _ClassVar[JobState]
+    JOB_STATE_PENDING: _ClassVar[JobState]
+    JOB_STATE_PLACED: _ClassVar[JobState]
+    JOB_STATE_STARTING: _ClassVar[JobState]
+    JOB_STATE_RUNNING: _ClassVar[JobState]
+    JOB_STATE_SUCCEEDED: _ClassVar[JobState]
+    JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
+    JOB_STATE_RESTARTING: _ClassVar[JobState]
     PENDING: _ClassVar[JobState]
     PLACED: _ClassVar[JobState]
     STARTING: _ClassVar[JobState]
@@ -22,10 +33,21 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NODE_STATE_UNSPECIFIED: _ClassVar[NodeState]
+    NODE_STATE_READY: _ClassVar[NodeState]
+    NODE_STATE_LOST: _ClassVar[NodeState]
+    NODE_STATE_DISCONNECTED: _ClassVar[NodeState]
     READY: _ClassVar[NodeState]
     LOST: _ClassVar[NodeState]
     DISCONNECTED: _ClassVar[NodeState]
 JOB_STATE_UNSPECIFIED: JobState
+JOB_STATE_PENDING: JobState
+JOB_STATE_PLACED: JobState
+JOB_STATE_STARTING: JobState
+JOB_STATE_RUNNING: JobState
+JOB_STATE_SUCCEEDED: JobState
+JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
+JOB_STATE_RESTARTING: JobState
 PENDING: JobState
 PLACED: JobState
 STARTING: JobState
@@ -35,6 +57,9 @@ FAILED: JobState
 CANCELLED: JobState
 RESTARTING: JobState
 NODE_STATE_UNSPECIFIED: NodeState
+NODE_STATE_READY: NodeState
+NODE_STATE_LOST: NodeState
+NODE_STATE_DISCONNECTED: NodeState
 READY: NodeState
 LOST: NodeState
 DISCONNECTED: NodeState
@@ -62,7 +87,7 @@ class Hardware(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen", "rejected_reports", "draining", "excluded_for")
+    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen", "rejected_reports", "draining", "excluded_for", "last_seen_time")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +98,7 @@ class Node(_message.Message):
     REJECTED_REPORTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FOR_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_TIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -83,10 +109,11 @@ class Node(_message.Message):
     rejected_reports: int
     draining: bool
     excluded_for: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ...) -> None: ...
+    last_seen_time: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "updated_at", "loss", "val_loss", "tokens_per_s", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack")
+    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "updated_at", "loss", "val_loss", "tokens_per_s", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +132,7 @@ class RankStatus(_message.Message):
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     phase: str
@@ -123,10 +151,11 @@ class RankStatus(_message.Message):
     wait_s: float
     collectives: str
     stack: str
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., updated_at: _Optional[float] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ...) -> None: ...
+    update_time: _timestamp_pb2.Timestamp
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., updated_at: _Optional[float] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("seq", "job_id", "ts", "state", "kind", "message", "rank", "step", "metrics_json")
+    __slots__ = ("seq", "job_id", "ts", "state", "kind", "message", "rank", "step", "metrics_json", "event_time")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +165,7 @@ class JobEvent(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
     ts: float
@@ -145,7 +175,8 @@ class JobEvent(_message.Message):
     rank: RankStatus
     step: int
     metrics_json: str
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., ts: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ...) -> None: ...
+    event_time: _timestamp_pb2.Timestamp
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., ts: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobSummary(_message.Message):
     __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "metrics_json", "reports", "slow")
@@ -195,7 +226,7 @@ class SlowRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ..., median_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind", "summary", "rank_offset", "next_rank_offset", "attempts", "stopping", "submitted_by")
+    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind", "summary", "rank_offset", "next_rank_offset", "attempts", "stopping", "submitted_by", "create_time", "finish_time")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +246,8 @@ class Job(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_BY_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -234,21 +267,27 @@ class Job(_message.Message):
     attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
     stopping: int
     submitted_by: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spec_json: _Optional[str] = ..., result_json: _Optional[str] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ..., submitted_by: _Optional[str] = ...) -> None: ...
+    create_time: _timestamp_pb2.Timestamp
+    finish_time: _timestamp_pb2.Timestamp
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spec_json: _Optional[str] = ..., result_json: _Optional[str] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ..., submitted_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Attempt(_message.Message):
-    __slots__ = ("attempt", "state", "reason", "started_at", "finished_at")
+    __slots__ = ("attempt", "state", "reason", "started_at", "finished_at", "start_time", "finish_time")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     state: str
     reason: str
     started_at: float
     finished_at: float
-    def __init__(self, attempt: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    start_time: _timestamp_pb2.Timestamp
+    finish_time: _timestamp_pb2.Timestamp
+    def __init__(self, attempt: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class RankAssignmentMsg(_message.Message):
     __slots__ = ("rank", "assignment_json")
@@ -653,6 +692,18 @@ class BlobRef(_message.Message):
     digest: str
     size: int
     def __init__(self, digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class GetJobSchemaRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetJobSchemaResponse(_message.Message):
+    __slots__ = ("schema_json", "version")
+    SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    schema_json: str
+    version: str
+    def __init__(self, schema_json: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
     __slots__ = ("job_name", "step", "rank", "file", "root", "data", "last")

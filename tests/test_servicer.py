@@ -204,3 +204,47 @@ def test_silent_node_is_lost_and_its_stream_closed(tmp_path: Path) -> None:
         assert failed.reason == "node n0 lost (no heartbeat for 0.3 s); ranks 0-1 are gone"
         assert await daemon.call.read() is grpc.aio.EOF
     run(test, tmp_path, timeout=0.3)
+
+
+def store_finished_jobs(state_dir: Path, count: int) -> None:
+    """``count`` finished jobs j0 .. j{count-1}, oldest first: even ones SUCCEEDED, odd ones FAILED."""
+    from rankctl.coordinator.records import JobRecord
+    from rankctl.coordinator.states import JobState
+    from rankctl.coordinator.store import Store
+    from rankctl.kinds.spec import build_spec
+
+    spec = build_spec({"name": "cc", "kind": "comm-check", "resources": {"nodes": 1, "slots_per_node": 2}}).to_dict()
+    store = Store(state_dir)
+    with store.transaction():
+        for i in range(count):
+            store.insert_job(JobRecord(id=f"j{i}", name="cc", kind="comm-check", spec=spec, reason="done",
+                                       state=JobState.FAILED if i % 2 else JobState.SUCCEEDED, world_size=2,
+                                       slots_per_node=2, created_at=1000.0 + i, finished_at=2000.5 + i,
+                                       nodes=["n0"], result={"comm": []}))
+    store.close()
+
+
+def test_list_jobs_pages_newest_first_and_filters_by_state(tmp_path: Path) -> None:
+    store_finished_jobs(tmp_path, 7)
+
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+
+        async def pages(**fields: Any) -> list[list[str]]:
+            out, token = [], ""
+            while True:
+                page = await client.ListJobs(pb.ListJobsRequest(page_token=token, **fields))
+                out.append([j.id for j in page.jobs])
+                if not (token := page.next_page_token):
+                    return out
+
+        assert await pages(page_size=3) == [["j6", "j5", "j4"], ["j3", "j2", "j1"], ["j0"]]
+        assert await pages(page_size=2, states=[pb.JOB_STATE_FAILED]) == [["j5", "j3"], ["j1"]]
+        assert await pages(states=[pb.SUCCEEDED, pb.FAILED]) == [[f"j{i}" for i in range(6, -1, -1)]]
+        legacy = await client.ListJobs(pb.ListJobsRequest(limit=2))  # the newest N, one page
+        assert [j.id for j in legacy.jobs] == ["j6", "j5"] and legacy.next_page_token == ""
+        short = legacy.jobs[0]
+        assert not (short.ranks or short.nodes or short.attempts or short.result_json or short.HasField("summary"))
+        assert (short.state, short.create_time.seconds, short.finish_time.ToJsonString()) == (
+            pb.SUCCEEDED, 1006, "1970-01-01T00:33:26.500Z")  # 2006.5 s
+    run(test, tmp_path)

@@ -1,0 +1,70 @@
+"""A stock gRPC client that knows nothing of rankctl (no .proto, no rankctl_pb2) finds the API by
+server reflection and calls it: what grpcurl, Postman or Evans do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from rankctl.coordinator.server import start_coordinator
+
+pytestmark = pytest.mark.grpc_in_process
+JOB = "name: waits\nkind: comm-check\nresources: {nodes: 1, slots_per_node: 2}\n"  # PENDING: no nodes
+
+
+class ReflectedClient:
+    """Calls unary methods by name, with message classes built from the server's descriptors."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.db = ProtoReflectionDescriptorDatabase(channel)
+        self.pool = descriptor_pool.DescriptorPool(self.db)
+
+    def call(self, service: str, method: str, **fields: Any) -> Any:
+        desc = self.pool.FindServiceByName(service).methods_by_name[method]
+        request, reply = (message_factory.GetMessageClass(t) for t in (desc.input_type, desc.output_type))
+        rpc = self.channel.unary_unary(f"/{service}/{method}", request_serializer=request.SerializeToString,
+                                       response_deserializer=reply.FromString)
+        return rpc(request(**fields), timeout=10)
+
+
+def explore(address: str) -> dict[str, Any]:
+    """Everything a reflection-only client learns and gets back (runs in a thread: the client is blocking)."""
+    with grpc.insecure_channel(address) as channel:
+        client = ReflectedClient(channel)
+        api = "rankctl.v1.ClientService"
+        submitted = client.call(api, "SubmitJob", spec_yaml=JOB, queue_anyway=True).job
+        job = client.call(api, "GetJob", job_id=submitted.id)
+        schema = client.call(api, "GetJobSchema")
+        state = job.DESCRIPTOR.fields_by_name["state"].enum_type.values_by_number[job.state].name
+        return {"services": set(client.db.get_services()), "job": job, "state": state, "schema": schema,
+                "file": client.pool.FindFileContainingSymbol(api).name}
+
+
+def test_a_reflection_only_client_lists_the_services_and_reads_a_job(tmp_path: Path) -> None:
+    async def main() -> dict[str, Any]:
+        coord = await start_coordinator("127.0.0.1:0", tmp_path, heartbeat_timeout=10.0)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(explore, coord.address), 30)
+        finally:
+            await coord.stop(grace=0.1)
+
+    seen = asyncio.run(main())
+    assert {"rankctl.v1.ClientService", "rankctl.v1.NodeService", "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection"} <= seen["services"]
+    assert seen["file"] == "rankctl/v1/rankctl.proto"
+    job = seen["job"]
+    assert job.DESCRIPTOR.file.pool is not descriptor_pool.Default()  # not rankctl_pb2's classes
+    assert job.name == "waits" and job.world_size == 2 and seen["state"] == "JOB_STATE_PENDING"
+    assert "no nodes connected" in job.reason
+    assert job.create_time.seconds > 0 and not job.HasField("finish_time")
+    assert abs(job.create_time.seconds + job.create_time.nanos / 1e9 - job.created_at) < 1e-6
+    schema = json.loads(seen["schema"].schema_json)
+    assert "comm_check" in schema["properties"] and seen["schema"].version.startswith("sha256:")
