@@ -20,8 +20,7 @@ def _root_ctx(ctx: click.Context):  # noqa: ANN202 - a Ctx
     if isinstance(root.obj, Ctx):
         return root.obj
     params = root.params
-    return Ctx(coordinator=params.get("coordinator"), tls_dir=params.get("tls_dir"),
-               context=params.get("context_name"))
+    return Ctx.from_options(params.get("coordinator"), params.get("tls_dir"), params.get("context_name"))
 
 
 def _ask(ctx: click.Context, call) -> list:  # noqa: ANN001 - call(stub) -> items

@@ -11,13 +11,24 @@ if TYPE_CHECKING:
 
 
 class Ctx:
-    """What the global options gave (flag or env; None: not given) and the named context; the coordinator
-    address and the TLS directory are resolved from those and the config file when first read."""
+    """The coordinator to talk to and the TLS directory to do it with.
 
-    def __init__(self, coordinator: str | None = None, tls_dir: str | None = None, context: str | None = None) -> None:
+    ``Ctx(coordinator=ADDR)`` means exactly that (the default address, plain text, when not given).
+    ``Ctx.from_options`` (the ``ctl`` group) takes what the global options gave (flag or env; None: not
+    given) and the named context; what is missing comes from the config file, read when first needed."""
+
+    def __init__(self, coordinator: str | None = None, tls_dir: str | None = None) -> None:
+        from rankctl.cli.contexts import DEFAULT_COORDINATOR
+
+        self.context: str | None = None
         self._given = (coordinator or None, tls_dir or None)
-        self.context = context or None
-        self._resolved: tuple[str, str | None] | None = None
+        self._resolved: tuple[str, str | None] | None = (coordinator or DEFAULT_COORDINATOR, tls_dir or None)
+
+    @classmethod
+    def from_options(cls, coordinator: str | None, tls_dir: str | None, context: str | None) -> "Ctx":
+        ctx = cls(coordinator, tls_dir)
+        ctx.context, ctx._resolved = context or None, None
+        return ctx
 
     def _resolve(self) -> tuple[str, str | None]:
         if self._resolved is None:

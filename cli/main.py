@@ -110,7 +110,7 @@ Example:
 @click.pass_context
 def cli(ctx: click.Context, coordinator: str | None, tls_dir: str | None, context_name: str | None) -> None:
     """rankctl: a control plane for Megatron-style parallel training."""
-    ctx.obj = Ctx(coordinator=coordinator, tls_dir=tls_dir, context=context_name)
+    ctx.obj = Ctx.from_options(coordinator, tls_dir, context_name)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -376,3 +376,12 @@ def test_node_names_and_job_ids_complete_in_process(in_process_coordinator) -> N
     jobs = complete.get_completions(["status", "--coordinator", address], "comp")
     assert [(c.value, c.help) for c in jobs] == [(job.id, "complete-me PENDING")]
     assert complete.get_completions(["--coordinator", address, "cancel"], "zzz") == []
+
+
+def test_a_ctx_made_in_code_ignores_the_config_file(no_user_config: Path) -> None:
+    """``ctl up`` and tests talk to the cluster they started, whatever context the user has."""
+    from rankctl.cli.context import Ctx
+
+    write_config(no_user_config, CONTEXTS)
+    assert (Ctx(coordinator="local:1").coordinator, Ctx(coordinator="local:1").tls_dir) == ("local:1", None)
+    assert Ctx.from_options("local:1", None, None).tls_dir == "/cur"
