@@ -46,6 +46,12 @@ class Ctx:
         """The caller's identity directory (mutual TLS); None: plain text."""
         return self._resolve()[1]
 
+    @property
+    def given_tls_dir(self) -> str | None:
+        """The TLS directory of the global flag or RANKCTL_TLS_DIR only, never a config context's: a daemon's
+        identity is its own (a context holds a user's certificate)."""
+        return self._given[1]
+
     def client(self) -> "Client":
         from rankctl.cli.client import Client
 

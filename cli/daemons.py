@@ -11,16 +11,10 @@ import click
 
 from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_USAGE, CtlError
-from rankctl.cli.options import example
+from rankctl.cli.options import example, log_format
 
 log_level = click.option("--log-level", default="info", show_default=True,
                          type=click.Choice(["debug", "info", "warning", "error"]))
-log_format = click.option("--log-format", default="auto", show_default=True, envvar="RANKCTL_LOG_FORMAT",
-                          type=click.Choice(["auto", "console", "json"]),
-                          help="Log lines for people (console) or one JSON object a line (json); auto: console on "
-                               "a terminal, else json.")
-
-
 tls_options = [
     click.option("--tls-dir", default=None, metavar="DIR",
                  help="This service's identity directory (ctl certs init / issue): serve and connect with mutual TLS."),
@@ -187,7 +181,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         allowed_roots(data_roots, str(state_dir))
     except ValueError as exc:
         raise CtlError(f"--data-root: {exc}") from None
-    tls_dir = tls_dir or ctx.tls_dir
+    tls_dir = tls_dir or ctx.given_tls_dir  # never a config context's user certificate
     address = coordinator_address or ctx.coordinator
     addresses = {"--coordinator": address, "--advertise-address": f"{advertise_address or '127.0.0.1'}:0",
                  "--health-listen": health_listen, **({"--metrics-listen": metrics_listen} if metrics_listen else {})}

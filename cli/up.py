@@ -11,7 +11,7 @@ import click
 
 from rankctl.cli.context import Ctx
 from rankctl.cli.errors import CtlError
-from rankctl.cli.options import example
+from rankctl.cli.options import example, log_format
 
 if TYPE_CHECKING:
     from rankctl.contract.spec import JobSpec
@@ -45,8 +45,9 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON alone on stdout.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@log_format
 def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str, ...],
-       state_dir: Path | None, as_json: bool, log_level: str) -> None:
+       state_dir: Path | None, as_json: bool, log_level: str, log_format: str) -> None:
     """Start a coordinator and worker daemons here, run JOB_FILE to its end, print the result."""
     from rankctl.cli.jobs import exit_for, follow_job, read_job_file
     from rankctl.cli.local import LocalCluster
@@ -55,7 +56,7 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     from rankctl.cli.console import print_json, stdout_console
     from rankctl.cli.render import job_to_dict, job_view
 
-    configure_logging(level=log_level)
+    configure_logging(level=log_level, fmt=log_format)
     text, sets, spec = read_job_file(job_file, overrides)
     n, s = _cluster_shape(spec, nodes, slots)
     packed = pack_workdir(spec)  # shipped as ctl submit ships it: the ranks run in the nodes' copies
