@@ -50,15 +50,26 @@ class Proc:
 
 
 def start_coordinator(state: Path, heartbeat_timeout: float = 3.0, listen: str = "127.0.0.1:0",
-                      extra: tuple[str, ...] = ()) -> tuple[Proc, str]:
+                      extra: tuple[str, ...] = (), http_listen: str | None = None) -> tuple[Proc, str]:
+    """A ``ctl coordinator`` and its gRPC address; with ``http_listen`` it serves the dashboard too (its
+    address: ``http_address(state)``)."""
     state.mkdir(parents=True, exist_ok=True)
     addr_file = state / "address"
     addr_file.unlink(missing_ok=True)
+    (state / "http_address").unlink(missing_ok=True)
     plain = [] if listen.startswith("127.") else ["--insecure"]  # e.g. a test bridge between namespaces
+    http = ["--http-listen", http_listen] if http_listen else []
     proc = Proc(["coordinator", "--listen", listen, "--state-dir", str(state),
-                 "--heartbeat-timeout", str(heartbeat_timeout), *plain, *extra], state.parent / f"{state.name}.log")
+                 "--heartbeat-timeout", str(heartbeat_timeout), *plain, *http, *extra],
+                state.parent / f"{state.name}.log")
     address = wait_for(lambda: addr_file.exists() and addr_file.read_text().strip(), 30, "coordinator address")
     return proc, address
+
+
+def http_address(state: Path, timeout: float = 30) -> str:
+    """The dashboard's bound ``host:port``, as the coordinator wrote it to ``state/http_address``."""
+    path = state / "http_address"
+    return wait_for(lambda: path.exists() and path.read_text().strip(), timeout, "dashboard address")
 
 
 def start_worker(address: str, name: str, slots: int, root: Path, extra: tuple[str, ...] = (),
@@ -117,9 +128,11 @@ def rank_pids(job_id: str) -> list[int]:
 class ProcCluster:
     """A real ``ctl coordinator`` and worker daemons (one process each) on loopback."""
 
-    def __init__(self, root: Path, names: list[str], slots: int, heartbeat_timeout: float = 3.0) -> None:
+    def __init__(self, root: Path, names: list[str], slots: int, heartbeat_timeout: float = 3.0,
+                 http_listen: str | None = None) -> None:
         self.root, self.slots, self.heartbeat_timeout = root, slots, heartbeat_timeout
-        self.coord, self.address = start_coordinator(root / "coord", heartbeat_timeout)
+        self.coord, self.address = start_coordinator(root / "coord", heartbeat_timeout, http_listen=http_listen)
+        self.http_url = f"http://{http_address(root / 'coord')}" if http_listen else None
         self.workers = {name: start_worker(self.address, name, slots, root) for name in names}
         self.wait_ready()
 

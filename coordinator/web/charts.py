@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
-W, H = 640, 220
+W, H = 560, 220
 LEFT, RIGHT, TOP, BOTTOM = 56, 12, 12, 28
 
 

@@ -17,6 +17,7 @@ from rankctl.parallel.placement import ranks_of_node
 
 MAX_CELLS = 256
 WAITING = '"in":true'  # a rank's collective evidence says it is blocked in a group (coordinator.hangs)
+SHORT = {"pending": "pend", "starting": "start", "rendezvous": "rdzv", "running": "run"}  # phases as cells show them
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def _cell(rec: Any, cfg: ParallelConfig | None, flags: str) -> str:
              f" · step {rec.step}{' · ' + flags if flags else ''}")
     return (f'<span class="rank-cell ph-{e(rec.phase)} {flags}" data-rank="{rec.rank}" data-pp="{c["pp"]}" '
             f'data-phase="{e(rec.phase)}" style="--hue:{hue}" title="{e(title)}">'
-            f'<b>{rec.rank}</b><i>{e(rec.phase[:4])}</i></span>')
+            f'<b>{rec.rank}</b><i>{e(SHORT.get(rec.phase, rec.phase[:6]))}</i></span>')
 
 
 def _node_row(k: int, name: str, recs: list[Any], cfg: ParallelConfig | None, flags: dict[int, str]) -> str:

@@ -40,7 +40,8 @@ def attempts_table(attempts: list[dict], now: float) -> str:
         reason = a.get("reason") or ""
         cls = "hang-reason" if reason.startswith("hang") else ""
         took = (a.get("finished_at") or now) - (a.get("started_at") or now)
-        rows.append([str(a.get("attempt")), e(a.get("state") or "running"), age(took),
+        state = (a.get("state") or "ended") if a.get("finished_at") else "current"
+        rows.append([str(a.get("attempt")), e(state), age(took),
                      f'<span class="{cls}">{e(reason[:REASON_SHOWN])}</span>'])
     return table(["attempt", "state", "ran", "reason"], rows, "attempts")
 
@@ -58,8 +59,9 @@ def live_fragment(job: Any, summary: Any, series: Snapshot, grid_html: str, atte
     return (f'<div id="live-body" data-state="{e(job.state.value)}" data-terminal="{done}" '
             f'data-step-events="{series.step_events}">'
             f'<p>{state_badge(job.state.value)} attempt {job.attempt} · <span{hang}>{e(reason)}</span></p>'
-            f'{figures(summary, series)}{charts(series)}<h2>ranks</h2>{grid_html}'
-            f'<h2>attempts</h2>{attempts_table(attempts, now)}<h2>recent events</h2>{notes(series, now)}</div>')
+            f'<div class="row"><div>{figures(summary, series)}</div><div><h2>ranks</h2>{grid_html}</div></div>'
+            f'{charts(series)}<h2>attempts</h2>{attempts_table(attempts, now)}'
+            f'<h2>recent events</h2>{notes(series, now)}</div>')
 
 
 def job_page(job: Any, fragment: str, who: str, now: float) -> str:
