@@ -165,9 +165,8 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
 
     ``tls_dir``: the coordinator's identity directory (``ctl certs init``): serve mutual TLS only, every
     call authorized by its client certificate (``coordinator.auth``); CertError when it is unusable.
-    ``http_listen``: also serve the dashboard and ``/metrics`` there (``coordinator.web``; HTTPS with client
-    certificates under ``tls_dir``); its bound address goes to ``state_dir/http_address``.
-    ``metrics_per_rank``: ``/metrics`` also has per-rank series."""
+    ``http_listen``: also serve the dashboard and ``/metrics`` (per-rank series with ``metrics_per_rank``) there,
+    HTTPS under ``tls_dir`` (``coordinator.web``); the bound address goes to ``state_dir/http_address``."""
     from rankctl.security.tls import load_identity_dir, peer_identity, server_credentials
 
     identity = load_identity_dir(tls_dir) if tls_dir else None  # before anything is locked or bound
@@ -193,9 +192,8 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     await server.start()
     for name in SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    period = max(0.05, min(0.5, heartbeat_timeout / 4))
     coord = CoordinatorServer(server, core, store, health, _split_listen(listen), port)
-    coord.monitor = asyncio.create_task(_monitor(core, period))
+    coord.monitor = asyncio.create_task(_monitor(core, period=max(0.05, min(0.5, heartbeat_timeout / 4))))
     if http_listen is not None:
         await _start_dashboard(coord, http_listen, identity, metrics_per_rank, Path(state_dir))
     core.schedule()

@@ -210,3 +210,33 @@ def test_the_bound_address_is_written_to_the_state_dir(tmp_path: Path) -> None:
         assert (tmp_path / "http_address").read_text().strip() == coord.http_address == f"127.0.0.1:{coord.http_port}"
         assert coord.http_port != coord.port
     serve(test, tmp_path)
+
+
+def test_a_taken_dashboard_address_stops_the_coordinator_and_frees_its_state_dir(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+
+        async def main() -> None:
+            with pytest.raises(OSError, match=f"cannot serve the dashboard on {listen}"):
+                await start_coordinator("127.0.0.1:0", tmp_path, http_listen=listen)
+            coord = await start_coordinator("127.0.0.1:0", tmp_path)  # the state dir is free again
+            await coord.stop(grace=0.1)
+        asyncio.run(main())
+
+
+def test_the_grid_marks_stragglers_failed_ranks_and_the_ranks_a_hang_points_at() -> None:
+    from rankctl.coordinator.progress import JobSummary, SlowRank
+    from rankctl.coordinator.records import RankRecord
+    from rankctl.coordinator.web.grid import marks
+
+    failed = RankRecord(rank=5, node="n1", phase="failed", exited=True, exit_code=1)
+    summary = JobSummary(phases={}, running=6, exited=1, failed=1, min_step=3, max_step=4, stragglers=[1],
+                         failing=[failed], metrics={}, reports=9, slow=[SlowRank(2, "n0", 0.5, 0.1, 3)])
+    records = [RankRecord(rank=3, node="n1", phase="running", process="stopped"),
+               RankRecord(rank=4, node="n1", phase="running", collectives='{"groups":[{"in":true}]}'),
+               RankRecord(rank=6, node="n1", phase="running"), failed]
+    assert marks(summary, records) == {1: "straggler", 2: "straggler", 3: "hang", 4: "hang", 5: "failed"}

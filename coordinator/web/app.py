@@ -174,12 +174,18 @@ class Dashboard:
 def build_app(dash: Dashboard, tls: bool) -> web.Application:
     """Every route, behind the role of the ClientService method it mirrors (``access``)."""
     app = web.Application(client_max_size=4 * MAX_JOB_FILE_BYTES)
-    routes = [("GET", "/", dash.jobs, "ListJobs"), ("GET", "/jobs/{job_id}", dash.job, "GetJob"),
-              ("GET", "/jobs/{job_id}/live", dash.live, "GetJob"), ("GET", "/jobs/{job_id}/data.json", dash.data,
-                                                                   "GetJob"),
-              ("GET", "/jobs/{job_id}/logs", dash.logs, "GetLogs"), ("GET", "/nodes", dash.nodes, "ListNodes"),
-              ("GET", "/plan", dash.plan_form, "PlanJob"), ("POST", "/plan", dash.plan, "PlanJob"),
-              ("GET", "/metrics", dash.metrics, ANY_CERT), ("GET", "/static/{name}", dash.static, ANY_CERT)]
+    routes = [
+        ("GET", "/", dash.jobs, "ListJobs"),
+        ("GET", "/jobs/{job_id}", dash.job, "GetJob"),
+        ("GET", "/jobs/{job_id}/live", dash.live, "GetJob"),
+        ("GET", "/jobs/{job_id}/data.json", dash.data, "GetJob"),
+        ("GET", "/jobs/{job_id}/logs", dash.logs, "GetLogs"),
+        ("GET", "/nodes", dash.nodes, "ListNodes"),
+        ("GET", "/plan", dash.plan_form, "PlanJob"),
+        ("POST", "/plan", dash.plan, "PlanJob"),
+        ("GET", "/metrics", dash.metrics, ANY_CERT),
+        ("GET", "/static/{name}", dash.static, ANY_CERT),
+    ]
     for verb, path, handler, method in routes:
         app.router.add_route(verb, path, guarded(method, tls, _answers(handler)))
     return app
