@@ -9,7 +9,6 @@ without locks; it costs O(jobs + nodes), plus O(ranks of the active jobs) only w
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from rankctl.coordinator.histogram import Histogram
 from rankctl.coordinator.nodes import NodeStatus
 from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import PHASES, JobRecord
@@ -28,29 +28,6 @@ if TYPE_CHECKING:
 QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 RESTART_CAUSES = ("failure", "drain")
 OTHER = "other"   # a phase outside PHASES (ranks write their own): one label value for all of them
-
-
-@dataclass
-class Histogram:
-    """Fixed buckets, counted per bucket (the last one: above every bound); Prometheus wants them cumulative."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.counts = self.counts or [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1   # le: a value equal to a bound is in it
-        self.total += value
-
-    def buckets(self) -> list[tuple[str, float]]:
-        out, running = [], 0
-        for bound, n in zip((*map(repr, self.bounds), "+Inf"), self.counts):
-            running += n
-            out.append((bound, running))
-        return out
 
 
 @dataclass
@@ -182,6 +159,10 @@ class JobFamilies:
         self.step_time = _gauge("rankctl_job_step_time_seconds",
                                 "Step time of the last completed step across the ranks that reported it.",
                                 ("job", "stat"))
+        self.step_duration = HistogramMetricFamily(
+            "rankctl_job_step_duration_seconds",
+            "Duration of each completed step of this attempt (the slowest reporting rank's step time); "
+            "histogram_quantile() gives its quantiles.", labels=j)
         self.stragglers = _gauge("rankctl_job_stragglers", "Ranks flagged as stragglers by their compute time.", j)
         self.lagging = _gauge("rankctl_job_lagging_ranks", "Ranks still at the slowest step while others are ahead.",
                               j)
@@ -201,6 +182,8 @@ class JobFamilies:
         self.lagging.add_metric([job.id], lagging)
         if p.val_loss is not None:
             self.val_loss.add_metric([job.id], p.val_loss)
+        if p.step_times.count:
+            self.step_duration.add_metric([job.id], p.step_times.buckets(), p.step_times.total)
         acc = p.last_step
         if acc is None:
             return
@@ -213,7 +196,7 @@ class JobFamilies:
 
     def all(self) -> list[Metric]:
         return [self.info, self.attempt, self.ranks, self.step, self.step_max, self.loss, self.val_loss,
-                self.tokens, self.step_time, self.stragglers, self.lagging]
+                self.tokens, self.step_time, self.step_duration, self.stragglers, self.lagging]
 
 
 class CoordinatorMetrics:

@@ -21,10 +21,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rankctl.coordinator.histogram import Histogram
 from rankctl.coordinator.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
 from rankctl.parallel.placement import node_of_rank
 
 SHOWN = 16            # stragglers and failing ranks in a summary
+STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)  # seconds
 STEP_WINDOW = 256     # steps of metrics kept ahead of the slowest rank
 
 # Stragglers by compute time (``ComputeSkew``). A rank's compute is the median of its last SLOW_WINDOW
@@ -317,6 +319,7 @@ class JobProgress:
     metrics: dict[str, Any] = field(default_factory=dict)        # of the last job-level step event
     last_step: _StepAcc | None = None                            # the figures behind ``metrics``
     val_loss: float | None = None                                # the latest step's that had one
+    step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))  # completed steps' durations
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
     advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
     skew: ComputeSkew | None = None   # stragglers by compute time; made at the first compute_s reported
@@ -422,6 +425,8 @@ class JobProgress:
                 acc = self.last_step = self._acc.get(self.min_step)
                 if acc is not None and acc.val_loss is not None:
                     self.val_loss = acc.val_loss
+                if acc is not None and acc.time_max is not None:
+                    self.step_times.observe(acc.time_max)
                 self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}
                 for s in [s for s in self._acc if s <= self.min_step]:
                     del self._acc[s]

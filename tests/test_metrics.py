@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rankctl.coordinator.metrics import CoordinatorMetrics, Histogram
+from rankctl.coordinator.histogram import Histogram
+from rankctl.coordinator.metrics import CoordinatorMetrics
 from rankctl.coordinator.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.daemon import WorkerDaemon
@@ -106,6 +107,10 @@ def test_coordinator_series_describe_jobs_queue_nodes_and_a_running_job(world: W
     assert get(s, "rankctl_job_step_time_seconds", job=job.id, stat="min") == 0.5
     assert get(s, "rankctl_job_step_time_seconds", job=job.id, stat="mean") == pytest.approx(0.515)
     assert get(s, "rankctl_job_step_time_seconds", job=job.id, stat="max") == pytest.approx(0.53)
+    assert get(s, "rankctl_job_step_duration_seconds_count", job=job.id) == 2   # one per completed step
+    assert get(s, "rankctl_job_step_duration_seconds_bucket", job=job.id, le="0.5") == 0   # each step's max: 0.53
+    assert get(s, "rankctl_job_step_duration_seconds_bucket", job=job.id, le="1.0") == 2
+    assert get(s, "rankctl_job_step_duration_seconds_sum", job=job.id) == pytest.approx(1.06)
     assert get(s, "rankctl_job_stragglers", job=job.id) == 0
     assert not any(n.startswith("rankctl_rank_straggler") or n.startswith("rankctl_rank_step") for n in names(s))
     assert not any(dict(labels).get("job") == queued.id for _, labels in s)   # pending jobs: no per-job series
