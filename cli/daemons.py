@@ -111,7 +111,7 @@ def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wai
     except (StateDirInUse, StoreUnusable, CertError) as exc:
         raise CtlError(str(exc)) from None
     except OSError as exc:
-        raise CtlError(f"coordinator cannot serve on {listen}: {exc}") from None
+        raise CtlError(f"coordinator: {exc}") from None  # names the address: "cannot listen on X: ..." (gRPC or dashboard)
 
 
 def node_name(name: str | None) -> str:
@@ -191,7 +191,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
     if tls_dir:
         _check_node_identity(tls_dir, node)
     if metrics_listen:
-        from rankctl.worker.metrics import split_listen
+        from rankctl.security.tls import split_listen
 
         try:
             split_listen(metrics_listen)

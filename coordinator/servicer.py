@@ -77,16 +77,24 @@ async def _off_loop(fn, *args):  # noqa: ANN001, ANN202 - a thin wrapper over to
     return await asyncio.to_thread(fn, *args)
 
 
+def domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status code and message of a domain error (what a client is told), None for any other error.
+    The dashboard answers with the same (``coordinator.web.app.http_error``)."""
+    if isinstance(exc, StoreError):
+        return _store_code(exc), str(exc)
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, "\n".join(exc.errors) if isinstance(exc, SpecError) else str(exc)
+    return None
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """Abort the RPC with the status code of ``exc``; never sends a traceback."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
-    if isinstance(exc, StoreError):
-        await context.abort(_store_code(exc), str(exc)[:DETAILS_MAX])
-    for kind, code in _CODES:
-        if isinstance(exc, kind):
-            details = "\n".join(exc.errors) if isinstance(exc, SpecError) else str(exc)
-            await context.abort(code, details[:DETAILS_MAX])
+    known = domain_status(exc)
+    if known is not None:
+        await context.abort(known[0], known[1][:DETAILS_MAX])
     log.exception("rpc.internal_error")
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the coordinator log")
 

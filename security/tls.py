@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import ssl
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,25 @@ def load_identity_dir(d: str | Path) -> IdentityDir:
 def server_credentials(idd: IdentityDir) -> grpc.ServerCredentials:
     """Serve with this identity; every client must present a certificate from the same CA."""
     return grpc.ssl_server_credentials([(idd.key, idd.cert)], root_certificates=idd.ca, require_client_auth=True)
+
+
+def https_server_context(idd: IdentityDir) -> ssl.SSLContext:
+    """HTTPS (the dashboard, /metrics) with this service's certificate; clients must present a certificate of
+    the same CA, as on the gRPC port."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(idd.path / CERT, idd.path / KEY)
+    ctx.load_verify_locations(cadata=idd.ca.decode())
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ValueError when it is not one."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{listen!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 def channel_credentials(idd: IdentityDir) -> grpc.ChannelCredentials:

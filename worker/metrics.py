@@ -10,7 +10,6 @@ identity it serves HTTPS and requires a client certificate of the cluster's CA (
 
 from __future__ import annotations
 
-import ssl
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -102,31 +101,13 @@ class WorkerMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); ValueError when it is not one."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"{listen!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
-
-
-def client_cert_context(idd: IdentityDir) -> ssl.SSLContext:
-    """HTTPS with this node's certificate; clients must present a certificate of the same CA."""
-    from rankctl.security.certs import CERT, KEY
-
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(idd.path / CERT, idd.path / KEY)
-    ctx.load_verify_locations(cadata=idd.ca.decode())
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
 async def serve_metrics(listen: str, metrics: WorkerMetrics, identity: IdentityDir | None = None,
                         ) -> tuple["web.AppRunner", int]:
     """Serve ``GET /metrics`` on ``listen`` (port 0: any), HTTPS with ``identity``; (runner, bound port).
     ``runner.cleanup()`` stops it."""
     from aiohttp import web
+
+    from rankctl.security.tls import https_server_context, split_listen
 
     host, port = split_listen(listen)
 
@@ -138,7 +119,7 @@ async def serve_metrics(listen: str, metrics: WorkerMetrics, identity: IdentityD
     app.router.add_get("/metrics", scrape)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=client_cert_context(identity) if identity else None)
+    site = web.TCPSite(runner, host, port, ssl_context=https_server_context(identity) if identity else None)
     try:
         await site.start()
     except OSError:

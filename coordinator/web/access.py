@@ -15,22 +15,12 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from rankctl.coordinator.auth import CLIENT_ROLES
-from rankctl.security.certs import CERT, KEY, CertError, identity_of_pem
+from rankctl.security.certs import CertError, identity_of_pem
 from rankctl.security.identity import ROLES, Identity, role_allows
-from rankctl.security.tls import IdentityDir
 
+WHO = web.RequestKey("who", Identity)  # the viewer of a request, set by the role check
 ANY_CERT = "any"      # a route any certificate of the CA may read
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def ssl_context(idd: IdentityDir) -> ssl.SSLContext:
-    """Serve with the coordinator's certificate; require a client certificate from the same CA."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(idd.path / CERT, idd.path / KEY)
-    ctx.load_verify_locations(cadata=idd.ca.decode())
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
 
 
 def peer(request: web.Request) -> Identity | None:
@@ -56,7 +46,7 @@ def refusal(who: Identity | None, need: str, what: str) -> str | None:
 
 
 def guarded(method: str, enabled: bool, handler: Handler) -> Handler:
-    """``handler`` behind the role check of ``method`` (a no-op without TLS); the viewer in ``request["who"]``."""
+    """``handler`` behind the role check of ``method`` (a no-op without TLS); the viewer in ``request[WHO]``."""
     need = needs(method)
 
     async def admit(request: web.Request) -> web.StreamResponse:
@@ -69,7 +59,7 @@ def guarded(method: str, enabled: bool, handler: Handler) -> Handler:
             why = refusal(who, need, request.path)
             if why:
                 raise web.HTTPForbidden(text=why)
-        request["who"] = who
+        request[WHO] = who
         return await handler(request)
 
     return admit

@@ -19,10 +19,10 @@ from aiohttp import web
 from rankctl.contract.jobfile import SpecError
 from rankctl.contract.limits import MAX_JOB_FILE_BYTES
 from rankctl.coordinator.logfetch import get_logs
-from rankctl.coordinator.servicer import _CODES, ATTEMPTS_SHOWN, stopping_reason
+from rankctl.coordinator.servicer import ATTEMPTS_SHOWN, domain_status, stopping_reason
 from rankctl.coordinator.store import StoreError
 from rankctl.coordinator.web import jobview, views
-from rankctl.coordinator.web.access import ANY_CERT, guarded
+from rankctl.coordinator.web.access import ANY_CERT, WHO, guarded
 from rankctl.coordinator.web.grid import rank_grid, window
 from rankctl.coordinator.web.html import page
 from rankctl.coordinator.web.layouts import Layouts
@@ -44,13 +44,11 @@ def _html(body: str, status: int = 200) -> web.Response:
 
 
 def http_error(exc: Exception) -> web.Response:
-    """The HTTP answer to a domain error, with the message a gRPC client would get (``servicer._CODES``)."""
-    if isinstance(exc, StoreError):
-        return web.Response(text=str(exc), status=503)
-    for kind, code in _CODES:
-        if isinstance(exc, kind):
-            text = "\n".join(exc.errors) if isinstance(exc, SpecError) else str(exc)
-            return web.Response(text=text, status=HTTP_OF_GRPC.get(code.name, 400))
+    """The HTTP answer to a domain error, with the message a gRPC client would get (``servicer.domain_status``)."""
+    known = domain_status(exc)
+    if known is not None:
+        code, text = known
+        return web.Response(text=text, status=503 if isinstance(exc, StoreError) else HTTP_OF_GRPC.get(code.name, 400))
     log.exception("http.internal_error")
     return web.Response(text=f"internal error ({type(exc).__name__}); see the coordinator log", status=500)
 
@@ -77,7 +75,7 @@ class Dashboard:
         self._static = {name: (resources.files(__package__) / "static" / name).read_bytes() for name in STATIC}
 
     def _who(self, request: web.Request) -> str:
-        who = request.get("who")
+        who = request.get(WHO)
         return str(who) if who is not None else ""
 
     async def jobs(self, request: web.Request) -> web.StreamResponse:
@@ -213,13 +211,13 @@ def _host_port(listen: str) -> tuple[str, int]:
 async def start_http(core: Any, listen: str, identity: Any = None, metrics_per_rank: bool = False) -> HttpServer:
     """Serve the dashboard on ``listen`` (HOST:PORT); with ``identity`` (an IdentityDir) HTTPS and client
     certificates only. OSError when the address cannot be bound."""
-    from rankctl.coordinator.web.access import ssl_context
+    from rankctl.security.tls import https_server_context
 
     app = build_app(Dashboard(core, metrics_per_rank), tls=identity is not None)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     host, port = _host_port(listen)
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(identity) if identity is not None else None)
+    site = web.TCPSite(runner, host, port, ssl_context=https_server_context(identity) if identity is not None else None)
     try:
         await site.start()
     except OSError:
