@@ -226,8 +226,8 @@ class Coordinator(ReportsMixin, RestartsMixin):
         """The job's stored attempts, oldest first (``last`` > 0: the newest ``last``)."""
         return self.store.attempts(job_id, last)
 
-    def events(self, job_id: str, after_seq: int = 0, limit: int = 0) -> list[EventRecord]:
-        return self.store.events(job_id, after_seq, limit)
+    def events(self, job_id: str, after_seq: int = 0, limit: int = 0, *, ranks: bool = True) -> list[EventRecord]:
+        return self.store.events(job_id, after_seq, limit, ranks=ranks)
 
     def cancel(self, id_or_name: str, reason: str = "") -> JobRecord:
         """CANCELLED plus a Cancel to every node of the job; a terminal job is returned unchanged."""

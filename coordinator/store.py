@@ -58,6 +58,8 @@ CREATE TABLE IF NOT EXISTS attempts (
 CREATE TABLE IF NOT EXISTS events (
   job_id TEXT NOT NULL, seq INTEGER NOT NULL, ts REAL NOT NULL, state TEXT NOT NULL, kind TEXT NOT NULL,
   message TEXT NOT NULL, rank_json TEXT, data_json TEXT, PRIMARY KEY (job_id, seq));
+-- a job's events other than per-rank ones (steps, transitions ...): the dashboard's series read only these
+CREATE INDEX IF NOT EXISTS events_job_level ON events(job_id, seq) WHERE kind != 'rank';
 CREATE TABLE IF NOT EXISTS ranks (
   job_id TEXT NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL, phase TEXT NOT NULL, step INTEGER NOT NULL,
   metrics_json TEXT NOT NULL, error TEXT NOT NULL, exit_code INTEGER NOT NULL, exited INTEGER NOT NULL,
@@ -332,11 +334,14 @@ class Store:
             (event.job_id, event.seq, event.ts, event.state.value, event.kind, event.message, rank, data),
         )
 
-    def events(self, job_id: str, after_seq: int = 0, limit: int = 0) -> list[EventRecord]:
-        """Events after ``after_seq`` in order; ``limit`` > 0 keeps the first ``limit``."""
+    def events(self, job_id: str, after_seq: int = 0, limit: int = 0, *, ranks: bool = True) -> list[EventRecord]:
+        """Events after ``after_seq`` in order; ``limit`` > 0 keeps the first ``limit``. ``ranks=False`` leaves
+        out the per-rank events (one per rank and phase change): read through a partial index, so a job's
+        step series costs its job-level events only, whatever its size."""
+        only = "" if ranks else " AND kind != 'rank'"
         rows = self._db.execute(
-            "SELECT seq, ts, state, kind, message, rank_json, data_json FROM events WHERE job_id=? AND seq>? "
-            "ORDER BY seq LIMIT ?", (job_id, after_seq, limit if limit > 0 else -1),
+            "SELECT seq, ts, state, kind, message, rank_json, data_json FROM events WHERE job_id=? AND seq>?"
+            f"{only} ORDER BY seq LIMIT ?", (job_id, after_seq, limit if limit > 0 else -1),
         ).fetchall()
         out = []
         for seq, ts, state, kind, msg, r, d in rows:

@@ -59,3 +59,26 @@ def test_failed_transaction_rolls_back(tmp_path: Path) -> None:
             raise RuntimeError("boom")
     assert store.load_jobs() == []
     store.close()
+
+
+def test_job_level_events_skip_rank_events_through_their_index(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    job = _job()
+    store.insert_job(job)
+    seq = 0
+    for step in range(1, 4):
+        for r in range(50):   # a job's rank events outnumber its step events by the world size
+            seq += 1
+            rank = RankRecord(r, "n0", "running", step=step, exited=False, updated_at=1.0)
+            store.append_event(EventRecord(job.id, seq, 1.0, JobState.RUNNING, "rank", "running", rank))
+        seq += 1
+        store.append_event(EventRecord(job.id, seq, 1.0, JobState.RUNNING, "step", "", step=step,
+                                       metrics={"loss": 3.0 - step}))
+    steps = store.events(job.id, ranks=False)
+    assert [e.step for e in steps] == [1, 2, 3] and [e.seq for e in steps] == [51, 102, 153]
+    assert [e.seq for e in store.events(job.id, after_seq=51, limit=1, ranks=False)] == [102]
+    assert len(store.events(job.id)) == 153
+    plan = store._db.execute("EXPLAIN QUERY PLAN SELECT seq FROM events WHERE job_id=? AND seq>? AND kind != 'rank' "
+                             "ORDER BY seq LIMIT 5", (job.id, 0)).fetchall()
+    assert "events_job_level" in str(plan)   # rank rows are never read
+    store.close()

@@ -69,7 +69,7 @@ class Dashboard:
 
     def __init__(self, core: Any, metrics_per_rank: bool = False) -> None:
         self.core, self.metrics_per_rank = core, metrics_per_rank
-        self.series = SeriesCache(core.events)
+        self.series = SeriesCache(lambda job_id, after, limit: core.events(job_id, after, limit, ranks=False))
         self.layouts = Layouts()
         self._metrics: Any = None
         self._static = {name: (resources.files(__package__) / "static" / name).read_bytes() for name in STATIC}
