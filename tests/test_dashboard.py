@@ -102,6 +102,21 @@ def test_pages_render_and_the_loss_curve_has_one_point_per_step_event(tmp_path: 
     serve(test, tmp_path)
 
 
+def test_hostile_text_is_escaped_and_only_our_script_may_run(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        job = coord.core.submit(SMALL, queue_anyway=True)
+        coord.core.cancel(job.id, reason='<script>alert(1)</script><img src=x onerror="alert(2)">')
+        for path in ("/", f"/jobs/{job.id}", f"/jobs/{job.id}/live"):
+            async with s.get(coord.http_url + path) as r:
+                text = await r.text()
+                assert r.status == 200 and "script-src 'self'" in r.headers["Content-Security-Policy"]
+                assert r.headers["X-Content-Type-Options"] == "nosniff"
+            assert "<script>alert" not in text and "<img src=x" not in text, path
+        _, page = await get(s, coord, f"/jobs/{job.id}")
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    serve(test, tmp_path)
+
+
 def test_a_large_job_is_bounded(tmp_path: Path) -> None:
     async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
         job = coord.core.submit(BIG, queue_anyway=True)

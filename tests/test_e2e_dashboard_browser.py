@@ -3,7 +3,7 @@
 
 The job page shows one grid cell per rank while the job runs, and its loss curve, swapped in live by
 dashboard.js, ends with one point per step event that carries a loss, counted from the coordinator's own
-event stream (WatchJob). Screenshots of the job page and the nodes page are saved (``RANKCTL_SCREENSHOTS``:
+event stream (WatchJob); meanwhile the coordinator's /metrics holds the job's series. Screenshots of the job page and the nodes page are saved (``RANKCTL_SCREENSHOTS``:
 a directory to copy them to, e.g. docs/img). Chromium and chromedriver are required: CI installs them.
 """
 
@@ -76,6 +76,39 @@ def view(driver) -> dict:  # noqa: ANN001
     return driver.execute_script(VIEW) or {"terminal": None, "points": 0, "ranks": [], "groups": 0}
 
 
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def assert_metrics_of_a_running_job(text: str, job: str, nodes: list[str]) -> None:
+    """The coordinator's /metrics while ``job`` runs: the text format parses (and passes promtool when the
+    Debian ``prometheus`` package is installed) and holds the cluster's and the job's series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("rankctl_jobs", state="RUNNING") == 1 and value("rankctl_job_queue_length") == 0
+    assert value("rankctl_nodes", state="READY") == 2
+    assert all(0 <= value("rankctl_node_heartbeat_age_seconds", node=n) < 30 for n in nodes)
+    assert value("rankctl_rank_reports_total") > 0 and value("rankctl_job_restarts_total", cause="failure") == 0
+    assert value("rankctl_job_step", job=job) >= 3 and value("rankctl_job_ranks", job=job, phase="running") == 4
+    assert value("rankctl_job_loss", job=job) > 0 and value("rankctl_job_tokens_per_second", job=job) > 0
+    assert value("rankctl_job_step_time_seconds", job=job, stat="max") > 0
+    assert value("rankctl_job_step_duration_seconds_count", job=job) >= 1
+    assert value("rankctl_job_stragglers", job=job) >= 0
+    promtool = shutil.which("promtool")
+    if promtool:
+        check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
 def shot(driver, out: Path, name: str) -> Path:  # noqa: ANN001
     path = out / name
     driver.save_screenshot(str(path))
@@ -93,6 +126,7 @@ def test_the_job_page_follows_a_running_train_job_in_a_browser(tmp_path: Path) -
         job = cluster.submit(str(tmp_path / "web-train.yaml"))
         url = cluster.http_url
         wait_for(lambda: data(url, job)["min_step"] >= 3, 240, f"{job} past step 3", interval=0.5)
+        assert_metrics_of_a_running_job(scrape(url), job, ["node-0", "node-1"])
         driver.get(f"{url}/jobs/{job}")
         first = wait_for(lambda: (v := view(driver))["points"] > 0 and len(v["ranks"]) == 4 and v, 30,
                          "the grid and the loss curve")
