@@ -27,7 +27,7 @@ def charts(series: Snapshot) -> str:
 def figures(summary: Any, series: Snapshot) -> str:
     m = series.latest or summary.metrics or {}
     items = [("step", f"{summary.min_step} (fastest {summary.max_step})"), ("step events", str(series.step_events)),
-             ("loss", number(m.get("loss"))), ("val loss", number(m.get("val_loss"))),
+             ("loss", number(m.get("loss"))), ("val loss", number(m.get("val_loss", series.val_loss[-1][1] if series.val_loss else None))),
              ("tokens/s", number(m.get("tokens_per_s"))),
              ("step time", f"{number(m.get('step_time_min'), ' s')} – {number(m.get('step_time_max'), ' s')}"),
              ("ranks", f"{summary.running} running, {summary.exited} exited, {summary.failed} failed")]
