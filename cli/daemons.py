@@ -75,7 +75,7 @@ async def _serve_coordinator(listen: str, state_dir: Path, tls_dir: str | None, 
 @click.option("--head-wait", default=60.0, show_default=True, type=float,
               help="Seconds the first job that cannot start holds back later jobs that could (then they backfill).")
 @click.option("--http-listen", default=None, metavar="HOST:PORT",
-              help="Serve the dashboard and Prometheus /metrics over HTTP here (default: off).")
+              help="Serve the dashboard and Prometheus /metrics over HTTP here (default or \"\": off).")
 @click.option("--metrics-per-rank", is_flag=True,
               help="Add per-rank series to /metrics (one per rank of every active job: large clusters beware).")
 @with_tls
@@ -89,6 +89,7 @@ def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wai
     from rankctl.worker.procutil import configure_logging
 
     configure_logging(level=log_level, fmt=log_format)
+    http_listen = http_listen or None  # "" is off, as for ctl worker --metrics-listen (a systemd unit's empty default)
     problem = plain_text_problem({"--listen": listen, **({"--http-listen": http_listen} if http_listen else {})},
                                  tls_dir, insecure)
     if problem:
