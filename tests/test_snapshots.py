@@ -153,3 +153,23 @@ def test_a_finished_run_frees_its_snapshots_and_the_copies_kept_for_its_peer(tmp
     assert not os.path.exists(own) and not os.path.exists(kept)
     assert layout.complete_for(a.own_root("gpt"), [0]) == [4]
     assert layout.complete_for(a.own_root("other", SNAPSHOTS), [0]) == [4]
+
+
+def test_a_push_that_stops_before_its_marker_leaves_nothing_at_the_peer(tmp_path, shm) -> None:
+    """CI: a run's last snapshot push was cut off when the sender dropped its snapshots at the run's end; the
+    peer kept rank-00000.pt of step 40 without its marker in memory. A stream's unmarked files now go."""
+    from rankctl.proto import rankctl_pb2 as pb
+    from rankctl.worker.replicas import _Writer
+
+    store = ShardStore(tmp_path / "peer")
+    root = store.replica_root("j", SNAPSHOTS)
+    cut = _Writer(store.replica_root)
+    cut.feed(pb.ShardChunk(job_name="j", step=40, rank=0, file="pt", root=SNAPSHOTS, data=b"x" * 10, last=True))
+    assert os.path.exists(os.path.join(layout.step_dir(root, 40), "rank-00000.pt"))
+    cut.abort()   # the stream broke before the marker
+    assert not os.path.exists(layout.step_dir(root, 40))
+    whole = _Writer(store.replica_root)
+    for file in ("pt", "done"):
+        whole.feed(pb.ShardChunk(job_name="j", step=42, rank=0, file=file, root=SNAPSHOTS, data=b"{}", last=True))
+    whole.drop_incomplete()   # a complete step stays
+    assert layout.read_marker(root, 42, 0) is not None

@@ -136,6 +136,7 @@ class _Writer:
     def __init__(self, root_of) -> None:  # noqa: ANN001 - (name, kind) -> root
         self.root_of, self.f, self.tmp, self.final, self.files = root_of, None, "", "", 0
         self.markers: dict[tuple[str, str], dict[int, int]] = {}  # (name, kind) -> rank -> step of a marker
+        self.written: set[tuple[str, int, int]] = set()   # (root, step, rank) of every file written
 
     def feed(self, c: pb.ShardChunk) -> None:
         if self.f is None:
@@ -149,10 +150,20 @@ class _Writer:
             self.f.close()
             os.replace(self.tmp, self.final)
             self.f, self.files = None, self.files + 1
+            self.written.add((self.root_of(c.job_name, c.root), c.step, c.rank))
             if c.file == "done":
                 self.markers.setdefault((c.job_name, c.root), {})[c.rank] = c.step
 
+    def drop_incomplete(self) -> None:
+        """Files this stream wrote for a rank's step whose marker never came (the sender stopped half-way, e.g.
+        its run ended and dropped its snapshots while pushing): useless to any restore, and in the peer's
+        memory for snapshots; removed."""
+        for root, step, rank in self.written:
+            if layout.read_marker(root, step, rank) is None:
+                layout.remove_rank_step(root, step, rank)
+
     def abort(self) -> None:
+        self.drop_incomplete()
         if self.f is not None:
             self.f.close()
             try:
@@ -210,6 +221,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
         except BaseException:
             writer.abort()
             raise
+        await asyncio.to_thread(writer.drop_incomplete)
         for (name, kind), arrived in writer.markers.items():
             await asyncio.to_thread(self.store.prune, name, kind, arrived)
         return pb.PutShardsResponse(files=writer.files)
