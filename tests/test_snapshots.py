@@ -173,3 +173,22 @@ def test_a_push_that_stops_before_its_marker_leaves_nothing_at_the_peer(tmp_path
         whole.feed(pb.ShardChunk(job_name="j", step=42, rank=0, file=file, root=SNAPSHOTS, data=b"{}", last=True))
     whole.drop_incomplete()   # a complete step stays
     assert layout.read_marker(root, 42, 0) is not None
+
+
+def test_a_push_after_the_run_ended_here_is_refused_until_the_name_runs_again(tmp_path, shm) -> None:
+    """CI: the job's other node pushed its last snapshot step after this node's ranks had exited and dropped
+    the job's snapshots; the copy stayed in memory. Dropping leaves a tombstone that refuses such pushes."""
+    from rankctl.proto import rankctl_pb2 as pb
+    from rankctl.worker.replicas import BadShard, _Writer
+
+    store = ShardStore(tmp_path / "peer")
+    store.drop_snapshots("j", [0, 1])
+    late = _Writer(store.replica_root, store.dropped)
+    with pytest.raises(BadShard, match="dropped"):
+        late.feed(pb.ShardChunk(job_name="j", step=40, rank=2, file="pt", root=SNAPSHOTS, data=b"x", last=True))
+    assert not os.path.exists(store.replica_root("j", SNAPSHOTS))
+    store.revive("j")   # the name runs here again
+    again = _Writer(store.replica_root, store.dropped)
+    for file in ("pt", "done"):
+        again.feed(pb.ShardChunk(job_name="j", step=2, rank=2, file=file, root=SNAPSHOTS, data=b"{}", last=True))
+    assert layout.read_marker(store.replica_root("j", SNAPSHOTS), 2, 2) is not None

@@ -454,6 +454,8 @@ class WorkerDaemon:
         run_dir.mkdir(parents=True, exist_ok=True)
         ranks = {a.rank for a in assignments}
         name = str((assignments[0].spec or {}).get("name", "")) if assignments else ""
+        if name:
+            self.shards.revive(name)   # a run of the name here: its peers' snapshot pushes are welcome again
         if msg.restore_peer and name:
             await self._restore(msg.restore_peer, name, sorted(ranks))
         spec = assignments[0].spec if assignments else None

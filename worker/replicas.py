@@ -96,10 +96,27 @@ class ShardStore:
                 return step, where
         return None
 
+    def _tombstone(self, name: str) -> str:
+        return self.replica_root(name, SNAPSHOTS) + ".dropped"
+
+    def dropped(self, name: str) -> bool:
+        """This node dropped ``name``'s snapshots (its run ended) and no run of the name started here since:
+        a peer's late push of them is refused, or it would stay in memory."""
+        return os.path.exists(self._tombstone(name))
+
+    def revive(self, name: str) -> None:
+        """A run of ``name`` starts here: snapshot pushes for it are welcome again."""
+        with contextlib.suppress(OSError):
+            os.unlink(self._tombstone(name))
+
     def drop_snapshots(self, name: str, ranks: Iterable[int]) -> int:
         """A run of ``name`` ended with every rank of this node done: its snapshots served only its restarts.
-        Removes ``ranks``' own snapshot files and every copy kept for peers under the name; files removed."""
+        Removes ``ranks``' own snapshot files and every copy kept for peers under the name (and refuses
+        later pushes of them until the name runs here again: ``revive``); files removed."""
         own, kept = self.own_root(name, SNAPSHOTS), self.replica_root(name, SNAPSHOTS)
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(kept), exist_ok=True)
+            open(self._tombstone(name), "w").close()
         removed = _remove_ranks(own, ranks) + _remove_ranks(kept, layout.ranks_in(kept))
         for root in (own, kept):
             with contextlib.suppress(OSError):
@@ -133,14 +150,16 @@ def _files(root: str) -> int:
 class _Writer:
     """Chunks in, files out (temporary name, renamed on the last chunk)."""
 
-    def __init__(self, root_of) -> None:  # noqa: ANN001 - (name, kind) -> root
-        self.root_of, self.f, self.tmp, self.final, self.files = root_of, None, "", "", 0
+    def __init__(self, root_of, dropped=lambda name: False) -> None:  # noqa: ANN001 - (name, kind) -> root
+        self.root_of, self.dropped, self.f, self.tmp, self.final, self.files = root_of, dropped, None, "", "", 0
         self.markers: dict[tuple[str, str], dict[int, int]] = {}  # (name, kind) -> rank -> step of a marker
         self.written: set[tuple[str, int, int]] = set()   # (root, step, rank) of every file written
 
     def feed(self, c: pb.ShardChunk) -> None:
         if self.f is None:
             _check(c.job_name, c.step, c.rank, c.file, c.root)
+            if c.root == SNAPSHOTS and self.dropped(c.job_name):
+                raise BadShard(f"the snapshots of {c.job_name} were dropped here: its run ended")
             self.final = _path(self.root_of(c.job_name, c.root), c.step, c.rank, c.file)
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
             self.tmp = f"{self.final}.part"
@@ -211,7 +230,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
 
     async def PutShards(self, request_iterator, context):  # noqa: ANN001, ANN201, N802 - gRPC
         await self._admit(context)
-        writer = _Writer(self.store.replica_root)
+        writer = _Writer(self.store.replica_root, self.store.dropped)
         try:
             async for chunk in request_iterator:
                 await asyncio.to_thread(writer.feed, chunk)
