@@ -218,10 +218,13 @@ class HttpServer:
 
 
 def _host_port(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise OSError(f"--http-listen {listen!r} is not HOST:PORT (port 0 picks a free one)")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    """``security.tls.split_listen``, with ":PORT" meaning every interface and OSError for the CLI."""
+    from rankctl.security.tls import split_listen
+
+    try:
+        return split_listen(f"0.0.0.0{listen}" if listen.startswith(":") else listen)
+    except ValueError:
+        raise OSError(f"--http-listen {listen!r} is not HOST:PORT (port 0 picks a free one)") from None
 
 
 async def start_http(core: Any, listen: str, identity: Any = None, metrics_per_rank: bool = False) -> HttpServer:
