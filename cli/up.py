@@ -49,7 +49,8 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
 def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str, ...],
        state_dir: Path | None, as_json: bool, log_level: str, log_format: str) -> None:
     """Start a coordinator and worker daemons here, run JOB_FILE to its end, print the result."""
-    from rankctl.cli.jobs import exit_for, follow_job, read_job_file
+    from rankctl.cli.follow import exit_for, follow_job
+    from rankctl.cli.jobs import read_job_file
     from rankctl.cli.local import LocalCluster
     from rankctl.cli.workdir import pack_workdir, ship
     from rankctl.worker.procutil import configure_logging
