@@ -86,8 +86,34 @@ class Hardware(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     def __init__(self, hostname: _Optional[str] = ..., cpu_count: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
 
+class GpuUsage(_message.Message):
+    __slots__ = ("index", "utilization", "memory_used_bytes", "memory_total_bytes")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    utilization: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    def __init__(self, index: _Optional[int] = ..., utilization: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ...) -> None: ...
+
+class NodeUsage(_message.Message):
+    __slots__ = ("cpu_percent", "memory_used_bytes", "memory_total_bytes", "gpus", "sample_time")
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TIME_FIELD_NUMBER: _ClassVar[int]
+    cpu_percent: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuUsage]
+    sample_time: _timestamp_pb2.Timestamp
+    def __init__(self, cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ..., sample_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class Node(_message.Message):
-    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen", "rejected_reports", "draining", "excluded_for", "last_seen_time")
+    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen", "rejected_reports", "draining", "excluded_for", "last_seen_time", "usage")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +125,7 @@ class Node(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FOR_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_TIME_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -110,7 +137,8 @@ class Node(_message.Message):
     draining: bool
     excluded_for: _containers.RepeatedScalarFieldContainer[str]
     last_seen_time: _timestamp_pb2.Timestamp
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    usage: NodeUsage
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "updated_at", "loss", "val_loss", "tokens_per_s", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time")
@@ -334,7 +362,7 @@ class Ack(_message.Message):
     def __init__(self, last_seq: _Optional[int] = ...) -> None: ...
 
 class FetchLogs(_message.Message):
-    __slots__ = ("request_id", "job_id", "attempt", "rank", "offset", "tail", "max_lines")
+    __slots__ = ("request_id", "job_id", "attempt", "rank", "offset", "tail", "max_lines", "records")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +370,7 @@ class FetchLogs(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     MAX_LINES_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     job_id: str
     attempt: int
@@ -349,7 +378,8 @@ class FetchLogs(_message.Message):
     offset: int
     tail: int
     max_lines: int
-    def __init__(self, request_id: _Optional[int] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., tail: _Optional[int] = ..., max_lines: _Optional[int] = ...) -> None: ...
+    records: bool
+    def __init__(self, request_id: _Optional[int] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., offset: _Optional[int] = ..., tail: _Optional[int] = ..., max_lines: _Optional[int] = ..., records: _Optional[bool] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("job_id", "attempt", "reason")
@@ -392,12 +422,14 @@ class RunningJob(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("ts", "free_ports")
+    __slots__ = ("ts", "free_ports", "usage")
     TS_FIELD_NUMBER: _ClassVar[int]
     FREE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     ts: float
     free_ports: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ts: _Optional[float] = ..., free_ports: _Optional[_Iterable[int]] = ...) -> None: ...
+    usage: NodeUsage
+    def __init__(self, ts: _Optional[float] = ..., free_ports: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ...) -> None: ...
 
 class RankReport(_message.Message):
     __slots__ = ("job_id", "attempt", "status", "result_json", "seq")
@@ -630,18 +662,20 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
 
 class GetLogsRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "all_ranks", "follow", "tail")
+    __slots__ = ("job_id", "rank", "all_ranks", "follow", "tail", "records")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     all_ranks: bool
     follow: bool
     tail: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ...) -> None: ...
+    records: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ..., records: _Optional[bool] = ...) -> None: ...
 
 class LogLine(_message.Message):
     __slots__ = ("rank", "line", "attempt")
