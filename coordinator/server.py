@@ -21,11 +21,11 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from rankctl.coordinator.auth import Authorizer
 from rankctl.coordinator.blobs import BlobStore
 from rankctl.coordinator.core import Coordinator
+from rankctl.coordinator import reflection
 from rankctl.coordinator.node_service import NodeServiceServicer
 from rankctl.coordinator.reports import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
@@ -180,9 +180,8 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core, blobs), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    # server reflection (grpcurl, Postman, Evans): the services' descriptors, no .proto file needed
-    reflection.enable_server_reflection((*SERVICES[1:], health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME), server)
+    # server reflection, v1 and v1alpha (grpcurl, Postman, Evans): the services' descriptors, no .proto needed
+    reflection.enable((*SERVICES[1:], health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     try:
         port = (server.add_secure_port(listen, server_credentials(identity)) if identity is not None
                 else server.add_insecure_port(listen))
