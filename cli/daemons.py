@@ -29,6 +29,20 @@ def with_tls(f):  # noqa: ANN001, ANN201 - a click decorator
     return f
 
 
+def require_torch(command: str) -> None:
+    """A node that runs ranks needs torch; the client and the coordinator do not (``pip install rankctl``).
+    Looked up, not imported: ``ctl worker`` imports it only in its launcher."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise CtlError(f"{command} runs ranks and needs torch, which is not installed here: "
+                       "pip install 'rankctl[worker]' on worker nodes (the client and the coordinator need no torch)")
+
+
 def plain_text_problem(addresses: dict[str, str], tls_dir: str | None, insecure: bool) -> str | None:
     """Why this service may not run without TLS: one of its ``addresses`` (option -> HOST:PORT) is not
     loopback and neither --tls-dir nor --insecure was given."""
@@ -173,6 +187,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
     from rankctl.worker.serve import run_worker
 
     configure_logging(level=log_level, fmt=log_format)
+    require_torch("ctl worker")
     if slots is not None and slots < 1:
         raise CtlError(f"--slots={slots} must be at least 1")
     node = node_name(name)
