@@ -136,9 +136,10 @@ def test_a_large_job_is_bounded(tmp_path: Path) -> None:
 
 def test_plan_shows_the_layout_or_the_rule_broken_and_creates_nothing(tmp_path: Path) -> None:
     async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
-        async with s.post(coord.http_url + "/plan", data={"spec": SMALL.replace("tp: 2", "tp: 3")}) as r:
-            assert r.status == 400
-            assert "world_size=4 is not divisible by tp*pp*cp=3" in await r.text()
+        async with s.post(coord.http_url + "/plan", data={"spec": SMALL, "set": "parallel.tp=3"}) as r:
+            text = await r.text()
+            assert r.status == 400 and "world_size=4 is not divisible by tp*pp*cp=3" in text
+            assert '<textarea name="set" rows="2" cols="60">parallel.tp=3</textarea>' in text  # kept
         async with s.post(coord.http_url + "/plan", data={"spec": SMALL, "set": "parallel.tp=4"}) as r:
             text = await r.text()
             assert r.status == 200 and 'id="plan-kinds"' in text and "dense: tp=4 cp=1 dp=1 pp=1" in text
@@ -255,3 +256,112 @@ def test_the_grid_marks_stragglers_failed_ranks_and_the_ranks_a_hang_points_at()
                RankRecord(rank=4, node="n1", phase="running", collectives='{"groups":[{"in":true}]}'),
                RankRecord(rank=6, node="n1", phase="running"), failed]
     assert marks(summary, records) == {1: "straggler", 2: "straggler", 3: "hang", 4: "hang", 5: "failed"}
+
+
+# --- rendering, pure: chart ticks and labels, hover titles, cell fills, node usage, the plan form ---
+
+CHAR_W = 0.62 * 11  # a generous width of one character of the charts' 11px labels
+
+
+def tick_texts(svg: str, axis: str) -> list[tuple[float, str, str]]:
+    return [(float(x), anchor, text) for x, anchor, text in
+            re.findall(rf'<text class="tick {axis}" x="([\d.]+)" y="[\d.]+" text-anchor="(\w+)">([^<]*)</text>', svg)]
+
+
+@pytest.mark.parametrize("values", [[10_020.0 + i / 10 for i in range(100)], [1.0e6 + 3e3 * i for i in range(100)],
+                                    [3e-5 * (1 + i % 7) for i in range(100)], [-40.0 + i for i in range(100)],
+                                    [10_030.0] * 100])
+def test_chart_ticks_are_round_short_and_inside_the_viewbox(values: list[float]) -> None:
+    from rankctl.coordinator.web.charts import LEFT, W, Series, line_chart
+
+    svg = line_chart("tps", [Series("tps", list(zip(range(1, 101), values)), "tokens/s")])
+    ys, xs = tick_texts(svg, "y"), tick_texts(svg, "x")
+    assert len(ys) >= 3 and len(xs) >= 3, (ys, xs)
+    for x, anchor, text in ys:
+        assert anchor == "end" and x - len(text) * CHAR_W >= 0 and x < LEFT, text
+        assert "e+" not in text and "e-" not in text and len(text) <= 8, text
+    for x, _, text in xs:
+        assert 0 <= x - len(text) * CHAR_W / 2 and x + len(text) * CHAR_W / 2 <= W, text
+    assert len({t for _, _, t in ys}) == len(ys)  # distinct labels: enough decimals for the step
+
+
+def test_tick_labels_read_like_numbers() -> None:
+    from rankctl.coordinator.web.charts import nice_step, tick_labels, tick_values
+
+    assert tick_labels(tick_values(10_020, 10_031, 2), 2) == ["10,020", "10,022", "10,024", "10,026", "10,028",
+                                                               "10,030"]
+    assert tick_labels([80_000, 100_000, 120_000], 20_000) == ["80k", "100k", "120k"]  # one scale per axis
+    assert tick_labels([1.2e6, 1.4e6], 2e5) == ["1.2M", "1.4M"]
+    assert tick_labels([0.0, 0.05, 0.1], 0.05) == ["0", "0.05", "0.10"]
+    assert [nice_step(s) for s in (11, 0.37, 1, 7000)] == [5, 0.1, 0.2, 2000]
+
+
+def test_points_carry_their_step_and_value_on_hover_bounded_per_line() -> None:
+    from rankctl.coordinator.web.charts import HOVER_POINTS, Series, line_chart
+
+    short = line_chart("loss", [Series("train", [(i, 6.0 - i / 100) for i in range(1, 38)], "train loss")])
+    titles = re.findall(r'<circle class="hit"[^>]*><title>([^<]*)</title>', short)
+    assert len(titles) == 37 and titles[11] == "step 12: train loss 5.88"
+    long = line_chart("tps", [Series("tps", [(i, 10_030.0 + i) for i in range(1, 5001)], "tokens/s")])
+    titles = re.findall(r"<title>([^<]*)</title>", long)
+    assert 2 < len(titles) <= HOVER_POINTS and titles[-1] == "step 5,000: tokens/s 15,030"
+
+
+def test_a_cell_is_filled_by_its_phase_and_red_only_when_its_rank_failed() -> None:
+    from rankctl.coordinator.progress import JobSummary
+    from rankctl.coordinator.records import RankRecord
+    from rankctl.coordinator.web.grid import fill, rank_grid, window
+    from rankctl.parallel.layout import ParallelConfig
+
+    recs = [RankRecord(rank=0, node="n0", phase="running"), RankRecord(rank=1, node="n0", phase="exited", exited=True),
+            RankRecord(rank=2, node="n1", phase="rendezvous"),
+            RankRecord(rank=3, node="n1", phase="exited", exited=True, exit_code=1)]
+    assert [fill(r) for r in recs] == ["running", "done", "waiting", "failed"]
+    assert fill(RankRecord(rank=4, node="n2", phase="done", exited=True, exit_code=0)) == "done"
+    assert fill(RankRecord(rank=5, node="n2", phase="failed")) == "failed"
+    summary = JobSummary(phases={}, running=1, exited=2, failed=1, min_step=0, max_step=0, stragglers=[],
+                         failing=[recs[3]], metrics={}, reports=4, slow=[])
+    job = type("Job", (), {"nodes": ["n0", "n1"]})()
+    html = rank_grid(job, ParallelConfig(world_size=4, tp=1, pp=2), recs, summary, window(4, 2, 0))
+    cells = re.findall(r'class="rank-cell fill-(\w+)[^"]*" data-rank="(\d+)"[^>]*style="--hue:(\d+)"', html)
+    assert [(f, int(r)) for f, r, _ in cells] == [("running", 0), ("done", 1), ("waiting", 2), ("failed", 3)]
+    assert all(170 <= int(h) <= 260 for _, _, h in cells) and len({h for *_, h in cells}) == 2  # a hue per stage
+
+
+def node(usage: Any = None, name: str = "n0") -> Any:
+    from types import SimpleNamespace
+
+    status = SimpleNamespace(value="READY")
+    record = SimpleNamespace(address="127.0.0.1:1", slots=2, last_seen=0.0)
+    ns = SimpleNamespace(name=name, record=record, status=status, last_heartbeat=99.0, detail="")
+    if usage is not None:
+        ns.usage = usage
+    return ns
+
+
+def test_the_nodes_page_shows_cpu_memory_and_gpu_use_or_a_dash() -> None:
+    from rankctl.coordinator.web.views import nodes_table
+
+    gib = 1 << 30
+    usage = pb.NodeUsage(cpu_percent=37.4, memory_used_bytes=3 * gib, memory_total_bytes=16 * gib,
+                         gpus=[pb.GpuUsage(index=i, utilization=90 - i, memory_used_bytes=gib,
+                                           memory_total_bytes=80 * gib) for i in range(20)])
+    html = nodes_table([(node(), 2), (node(usage, "g0"), 0), (node(pb.NodeUsage(cpu_percent=5), "c0"), 2)],
+                       {}, 0, 100.0)
+    rows = re.findall(r"<tr>(.*?)</tr>", html)
+    assert re.findall(r"<th>(\w+)</th>", rows[0])[6:9] == ["cpu", "memory", "gpus"]
+    cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows[1:]]
+    assert cells[0][6:9] == ["—", "—", "—"]  # no usage heard yet
+    cpu, mem, gpus = (re.sub(r"<[^>]+>", " ", c).strip() for c in cells[1][6:9])
+    assert (cpu, mem) == ("37%", "3.0 / 16.0 GiB")
+    assert gpus.startswith("0: 90% · 1.0 / 80.0 GiB") and "15: 75%" in gpus and "16:" not in gpus
+    assert gpus.endswith("… 4 more")
+    assert [re.sub(r"<[^>]+>", "", c) for c in cells[2][6:9]] == ["5%", "—", "none"]
+
+
+def test_the_plan_form_holds_what_was_typed() -> None:
+    from rankctl.coordinator.web.views import plan_form
+
+    form = plan_form("name: x\nkind: train", 'parallel.tp=3\nname=<b>"')
+    assert '<textarea name="spec" rows="16" cols="90">name: x\nkind: train</textarea>' in form
+    assert '<textarea name="set" rows="2" cols="60">parallel.tp=3\nname=&lt;b&gt;&quot;</textarea>' in form

@@ -149,7 +149,7 @@ class Dashboard:
             result, status = await asyncio.to_thread(run), 200
         except SpecError as exc:
             result, status = views.plan_errors(list(exc.errors)), 400
-        return _html(page("plan", views.plan_form(text) + result, self._who(request)), status)
+        return _html(page("plan", views.plan_form(text, sets) + result, self._who(request)), status)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         if self._metrics is None:

@@ -1,7 +1,7 @@
 """The rank grid of a job: nodes x slots, one cell per rank, a page of nodes at a time.
 
-A cell is coloured by the rank's pipeline stage and sits in a box with the other members of its tp group
-on that node; it shows the rank's phase. Stragglers (behind on steps or slow to compute), failed ranks
+A cell's fill is its rank's phase (``fill``: waiting, running, done; red only for a failed rank), a stripe
+on top its pipeline stage; it sits in a box with the other members of its tp group on that node. Stragglers (behind on steps or slow to compute), failed ranks
 and ranks a hang points at (stopped, or holding collective-wait evidence) are marked. At most
 ``MAX_CELLS`` cells per page, so the HTML of a poll is bounded whatever the job's size.
 """
@@ -11,12 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rankctl.coordinator.progress import is_failed
 from rankctl.coordinator.web.html import e
 from rankctl.parallel.layout import ParallelConfig
 from rankctl.parallel.placement import ranks_of_node
 
 MAX_CELLS = 256
 WAITING = '"in":true'  # a rank's collective evidence says it is blocked in a group (coordinator.hangs)
+FILLS = {"running": "running", "done": "done", "exited": "done", "failed": "failed"}  # phase -> fill; else waiting
+STAGE_HUES = (170, 260)  # the stage stripe's hues, first stage to last: teal to indigo, never the failed red
 SHORT = {"pending": "pend", "starting": "start", "rendezvous": "rdzv", "running": "run"}  # phases as cells show them
 
 
@@ -71,13 +74,24 @@ def marks(summary: Any, records: list[Any]) -> dict[int, str]:
     return {r: " ".join(sorted(c)) for r, c in out.items()}
 
 
+def fill(rec: Any) -> str:
+    """The cell's fill: ``failed`` (``progress.is_failed``, or the failed phase), else by phase."""
+    return "failed" if is_failed(rec) or rec.phase == "failed" else FILLS.get(rec.phase, "waiting")
+
+
+def stage_hue(pp_rank: int, pp: int) -> int:
+    lo, hi = STAGE_HUES
+    return lo + (hi - lo) * pp_rank // max(1, pp - 1)
+
+
 def _cell(rec: Any, cfg: ParallelConfig | None, flags: str) -> str:
     c = cfg.dense_grid.coords(rec.rank) if cfg else {"pp": 0, "tp": 0, "dp": 0}
-    hue = int(360 * c["pp"] / cfg.pp) if cfg else 210
+    hue, look = stage_hue(c["pp"], cfg.pp) if cfg else STAGE_HUES[0], fill(rec)
     title = (f"rank {rec.rank} on {rec.node or '-'} · pp {c['pp']} tp {c['tp']} dp {c['dp']} · {rec.phase}"
              f" · step {rec.step}{' · ' + flags if flags else ''}")
-    return (f'<span class="rank-cell ph-{e(rec.phase)} {flags}" data-rank="{rec.rank}" data-pp="{c["pp"]}" '
-            f'data-phase="{e(rec.phase)}" style="--hue:{hue}" title="{e(title)}">'
+    return (f'<span class="rank-cell fill-{look} ph-{e(rec.phase)} {flags}" data-rank="{rec.rank}" '
+            f'data-pp="{c["pp"]}" data-phase="{e(rec.phase)}" data-fill="{look}" style="--hue:{hue}" '
+            f'title="{e(title)}">'
             f'<b>{rec.rank}</b><i>{e(SHORT.get(rec.phase, rec.phase[:6]))}</i></span>')
 
 
@@ -110,5 +124,7 @@ def rank_grid(job: Any, cfg: ParallelConfig | None, records: list[Any], summary:
         pager = (f'<nav class="pager">nodes {win.first}–{win.first + win.count - 1} of {win.total}: '
                  f'{" ".join(links)}</nav>')
     stages = f"{cfg.pp} pipeline stage(s), tp groups of {cfg.tp}" if cfg else "layout unknown"
+    key = " ".join(f'<span class="key fill-{f}">{f}</span>' for f in ("waiting", "running", "done", "failed"))
     return (f'<section id="rank-grid" data-cells="{len(records)}" data-page="{win.page}">'
-            f'<p class="legend">{stages}; outline: straggler · failed · hang</p>{pager}{"".join(rows)}</section>')
+            f'<p class="legend">{stages} (the top stripe); fill: {key}; outline: straggler · failed · hang</p>'
+            f'{pager}{"".join(rows)}</section>')

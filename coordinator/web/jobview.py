@@ -19,7 +19,7 @@ LINE_CHARS = 2000     # characters of one log line shown
 
 
 def charts(series: Snapshot) -> str:
-    loss = line_chart("loss-curve", [Series("train", series.loss), Series("val", series.val_loss)])
+    loss = line_chart("loss-curve", [Series("train", series.loss, "train loss"), Series("val", series.val_loss, "val loss")])
     tps = line_chart("throughput", [Series("tps", series.tokens_per_s, "tokens/s")])
     return f'<div class="charts"><figure>{loss}</figure><figure>{tps}</figure></div>'
 

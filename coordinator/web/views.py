@@ -12,6 +12,10 @@ JOBS_PAGE = 50
 NODES_PAGE = 200
 PLAN_NODES_SHOWN = 16    # nodes of a plan's placement listed
 PLAN_GROUPS_SHOWN = 8    # groups listed per kind
+GPUS_SHOWN = 16          # GPUs listed per node
+UNSET = "—"              # a figure the node has not reported
+GIB = 1 << 30
+NODE_COLUMNS = ("name", "address", "state", "slots", "free", "draining", "cpu", "memory", "gpus", "heartbeat", "detail")
 
 
 def jobs_table(jobs: list[Any], layouts: dict[str, Any], cursor: int, now: float) -> str:
@@ -23,6 +27,24 @@ def jobs_table(jobs: list[Any], layouts: dict[str, Any], cursor: int, now: float
     return table(["id", "name", "state", "age", "layout", "world", "submitted by"], rows, "jobs") + empty + more
 
 
+def _gib(used: int, total: int) -> str:
+    return f"{used / GIB:.1f} / {total / GIB:.1f} GiB" if total > 0 else UNSET
+
+
+def _gpu(g: Any) -> str:
+    return f"{g.index}: {g.utilization:.0f}% · {_gib(g.memory_used_bytes, g.memory_total_bytes)}"
+
+
+def usage_cells(usage: Any) -> list[str]:
+    """CPU %, memory and GPU use of a node's last heartbeat (``pb.NodeUsage``; None: not reported yet)."""
+    if usage is None:
+        return [UNSET] * 3
+    gpus = [e(_gpu(g)) for g in usage.gpus[:GPUS_SHOWN]]
+    more = [f"… {len(usage.gpus) - GPUS_SHOWN} more"] if len(usage.gpus) > GPUS_SHOWN else []
+    return [f'<span class="usage">{cell}</span>' for cell in
+            (f"{usage.cpu_percent:.0f}%", _gib(usage.memory_used_bytes, usage.memory_total_bytes), "<br>".join(gpus + more) or "none")]
+
+
 def nodes_table(views: list[tuple[Any, int]], draining: dict[str, str], page: int, now: float) -> str:
     """One page of ``views`` ((NodeSession, free slots) of every node)."""
     shown = views[page * NODES_PAGE:(page + 1) * NODES_PAGE]
@@ -32,20 +54,21 @@ def nodes_table(views: list[tuple[Any, int]], draining: dict[str, str], page: in
         drain = draining.get(s.name)
         rows.append([e(s.name), e(s.record.address), state_badge(s.status.value), str(s.record.slots), str(free),
                      "yes" + (f": {e(drain)}" if drain else "") if drain is not None else "no",
-                     age(now - heard) + " ago" if heard else "never", e(s.detail)])
+                     *usage_cells(getattr(s, "usage", None)), age(now - heard) + " ago" if heard else "never",
+                     e(s.detail)])
     pages = -(-len(views) // NODES_PAGE)
     nav = "" if pages <= 1 else '<nav class="pager">' + " ".join(
         f'<a href="/nodes?page={p}">{p + 1}</a>' for p in sorted({0, max(0, page - 1), page,
                                                                   min(pages - 1, page + 1), pages - 1})) + "</nav>"
     head = f"<p>{len(views)} node(s); {sum(f for _, f in views)} free slot(s)</p>"
-    return head + table(["name", "address", "state", "slots", "free", "draining", "heartbeat", "detail"],
-                        rows, "nodes") + nav
+    return head + table(NODE_COLUMNS, rows, "nodes") + nav
 
 
-def plan_form(text: str = "") -> str:
+def plan_form(text: str = "", overrides: str = "") -> str:
+    """The form, holding what was typed (the job file and the overrides) when it is shown again."""
     return ('<form id="plan-form" method="post" action="/plan"><p>Paste a job file; nothing is submitted.</p>'
             f'<textarea name="spec" rows="16" cols="90">{e(text)}</textarea><br>'
-            '<label>overrides (one KEY=VALUE a line) <textarea name="set" rows="2" cols="60"></textarea></label>'
+            f'<label>overrides (one KEY=VALUE a line) <textarea name="set" rows="2" cols="60">{e(overrides)}</textarea></label>'
             '<br><button>plan</button></form>')
 
 
