@@ -139,7 +139,7 @@ def test_plan_shows_the_layout_or_the_rule_broken_and_creates_nothing(tmp_path: 
         async with s.post(coord.http_url + "/plan", data={"spec": SMALL, "set": "parallel.tp=3"}) as r:
             text = await r.text()
             assert r.status == 400 and "world_size=4 is not divisible by tp*pp*cp=3" in text
-            assert '<textarea name="set" rows="2" cols="60">parallel.tp=3</textarea>' in text  # kept
+            assert '<textarea name="set" rows="2" cols="60">\nparallel.tp=3</textarea>' in text  # kept
         async with s.post(coord.http_url + "/plan", data={"spec": SMALL, "set": "parallel.tp=4"}) as r:
             text = await r.text()
             assert r.status == 200 and 'id="plan-kinds"' in text and "dense: tp=4 cp=1 dp=1 pp=1" in text
@@ -363,5 +363,5 @@ def test_the_plan_form_holds_what_was_typed() -> None:
     from rankctl.coordinator.web.views import plan_form
 
     form = plan_form("name: x\nkind: train", 'parallel.tp=3\nname=<b>"')
-    assert '<textarea name="spec" rows="16" cols="90">name: x\nkind: train</textarea>' in form
-    assert '<textarea name="set" rows="2" cols="60">parallel.tp=3\nname=&lt;b&gt;&quot;</textarea>' in form
+    assert '<textarea name="spec" rows="16" cols="90">\nname: x\nkind: train</textarea>' in form
+    assert '<textarea name="set" rows="2" cols="60">\nparallel.tp=3\nname=&lt;b&gt;&quot;</textarea>' in form

@@ -1,21 +1,29 @@
 """The dashboard in a real browser: a ``ctl coordinator --http-listen``, two worker daemons of 2 slots and a
-4-rank train job (tp2 x pp2), watched by headless Chromium through Selenium.
+4-rank train job (tp2 x pp2), watched by headless Chromium through Selenium; one cluster and one browser
+for the module.
 
-The job page shows one grid cell per rank while the job runs, and its loss curve, swapped in live by
-dashboard.js, ends with one point per step event that carries a loss, counted from the coordinator's own
-event stream (WatchJob); meanwhile the coordinator's /metrics holds the job's series. Screenshots of the job page and the nodes page are saved (``RANKCTL_SCREENSHOTS``:
-a directory to copy them to, e.g. docs/img). Chromium and chromedriver are required: CI installs them.
+The job page shows one grid cell per rank while the job runs, each filled by its phase (never the failed
+red unless its rank failed: a python job whose rank 2 raises shows that), and its loss curve, swapped in
+live by dashboard.js, ends with one point per step event that carries a loss, counted from the
+coordinator's own event stream (WatchJob); the charts' tick labels lie inside their SVG (measured by the
+browser, also for a big value like 1.003e+04 tokens/s) and every point plotted names its step on hover.
+Meanwhile the coordinator's /metrics holds the job's series. The plan page keeps what was typed when it
+shows an error; the nodes page shows CPU, memory and GPU use. Screenshots of the job page and the nodes
+page are saved (``RANKCTL_SCREENSHOTS``: a directory to copy them to, e.g. docs/img). Chromium and
+chromedriver are required: CI installs them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +31,7 @@ from cluster import ProcCluster, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+STATIC = Path(__file__).resolve().parent.parent / "coordinator" / "web" / "static"
 TRAIN = """
 name: web-train
 kind: train
@@ -31,6 +40,18 @@ parallel: {tp: 2, pp: 2}
 model: {layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 256}
 train: {steps: 150, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 5, eval_every: 25,
         data: builtin:pydoc}
+"""
+RAISES = """
+name: web-raises
+kind: python
+resources: {{nodes: 2, slots_per_node: 2}}
+python: {{entrypoint: raises.py, workdir: {workdir}}}
+"""
+# rank 2 fails once the others have exited 0 (so theirs are healthy exits, not ranks stopped for its failure)
+RAISES_PY = """import os, time
+if os.environ["RANK"] == "2":
+    time.sleep(3)
+    raise ValueError("boom from rank 2")
 """
 # counts the job's step events that carry a loss, from WatchJob (a subprocess: no gRPC in the test process)
 COUNT_STEPS = """
@@ -65,15 +86,44 @@ def data(url: str, job: str) -> dict:
 
 VIEW = """
 const body = document.getElementById("live-body"), svg = document.getElementById("loss-curve");
+const red = body && getComputedStyle(body.querySelector("#rank-grid .key.fill-failed")).backgroundColor;
 return body && svg ? {terminal: body.dataset.terminal, points: Number(svg.dataset.points),
   ranks: Array.from(body.querySelectorAll("#rank-grid .rank-cell"), c => Number(c.dataset.rank)),
-  groups: body.querySelectorAll("#rank-grid .tp-group").length} : null;
+  groups: body.querySelectorAll("#rank-grid .tp-group").length,
+  cells: Array.from(body.querySelectorAll("#rank-grid .rank-cell"), c => ({rank: Number(c.dataset.rank),
+    phase: c.dataset.phase, red: getComputedStyle(c).backgroundColor === red}))} : null;
+"""
+# every chart's text as the browser lays it out: what falls outside the SVG's viewBox, the tick labels, the
+# hover titles of the points
+CHARTS = """
+return Array.from(document.querySelectorAll("svg.chart"), svg => {
+  const vb = svg.viewBox.baseVal, outside = [];
+  for (const t of svg.querySelectorAll("text")) {
+    const b = t.getBBox();
+    if (b.x < vb.x || b.y < vb.y || b.x + b.width > vb.x + vb.width || b.y + b.height > vb.y + vb.height)
+      outside.push(`${t.textContent} at ${b.x},${b.y} ${b.width}x${b.height}`);
+  }
+  const texts = sel => Array.from(svg.querySelectorAll(sel), t => t.textContent);
+  return {id: svg.id, points: Number(svg.dataset.points), outside: outside, y: texts("text.tick.y"),
+          x: texts("text.tick.x"), titles: texts("circle.hit > title")};
+});
 """
 
 
 def view(driver) -> dict:  # noqa: ANN001
     """The live fragment as the browser holds it now, read in one script (it is swapped every second)."""
-    return driver.execute_script(VIEW) or {"terminal": None, "points": 0, "ranks": [], "groups": 0}
+    return driver.execute_script(VIEW) or {"terminal": None, "points": 0, "ranks": [], "groups": 0, "cells": []}
+
+
+def assert_charts_fit_with_ticks_and_titles(charts: list[dict]) -> None:
+    """Each chart's labels inside its viewBox, several ticks per axis, a step on hover per plotted point."""
+    assert charts, "no chart on the page"
+    for c in charts:
+        assert c["outside"] == [], c
+        if c["points"]:
+            assert len(c["y"]) >= 3 and len(c["x"]) >= 3, c
+            assert not any("e+" in t or "e-" in t for t in c["y"]), c["y"]
+            assert c["titles"] and all(re.fullmatch(r"step [\d,]+: .+ [-+\de.,]+", t) for t in c["titles"]), c
 
 
 def scrape(url: str) -> str:
@@ -83,26 +133,28 @@ def scrape(url: str) -> str:
 
 def assert_metrics_of_a_running_job(text: str, job: str, nodes: list[str]) -> None:
     """The coordinator's /metrics while ``job`` runs: the text format parses (and passes promtool when the
-    Debian ``prometheus`` package is installed) and holds the cluster's and the job's series."""
+    Debian ``prometheus`` package is installed) and holds the cluster's and the job's series (the job
+    labelled ``job_id``, or ``job`` before that rename)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    samples = [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
+               for s in family.samples]
 
-    def value(name: str, **labels: str) -> float:
-        return samples[(name, tuple(sorted(labels.items())))]
+    def value(name: str, of: str | None = None, **labels: str) -> float:
+        found = [v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items())
+                 and (of is None or ls.get("job_id", ls.get("job")) == of)]
+        assert len(found) == 1, (name, of, labels, found)
+        return found[0]
 
     assert value("rankctl_jobs", state="RUNNING") == 1 and value("rankctl_job_queue_length") == 0
     assert value("rankctl_nodes", state="READY") == 2
     assert all(0 <= value("rankctl_node_heartbeat_age_seconds", node=n) < 30 for n in nodes)
     assert value("rankctl_rank_reports_total") > 0 and value("rankctl_job_restarts_total", cause="failure") == 0
-    assert value("rankctl_job_step", job=job) >= 3 and value("rankctl_job_ranks", job=job, phase="running") == 4
-    assert value("rankctl_job_loss", job=job) > 0 and value("rankctl_job_tokens_per_second", job=job) > 0
-    assert value("rankctl_job_step_time_seconds", job=job, stat="max") > 0
-    assert value("rankctl_job_step_duration_seconds_count", job=job) >= 1
-    assert value("rankctl_job_stragglers", job=job) >= 0
+    assert value("rankctl_job_step", job) >= 3 and value("rankctl_job_ranks", job, phase="running") == 4
+    assert value("rankctl_job_loss", job) > 0 and value("rankctl_job_tokens_per_second", job) > 0
+    assert value("rankctl_job_step_time_seconds", job, stat="max") > 0
+    assert value("rankctl_job_step_duration_seconds_count", job) >= 1
+    assert value("rankctl_job_stragglers", job) >= 0
     promtool = shutil.which("promtool")
     if promtool:
         check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
@@ -118,38 +170,110 @@ def shot(driver, out: Path, name: str) -> Path:  # noqa: ANN001
     return path
 
 
-def test_the_job_page_follows_a_running_train_job_in_a_browser(tmp_path: Path) -> None:
-    driver = browser()
-    cluster = ProcCluster(tmp_path, ["node-0", "node-1"], 2, http_listen="127.0.0.1:0")
-    try:
-        (tmp_path / "web-train.yaml").write_text(TRAIN)
-        job = cluster.submit(str(tmp_path / "web-train.yaml"))
-        url = cluster.http_url
-        wait_for(lambda: data(url, job)["min_step"] >= 3, 240, f"{job} past step 3", interval=0.5)
-        assert_metrics_of_a_running_job(scrape(url), job, ["node-0", "node-1"])
-        driver.get(f"{url}/jobs/{job}")
-        first = wait_for(lambda: (v := view(driver))["points"] > 0 and len(v["ranks"]) == 4 and v, 30,
-                         "the grid and the loss curve")
-        assert sorted(first["ranks"]) == [0, 1, 2, 3] and first["groups"] == 2  # tp2: ranks 0-1 and 2-3
-        assert first["terminal"] == "0", "the job ended before the browser looked"
-        wait_for(lambda: view(driver)["points"] >= 30 or data(url, job)["state"] != "RUNNING", 120, "30 steps")
-        shot(driver, tmp_path, "dashboard-job.png")  # the page as dashboard.js swapped it in: no reload
-        final = cluster.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
-        assert final["state"] == "SUCCEEDED", final
-        count = subprocess.run([sys.executable, "-c", COUNT_STEPS, cluster.address, job], capture_output=True,
-                               text=True, timeout=60, check=True)
-        expected = int(count.stdout)
-        assert expected >= 3
-        last = wait_for(lambda: (v := view(driver))["terminal"] == "1" and v["points"] == expected and v, 30,
-                        f"the loss curve at {expected} points (the coordinator's step events with a loss)")
-        assert len(last["ranks"]) == 4
-        log = driver.find_element("id", "log-lines").text
-        assert log and not log.startswith(("reading", "internal error")), log
-        driver.set_window_size(900, 440)
-        driver.get(f"{url}/nodes")
-        rows = driver.find_elements("css selector", "#nodes tbody tr")
-        assert sorted(r.find_element("css selector", "td").text for r in rows) == ["node-0", "node-1"]
-        shot(driver, tmp_path, "dashboard-nodes.png")
-    finally:
-        driver.quit()
-        cluster.stop()
+@pytest.fixture(scope="module")
+def driver():  # noqa: ANN201
+    d = browser()
+    yield d
+    d.quit()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> ProcCluster:
+    c = ProcCluster(tmp_path_factory.mktemp("web"), ["node-0", "node-1"], 2, http_listen="127.0.0.1:0")
+    yield c
+    c.stop()
+
+
+def test_chart_labels_of_big_and_small_values_lie_inside_the_svg(driver, tmp_path: Path) -> None:  # noqa: ANN001
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    from rankctl.coordinator.web.jobview import charts
+    from rankctl.coordinator.web.series import Snapshot
+
+    steps = range(1, 301)
+    series = Snapshot(300, 300, [(i, 2e-5 * (1 + i % 5)) for i in steps], [(i, 3.0) for i in steps[::50]],
+                      [(i, 10_030.0 - i % 11) for i in steps], {}, [])
+    html = tmp_path / "charts.html"
+    css = (STATIC / "dashboard.css").as_uri()
+    html.write_text(f'<!doctype html><html><head><link rel="stylesheet" href="{css}"></head>'
+                    f"<body>{charts(series)}</body></html>")
+    driver.get(html.as_uri())
+    found = driver.execute_script(CHARTS)
+    assert [c["id"] for c in found] == ["loss-curve", "throughput"]
+    assert_charts_fit_with_ticks_and_titles(found)
+    assert "10,030" in found[1]["y"] and found[1]["titles"][-1] == "step 300: tokens/s 10,027"
+    dot = driver.find_elements("css selector", "#throughput circle.hit")[-1]
+    ActionChains(driver).move_to_element(dot).perform()  # the point a pointer rests on is the one titled
+    assert driver.execute_script("return arguments[0].matches(':hover')", dot)
+
+
+def test_the_job_page_follows_a_running_train_job_in_a_browser(driver, cluster: ProcCluster,  # noqa: ANN001
+                                                               tmp_path: Path) -> None:
+    (tmp_path / "web-train.yaml").write_text(TRAIN)
+    job = cluster.submit(str(tmp_path / "web-train.yaml"))
+    url = cluster.http_url
+    wait_for(lambda: data(url, job)["min_step"] >= 3, 240, f"{job} past step 3", interval=0.5)
+    assert_metrics_of_a_running_job(scrape(url), job, ["node-0", "node-1"])
+    driver.get(f"{url}/jobs/{job}")
+    first = wait_for(lambda: (v := view(driver))["points"] > 0 and len(v["ranks"]) == 4 and v, 30,
+                     "the grid and the loss curve")
+    assert sorted(first["ranks"]) == [0, 1, 2, 3] and first["groups"] == 2  # tp2: ranks 0-1 and 2-3
+    assert first["terminal"] == "0", "the job ended before the browser looked"
+    assert not any(c["red"] for c in first["cells"]), first["cells"]  # healthy running ranks are not red
+    wait_for(lambda: view(driver)["points"] >= 30 or data(url, job)["state"] != "RUNNING", 120, "30 steps")
+    assert_charts_fit_with_ticks_and_titles(driver.execute_script(CHARTS))
+    shot(driver, tmp_path, "dashboard-job.png")  # the page as dashboard.js swapped it in: no reload
+    final = cluster.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 300)
+    assert final["state"] == "SUCCEEDED", final
+    count = subprocess.run([sys.executable, "-c", COUNT_STEPS, cluster.address, job], capture_output=True,
+                           text=True, timeout=60, check=True)
+    expected = int(count.stdout)
+    assert expected >= 3
+    last = wait_for(lambda: (v := view(driver))["terminal"] == "1" and v["points"] == expected and v, 30,
+                    f"the loss curve at {expected} points (the coordinator's step events with a loss)")
+    assert len(last["ranks"]) == 4 and not any(c["red"] for c in last["cells"]), last["cells"]  # exited 0
+    log = driver.find_element("id", "log-lines").text
+    assert log and not log.startswith(("reading", "internal error")), log
+
+
+def test_a_failed_rank_is_the_only_red_cell(driver, cluster: ProcCluster, tmp_path: Path) -> None:  # noqa: ANN001
+    (tmp_path / "raises.py").write_text(RAISES_PY)
+    (tmp_path / "web-raises.yaml").write_text(RAISES.format(workdir=tmp_path))
+    job = cluster.submit(str(tmp_path / "web-raises.yaml"))
+    final = cluster.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 120)
+    assert final["state"] == "FAILED" and "rank 2" in final["reason"], final
+    driver.get(f"{cluster.http_url}/jobs/{job}")
+    cells = wait_for(lambda: (v := view(driver))["terminal"] == "1" and len(v["cells"]) == 4 and v["cells"], 30,
+                     "the failed job's grid")
+    assert [c["rank"] for c in cells if c["red"]] == [2], cells
+
+
+def test_the_plan_page_keeps_the_typed_job_file_and_overrides_after_an_error(driver,  # noqa: ANN001
+                                                                             cluster: ProcCluster) -> None:
+    driver.get(f"{cluster.http_url}/plan")
+    spec = driver.find_element("css selector", "textarea[name=spec]")
+    driver.execute_script("arguments[0].value = arguments[1]", spec, TRAIN)
+    driver.find_element("css selector", "textarea[name=set]").send_keys("parallel.tp=3")
+    driver.find_element("css selector", "#plan-form button").click()
+    errors = wait_for(lambda: driver.find_elements("id", "plan-errors"), 30, "the plan's errors")
+    assert "not divisible by tp*pp*cp=6" in errors[0].text, errors[0].text
+    kept = driver.execute_script('return [document.querySelector("textarea[name=spec]").value, '
+                                 'document.querySelector("textarea[name=set]").value]')
+    assert kept == [TRAIN, "parallel.tp=3"]
+
+
+USAGE = {"cpu": r"\d+%", "memory": r"[\d.]+ / [\d.]+ GiB", "gpus": r"(?s)none|\d+: .*"}
+
+
+def test_the_nodes_page_shows_cpu_memory_and_gpu_use(driver, cluster: ProcCluster,  # noqa: ANN001
+                                                     tmp_path: Path) -> None:
+    driver.set_window_size(1100, 440)
+    driver.get(f"{cluster.http_url}/nodes")
+    heads = [h.text for h in driver.find_elements("css selector", "#nodes thead th")]
+    rows = [[td.text for td in r.find_elements("css selector", "td")]
+            for r in driver.find_elements("css selector", "#nodes tbody tr")]
+    assert sorted(r[0] for r in rows) == ["node-0", "node-1"]
+    for name, rule in USAGE.items():
+        col = heads.index(name)
+        assert all(r[col] == "—" or re.fullmatch(rule, r[col]) for r in rows), (name, rows)  # "—": not heard yet
+    shot(driver, tmp_path, "dashboard-nodes.png")

@@ -127,7 +127,8 @@ def line_chart(svg_id: str, lines: list[Series], x_label: str = "step", empty: s
         return f'{head}<text x="{W / 2}" y="{H / 2}" text-anchor="middle">{escape(empty)}</text></svg>'
     box = _bounds(drawn)
     legend = "".join(f'<text class="legend {escape(s.name)}" x="{W - RIGHT - 4}" y="{TOP + 12 + 14 * i}" '
-                     f'text-anchor="end">{escape(s.label or s.name)} ({len(s.points)})</text>' for i, s in enumerate(drawn))
+                     f'text-anchor="end">{escape(s.label or s.name)} ({len(s.points)})</text>'
+                     for i, s in enumerate(drawn))
     lines_svg = "".join(_polyline(s, box, dot) for s in drawn)
     hits = "".join(_hits(s, box, x_label) for s in drawn)
     return f'{head}{_axes(box, x_label)}{lines_svg}<g class="hits">{hits}</g>{legend}</svg>'

@@ -1,9 +1,9 @@
 """The rank grid of a job: nodes x slots, one cell per rank, a page of nodes at a time.
 
 A cell's fill is its rank's phase (``fill``: waiting, running, done; red only for a failed rank), a stripe
-on top its pipeline stage; it sits in a box with the other members of its tp group on that node. Stragglers (behind on steps or slow to compute), failed ranks
-and ranks a hang points at (stopped, or holding collective-wait evidence) are marked. At most
-``MAX_CELLS`` cells per page, so the HTML of a poll is bounded whatever the job's size.
+on top its pipeline stage; it sits in a box with the other members of its tp group on that node.
+Stragglers (behind on steps or slow to compute), failed ranks and ranks a hang points at (stopped, or
+holding collective-wait evidence) are marked. At most ``MAX_CELLS`` cells per page, so the HTML of a poll is bounded whatever the job's size.
 """
 
 from __future__ import annotations

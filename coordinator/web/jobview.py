@@ -19,15 +19,17 @@ LINE_CHARS = 2000     # characters of one log line shown
 
 
 def charts(series: Snapshot) -> str:
-    loss = line_chart("loss-curve", [Series("train", series.loss, "train loss"), Series("val", series.val_loss, "val loss")])
+    loss = line_chart("loss-curve", [Series("train", series.loss, "train loss"),
+                                     Series("val", series.val_loss, "val loss")])
     tps = line_chart("throughput", [Series("tps", series.tokens_per_s, "tokens/s")])
     return f'<div class="charts"><figure>{loss}</figure><figure>{tps}</figure></div>'
 
 
 def figures(summary: Any, series: Snapshot) -> str:
     m = series.latest or summary.metrics or {}
+    val = m.get("val_loss", series.val_loss[-1][1] if series.val_loss else None)
     items = [("step", f"{summary.min_step} (fastest {summary.max_step})"), ("step events", str(series.step_events)),
-             ("loss", number(m.get("loss"))), ("val loss", number(m.get("val_loss", series.val_loss[-1][1] if series.val_loss else None))),
+             ("loss", number(m.get("loss"))), ("val loss", number(val)),
              ("tokens/s", number(m.get("tokens_per_s"))),
              ("step time", f"{number(m.get('step_time_min'), ' s')} – {number(m.get('step_time_max'), ' s')}"),
              ("ranks", f"{summary.running} running, {summary.exited} exited, {summary.failed} failed")]

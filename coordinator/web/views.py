@@ -42,7 +42,8 @@ def usage_cells(usage: Any) -> list[str]:
     gpus = [e(_gpu(g)) for g in usage.gpus[:GPUS_SHOWN]]
     more = [f"… {len(usage.gpus) - GPUS_SHOWN} more"] if len(usage.gpus) > GPUS_SHOWN else []
     return [f'<span class="usage">{cell}</span>' for cell in
-            (f"{usage.cpu_percent:.0f}%", _gib(usage.memory_used_bytes, usage.memory_total_bytes), "<br>".join(gpus + more) or "none")]
+            (f"{usage.cpu_percent:.0f}%", _gib(usage.memory_used_bytes, usage.memory_total_bytes),
+             "<br>".join(gpus + more) or "none")]
 
 
 def nodes_table(views: list[tuple[Any, int]], draining: dict[str, str], page: int, now: float) -> str:
@@ -65,10 +66,12 @@ def nodes_table(views: list[tuple[Any, int]], draining: dict[str, str], page: in
 
 
 def plan_form(text: str = "", overrides: str = "") -> str:
-    """The form, holding what was typed (the job file and the overrides) when it is shown again."""
+    """The form, holding what was typed (the job file and the overrides) when it is shown again; the
+    newline after each ``<textarea>`` is the one HTML drops, so a typed leading newline stays."""
     return ('<form id="plan-form" method="post" action="/plan"><p>Paste a job file; nothing is submitted.</p>'
-            f'<textarea name="spec" rows="16" cols="90">{e(text)}</textarea><br>'
-            f'<label>overrides (one KEY=VALUE a line) <textarea name="set" rows="2" cols="60">{e(overrides)}</textarea></label>'
+            f'<textarea name="spec" rows="16" cols="90">\n{e(text)}</textarea><br>'
+            '<label>overrides (one KEY=VALUE a line) '
+            f'<textarea name="set" rows="2" cols="60">\n{e(overrides)}</textarea></label>'
             '<br><button>plan</button></form>')
 
 
