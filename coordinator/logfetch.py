@@ -56,9 +56,10 @@ class LogFetcher:
         return len(self._pending)
 
     async def fetch(self, node: str, job_id: str, attempt: int, rank: int, *, offset: int = 0, tail: int = 0,
-                    max_lines: int = MAX_LINES) -> pb.LogChunk:
+                    max_lines: int = MAX_LINES, records: bool = False) -> pb.LogChunk:
         """The node's answer (its own read errors in ``chunk.error``); LogsUnavailable when the node is
-        not connected, does not answer within ``timeout``, or is lost meanwhile (``fail_node``)."""
+        not connected, does not answer within ``timeout``, or is lost meanwhile (``fail_node``).
+        ``records``: rankctl's own record lines too (default: only what the program printed)."""
         if len(self._pending) >= self.max_outstanding:
             raise LogsUnavailable(f"{len(self._pending)} log reads are in flight; try again")
         rid = next(self._ids)
@@ -67,7 +68,7 @@ class LogFetcher:
         try:
             msg = pb.CoordinatorMessage(fetch_logs=pb.FetchLogs(
                 request_id=rid, job_id=job_id, attempt=attempt, rank=rank, offset=offset, tail=tail,
-                max_lines=max_lines))
+                max_lines=max_lines, records=records))
             if not self._send(node, msg):
                 raise LogsUnavailable(f"node {node} is LOST")
             try:
@@ -107,6 +108,7 @@ class _Reading:
     core: Any                   # get(), book.ranks(), logfetch
     job: Any                    # a JobRecord
     tail: int
+    records: bool = False       # rankctl's own record lines too
     offsets: dict[int, int] = field(default_factory=dict)
     gone: set[int] = field(default_factory=set)
     down: dict[str, LogsUnavailable] = field(default_factory=dict)
@@ -134,7 +136,7 @@ class _Reading:
             return self.down[node]
         try:
             return await self.core.logfetch.fetch(node, self.job.id, self.job.attempt, rank, offset=offset,
-                                                  tail=tail, max_lines=MAX_LINES)
+                                                  tail=tail, max_lines=MAX_LINES, records=self.records)
         except LogsUnavailable as exc:
             self.down.setdefault(node, exc)
             return exc
@@ -211,6 +213,7 @@ async def get_logs(core: Any, request: pb.GetLogsRequest, *,
                    poll_s: float = FOLLOW_POLL_S) -> AsyncIterator[pb.LogLine]:
     """The log of one rank (or of every rank, in rank order) of the job's current attempt, from its nodes.
 
+    What the program printed; with ``records``, rankctl's own record lines too (``contract.logrecords``).
     ``tail``: the last lines per rank, else each whole log. ``follow``: then new lines every
     ``poll_s`` until the job is terminal, with one last round after that. A job not placed yet has
     no lines (with ``follow``: until it is placed). Raises JobNotFound/AmbiguousJob/InvalidRequest;
@@ -218,7 +221,7 @@ async def get_logs(core: Any, request: pb.GetLogsRequest, *,
     """
     job = core.get(request.job_id)
     ranks = _ranks(job, request)
-    reading = _Reading(core, job, request.tail)
+    reading = _Reading(core, job, request.tail, request.records)
     done = is_terminal(job.state)  # read before each round (the record changes in place): the last round
     async for line in _pass(reading, iter(ranks), FIRST_PASS_CHUNKS):  # begins after the job ended
         yield line

@@ -4,7 +4,9 @@
 is a function ``(RankContext) -> dict`` (the result, JSON-serialisable) from ``kinds.registry``.
 Before it runs, the runtime creates the default group and the rank's groups, unless the entry
 has ``OWN_RENDEZVOUS`` set (the ``python`` kind: the user's script creates the default group).
-The context is ``rankctl.context()`` while the entry runs.
+The context is ``rankctl.context()`` while the entry runs. rankctl's own log records share the
+rank's log with what the program prints, each marked (``contract.logrecords``): ``ctl logs`` shows
+the program's lines unless asked for the records too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Callable
 import structlog
 
 from rankctl.contract.assignment import RankAssignment
+from rankctl.contract.logrecords import RECORD_MARK
 from rankctl.contract.spec import RestartSpec
 from rankctl.kinds import registry
 from rankctl.kinds.spec import parse_spec
@@ -27,6 +30,7 @@ from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.context import RankContext, set_current
 from rankctl.runtime.rendezvous import is_collective_timeout, victim_line
 from rankctl.runtime.status import StatusWriter
+from rankctl.worker.procutil import configure_logging
 
 TRACEBACK_LINES = 30
 # An entry with this attribute set true creates the default group itself (``python``: the user's
@@ -78,6 +82,7 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
     a = assignment
     run_dir = a.run_dir or os.getcwd()
     status = StatusWriter(run_dir, a.rank)
+    configure_logging(sys.stderr, stdlib=False, mark=RECORD_MARK)  # records, apart from what the program prints
     structlog.contextvars.bind_contextvars(job=a.job_id, attempt=a.attempt, node=a.node, rank=a.rank)
     log = structlog.get_logger("rankctl.rank")
     seconds = timeout_s or RestartSpec().collective_timeout  # until the spec is read

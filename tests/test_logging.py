@@ -154,3 +154,23 @@ def test_the_coordinator_logs_json_lines_with_log_format_json(tmp_path: Path) ->
     records = [json.loads(line) for line in err.splitlines() if line.strip()]
     assert any(r["event"] == "coordinator listening" for r in records), err
     assert all({"level", "timestamp", "event"} <= r.keys() for r in records)
+
+
+def test_a_ranks_records_are_marked_json_lines_and_its_users_logging_is_left_alone() -> None:
+    """A rank's records share its log with what its program prints: each is one marked JSON line, on a
+    terminal too, multi-line values included; the user's stdlib logging stays unmarked."""
+    from rankctl.contract.logrecords import RECORD_MARK, parse_record
+
+    stream = Tty()
+    configure_logging(stream, stdlib=False, mark=RECORD_MARK)
+    structlog.get_logger("rankctl.rank").info("step", step=3, note="two\nlines")
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("user").addHandler(handler)
+    try:
+        logging.getLogger("user").warning("the user's own line")
+    finally:
+        logging.getLogger("user").removeHandler(handler)
+    first, second = stream.getvalue().rstrip("\n").split("\n")  # not splitlines(): it splits at the mark too
+    record = parse_record(first)
+    assert record is not None and (record["event"], record["step"], record["note"]) == ("step", 3, "two\nlines")
+    assert second == "the user's own line" and parse_record(second) is None

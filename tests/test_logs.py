@@ -5,6 +5,7 @@ from real files. No network, no processes; every test well under a second."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from rankctl.contract.logrecords import RECORD_MARK, parse_record
 from rankctl.coordinator.errors import InvalidRequest, JobNotFound
 from rankctl.coordinator.logfetch import LogFetcher, LogsUnavailable, get_logs
 from rankctl.coordinator.records import JobRecord, RankRecord
@@ -174,6 +176,57 @@ def test_rotation_follows_no_symlink(tmp_path: Path) -> None:
 def test_the_deprecated_shipper_ships_nothing() -> None:
     shim = RankLog("/nonexistent/rank-0.log", "n0")
     assert shim.read() == [] and shim.drained()
+
+
+# -- what the program printed, and rankctl's records -------------------------------------------
+def record(**fields: Any) -> bytes:
+    return (RECORD_MARK + json.dumps(fields)).encode() + b"\n"
+
+
+def mixed_log(path: Path) -> None:
+    """Program lines 'out i' with a record after each, and a record being written (no newline yet)."""
+    path.write_bytes(b"".join(b"out %d\n" % i + record(event="step", step=i) for i in range(3))
+                     + RECORD_MARK.encode() + b'{"event": "par')
+
+
+def test_a_fetch_gives_what_the_program_printed_and_records_only_when_asked(tmp_path: Path) -> None:
+    mixed_log(log_file(tmp_path, 0))
+    plain = fetch(tmp_path)
+    assert list(plain.lines) == ["out 0", "out 1", "out 2"]
+    with_records = fetch(tmp_path, records=True)
+    assert [parse_record(x) or x for x in with_records.lines] == [
+        "out 0", {"event": "step", "step": 0}, "out 1", {"event": "step", "step": 1}, "out 2",
+        {"event": "step", "step": 2}]
+    assert plain.next_offset == with_records.next_offset  # the same bytes read, fewer lines shown
+
+
+def test_a_tail_counts_only_the_lines_it_shows(tmp_path: Path) -> None:
+    mixed_log(log_file(tmp_path, 0))
+    assert list(fetch(tmp_path, tail=2).lines) == ["out 1", "out 2"]
+    assert [parse_record(x) or x for x in fetch(tmp_path, tail=3, records=True).lines] == [
+        "out 2", {"event": "step", "step": 2}, RECORD_MARK + '{"event": "par']
+
+
+def test_a_tail_past_many_records_reads_back_far_enough_and_no_farther(tmp_path: Path) -> None:
+    path = log_file(tmp_path, 0)
+    path.write_bytes(b"first\n" + record(event="x" * 50) * 20_000 + b"last\n" + record(event="y"))
+    assert list(fetch(tmp_path, tail=2).lines) == ["first", "last"]
+    path.write_bytes(b"lost\n" + record(event="x" * 500) * 10_000 + b"last\n")  # ~5 MiB of records
+    assert list(fetch(tmp_path, tail=2).lines) == ["last"]  # at most MAX_TAIL_BYTES are read back
+
+
+def test_chained_fetches_skip_records_over_chunks(tmp_path: Path) -> None:
+    path = log_file(tmp_path, 0)
+    path.write_bytes(b"".join(record(n=i) + b"out %d\n" % i for i in range(5000)))
+    lines, sizes = read_all(tmp_path, max_lines=1000)
+    assert lines == [f"out {i}" for i in range(5000)] and max(sizes) <= 1000
+
+
+def test_get_logs_passes_the_records_flag_to_the_nodes(tmp_path: Path) -> None:
+    core, nodes = cluster(tmp_path)
+    append(log_file(nodes.dirs["n1"], 3), record(event="done"))
+    assert collect(core, rank=3)[-1] == (3, "rank 3 line 2", 1)
+    assert collect(core, rank=3, records=True)[-1] == (3, RECORD_MARK + '{"event": "done"}', 1)
 
 
 # -- LogFetcher --------------------------------------------------------------------------------

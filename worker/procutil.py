@@ -96,9 +96,11 @@ def _add_logger_name(logger: object, method: str, event_dict: dict) -> dict:
     return event_dict
 
 
-def _renderer(stream: TextIO, fmt: str) -> structlog.types.Processor:
+def _renderer(stream: TextIO, fmt: str, mark: str = "") -> structlog.types.Processor:
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format {fmt!r} is not one of {', '.join(LOG_FORMATS)}")
+    if mark:
+        return _MarkedJSON(mark)
     try:
         tty = fmt == "auto" and stream.isatty()
     except (OSError, ValueError):  # a closed stream
@@ -106,6 +108,17 @@ def _renderer(stream: TextIO, fmt: str) -> structlog.types.Processor:
     if fmt == "console" or tty:
         return structlog.dev.ConsoleRenderer(colors=False)
     return structlog.processors.JSONRenderer()
+
+
+class _MarkedJSON(structlog.processors.JSONRenderer):
+    """One JSON object a line, after ``mark`` (a rank's records: ``contract.logrecords``)."""
+
+    def __init__(self, mark: str) -> None:
+        super().__init__()
+        self.mark = mark
+
+    def __call__(self, logger: object, name: str, event_dict: dict) -> str:
+        return self.mark + super().__call__(logger, name, event_dict)
 
 
 def _unroute_stdlib() -> logging.Logger:
@@ -132,18 +145,20 @@ def _route_stdlib(stream: TextIO, level: int, pre_chain: list, renderer: structl
 
 
 def configure_logging(stream: TextIO | None = None, *, level: int | str = logging.INFO, fmt: str = "auto",
-                      stdlib: bool = True) -> None:
+                      stdlib: bool = True, mark: str = "") -> None:
     """Configure structlog once per entry point (again replaces, never stacks): ``fmt`` "console" for
     human lines, "json" for one JSON object a line, "auto" for console on a TTY and JSON otherwise.
 
     With ``stdlib`` the root ``logging`` handler renders the stdlib loggers' records (grpc, asyncio,
     aiohttp) the same way; a rank passes False so that its user's code owns the root logger again.
     Context (job, node, rank) comes from structlog's contextvars, bound by each entry point.
+    ``mark``: every line is JSON after this prefix, whatever ``fmt`` says (a rank's records, which share
+    its log with what its program prints: ``contract.logrecords``).
     """
     stream = stream or sys.stderr
     if isinstance(level, str):
         level = logging.getLevelName(level.upper())
-    renderer = _renderer(stream, fmt)
+    renderer = _renderer(stream, fmt, mark)
     pre_chain = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
