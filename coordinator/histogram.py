@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
+
+
+def exponential_bounds(low: float, high: float, per_doubling: int) -> tuple[float, ...]:
+    """Bucket bounds from ``low`` until one reaches ``high``, ``per_doubling`` of them per factor 2 (each
+    2**(1/per_doubling) times the one before; 3 significant digits), so that every bucket is as wide
+    relative to its values: a quantile read from them is off by at most half a bucket's ratio."""
+    if not 0 < low < high or per_doubling < 1:
+        raise ValueError(f"exponential_bounds: need 0 < low < high and per_doubling >= 1, "
+                         f"not low={low!r}, high={high!r}, per_doubling={per_doubling!r}")
+    n = math.ceil(per_doubling * math.log2(high / low))
+    return tuple(float(f"{low * 2 ** (k / per_doubling):.3g}") for k in range(n + 1))
 
 
 @dataclass
@@ -17,9 +29,10 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = self.counts or [0] * (len(self.bounds) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1   # le: a value equal to a bound is in it
-        self.total += value
+    def observe(self, value: float, n: int = 1) -> None:
+        """``n`` observations of ``value``."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += n   # le: a value equal to a bound is in it
+        self.total += value * n
 
     def buckets(self) -> list[tuple[str, float]]:
         out, running = [], 0

@@ -4,12 +4,16 @@
 ``CoordinatorMetrics`` is a registry of its own (never the process-global one) whose collector
 reads the core when scraped. The scrape runs on the event loop thread, so it reads the core
 without locks; it costs O(jobs + nodes), plus O(ranks of the active jobs) only with
-``per_rank`` (opt-in). Series, labels and cardinality: docs/metrics.md.
+``per_rank`` (opt-in). Per-job series are labelled ``job_id`` (and ``job_name``), never ``job``: a
+scraper owns that label (Prometheus sets it to the scrape job's name and renames ours). A job that
+ends keeps its last series, its final state included, for FINISHED_KEPT_S (the last FINISHED_KEPT
+such jobs), so that a scrape after its end still reads its last step. Series, labels and
+cardinality: docs/metrics.md.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -20,7 +24,7 @@ from rankctl.coordinator.histogram import Histogram
 from rankctl.coordinator.nodes import NodeStatus
 from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import PHASES, JobRecord
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.states import JobState, is_terminal
 
 if TYPE_CHECKING:
     from rankctl.coordinator.core import Coordinator
@@ -28,6 +32,10 @@ if TYPE_CHECKING:
 QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 RESTART_CAUSES = ("failure", "drain")
 OTHER = "other"   # a phase outside PHASES (ranks write their own): one label value for all of them
+JOB = ("job_id",)     # the per-job label; "job" belongs to the scraper
+FINISHED_KEPT = 16        # ended jobs whose last series stay, the most recently ended ...
+FINISHED_KEPT_S = 600.0   # ... for this long after they ended
+Shown = tuple[JobRecord, JobProgress]   # a job whose series a scrape shows, with its counters
 
 
 @dataclass
@@ -52,6 +60,8 @@ class _Collector:
 
     def __init__(self, core: Coordinator, per_rank: bool) -> None:
         self.core, self.per_rank = core, per_rank
+        self._seen: dict[str, Shown] = {}              # the jobs active at the last scrape
+        self._ended: OrderedDict[str, Shown] = OrderedDict()   # ended since, the last one last
 
     def collect(self) -> Iterator[Metric]:
         yield from self._jobs()
@@ -62,6 +72,23 @@ class _Collector:
         yield from self._job_series(active)
         if self.per_rank:
             yield from self._rank_series(active)
+
+    def _shown(self, active: list[JobRecord]) -> list[Shown]:
+        """The active jobs with their counters, then the recently ended ones (their counters as they were
+        when they ended: the attempt's own object, held from the scrape that last saw the job active)."""
+        book, now = self.core.book, self.core.clock()
+        current = {job.id: (job, book.progress(job)) for job in active}
+        for job_id, shown in self._seen.items():
+            if job_id not in current:
+                self._ended[job_id] = shown
+                self._ended.move_to_end(job_id)
+        self._seen = current
+        while len(self._ended) > FINISHED_KEPT:
+            self._ended.popitem(last=False)
+        for job_id in [i for i, (job, _) in self._ended.items()
+                       if not is_terminal(job.state) or now - job.finished_at > FINISHED_KEPT_S]:
+            del self._ended[job_id]
+        return [*current.values(), *self._ended.values()]
 
     def _jobs(self) -> Iterator[Metric]:
         jobs = _gauge("rankctl_jobs", "Jobs known to the coordinator, by state.", ("state",))
@@ -120,17 +147,18 @@ class _Collector:
         yield restarts
 
     def _job_series(self, active: list[JobRecord]) -> Iterator[Metric]:
-        """One series per active job (PLACED, STARTING, RUNNING, RESTARTING) and figure: O(active jobs)."""
+        """One series per active job (PLACED, STARTING, RUNNING, RESTARTING) or recently ended one, and
+        figure: O(active jobs + FINISHED_KEPT)."""
         fam = JobFamilies()
-        for job in active:
-            fam.add(job, self.core.book.progress(job))
+        for job, progress in self._shown(active):
+            fam.add(job, progress)
         yield from fam.all()
 
     def _rank_series(self, active: list[JobRecord]) -> Iterator[Metric]:
         """Opt-in (``per_rank``): one series per rank of every active job, O(ranks)."""
         flag = _gauge("rankctl_rank_straggler", "1: the rank is flagged a straggler by its compute time.",
-                      ("job", "rank"))
-        step = _gauge("rankctl_rank_step", "The latest step a rank reported.", ("job", "rank"))
+                      (*JOB, "rank"))
+        step = _gauge("rankctl_rank_step", "The latest step a rank reported.", (*JOB, "rank"))
         for job in active:
             progress = self.core.book.progress(job)
             slow = progress.skew.slow if progress.skew is not None else {}
@@ -146,11 +174,11 @@ class JobFamilies:
     """The per-job families, filled one job at a time."""
 
     def __init__(self) -> None:
-        j = ("job",)
-        self.info = _gauge("rankctl_job_info", "1 per active job: its name, kind and state.",
-                           ("job", "name", "kind", "state"))
+        j = JOB
+        self.info = _gauge("rankctl_job_info", "1 per job shown (active, or ended lately): its name, kind and "
+                           "state.", (*JOB, "job_name", "kind", "state"))
         self.attempt = _gauge("rankctl_job_attempt", "The job's current attempt (1 + restarts).", j)
-        self.ranks = _gauge("rankctl_job_ranks", "The job's ranks by phase (this attempt).", ("job", "phase"))
+        self.ranks = _gauge("rankctl_job_ranks", "The job's ranks by phase (this attempt).", (*JOB, "phase"))
         self.step = _gauge("rankctl_job_step", "The slowest rank's step: every rank has finished it.", j)
         self.step_max = _gauge("rankctl_job_step_max", "The fastest rank's step.", j)
         self.loss = _gauge("rankctl_job_loss", "Training loss of the last completed step.", j)
@@ -158,11 +186,11 @@ class JobFamilies:
         self.tokens = _gauge("rankctl_job_tokens_per_second", "Tokens/s of the last completed step (slowest rank).", j)
         self.step_time = _gauge("rankctl_job_step_time_seconds",
                                 "Step time of the last completed step across the ranks that reported it.",
-                                ("job", "stat"))
+                                (*JOB, "stat"))
         self.step_duration = HistogramMetricFamily(
             "rankctl_job_step_duration_seconds",
-            "Duration of each completed step of this attempt (the slowest reporting rank's step time); "
-            "histogram_quantile() gives its quantiles.", labels=j)
+            "Duration of each completed step of this attempt, observed once (the slowest reporting rank's step "
+            "time); histogram_quantile() gives its quantiles.", labels=j)
         self.stragglers = _gauge("rankctl_job_stragglers", "Ranks flagged as stragglers by their compute time.", j)
         self.lagging = _gauge("rankctl_job_lagging_ranks", "Ranks still at the slowest step while others are ahead.",
                               j)

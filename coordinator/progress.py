@@ -4,46 +4,25 @@
 what used to need a scan of every rank: are all ranks running, have all exited 0, which is
 the lowest failed rank, what is the slowest rank's step, which ranks lag. Step metrics are
 aggregated per step (loss, tokens/s, step-time spread) so that one job-level ``step`` event
-can be written when the slowest rank finishes a step. ``ComputeSkew`` flags stragglers by
-compute time (ranks whose compute per step exceeds their peers' median for several steps).
-Pure: no store, no clock.
+can be written when the slowest rank finishes a step, and every completed step's duration
+goes into a histogram once. Stragglers by compute time: ``coordinator.skew``. Pure: no store, no clock.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
-import math
-from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-
-from rankctl.coordinator.histogram import Histogram
+from rankctl.coordinator.histogram import Histogram, exponential_bounds
 from rankctl.coordinator.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
+from rankctl.coordinator.skew import SHOWN, SLOW_EVENTS, ComputeSkew, SlowRank, pipeline_peers  # noqa: F401
 from rankctl.parallel.placement import node_of_rank
 
-SHOWN = 16            # stragglers and failing ranks in a summary
-STEP_TIME_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)  # seconds
+STEP_TIME_BUCKETS = exponential_bounds(0.001, 600.0, per_doubling=3)   # seconds: 1 ms .. ~10 min, ~26% wide
 STEP_WINDOW = 256     # steps of metrics kept ahead of the slowest rank
-
-# Stragglers by compute time (``ComputeSkew``). A rank's compute is the median of its last SLOW_WINDOW
-# step samples (one step's figure swings with scheduling and with where a pause lands: in compute or
-# in a collective). It is *over* when it exceeds its peers' median by both margins: relative, so that
-# the rule holds for any step length, and absolute, because below ~10 ms a difference is one or two
-# scheduler time slices or a GC pause on a loaded host, not a slow rank.
-SLOW_WINDOW = 5           # step samples per rank; judged once it has SLOW_LEAST of them
-SLOW_LEAST = 3
-SLOW_MARGIN = 0.3         # over: compute > median * (1 + SLOW_MARGIN) ...
-SLOW_FLOOR_S = 0.010      # ... and compute - median > SLOW_FLOOR_S
-SLOW_STEPS = 3            # flagged after this many consecutive over judgements
-RECOVERED_MARGIN = 0.15   # a flagged rank is normal again at compute <= median * (1 + this) (or within
-                          # the floor); unflagged after SLOW_STEPS such judgements in a row.
-                          # Between the two margins it stays as it is (hysteresis: no flapping at the edge)
-SLOW_EVENTS = SHOWN       # straggler events per completed step; more changes are counted in one more event
-
 
 def rank_span(ranks: list[int]) -> str:
     """[4, 5, 6, 7] -> "ranks 4-7"; [3] -> "rank 3"; [1, 2, 5] -> "ranks 1-2, 5"."""
@@ -97,164 +76,6 @@ class JobSummary:
     metrics: dict[str, Any]
     reports: int
     slow: list["SlowRank"] = field(default_factory=list)   # stragglers by compute time, worst first
-
-
-@dataclass(frozen=True)
-class SlowRank:
-    """A straggler by compute time: its recent compute (its window's median), its peers' median then, and
-    its over judgements in a row."""
-
-    rank: int
-    node: str
-    compute_s: float
-    median_s: float
-    steps: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "node": self.node, "compute_s": self.compute_s, "median_s": self.median_s,
-                "steps": self.steps}
-
-
-def pipeline_peers(job: JobRecord) -> tuple[int, int]:
-    """(stride, pp): rank r is in pipeline stage ``(r // stride) % pp`` of the job's layout; (1, 1) when
-    the spec has no pipeline (or no layout the coordinator can read: then all ranks are peers)."""
-    from rankctl.parallel.layout import LayoutError, ParallelConfig
-
-    p = (job.spec or {}).get("parallel") or {}
-    try:
-        cfg = ParallelConfig(world_size=job.world_size, tp=p.get("tp", 1), pp=p.get("pp", 1), cp=p.get("cp", 1),
-                             ep=p.get("ep", 1), etp=p.get("etp"), **({"order": p["order"]} if p.get("order") else {}))
-        grid = cfg.dense_grid
-        return (grid.strides[grid.tokens.index("pp")], cfg.pp) if cfg.pp > 1 else (1, 1)
-    except (LayoutError, TypeError, ValueError, AttributeError):
-        return 1, 1
-
-
-class ComputeSkew:
-    """Stragglers by compute time over one attempt's ranks (runtime.status: ``compute_s`` of a step).
-
-    Per report (``sample``): the rank's compute_s into its window of SLOW_WINDOW and a "fresh" mark,
-    O(1). A rank's first sample of the attempt (its first step: warm-up, or the step after a resume)
-    is skipped. Daemons coalesce step reports (the newest step per rank per tick), so samples of one
-    step from every rank cannot be relied on; each rank's recent compute (its window's median, once
-    it holds SLOW_LEAST samples) is judged instead, against the median of its peers' recent compute
-    (they step together, so these windows cover the same or adjacent steps).
-
-    Judged (``judge``) when the slowest rank finishes a step and at least half of the sampled ranks
-    have a fresh sample since the last judgement: each judgement scans every rank once (O(world log
-    world) in numpy, a sort per pipeline stage), and is paid for by at least world/2 reports, so a
-    report costs O(1) amortized; memory is a few numbers per rank. Peers are the ranks of the same
-    pipeline stage (the last stage also computes the loss, the first one embeds) when that stage has
-    at least 2 sampled ranks, else every rank of the job. The median is the lower one (of an even
-    count, the lower middle value), so that in a pair the faster rank is the reference.
-
-    A rank with a fresh sample is over when compute > median·(1 + SLOW_MARGIN) and compute - median >
-    SLOW_FLOOR_S; it is flagged after SLOW_STEPS over judgements in a row, and unflagged after
-    SLOW_STEPS in a row within median·(1 + RECOVERED_MARGIN) (or the floor).
-    """
-
-    def __init__(self, world_size: int, stride: int = 1, pp: int = 1,
-                 node_of: Callable[[int], str] | None = None) -> None:
-        self.world_size = world_size
-        if pp < 1 or stride < 1 or world_size % (stride * pp):
-            stride, pp = 1, 1
-        self.stride, self.pp = stride, pp
-        self.node_of = node_of or (lambda rank: "")
-        self._window = array("d", [math.nan]) * (world_size * SLOW_WINDOW)   # rank-major; NaN: no sample
-        self._count = array("q", [0]) * world_size            # samples that count (the warm-up one not)
-        self._fresh = bytearray(world_size)                   # 1: a sample since the last judgement
-        self._seen = bytearray(world_size)                    # 1: the rank's warm-up sample was skipped
-        self.sampled = 0          # ranks with a sample that counts
-        self.fresh = 0            # ranks with a fresh sample
-        self._over = np.zeros(world_size, np.int32)           # over samples in the current run
-        self._ok = np.zeros(world_size, np.int32)             # normal samples in a row of a flagged rank
-        self._flagged = np.zeros(world_size, bool)
-        self.slow: dict[int, SlowRank] = {}
-        self.changes: list[tuple[SlowRank, bool]] = []        # (rank's figures, flagged) since the last take
-        self.judged = 0           # judgements made
-        self.work = 0             # ranks scanned by them (tests: stays proportional to the reports)
-
-    def sample(self, rank: int, compute_s: float) -> None:
-        """One rank's compute_s of its latest step (its window keeps the last SLOW_WINDOW)."""
-        if not 0 <= rank < self.world_size or not compute_s >= 0.0 or compute_s == math.inf:
-            return
-        if not self._seen[rank]:
-            self._seen[rank] = 1   # the rank's first step: warm-up (or resume), never judged
-            return
-        n = self._count[rank]
-        if not n:
-            self.sampled += 1
-        self._window[rank * SLOW_WINDOW + n % SLOW_WINDOW] = compute_s
-        self._count[rank] = n + 1
-        if not self._fresh[rank]:
-            self._fresh[rank] = 1
-            self.fresh += 1
-
-    def due(self) -> bool:
-        return self.sampled >= 2 and 2 * self.fresh >= self.sampled
-
-    def judge(self) -> None:
-        """Judge each rank with a fresh sample against its peers (call when the slowest rank finished a step)."""
-        if not self.due():
-            return
-        self.judged += 1
-        self.work += self.world_size
-        window = np.frombuffer(self._window, dtype=np.float64).reshape(self.world_size, SLOW_WINDOW)
-        recent = _lower_median(window, SLOW_LEAST)   # each rank's recent compute (NaN: too few samples)
-        fresh = np.frombuffer(self._fresh, dtype=np.uint8).astype(bool)
-        median = self._medians(recent)
-        ok = ~np.isnan(median)
-        fresh &= ok & ~np.isnan(recent)
-        with np.errstate(invalid="ignore"):
-            over = fresh & (recent > median * (1.0 + SLOW_MARGIN)) & (recent - median > SLOW_FLOOR_S)
-            normal = fresh & ((recent <= median * (1.0 + RECOVERED_MARGIN)) | (recent - median <= SLOW_FLOOR_S))
-        flagged = self._flagged
-        self._over[over] += 1
-        self._over[fresh & ~over & ~flagged] = 0           # a flagged rank keeps its count until unflagged
-        self._ok[fresh & flagged & normal] += 1
-        self._ok[fresh & flagged & ~normal] = 0
-        newly = ~flagged & (self._over >= SLOW_STEPS)
-        gone = flagged & (self._ok >= SLOW_STEPS)
-        flagged |= newly
-        flagged &= ~gone
-        self._ok[newly | gone] = 0
-        for r in np.flatnonzero(gone).tolist():
-            fig = SlowRank(r, self.slow.pop(r).node, float(recent[r]), float(median[r]), int(self._over[r]))
-            self._over[r] = 0
-            self.changes.append((fig, False))
-        for r in np.flatnonzero(newly).tolist():
-            self.slow[r] = fig = SlowRank(r, self.node_of(r), float(recent[r]), float(median[r]), int(self._over[r]))
-            self.changes.append((fig, True))
-        for r in np.flatnonzero(fresh & flagged & ~newly).tolist():   # the flagged ones' current figures
-            self.slow[r] = SlowRank(r, self.slow[r].node, float(recent[r]), float(median[r]), int(self._over[r]))
-        self._fresh[:] = bytes(self.world_size)
-        self.fresh = 0
-
-    def _medians(self, recent: np.ndarray) -> np.ndarray:
-        """Each rank's peers' lower median of their recent compute (NaN: fewer than 2 such peers)."""
-        pp, stride = self.pp, self.stride
-        by_stage = recent.reshape(-1, pp, stride).transpose(1, 0, 2).reshape(pp, -1)
-        whole = _lower_median(recent.reshape(1, -1))[0]
-        stage = _lower_median(by_stage) if pp > 1 else np.array([whole])
-        stage = np.where(np.isnan(stage), whole, stage)
-        return np.broadcast_to(stage[None, :, None], (self.world_size // (pp * stride), pp, stride)).reshape(-1)
-
-    def take_changes(self) -> list[tuple[SlowRank, bool]]:
-        changes, self.changes = self.changes, []
-        return changes
-
-    def worst(self, n: int = SHOWN) -> list[SlowRank]:
-        """The ``n`` flagged ranks with the largest compute over their median, worst first."""
-        return heapq.nlargest(n, self.slow.values(),
-                              key=lambda s: (s.compute_s / s.median_s if s.median_s > 0 else math.inf, -s.rank))
-
-
-def _lower_median(rows: np.ndarray, least: int = 2) -> np.ndarray:
-    """Per row, the lower median of its numbers (NaN ignored; NaN when a row has fewer than ``least``)."""
-    ordered = np.sort(rows, axis=1)               # NaN last
-    n = (~np.isnan(ordered)).sum(axis=1)
-    out = ordered[np.arange(len(ordered)), np.maximum(n - 1, 0) // 2]
-    return np.where(n >= least, out, np.nan)
 
 
 @dataclass
@@ -320,6 +141,8 @@ class JobProgress:
     last_step: _StepAcc | None = None                            # the figures behind ``metrics``
     val_loss: float | None = None                                # the latest step's that had one
     step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))  # completed steps' durations
+    _last_time: float | None = None   # the last duration observed (fills a jump that knows none)
+    first_step: int = 1 << 62  # the lowest step a rank first reported in this attempt (> 1 after a resume)
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
     advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
     skew: ComputeSkew | None = None   # stragglers by compute time; made at the first compute_s reported
@@ -416,24 +239,43 @@ class JobProgress:
             if not ranks:
                 del self.at_step[old]
         self.at_step.setdefault(new, set()).add(rank)
+        if old == 0 and 0 < new < self.first_step:
+            self.first_step = new
         if new > self.max_step:
             self.max_step = new
         if old == self.min_step and old not in self.at_step:
             before = self.min_step
             self.min_step = min(self.at_step)
             if self.min_step > before:
-                acc = self.last_step = self._acc.get(self.min_step)
-                if acc is not None and acc.val_loss is not None:
-                    self.val_loss = acc.val_loss
-                if acc is not None and acc.time_max is not None:
-                    self.step_times.observe(acc.time_max)
-                self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}
-                for s in [s for s in self._acc if s <= self.min_step]:
-                    del self._acc[s]
+                self._completed(before)
                 if self.skew is not None:
                     self.skew.judge()
                 return self.min_step
         return None
+
+    def _completed(self, before: int) -> None:
+        """Steps ``before + 1 .. min_step`` are complete: each one's duration into ``step_times`` once, the
+        slowest step's figures and the newest validation loss kept, their aggregates dropped. A step with no duration (every
+        rank's report of it coalesced away by its daemon) is observed with the mean of the durations known
+        in this jump, or the last one observed; none at all when the attempt has observed none yet (a
+        rebuild after a coordinator restart). Steps before the attempt's first reported one (a resume)
+        are not its own. O(steps of metrics kept)."""
+        before = max(before, self.first_step - 1)   # an attempt that resumed ran no step before its first
+        done = sorted(s for s in self._acc if s <= self.min_step)
+        accs = [self._acc.pop(s) for s in done]
+        known = [a.time_max for s, a in zip(done, accs) if s > before and a.time_max is not None]
+        for dt in known:
+            self.step_times.observe(dt)
+        missing = self.min_step - before - len(known)
+        fill = sum(known) / len(known) if known else self._last_time
+        if missing > 0 and fill is not None:
+            self.step_times.observe(fill, missing)
+        self._last_time = known[-1] if known else self._last_time
+        for acc in accs:
+            if acc.val_loss is not None:
+                self.val_loss = acc.val_loss
+        acc = self.last_step = accs[-1] if done and done[-1] == self.min_step else None
+        self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}
 
     # -- questions ------------------------------------------------------------
     def lowest_failed(self) -> RankRecord | None:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rankctl.coordinator.histogram import Histogram
-from rankctl.coordinator.metrics import CoordinatorMetrics
+from rankctl.coordinator.histogram import Histogram, exponential_bounds
+from rankctl.coordinator.metrics import FINISHED_KEPT, FINISHED_KEPT_S, CoordinatorMetrics
+from rankctl.coordinator.progress import STEP_TIME_BUCKETS, JobProgress
 from rankctl.coordinator.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.daemon import WorkerDaemon
@@ -55,9 +56,12 @@ def names(series: Series) -> set[str]:
     return {name for name, _ in series}
 
 
-def send(world: World, job, phase: str, step: int = 0, figures=lambda rank: {}) -> None:  # noqa: ANN001
-    """One ReportBatch per node of ``job`` (every rank of it), then one group commit."""
+def send(world: World, job, phase: str, step: int = 0, figures=lambda rank: {}, nodes=None) -> None:  # noqa: ANN001
+    """One ReportBatch per node of ``job`` (every rank of it; of the node indexes ``nodes`` only when
+    given), then one group commit."""
     for k, name in enumerate(job.nodes):
+        if nodes is not None and k not in nodes:
+            continue
         fake, spn = world.nodes[name], job.slots_per_node
         reports = []
         for r in range(k * spn, (k + 1) * spn):
@@ -98,22 +102,23 @@ def test_coordinator_series_describe_jobs_queue_nodes_and_a_running_job(world: W
     assert get(s, "rankctl_slots", state="total") == 4 and get(s, "rankctl_slots", state="free") == 0
     assert get(s, "rankctl_rank_reports_total") == 4 * 3                # running + 2 steps, 4 ranks
     assert get(s, "rankctl_job_restarts_total", cause="failure") == 0
-    assert get(s, "rankctl_job_info", job=job.id, name="tr", kind="comm-check", state="RUNNING") == 1
-    assert get(s, "rankctl_job_ranks", job=job.id, phase="running") == 4
-    assert get(s, "rankctl_job_step", job=job.id) == 2 and get(s, "rankctl_job_attempt", job=job.id) == 1
-    assert get(s, "rankctl_job_loss", job=job.id) == pytest.approx(2.8)
-    assert get(s, "rankctl_job_val_loss", job=job.id) == 2.5             # step 1's, the last that had one
-    assert get(s, "rankctl_job_tokens_per_second", job=job.id) == 1000.0  # the slowest rank's
-    assert get(s, "rankctl_job_step_time_seconds", job=job.id, stat="min") == 0.5
-    assert get(s, "rankctl_job_step_time_seconds", job=job.id, stat="mean") == pytest.approx(0.515)
-    assert get(s, "rankctl_job_step_time_seconds", job=job.id, stat="max") == pytest.approx(0.53)
-    assert get(s, "rankctl_job_step_duration_seconds_count", job=job.id) == 2   # one per completed step
-    assert get(s, "rankctl_job_step_duration_seconds_bucket", job=job.id, le="0.5") == 0   # each step's max: 0.53
-    assert get(s, "rankctl_job_step_duration_seconds_bucket", job=job.id, le="1.0") == 2
-    assert get(s, "rankctl_job_step_duration_seconds_sum", job=job.id) == pytest.approx(1.06)
-    assert get(s, "rankctl_job_stragglers", job=job.id) == 0
+    assert get(s, "rankctl_job_info", job_id=job.id, job_name="tr", kind="comm-check", state="RUNNING") == 1
+    assert get(s, "rankctl_job_ranks", job_id=job.id, phase="running") == 4
+    assert get(s, "rankctl_job_step", job_id=job.id) == 2 and get(s, "rankctl_job_attempt", job_id=job.id) == 1
+    assert get(s, "rankctl_job_loss", job_id=job.id) == pytest.approx(2.8)
+    assert get(s, "rankctl_job_val_loss", job_id=job.id) == 2.5             # step 1's, the last that had one
+    assert get(s, "rankctl_job_tokens_per_second", job_id=job.id) == 1000.0  # the slowest rank's
+    assert get(s, "rankctl_job_step_time_seconds", job_id=job.id, stat="min") == 0.5
+    assert get(s, "rankctl_job_step_time_seconds", job_id=job.id, stat="mean") == pytest.approx(0.515)
+    assert get(s, "rankctl_job_step_time_seconds", job_id=job.id, stat="max") == pytest.approx(0.53)
+    assert get(s, "rankctl_job_step_duration_seconds_count", job_id=job.id) == 2   # one per completed step
+    assert get(s, "rankctl_job_step_duration_seconds_bucket", job_id=job.id, le="0.512") == 0   # each step's max: 0.53
+    assert get(s, "rankctl_job_step_duration_seconds_bucket", job_id=job.id, le="0.645") == 2
+    assert get(s, "rankctl_job_step_duration_seconds_sum", job_id=job.id) == pytest.approx(1.06)
+    assert get(s, "rankctl_job_stragglers", job_id=job.id) == 0
     assert not any(n.startswith("rankctl_rank_straggler") or n.startswith("rankctl_rank_step") for n in names(s))
-    assert not any(dict(labels).get("job") == queued.id for _, labels in s)   # pending jobs: no per-job series
+    assert not any(dict(labels).get("job_id") == queued.id for _, labels in s)   # pending jobs: no per-job series
+    assert not any("job" in dict(labels) for _, labels in s)   # the scraper's label: Prometheus would rename it
 
 
 def test_restarts_and_every_attempts_queue_wait_are_counted(world: World) -> None:
@@ -129,16 +134,16 @@ def test_restarts_and_every_attempts_queue_wait_are_counted(world: World) -> Non
     assert get(s, "rankctl_job_restarts_total", cause="failure") == 1
     assert get(s, "rankctl_job_restarts_total", cause="drain") == 0
     assert get(s, "rankctl_job_queue_wait_seconds_count") == 2
-    assert get(s, "rankctl_job_attempt", job=job.id) == 2
+    assert get(s, "rankctl_job_attempt", job_id=job.id) == 2
 
 
 def test_stragglers_are_counted_per_job_and_flagged_per_rank_only_when_asked(world: World) -> None:
     job = training(world, steps=8, slow_rank=3)
     plain, ranked = scrape(world), scrape(world, per_rank=True)
-    assert get(plain, "rankctl_job_stragglers", job=job.id) == 1
+    assert get(plain, "rankctl_job_stragglers", job_id=job.id) == 1
     flags = {dict(labels)["rank"]: v for (name, labels), v in ranked.items() if name == "rankctl_rank_straggler"}
     assert flags == {"0": 0, "1": 0, "2": 0, "3": 1}
-    assert get(ranked, "rankctl_rank_step", job=job.id, rank="3") == 8
+    assert get(ranked, "rankctl_rank_step", job_id=job.id, rank="3") == 8
 
 
 def test_series_without_per_rank_do_not_grow_with_the_world(tmp_path: Path) -> None:
@@ -158,8 +163,103 @@ def test_histogram_buckets_are_cumulative_and_inclusive() -> None:
     assert h.buckets() == [("1.0", 2), ("5.0", 3), ("+Inf", 4)] and h.total == 13.5
 
 
+def timed(dt: float):  # noqa: ANN201
+    return lambda rank: {"step_time_s": dt + rank / 1000}
+
+
+def test_every_completed_step_is_observed_once_when_a_daemon_coalesces_step_reports(world: World) -> None:
+    """Issue 23: 348 observations for a 400-step job. A node's backlog coalesces its ranks' step reports
+    (the newest per rank), so the slowest rank can jump several steps: each of them is observed once."""
+    for n in ("n0", "n1"):
+        world.connect(n)
+    job = world.core.submit(job_yaml())
+    send(world, job, "running")
+    seen = {0: [1, 2, 3, 4, 7, 8, 9, 12], 1: [1, 3, 4, 5, 6, 9, 10, 12]}   # steps each node's reports carry
+    for step in range(1, 13):
+        for k, steps in seen.items():
+            if step in steps:
+                send(world, job, "running", step, timed(0.1 * step), nodes={k})
+    s = scrape(world)
+    assert get(s, "rankctl_job_step", job_id=job.id) == 12
+    assert get(s, "rankctl_job_step_duration_seconds_count", job_id=job.id) == 12
+    # each step's slowest reporting rank (rank 3 of n1: +3 ms, else rank 1 of n0: +1 ms); step 11, which no
+    # node reported, with the mean of its jump's known durations (step 12's)
+    durations = [0.103, 0.201, 0.303, 0.403, 0.503, 0.603, 0.701, 0.801, 0.903, 1.003, 1.203, 1.203]
+    assert get(s, "rankctl_job_step_duration_seconds_sum", job_id=job.id) == pytest.approx(sum(durations))
+    assert get(s, "rankctl_job_step_duration_seconds_bucket", job_id=job.id, le="1.02") == 10
+
+
+def test_a_jump_observes_known_durations_and_fills_the_unknown_ones() -> None:
+    p = JobProgress(1)
+    p.step_metrics(1, '{"step_time_s": 0.1}')
+    assert p.moved_step(0, 0, 1) == 1 and p.step_times.count == 1
+    p.step_metrics(5, '{"step_time_s": 0.3}')
+    assert p.moved_step(0, 1, 5) == 5                       # steps 2-4 never reported: 0.3 each
+    assert p.step_times.count == 5 and p.step_times.total == pytest.approx(0.1 + 4 * 0.3)
+    assert p.moved_step(0, 5, 8) == 8                       # nothing known in the jump: the last duration
+    assert p.step_times.count == 8 and p.step_times.total == pytest.approx(0.1 + 7 * 0.3)
+
+
+def test_a_resumed_attempt_or_a_rebuild_observes_only_the_steps_it_saw() -> None:
+    resumed = JobProgress(2)
+    for rank in range(2):
+        resumed.step_metrics(41, '{"step_time_s": 0.2}')
+        resumed.moved_step(rank, 0, 41)                     # the attempt resumed from step 40's checkpoint
+    assert resumed.min_step == 41 and resumed.step_times.count == 1
+    rebuilt = JobProgress(2)
+    for rank in range(2):
+        rebuilt.moved_step(rank, 0, 500)                    # a coordinator restart: no figures of the past
+    assert rebuilt.step_times.count == 0
+
+
+def test_step_duration_buckets_are_exponential_from_milliseconds_to_minutes() -> None:
+    b = STEP_TIME_BUCKETS
+    assert b[0] == 0.001 and 600 <= b[-1] < 700 and list(b) == sorted(set(b))
+    ratios = [hi / lo for lo, hi in zip(b, b[1:])]
+    assert max(ratios) < 1.27 and min(ratios) > 1.24           # 2**(1/3) each, to 3 significant digits
+    assert [x for x in b if 0.1 < x < 0.2] == [0.102, 0.128, 0.161]   # the issue's 0.13-0.17 s steps: 2 buckets
+    with pytest.raises(ValueError, match="low=0"):
+        exponential_bounds(0, 1, 3)
+    h = Histogram((1.0,))
+    h.observe(0.5, 3)
+    assert h.buckets() == [("1.0", 3), ("+Inf", 3)] and h.total == 1.5
+
+
+def test_an_ended_jobs_last_series_stay_for_a_while_and_are_bounded(world: World) -> None:
+    metrics = CoordinatorMetrics(world.core)
+    job = training(world, steps=3)
+    assert get(parse(metrics.render()[0]), "rankctl_job_step", job_id=job.id) == 3
+    send(world, job, "running", 4, timed(0.4))              # its last step, then it ends before a scrape
+    send(world, job, "done")
+    for r in range(4):
+        world.report(job.id, r, "exited", code=0)
+    assert job.state is S.SUCCEEDED
+    s = parse(metrics.render()[0])
+    assert get(s, "rankctl_job_info", job_id=job.id, job_name="tr", kind="comm-check", state="SUCCEEDED") == 1
+    assert get(s, "rankctl_job_step", job_id=job.id) == 4
+    assert get(s, "rankctl_job_step_duration_seconds_count", job_id=job.id) == 4
+    world.clock.t += FINISHED_KEPT_S + 1
+    s = parse(metrics.render()[0])
+    assert not any(dict(labels).get("job_id") == job.id for _, labels in s)
+    assert get(s, "rankctl_jobs", state="SUCCEEDED") == 1
+
+
+def test_at_most_the_last_ended_jobs_keep_their_series(world: World) -> None:
+    metrics = CoordinatorMetrics(world.core)
+    world.connect("n0", slots=1)
+    ids = []
+    for i in range(FINISHED_KEPT + 3):
+        job = world.core.submit(f"name: j{i}\nkind: comm-check\nresources: {{nodes: 1, slots_per_node: 1}}\n")
+        metrics.render()                                     # seen active
+        world.report(job.id, 0, "exited", code=0)
+        assert job.state is S.SUCCEEDED
+        ids.append(job.id)
+    shown = {dict(labels)["job_id"] for name, labels in parse(metrics.render()[0]) if name == "rankctl_job_info"}
+    assert shown == set(ids[-FINISHED_KEPT:])
+
+
 def test_worker_metrics_over_http(tmp_path: Path) -> None:
-    async def main() -> Series:
+    async def main() -> tuple[Series, str]:
         fake = FakeCoordinator()
         server, address = await serve(fake)
         daemon = WorkerDaemon(config(tmp_path, address), RecordingLauncher())
@@ -170,15 +270,20 @@ def test_worker_metrics_over_http(tmp_path: Path) -> None:
             await fake.outbox.put(pb.CoordinatorMessage(fetch_logs=pb.FetchLogs(request_id=1, job_id="j", attempt=1)))
             await until(lambda: any(m.WhichOneof("body") == "log_chunk" for m in fake.inbox), 10, "a log chunk")
             url = f"http://127.0.0.1:{port}/metrics"
-            return parse(await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read()))
+            body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+            return parse(body), daemon.cfg.name
         finally:
             daemon.stop()
             await asyncio.gather(task, return_exceptions=True)
             await runner.cleanup()
             await server.stop(0)
 
-    s = asyncio.run(main())
-    assert get(s, "rankctl_worker_connected") == 1 and get(s, "rankctl_worker_registrations_total") == 1
-    assert get(s, "rankctl_worker_reconnects_total") == 0 and get(s, "rankctl_worker_slots") == 2
-    assert get(s, "rankctl_worker_launcher_alive") == 1 and get(s, "rankctl_worker_ranks", phase="running") == 0
-    assert get(s, "rankctl_worker_log_lines_shipped_total") == 0 and get(s, "rankctl_worker_reports_sent_total") == 0
+    s, node = asyncio.run(main())
+    assert all(dict(labels).get("node") == node for _, labels in s)   # every series names its node
+    assert get(s, "rankctl_worker_connected", node=node) == 1
+    assert get(s, "rankctl_worker_registrations_total", node=node) == 1
+    assert get(s, "rankctl_worker_reconnects_total", node=node) == 0 and get(s, "rankctl_worker_slots", node=node) == 2
+    assert get(s, "rankctl_worker_launcher_alive", node=node) == 1
+    assert get(s, "rankctl_worker_ranks", node=node, phase="running") == 0
+    assert get(s, "rankctl_worker_log_lines_shipped_total", node=node) == 0
+    assert get(s, "rankctl_worker_reports_sent_total", node=node) == 0

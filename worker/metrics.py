@@ -5,7 +5,9 @@ its own per daemon (tests run several daemons in one process) whose collector re
 when scraped. ``serve_metrics`` answers ``GET /metrics`` with aiohttp on the daemon's event
 loop, so that a scrape reads the daemon's state on the thread that changes it; with the node's TLS
 identity it serves HTTPS and requires a client certificate of the cluster's CA (as the coordinator's
-/metrics does). Per scrape the work is O(ranks on this node). Series: docs/metrics.md.
+/metrics does). Every series carries ``node`` (the daemon's name), so that the series of several
+daemons stay apart whatever target labels a scraper adds. Per scrape the work is O(ranks on this
+node). Series: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -41,20 +43,23 @@ class DaemonStats:
     launcher_restarts: int = 0   # replacement launchers started
 
 
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
 class _Collector:
     def __init__(self, daemon: WorkerDaemon) -> None:
         self.daemon = daemon
 
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["node"])
+        family.add_metric([self.daemon.cfg.name], value)
+        return family
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["node"])
+        family.add_metric([self.daemon.cfg.name], value)
+        return family
+
     def collect(self) -> Iterator[Metric]:
         d, stats = self.daemon, self.daemon.stats
+        _counter, _gauge = self._counter, self._gauge
         yield _gauge("rankctl_worker_connected", "1 while a session with the coordinator is registered.",
                      int(d.online))
         yield _counter("rankctl_worker_registrations", "Sessions the coordinator acknowledged.", stats.registrations)
@@ -78,14 +83,15 @@ class _Collector:
         yield self._ranks()
 
     def _ranks(self) -> GaugeMetricFamily:
-        ranks = GaugeMetricFamily("rankctl_worker_ranks", "Live ranks on this node, by phase.", labels=["phase"])
+        ranks = GaugeMetricFamily("rankctl_worker_ranks", "Live ranks on this node, by phase.",
+                                  labels=["node", "phase"])
         counts: Counter[str] = Counter()
         for run in self.daemon.runs.values():
             for rank in run.alive:
                 phase = run.phase.get(rank, STARTING)
                 counts[phase if phase in RANK_PHASES else OTHER] += 1
         for phase in RANK_PHASES:
-            ranks.add_metric([phase], counts.get(phase, 0))
+            ranks.add_metric([self.daemon.cfg.name, phase], counts.get(phase, 0))
         return ranks
 
 
