@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -30,11 +33,36 @@ class Client:
         self.address, self.tls_dir = address, tls_dir
         self._channel = self._open(address, tls_dir)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
-        except grpc.FutureTimeoutError:
+            self._connect(connect_timeout)
+        except BaseException:
             self._channel.close()
-            raise self._unreachable() from None
+            raise
         self.stub = pb_grpc.ClientServiceStub(self._channel)
+
+    def _connect(self, timeout: float) -> None:
+        """Wait for the channel; the first time it fails, ask once what listens there: an HTTP server
+        (the dashboard's port, say) is an error at once, anything else gets the rest of ``timeout``."""
+        end = time.monotonic() + timeout
+        settled = threading.Event()
+        ready = grpc.channel_ready_future(self._channel)
+        ready.add_done_callback(lambda _: settled.set())
+
+        def watch(state: grpc.ChannelConnectivity) -> None:
+            if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                settled.set()
+
+        self._channel.subscribe(watch)
+        try:
+            settled.wait(timeout)
+            if not ready.done() and _speaks_http(self.address):
+                raise CtlError(f"{self.address} is an HTTP server (the dashboard?), not the coordinator's gRPC port: "
+                               "give --coordinator the address `ctl coordinator --listen` serves (by default "
+                               f"port {DEFAULT_COORDINATOR.rpartition(':')[2]})", EXIT_UNREACHABLE)
+            ready.result(timeout=max(0.0, end - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            raise self._unreachable() from None
+        finally:
+            self._channel.unsubscribe(watch)
 
     @staticmethod
     def _open(address: str, tls_dir: str | None) -> grpc.Channel:
@@ -157,20 +185,40 @@ class Client:
         with rpc_errors(self.address):
             return self.stub.UploadBlob(stream())
 
-    def logs(self, job_id: str, rank: int | None, follow: bool, tail: int) -> Iterator[pb.LogLine]:
-        req = pb.GetLogsRequest(job_id=job_id, rank=rank or 0, all_ranks=rank is None, follow=follow, tail=tail)
+    def logs(self, job_id: str, rank: int | None, follow: bool, tail: int, records: bool = False) -> Iterator[pb.LogLine]:
+        """What the ranks printed (``records``: rankctl's own record lines too, ``contract.logrecords``)."""
+        req = pb.GetLogsRequest(job_id=job_id, rank=rank or 0, all_ranks=rank is None, follow=follow, tail=tail,
+                                records=records)
         with rpc_errors(self.address):
             yield from self.stub.GetLogs(req)
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    """HOST:PORT (``[v6]:PORT``; an empty host is loopback); ValueError for ``unix:PATH`` and the like."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 def _listening(address: str, timeout: float = 2.0) -> bool:
     """Whether a TCP connection to ``address`` (HOST:PORT) is accepted."""
-    import socket
-
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+        with socket.create_connection(_host_port(address), timeout=timeout):
             return True
+    except (OSError, ValueError):
+        return False
+
+
+HTTP_PROBE = b"HEAD / HTTP/1.0\r\n\r\n"
+
+
+def _speaks_http(address: str, timeout: float = 1.0) -> bool:
+    """Whether what listens at ``address`` answers a plain HTTP/1 request as an HTTP server does
+    (``HTTP/1.x ...``); a gRPC server (HTTP/2 only, or TLS) never answers so."""
+    try:
+        with socket.create_connection(_host_port(address), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(HTTP_PROBE)
+            return sock.recv(8).startswith(b"HTTP/")
     except (OSError, ValueError):
         return False
 

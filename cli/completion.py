@@ -1,5 +1,6 @@
 """Shell completion: ``ctl completion SHELL`` prints click's script; job ids and node names complete
-from the coordinator (one short ListJobs / ListNodes; nothing, silently, when it does not answer)."""
+from the coordinator (one short ListJobs / ListNodes; nothing, silently, when it does not answer),
+context names (``--context``, ``ctl config use-context``) from the config file."""
 
 from __future__ import annotations
 
@@ -55,6 +56,18 @@ def complete_node_names(ctx: click.Context, param: click.Parameter, incomplete: 
 
     return [CompletionItem(n.name, help=node_state_name(n.state) + (" draining" if n.draining else ""))
             for n in _ask(ctx, call) if n.name.startswith(incomplete)]
+
+
+def complete_context_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    """The config file's contexts, each with its coordinator as the help; nothing when the file is bad."""
+    from rankctl.cli.contexts import load
+    from rankctl.cli.errors import CtlError
+
+    try:
+        contexts = load().contexts
+    except CtlError:
+        return []
+    return [CompletionItem(name, help=c.coordinator or "") for name, c in contexts.items() if name.startswith(incomplete)]
 
 
 @click.command("completion", epilog="\b\nExample:\n  ctl completion bash > ~/.local/share/bash-completion/completions/ctl")

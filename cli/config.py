@@ -10,6 +10,7 @@ from typing import Callable
 
 import click
 
+from rankctl.cli.completion import complete_context_names
 from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.contexts import Config, Context, address_problem, config_path, load, name_problem, save, selected
 from rankctl.cli.errors import EXIT_JOB_FAILED, CtlError
@@ -30,13 +31,6 @@ def _address(ctx: click.Context, param: click.Parameter, value: str | None) -> s
     return value
 
 
-def _complete_context(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
-    try:
-        return [n for n in load().contexts if n.startswith(incomplete)]
-    except CtlError:
-        return []
-
-
 def _rewrite(name: str, change: Callable[[Config], Config]) -> Path:
     """Apply ``change`` to the file, whose context ``name`` must exist; the file's path."""
     path = config_path()
@@ -46,7 +40,7 @@ def _rewrite(name: str, change: Callable[[Config], Config]) -> Path:
     return save(change(cfg), path)
 
 
-name_argument = click.argument("name", callback=_name, shell_complete=_complete_context)
+name_argument = click.argument("name", callback=_name, shell_complete=complete_context_names)
 
 
 @click.group("config", epilog=example("ctl config set-context prod --coordinator head:7420 --tls-dir ~/.rankctl/alice",

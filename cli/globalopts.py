@@ -3,7 +3,8 @@
 A global option that follows the subcommand moves in front of it, unless the subcommand (or one of its
 own subcommands) defines an option of that name itself: ``ctl worker --coordinator`` and
 ``ctl worker --tls-dir`` stay the daemon's. Both ``--opt value`` and ``--opt=value`` move; ``--``
-ends the scan (what follows is an argument).
+ends the scan (what follows is an argument). The other way, ``ctl --json COMMAND`` moves the flag to
+the command (``lower_json``).
 """
 
 from __future__ import annotations
@@ -73,3 +74,33 @@ def hoist(args: list[str], own: OptionSpec, command_of: Callable[[str], click.Co
         (moved if name and name not in spec else kept).extend(args[i:i + take])
         i += take
     return args[:at] + moved + kept[at:]
+
+
+JSON_FLAG = "--json"
+
+
+def _group_flag_at(args: list[str], own: OptionSpec, end: int, flag: str) -> list[int]:
+    """Where ``flag`` stands among the group's own options in ``args[:end]`` (never as another's value)."""
+    found, i = [], 0
+    while i < end:
+        if args[i] == flag:
+            found.append(i)
+        i += 2 if own.get(args[i]) else 1
+    return found
+
+
+def lower_json(args: list[str], own: OptionSpec, command_of: Callable[[str], click.Command | None]) -> list[str]:
+    """``ctl --json COMMAND ...`` is ``ctl COMMAND ... --json``: the flag given before the subcommand moves to the
+    end (in front of a ``--``), where the command that prints JSON takes it; a command without one refuses it."""
+    at = _subcommand_index(args, own)
+    command = command_of(args[at]) if at is not None else None
+    found = _group_flag_at(args, own, at, JSON_FLAG) if command is not None else []
+    if not found:
+        return args
+    rest = args[at:]
+    if JSON_FLAG not in chain_spec(command, rest[1:]):
+        raise click.UsageError(f"--json: `ctl {args[at]}` has no JSON output ({JSON_FLAG} is for commands that "
+                               "print results)")
+    head = [arg for i, arg in enumerate(args[:at]) if i not in found]
+    end = rest.index("--") if "--" in rest else len(rest)
+    return head + rest[:end] + [JSON_FLAG] + rest[end:]

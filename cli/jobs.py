@@ -12,7 +12,7 @@ from rankctl.cli.completion import complete_job_ids
 from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.errors import CtlError
 from rankctl.cli.follow import SHOWN_RANKS, exit_for, follow_job
-from rankctl.cli.options import example, json_option
+from rankctl.cli.options import example, json_flag, json_option, output_format, output_option, print_document
 
 if TYPE_CHECKING:
     from rankctl.contract.spec import JobSpec
@@ -83,27 +83,44 @@ def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wa
         exit_for(final)
 
 
-@click.command("jobs", epilog=example("ctl jobs --state RUNNING --state PENDING --limit 20"))
+@click.command("jobs", epilog=example("ctl jobs --state RUNNING --state PENDING --limit 20 -o wide"))
 @click.option("--limit", type=int, default=0, help="Newest N jobs (0: all, fetched page by page).")
 @click.option("--state", "states", multiple=True, metavar="STATE",
               type=click.Choice(["PENDING", "PLACED", "STARTING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED",
                                  "RESTARTING"], case_sensitive=False),
               help="Only jobs in this state (repeatable).")
+@output_option
 @json_option
 @pass_ctx
-def jobs(ctx: Ctx, limit: int, states: tuple[str, ...], as_json: bool) -> None:
-    """List jobs, newest first."""
-    from rankctl.cli.console import print_json, stdout_console
-    from rankctl.cli.render import job_to_dict, rows_table, when
+def jobs(ctx: Ctx, limit: int, states: tuple[str, ...], output: str | None, as_json: bool) -> None:
+    """List jobs, newest first. -o json (as --json) and -o yaml: job summaries (docs/cli.md, JSON shapes);
+    -o wide: name, kind, attempt, nodes and the whole reason too."""
+    from rankctl.cli.console import stdout_console
+    from rankctl.cli.render import job_to_dict, rows_table
 
+    fmt = output_format(output, as_json)
     with ctx.client() as client:
         found = [job_to_dict(j) for j in client.jobs(limit, [s.upper() for s in states])]
-    if as_json:
-        print_json(found)
+    if fmt in ("json", "yaml"):
+        print_document(found, fmt)
         return
-    rows = [{"id": j["id"], "state": j["state"], "world": j["world_size"], "created": when(j["created_at"]),
-             "reason": j["reason"][:60]} for j in found]
+    rows = [_job_row(j, wide=fmt == "wide") for j in found]
     stdout_console().print(rows_table("jobs", rows) if rows else "no jobs")
+
+
+NODES_IN_ROW = 4  # node names in a wide row; the rest are counted
+
+
+def _job_row(j: dict, wide: bool) -> dict:
+    from rankctl.cli.render import when
+
+    if not wide:
+        return {"id": j["id"], "state": j["state"], "world": j["world_size"], "created": when(j["created_at"]),
+                "reason": j["reason"][:60]}
+    nodes = j["nodes"][:NODES_IN_ROW] + ([f"+{len(j['nodes']) - NODES_IN_ROW}"] if len(j["nodes"]) > NODES_IN_ROW else [])
+    return {"id": j["id"], "name": j["name"], "kind": j["kind"], "state": j["state"], "attempt": j["attempt"],
+            "world": j["world_size"], "nodes": ",".join(nodes) or "-", "created": when(j["created_at"]),
+            "finished": when(j["finished_at"]), "by": j["submitted_by"] or "-", "reason": j["reason"]}
 
 
 def _rank_span(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
@@ -160,21 +177,24 @@ def watch(ctx: Ctx, job_id: str, as_json: bool) -> None:
 
 @click.command("logs", epilog=example("ctl logs train-0a1b2c --rank 0 --follow | grep loss"))
 @job_id_argument
-@click.option("--rank", type=int, default=None, help="Only this rank (default: all ranks, prefixed).")
+@click.option("--rank", type=int, default=None, help="Only this rank (default: all ranks, each line after [rank R]).")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
 @click.option("--tail", type=int, default=0, help="Only the last N lines per rank (0: all kept).")
-@click.option("--json", "as_json", is_flag=True, help='One JSON object a line: {"rank", "attempt", "line"}.')
+@click.option("--records", is_flag=True,
+              help="Also rankctl's own records (phases, steps, errors) among the lines, as [rankctl LEVEL] EVENT key=value.")
+@json_flag('One JSON object a line: {"rank", "attempt", "line"}; a record (--records): {"rank", "attempt", "record"}.')
 @pass_ctx
-def logs(ctx: Ctx, job_id: str, rank: int | None, follow: bool, tail: int, as_json: bool) -> None:
-    """Print the ranks' stdout and stderr."""
+def logs(ctx: Ctx, job_id: str, rank: int | None, follow: bool, tail: int, records: bool, as_json: bool) -> None:
+    """Print what the ranks printed (stdout and stderr), whole lines however long, in rank order."""
     from rankctl.cli.console import print_json_line
+    from rankctl.cli.logview import line_doc, line_text
 
     with ctx.client() as client:
-        for line in client.logs(job_id, rank, follow, tail):
+        for line in client.logs(job_id, rank, follow, tail, records):
             if as_json:
-                print_json_line({"rank": line.rank, "attempt": line.attempt, "line": line.line})
+                print_json_line(line_doc(line.rank, line.attempt, line.line))
             else:
-                click.echo(line.line if rank is not None else f"[{line.rank}] {line.line}")
+                click.echo(line_text(line.rank, line.line, prefixed=rank is None))
 
 
 @click.command("cancel", epilog=example("ctl cancel train-0a1b2c --reason 'wrong data path'"))

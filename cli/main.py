@@ -13,7 +13,8 @@ import click
 from rankctl.cli.context import Ctx
 from rankctl.cli.contexts import CONTEXT_ENV, DEFAULT_COORDINATOR
 from rankctl.cli.errors import EXIT_USAGE
-from rankctl.cli.globalopts import hoist, option_spec
+from rankctl.cli.completion import complete_context_names
+from rankctl.cli.globalopts import hoist, lower_json, option_spec
 
 # name -> (module, attribute, one-line help). Modules import only click at top level.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -53,8 +54,9 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        """Global options may also follow the subcommand (``cli/globalopts.py``)."""
-        return super().parse_args(ctx, hoist(args, option_spec(self), lambda name: self.get_command(ctx, name)))
+        """Global options may also follow the subcommand, and --json precede it (``cli/globalopts.py``)."""
+        own, command_of = option_spec(self), lambda name: self.get_command(ctx, name)
+        return super().parse_args(ctx, hoist(lower_json(args, own, command_of), own, command_of))
 
     def make_context(self, *args, **kwargs) -> click.Context:  # noqa: ANN002, ANN003 - click's signature
         with _reader_gone_ok():  # `ctl --help | head -1`
@@ -89,7 +91,8 @@ def _quiet_stdout() -> None:
 
 
 EPILOG = """\b
-Global options (--coordinator, --tls-dir, --context) go before or after the subcommand.
+Global options (--coordinator, --tls-dir, --context) go before or after the subcommand; so
+does --json, for a command that prints JSON.
 Exit codes: 0 ok, 1 job failed, 2 usage or refused, 3 coordinator unreachable.
 
 \b
@@ -106,9 +109,13 @@ Example:
               help="Your identity directory (ca.pem, cert.pem, key.pem from `ctl certs issue`) for a coordinator "
                    "that serves mutual TLS (env RANKCTL_TLS_DIR; else the context's).")
 @click.option("--context", "context_name", envvar=CONTEXT_ENV, default=None, metavar="NAME",
+              shell_complete=complete_context_names,
               help=f"Use this context of `ctl config` for this command (env {CONTEXT_ENV}; else the current one).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Machine-readable JSON on stdout: the command's own --json, which this moves to.")
 @click.pass_context
-def cli(ctx: click.Context, coordinator: str | None, tls_dir: str | None, context_name: str | None) -> None:
+def cli(ctx: click.Context, coordinator: str | None, tls_dir: str | None, context_name: str | None,
+        as_json: bool) -> None:
     """rankctl: a control plane for Megatron-style parallel training."""
     ctx.obj = Ctx.from_options(coordinator, tls_dir, context_name)
 

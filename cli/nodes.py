@@ -7,7 +7,7 @@ import click
 
 from rankctl.cli.completion import complete_node_names
 from rankctl.cli.context import Ctx, pass_ctx
-from rankctl.cli.options import example, json_option
+from rankctl.cli.options import example, json_option, output_format, output_option, print_document
 
 JOBS_SHOWN = 3  # job ids named per node in the table (--json has them all)
 
@@ -22,22 +22,60 @@ def _flags(n: dict) -> str:
     return "; ".join(parts)
 
 
+def usage_to_dict(node) -> dict | None:  # noqa: ANN001 - a pb.Node
+    """The node's last reported use (``Node.usage``), None when it reported none."""
+    if not node.HasField("usage"):
+        return None
+    u = node.usage
+    return {"cpu_percent": u.cpu_percent, "memory_used_bytes": u.memory_used_bytes,
+            "memory_total_bytes": u.memory_total_bytes,
+            "gpus": [{"index": g.index, "utilization": g.utilization, "memory_used_bytes": g.memory_used_bytes,
+                      "memory_total_bytes": g.memory_total_bytes} for g in u.gpus],
+            "sample_time": u.sample_time.seconds + u.sample_time.nanos / 1e9 if u.HasField("sample_time") else None}
+
+
+def _gib(used: int, total: int) -> str:
+    return f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB" if total else "-"
+
+
+def _usage_cells(u: dict | None) -> dict[str, str]:
+    """The table's cpu, memory and gpu use cells: "-" where the node reported nothing."""
+    if u is None:
+        return {"cpu": "-", "memory": "-", "gpu use": "-"}
+    gpus = u["gpus"]
+    gpu = "-"
+    if gpus:
+        mean = sum(g["utilization"] for g in gpus) / len(gpus)
+        mem = _gib(sum(g["memory_used_bytes"] for g in gpus), sum(g["memory_total_bytes"] for g in gpus))
+        gpu = f"{mean:.0f}% {mem}" if len(gpus) == 1 else f"{len(gpus)}x avg {mean:.0f}% {mem}"
+    return {"cpu": f"{u['cpu_percent']:.0f}%", "memory": _gib(u["memory_used_bytes"], u["memory_total_bytes"]),
+            "gpu use": gpu}
+
+
 @click.command("nodes", epilog=example("ctl nodes --json | jq -r '.[] | select(.state == \"READY\") | .name'"))
+@output_option
 @json_option
 @pass_ctx
-def nodes(ctx: Ctx, as_json: bool) -> None:
-    """List nodes: name, address, slots, state (READY when connected), whether it is draining and the jobs
-    it is excluded from (its ranks failed in two attempts in a row; `ctl undrain NODE` clears them)."""
-    from rankctl.cli.console import print_json, stdout_console
+def nodes(ctx: Ctx, output: str | None, as_json: bool) -> None:
+    """List nodes: name, address, slots, state (READY when connected), CPU, memory and GPU use as last
+    reported ("-": none yet), whether it is draining and the jobs it is excluded from (its ranks failed
+    in two attempts in a row; `ctl undrain NODE` clears them). -o wide adds the hostname and each GPU."""
+    from rankctl.cli.console import stdout_console
     from rankctl.cli.render import node_to_dict, rows_table, when
 
+    fmt = output_format(output, as_json)
     with ctx.client() as client:
-        found = [node_to_dict(n) for n in client.nodes()]
-    if as_json:
-        print_json(found)
+        found = [{**node_to_dict(n), "usage": usage_to_dict(n)} for n in client.nodes()]
+    if fmt in ("json", "yaml"):
+        print_document(found, fmt)
         return
     rows = [{"name": n["name"], "address": n["address"], "state": n["state"], "slots": n["slots"],
-             "free": n["free_slots"], "gpus": len(n["gpus"]), "last seen": when(n["last_seen"])} for n in found]
+             "free": n["free_slots"], "gpus": len(n["gpus"]), **_usage_cells(n["usage"]),
+             "last seen": when(n["last_seen"])} for n in found]
+    if fmt == "wide":
+        for row, n in zip(rows, found):
+            row["hostname"] = n["hostname"] or "-"
+            row["per gpu"] = " ".join(f"{g['index']}:{g['utilization']:.0f}%" for g in (n["usage"] or {}).get("gpus", [])) or "-"
     if any(_flags(n) for n in found):
         for row, n in zip(rows, found):
             row["service"] = _flags(n) or "-"

@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout.")
+OUTPUTS = ("table", "wide", "json", "yaml")
+
+
+def json_flag(help_text: str = "Machine-readable JSON on stdout."):  # noqa: ANN201 - a click decorator
+    """A command's ``--json`` (parameter ``as_json``); ``ctl --json COMMAND`` moves it there (``cli.globalopts``)."""
+    return click.option("--json", "as_json", is_flag=True, help=help_text)
+
+
+json_option = json_flag()
+
+output_option = click.option(
+    "-o", "--output", type=click.Choice(OUTPUTS), default=None,
+    help="table (the default), wide (more columns), json (as --json) or yaml (the same document).")
+
+
+def output_format(output: str | None, as_json: bool) -> str:
+    """The one format ``-o`` and ``--json`` ask for; both, disagreeing, is a usage error."""
+    if output and as_json and output != "json":
+        raise click.UsageError(f"--json and -o {output} ask for different output: give one of them")
+    return output or ("json" if as_json else "table")
+
+
+def print_document(doc: Any, fmt: str) -> None:
+    """``doc`` on stdout as JSON (``print_json``) or YAML (block style, keys in their order)."""
+    from rankctl.cli.console import print_json
+
+    if fmt == "json":
+        print_json(doc)
+        return
+    import yaml
+
+    click.echo(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, default_flow_style=False), nl=False)
 
 
 def example(*lines: str) -> str:

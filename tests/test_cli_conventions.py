@@ -289,6 +289,9 @@ def test_drain_of_an_unknown_node_is_exit_2_on_stderr(coordinator: str) -> None:
 
 def test_logs_json_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     from rankctl.cli.context import Ctx
+    from rankctl.contract.logrecords import RECORD_MARK
+
+    asked = []
 
     class FakeClient:
         def __enter__(self):
@@ -297,15 +300,24 @@ def test_logs_json_lines(monkeypatch: pytest.MonkeyPatch) -> None:
         def __exit__(self, *exc: object) -> None:
             pass
 
-        def logs(self, job_id: str, rank, follow: bool, tail: int):  # noqa: ANN001
+        def logs(self, job_id: str, rank, follow: bool, tail: int, records: bool):  # noqa: ANN001
+            asked.append(records)
             yield pb.LogLine(rank=0, attempt=2, line="step 1 loss 2.5")
             yield pb.LogLine(rank=3, attempt=2, line='{"not": "parsed"}')
+            if records:
+                yield pb.LogLine(rank=3, attempt=2, line=RECORD_MARK + '{"event": "done", "level": "info", "rank": 3}')
 
     monkeypatch.setattr(Ctx, "client", lambda self: FakeClient())
     res = run("logs", "j1", "--json")
     assert [json.loads(line) for line in res.output.splitlines()] == [
         {"rank": 0, "attempt": 2, "line": "step 1 loss 2.5"}, {"rank": 3, "attempt": 2, "line": '{"not": "parsed"}'}]
-    assert run("logs", "j1").output == '[0] step 1 loss 2.5\n[3] {"not": "parsed"}\n'
+    assert run("logs", "j1").output == '[rank 0] step 1 loss 2.5\n[rank 3] {"not": "parsed"}\n'
+    assert run("logs", "j1", "--rank", "3").output == 'step 1 loss 2.5\n{"not": "parsed"}\n'
+    res = run("--json", "logs", "j1", "--records")
+    assert json.loads(res.output.split("\n")[2]) == {"rank": 3, "attempt": 2, "record": {
+        "event": "done", "level": "info", "rank": 3}}
+    assert run("logs", "j1", "--records").output.split("\n")[2] == "[rank 3] [rankctl info] done"
+    assert asked == [False, False, False, True, True]
 
 
 def test_state_names_drop_the_enum_prefix(monkeypatch: pytest.MonkeyPatch) -> None:

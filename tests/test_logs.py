@@ -1,6 +1,7 @@
 """Rank logs stay on the nodes: the daemon's answers (``worker.logship``), the coordinator's
 request matching (``LogFetcher``) and GetLogs (``get_logs``) against fake nodes that answer
-from real files. No network, no processes; every test well under a second."""
+from real files (no network, no processes, each well under a second); then ``ctl logs`` and ``ctl nodes``
+through a real coordinator and daemon, on a job that printed (what it printed, rankctl's records apart)."""
 
 from __future__ import annotations
 
@@ -481,3 +482,87 @@ def test_bad_requests_raise_domain_errors(tmp_path: Path, req: dict[str, Any], e
             pass
     with pytest.raises(error):
         asyncio.run(main())
+
+
+# -- through the real ctl, coordinator and daemon ---------------------------------------------------
+PRINTS = """import os, sys
+r = os.environ["RANK"]
+print(f"hello from rank {r}", flush=True)
+print(f"warn from rank {r}", file=sys.stderr, flush=True)
+print("L" * 3000 + f" end {r}", flush=True)
+"""
+PRINTS_JOB = """
+name: prints
+kind: python
+resources: {{nodes: 1, slots_per_node: 2}}
+python: {{entrypoint: prints.py, workdir: {workdir}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory: pytest.TempPathFactory):
+    """A real coordinator and one daemon that ran a 2-rank python job which printed, then ended."""
+    from cluster import ProcCluster
+
+    root = tmp_path_factory.mktemp("logs-e2e")
+    (root / "prints.py").write_text(PRINTS)
+    (root / "prints.yaml").write_text(PRINTS_JOB.format(workdir=root))
+    cluster = ProcCluster(root / "cluster", ["n0"], slots=2)
+    try:
+        job = cluster.submit(str(root / "prints.yaml"))
+        assert cluster.wait_state(job, {"SUCCEEDED", "FAILED"}, 120)["state"] == "SUCCEEDED"
+        yield cluster, job
+    finally:
+        cluster.stop()
+
+
+def program_lines(rank: int) -> list[str]:
+    return [f"hello from rank {rank}", f"warn from rank {rank}", "L" * 3000 + f" end {rank}"]
+
+
+def test_ctl_logs_shows_what_the_ranks_printed_whole_and_prefixed(printed) -> None:
+    from cluster import ctl
+
+    cluster, job = printed
+    out = ctl(cluster.address, "logs", job, "-f")  # a pipe: a long line comes whole
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.split("\n")[:-1] == [f"[rank {r}] {line}" for r in (0, 1) for line in program_lines(r)]
+    one = ctl(cluster.address, "logs", job, "--rank", "1", "--tail", "1")
+    assert one.stdout == "L" * 3000 + " end 1\n"
+
+
+def test_ctl_logs_records_shows_rankctls_records_among_the_lines(printed) -> None:
+    from cluster import ctl
+
+    cluster, job = printed
+    out = ctl(cluster.address, "logs", job, "--rank", "0", "--records")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")[:-1]
+    assert [x for x in lines if "[rankctl " not in x] == program_lines(0)
+    assert any(x.endswith("[rankctl info] done") for x in lines), lines
+    assert RECORD_MARK not in out.stdout and '"event"' not in out.stdout
+
+
+def test_ctl_logs_json_gives_lines_as_text_and_records_as_objects(printed) -> None:
+    from cluster import ctl
+
+    cluster, job = printed
+    plain = [json.loads(x) for x in ctl(cluster.address, "--json", "logs", job).stdout.split("\n")[:-1]]
+    assert plain == [{"rank": r, "attempt": 1, "line": line} for r in (0, 1) for line in program_lines(r)]
+    docs = [json.loads(x) for x in ctl(cluster.address, "logs", job, "--json", "--records").stdout.split("\n")[:-1]]
+    records = [d["record"] for d in docs if "record" in d]
+    assert [d for d in docs if "record" not in d] == plain
+    assert {(r["rank"], r["event"]) for r in records if r["event"] == "done"} == {(0, "done"), (1, "done")}
+    assert all(isinstance(r, dict) and r["job"] == job for r in records)
+
+
+def test_ctl_nodes_shows_each_nodes_use_or_a_dash(printed) -> None:
+    from cluster import ctl
+
+    cluster, _ = printed
+    node = json.loads(ctl(cluster.address, "nodes", "--json").stdout)[0]
+    table = ctl(cluster.address, "nodes").stdout
+    header, row = [x for x in table.split("\n") if "cpu" in x or "n0" in x][:2]
+    assert "cpu" in header and "memory" in header and "gpu use" in header, table
+    cpu = "-" if node["usage"] is None else f"{node['usage']['cpu_percent']:.0f}%"
+    assert f" {cpu} " in row, (node["usage"], row)
