@@ -96,6 +96,7 @@ class Coordinator(ReportsMixin, RestartsMixin):
         self._inbox: list = []                           # (session, [RankUpdate]) queued for the next flush
         self._held: list = []                            # the same, refused by the store: retried
         self._queued = 0
+        self._flush_due = False                          # a flush is set for the loop's next turn (a phase change)
         self._refused_at = 0.0
         self._deferred: list[tuple[str, pb.CoordinatorMessage]] | None = None  # sent after the commit
         self._stops: dict[str, Stop] = {}                # job -> its ended attempt, until its ranks are gone

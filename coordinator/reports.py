@@ -4,7 +4,9 @@ A mixin of ``core.Coordinator`` (it uses the core's book, node table, store and 
 kept apart so that each module has one job. Called from the event loop thread only.
 
 Reports are queued as they arrive (``rank_reports``: one call per ReportBatch) and applied in
-one store transaction per ``flush`` (the server calls it every ``FLUSH_S``): a group commit.
+one store transaction per ``flush`` (the server calls it every ``FLUSH_S``): a group commit. A batch
+with a phase change, exit or error is flushed on the event loop's next turn instead, together with
+whatever else came in that turn, so that a job's state never waits for the commit period.
 What a node learns is stored (``Ack``, and ``Registered.last_seq`` after a reconnect) is only
 ever what a committed transaction holds. When the store refuses the commit, memory goes back
 to what the store holds (``_consistent``), the batch is held, in order, and retried (backing off
@@ -17,6 +19,7 @@ exit or error changes, and one job-level ``step`` event when the slowest rank fi
 
 from __future__ import annotations
 
+import asyncio
 from typing import Iterable, Sequence
 
 import structlog
@@ -37,6 +40,13 @@ ACK_EVERY_S = 30.0            # at most one Ack per node this often (the buffer 
 ROUTINE_EVENTS_MAX_WORLD = 256  # above this, routine per-rank phase changes get no event of their own
 
 
+def _changes_phase(update: RankUpdate | pb.RankReport) -> bool:
+    """More than a running rank's next step: a phase (a rank enters running at step 0), an exit, an error,
+    a result or a process state. Over-approximates; only when the report is stored depends on it."""
+    st = update.status
+    return st.exited or st.phase != "running" or not st.step or bool(st.error) or bool(update.result_json)
+
+
 class ReportsMixin:
     """Applies what nodes report; see ``core`` for the threading and consistency contract."""
 
@@ -54,7 +64,28 @@ class ReportsMixin:
         self._queued += len(updates)
         if self._queued >= MAX_INBOX:
             self.flush()
+        elif not self._flush_due and any(map(_changes_phase, updates)):
+            self._flush_soon()
         return len(updates)
+
+    def _flush_soon(self) -> None:
+        """A phase change, exit or error came: store it on the event loop's next turn, with every report
+        that came in the same turn (one transaction a turn, never one a rank); step reports alone wait for
+        the ``FLUSH_S`` group commit."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a test driving the core by hand): the next flush() stores it
+            return
+        self._flush_due = True
+        loop.call_soon(self._due_flush)
+
+    def _due_flush(self) -> None:
+        self._flush_due = False
+        try:
+            if self._inbox:
+                self.flush()
+        except Exception:  # as the server's group-commit loop: logged, and the next flush retries
+            log.exception("reports.flush_failed")
 
     def rank_report(self, session: NodeSession, update: RankUpdate) -> bool:
         """Apply one report now (the legacy one-report message); False when dropped as a replay or stale."""

@@ -336,7 +336,8 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         The first batch comes at once (it may hold no events); later ones only with events. A batch
         holds what one read of at most BATCH_EVENTS gives. ``min_interval`` > 0 spaces batches by that
         many seconds and keeps only the newest of consecutive step events; a backlog (the last read
-        was full) is sent without waiting, so a watcher of a long history catches up at once.
+        was full) and the job's end are sent without waiting, so a watcher of a long history catches up
+        at once and one waiting for the end returns with it.
         """
         try:
             interval = request.min_interval
@@ -346,7 +347,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             sent, behind = None, False
             while True:
                 if interval and sent is not None and not behind:
-                    await asyncio.sleep(max(0.0, sent + interval - time.monotonic()))
+                    await self._spaced(job_id, sent + interval)
                 wake = self.core.signals.arm(job_id)
                 job = self.core.get(job_id)  # state, events and summary read together, with no await between
                 read = self.core.events(job_id, seq, BATCH_EVENTS)
@@ -366,6 +367,15 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
                     await self.core.signals.wait(wake, FOLLOW_POLL_S)
         except Exception as exc:
             await _abort(context, exc)
+
+    async def _spaced(self, job_id: str, until: float) -> None:
+        """Wait until ``until`` (monotonic) between two batches, but no longer than the job runs: its end is
+        sent at once, so that a follower returns when the job does (each wake-up is one state read)."""
+        while (left := until - time.monotonic()) > 0:
+            wake = self.core.signals.arm(job_id)
+            if is_terminal(self.core.get(job_id).state):
+                return
+            await self.core.signals.wait(wake, left)
 
     async def GetLogs(self, request: pb.GetLogsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LogLine]:
         """A rank's (or every rank's) log, read from the nodes that ran them; ``follow`` until terminal."""

@@ -4,7 +4,7 @@ It registers (name, address, slots, hardware, free ports, the jobs still alive h
 heartbeats, hands assignments to its warm launcher (a subprocess; this process never
 forks) and turns the ranks' status files and exits into numbered reports: one ReportBatch
 per tick with every rank that changed (``worker.reportbuf`` keeps only the newest step of a
-rank under backlog). Heartbeats never queue behind reports: the writer sends a due heartbeat
+rank under backlog); a phase change, exit or error goes out at once, without waiting for the tick. Heartbeats never queue behind reports: the writer sends a due heartbeat
 before the next batch (and skips it, but for every fifth, which carries free ports, when a batch
 went out within the interval: a report shows the node alive as well). Rank logs stay in their files here; the coordinator reads them on
 demand (FetchLogs, answered by ``worker.logship``, which also rotates them past a size cap). While the coordinator is away it
@@ -53,7 +53,9 @@ from rankctl.worker.paths import Refused, run_dir_for
 from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
 from rankctl.worker.reportbuf import ReportBuffer
 from rankctl.worker.sandbox import allowed_roots, assignment_problem
-from rankctl.worker.reporting import exit_code, free_ports, hardware_pb, launcher_status, process_state, step_figures
+from rankctl.worker.reporting import (
+    exit_code, free_ports, hardware_pb, launcher_status, process_state, step_figures,
+)
 from rankctl.worker.status import StatusTailer
 
 log = structlog.get_logger("rankctl.worker")
@@ -155,6 +157,7 @@ class WorkerDaemon:
         self._control: deque[pb.NodeMessage] = deque()  # answers (log chunks), sent before reports
         self._wake = asyncio.Event()                     # the writer has something to send
         self._beat = asyncio.Event()                     # a heartbeat is due
+        self._hurry = asyncio.Event()                    # ends the writer's wait for the report tick
         self._answers: set[asyncio.Task] = set()         # log fetches being answered
         self._background: set[asyncio.Task] = set()      # checkpoint pushes to replica peers
         self._online = False                             # a session is registered
@@ -182,6 +185,8 @@ class WorkerDaemon:
         self.reports.add(job_id, attempt, status, json.dumps(result) if result is not None else "",
                          step_only=step_only)
         self._wake.set()
+        if not step_only:
+            self._hurry.set()  # a phase change, exit or error: the writer stops waiting for the tick
 
     def _send_control(self, msg: pb.NodeMessage) -> None:
         if self._online:
@@ -561,10 +566,12 @@ class WorkerDaemon:
                 await call.write(self._control.popleft())
             if not self.reports.unsent:
                 continue
-            wait = last_batch + self.cfg.report_interval - loop.time()
-            if wait > 0:  # reports made meanwhile coalesce; a heartbeat due meanwhile still goes first
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._beat.wait(), wait)
+            wait = 0.0 if self.reports.urgent else last_batch + self.cfg.report_interval - loop.time()
+            if wait > 0:  # step reports made meanwhile coalesce; a phase change or a due heartbeat ends the wait
+                if not self._beat.is_set():
+                    self._hurry.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._hurry.wait(), wait)
                 self._wake.set()
                 continue
             last_batch = loop.time()
@@ -579,6 +586,7 @@ class WorkerDaemon:
             await asyncio.sleep(self._heartbeat_interval)
             self._beat.set()
             self._wake.set()
+            self._hurry.set()
 
     # -- session -----------------------------------------------------------------------------
     def _register_msg(self) -> pb.NodeMessage:

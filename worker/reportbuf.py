@@ -11,6 +11,9 @@ link, a coordinator away) holds the newest step per rank and never a queue of ol
 changes, exits and errors are never dropped while the buffer is within ``maxlen``; beyond
 it, the oldest reports go (and a coordinator away that long will find the ranks' final state
 in the newest ones).
+
+``urgent`` says that an unsent report is more than a step (a phase change, an exit, an error): the
+daemon's writer sends those at once and lets only step reports wait for the next tick.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ReportBuffer:
         self._step: dict[Key, int] = {}                                 # rank -> seq of its pending step report
         self.coalesced = 0                                              # step reports replaced by newer ones
         self.dropped = 0                                                # reports dropped over maxlen
+        self.urgent = False                                             # an unsent report is not a step
 
     def __len__(self) -> int:
         return len(self._sent) + len(self._unsent)
@@ -50,6 +54,8 @@ class ReportBuffer:
                 self.coalesced += 1
         if step_only:
             self._step[key] = self.seq
+        else:
+            self.urgent = True
         rep = pb.RankReport(job_id=job_id, attempt=attempt, status=status, result_json=result_json, seq=self.seq)
         self._unsent[self.seq] = rep
         while len(self) > self.maxlen:
@@ -64,6 +70,7 @@ class ReportBuffer:
             seq, rep = self._unsent.popitem(last=False)
             self._sent[seq] = rep
             out.append(rep)
+        self.urgent = self.urgent and bool(self._unsent)  # what is left may hold one; at worst a batch early
         return out
 
     def acked(self, last_seq: int) -> None:
@@ -79,4 +86,5 @@ class ReportBuffer:
             merged = self._sent
             merged.update(self._unsent)
             self._sent, self._unsent = OrderedDict(), merged
+        self.urgent = bool(self._unsent)  # a replay goes out at once
         return len(self._unsent)
