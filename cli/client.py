@@ -212,15 +212,33 @@ HTTP_PROBE = b"HEAD / HTTP/1.0\r\n\r\n"
 
 
 def _speaks_http(address: str, timeout: float = 1.0) -> bool:
-    """Whether what listens at ``address`` answers a plain HTTP/1 request as an HTTP server does
-    (``HTTP/1.x ...``); a gRPC server (HTTP/2 only, or TLS) never answers so."""
+    """Whether what listens at ``address`` is an HTTP/1 server, not gRPC: it answers a plain HTTP request
+    (``HTTP/1.x ...``), or it speaks TLS without offering HTTP/2 (ALPN ``h2``, which every gRPC server
+    negotiates): the dashboard with or without TLS."""
+    return _answers_http(address, timeout, tls=False) or _answers_http(address, timeout, tls=True)
+
+
+def _answers_http(address: str, timeout: float, tls: bool) -> bool:
     try:
-        with socket.create_connection(_host_port(address), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            sock.sendall(HTTP_PROBE)
-            return sock.recv(8).startswith(b"HTTP/")
+        with socket.create_connection(_host_port(address), timeout=timeout) as raw:
+            raw.settimeout(timeout)
+            if tls:
+                with _probe_tls().wrap_socket(raw) as sock:  # completes before a server checks our certificate
+                    return sock.selected_alpn_protocol() != "h2"
+            raw.sendall(HTTP_PROBE)
+            return raw.recv(8).startswith(b"HTTP/")
     except (OSError, ValueError):
         return False
+
+
+def _probe_tls():  # noqa: ANN202 - an ssl.SSLContext
+    """A context that only asks which protocol a TLS server offers (it verifies nothing and sends nothing)."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    return ctx
 
 
 @contextmanager

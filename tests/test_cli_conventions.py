@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -51,18 +52,31 @@ def no_user_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture(scope="module")
-def coordinator(tmp_path_factory: pytest.TempPathFactory):
-    """A real ``ctl coordinator`` process with SEEDED pending jobs (no nodes: they wait)."""
+def shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("conventions")
+
+
+@pytest.fixture(scope="module")
+def coordinator(shared_root: Path):
+    """A real ``ctl coordinator`` process (and its dashboard) with SEEDED pending jobs (no nodes: they wait)."""
     from cluster import start_coordinator
 
-    root = tmp_path_factory.mktemp("conventions")
-    proc, address = start_coordinator(root / "coord")
+    root = shared_root
+    proc, address = start_coordinator(root / "coord", http_listen="127.0.0.1:0")
     seed = (f"from rankctl.cli.client import Client\nc = Client({address!r})\n"
             f"text = open({JOB_FILE!r}).read()\n"
             f"for i in range({SEEDED}): c.submit(text, [f'name={LONG_NAME}-{{i}}'], 'seed', queue_anyway=True)\n")
     subprocess.run([sys.executable, "-c", seed], check=True, timeout=120)
     yield address
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def dashboard(coordinator: str, shared_root: Path) -> str:
+    """The shared coordinator's dashboard (HTTP) address."""
+    from cluster import http_address
+
+    return http_address(shared_root / "coord")
 
 
 # -- global options before or after the subcommand ---------------------------------------------
@@ -397,3 +411,109 @@ def test_a_ctx_made_in_code_ignores_the_config_file(no_user_config: Path) -> Non
     write_config(no_user_config, CONTEXTS)
     assert (Ctx(coordinator="local:1").coordinator, Ctx(coordinator="local:1").tls_dir) == ("local:1", None)
     assert Ctx.from_options("local:1", None, None).tls_dir == "/cur"
+
+
+# -- issue 23, item 8: -o, --json before the subcommand, the dashboard's port, --context completion --
+def test_jobs_output_yaml_and_json_are_one_document_and_wide_has_more_columns(coordinator: str) -> None:
+    as_json = sh(f"$CTL jobs --coordinator {coordinator} --limit 3 --json")
+    for command in ("jobs -o json", "--json jobs", "jobs --json -o json"):
+        out = sh(f"$CTL {command} --coordinator {coordinator} --limit 3")
+        assert out.returncode == 0 and out.stdout == as_json.stdout, (command, out.stderr)
+    yml = sh(f"$CTL jobs -o yaml --coordinator {coordinator} --limit 3")
+    assert yml.returncode == 0 and yaml.safe_load(yml.stdout) == json.loads(as_json.stdout)
+    wide = sh(f"$CTL jobs -o wide --coordinator {coordinator} --limit 3 | cat")
+    header = wide.stdout.split("\n")[2]
+    assert all(col in header for col in ("name", "kind", "attempt", "nodes", "finished")), wide.stdout
+    assert sum(f"{LONG_NAME}-" in line and "comm-check" in line for line in wide.stdout.split("\n")) == 3
+    both = sh(f"$CTL jobs -o yaml --json --coordinator {coordinator}")
+    assert both.returncode == 2 and "--json and -o yaml" in both.stderr and both.stdout == ""
+
+
+def test_json_before_the_subcommand_goes_to_it_and_one_without_json_refuses_it(coordinator: str) -> None:
+    nodes = sh(f"$CTL --json --coordinator {coordinator} nodes")
+    assert nodes.returncode == 0 and json.loads(nodes.stdout) == []
+    config = sh("$CTL --json config get-contexts -- ")
+    assert config.returncode == 0 and json.loads(config.stdout) == []
+    refused = sh("$CTL --json completion bash")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "--json: `ctl completion` has no JSON output" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_the_dashboards_port_is_named_an_http_server_exit_3(coordinator: str, dashboard: str) -> None:
+    out = sh(f"$CTL --coordinator {dashboard} jobs")
+    assert out.returncode == 3 and out.stdout == "", out.stderr
+    assert out.stderr == (f"error: {dashboard} is an HTTP server (the dashboard?), not the coordinator's gRPC "
+                          "port: give --coordinator the address `ctl coordinator --listen` serves (by default "
+                          "port 7420)\n")
+    assert sh(f"$CTL --coordinator {coordinator} nodes").returncode == 0  # the gRPC port is no HTTP server
+
+
+def test_context_names_complete_for_the_global_option(no_user_config: Path) -> None:
+    write_config(no_user_config, {"current-context": "prod", "contexts": {
+        "prod": {"coordinator": "head:7420"}, "prod-eu": {"coordinator": "eu:7420"}, "dev": {"coordinator": "d:1"}}})
+    for words, cword in (("ctl --context pr", "2"), ("ctl jobs --context pr", "3")):
+        env = {**os.environ, "_CTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": cword}
+        out = subprocess.run(CTL, capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0 and out.stdout.split() == ["plain,prod", "plain,prod-eu"], (words, out)
+
+
+def table_rows(text: str) -> dict[str, dict[str, str]]:
+    """A rich table's rows by their first cell, each a dict by the header's names."""
+    lines = [[c.strip() for c in re.split("[│┃]", line)[1:-1]] for line in text.split("\n") if line[:1] and line[0] in "│┃"]
+    return {row[0]: dict(zip(lines[0], row)) for row in lines[1:]}
+
+
+def test_nodes_show_cpu_memory_and_gpu_use_or_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankctl.cli.context import Ctx
+
+    gib = 1 << 30
+    used = pb.NodeUsage(cpu_percent=37.4, memory_used_bytes=3 * gib, memory_total_bytes=16 * gib,
+                        gpus=[pb.GpuUsage(index=i, utilization=80 + 10 * i, memory_used_bytes=gib,
+                                          memory_total_bytes=80 * gib) for i in range(2)])
+
+    class FakeClient:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def nodes(self) -> list:
+            return [pb.Node(name="g0", slots=2, usage=used), pb.Node(name="c0", slots=1)]
+
+    monkeypatch.setattr(Ctx, "client", lambda self: FakeClient())
+    rows = table_rows(run("nodes", "-o", "wide").output)
+    assert {k: rows["g0"][k] for k in ("cpu", "memory", "gpu use", "per gpu")} == {
+        "cpu": "37%", "memory": "3.0/16.0 GiB", "gpu use": "2x avg 85% 2.0/160.0 GiB", "per gpu": "0:80% 1:90%"}
+    assert {k: rows["c0"][k] for k in ("cpu", "memory", "gpu use", "per gpu")} == dict.fromkeys(
+        ("cpu", "memory", "gpu use", "per gpu"), "-")
+    docs = {n["name"]: n["usage"] for n in json.loads(run("nodes", "--json").output)}
+    assert docs["c0"] is None and docs["g0"]["gpus"][1] == {
+        "index": 1, "utilization": 90.0, "memory_used_bytes": gib, "memory_total_bytes": 80 * gib}
+
+
+def test_with_tls_the_dashboards_port_is_named_and_the_grpc_port_still_asks_for_a_certificate(
+        tmp_path: Path) -> None:
+    """A TLS coordinator: its HTTPS dashboard offers no HTTP/2, so it is no gRPC port (with a user's
+    identity or without); its gRPC port without one still says it serves mutual TLS."""
+    from cluster import http_address, start_coordinator
+
+    from rankctl.security.certs import init_ca, issue
+
+    init_ca(tmp_path / "ca", sans=[])
+    issue(tmp_path / "ca", tmp_path / "alice", user="alice", role="admin")
+    proc, address = start_coordinator(tmp_path / "coord", http_listen="127.0.0.1:0",
+                                      extra=("--tls-dir", str(tmp_path / "ca" / "coordinator")))
+    try:
+        web = http_address(tmp_path / "coord")
+        for identity in ([], ["--tls-dir", str(tmp_path / "alice")]):
+            out = subprocess.run([*CTL, "--coordinator", web, *identity, "nodes"], capture_output=True, text=True,
+                                 timeout=60)
+            assert out.returncode == 3 and f"{web} is an HTTP server (the dashboard?)" in out.stderr, out.stderr
+        out = subprocess.run([*CTL, "--coordinator", address, "--tls-dir", str(tmp_path / "alice"), "nodes", "--json"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and json.loads(out.stdout) == [], out.stderr
+        out = subprocess.run([*CTL, "--coordinator", address, "nodes"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "it serves mutual TLS" in out.stderr, out.stderr
+    finally:
+        proc.stop()
