@@ -18,7 +18,9 @@ from typing import Any, Callable
 
 from rankctl.coordinator.histogram import Histogram, exponential_bounds
 from rankctl.coordinator.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
-from rankctl.coordinator.skew import SHOWN, SLOW_EVENTS, ComputeSkew, SlowRank, pipeline_peers  # noqa: F401
+from rankctl.coordinator.skew import (  # noqa: F401 - SLOW_EVENTS, SlowRank: re-exported for reports.py
+    SHOWN, SLOW_EVENTS, ComputeSkew, SlowRank, pipeline_peers,
+)
 from rankctl.parallel.placement import node_of_rank
 
 STEP_TIME_BUCKETS = exponential_bounds(0.001, 600.0, per_doubling=3)   # seconds: 1 ms .. ~10 min, ~26% wide
@@ -255,9 +257,9 @@ class JobProgress:
 
     def _completed(self, before: int) -> None:
         """Steps ``before + 1 .. min_step`` are complete: each one's duration into ``step_times`` once, the
-        slowest step's figures and the newest validation loss kept, their aggregates dropped. A step with no duration (every
-        rank's report of it coalesced away by its daemon) is observed with the mean of the durations known
-        in this jump, or the last one observed; none at all when the attempt has observed none yet (a
+        slowest step's figures and the newest validation loss kept, their aggregates dropped. A step with
+        no duration (every rank's report of it coalesced away by its daemon) is observed with the mean of
+        the durations known in this jump, or the last one observed; none at all when the attempt has observed none yet (a
         rebuild after a coordinator restart). Steps before the attempt's first reported one (a resume)
         are not its own. O(steps of metrics kept)."""
         before = max(before, self.first_step - 1)   # an attempt that resumed ran no step before its first

@@ -132,11 +132,11 @@ def test_peers_are_the_ranks_of_the_same_pipeline_stage() -> None:
     assert pipeline_peers(job) == (4, 2)
     skew = ComputeSkew(8, *pipeline_peers(job))
     staged = (0.1, 0.1, 0.1, 0.1, 0.3, 0.3, 0.3, 0.3)
-    assert run(skew, steps_of(*[staged] * WARMUP_STEPS, *[staged] * 8)) == [[]] * (WARMUP_STEPS + 8)
+    assert run(skew, steps_of(*[staged] * (WARMUP_STEPS + 8))) == [[]] * (WARMUP_STEPS + 8)
     one_slow = (0.1, 0.25, 0.1, 0.1, 0.3, 0.3, 0.3, 0.3)   # under the job's median 0.3, 2.5x its stage's
     assert run(skew, steps_of(*[one_slow] * 5))[-1] == [(1, True)]
     flat = ComputeSkew(8)   # all ranks as peers: the whole last stage would be flagged
-    assert run(flat, steps_of(*[staged] * WARMUP_STEPS, *[staged] * 5))[-1] == [(4, True), (5, True), (6, True), (7, True)]
+    assert run(flat, steps_of(*[staged] * (WARMUP_STEPS + 5)))[-1] == [(4, True), (5, True), (6, True), (7, True)]
 
 
 def test_no_pipeline_or_an_unreadable_layout_makes_all_ranks_peers() -> None:
