@@ -11,22 +11,18 @@ spread evenly over the step period. Measured:
 * submit -> all assigned: from just before ``SubmitJob`` to the last daemon's ``Assign``;
 * steps stored: the slowest rank's stored step (``GetJob``, summary only where supported), polled
   every 0.5 s; the stored rate over the steady window against the offered ``--step-rate``;
-* watch lag: ``now - event.ts`` of every live event on ``WatchJobBatches`` (step events;
+* watch lag: ``now - event.event_time`` of every live event on ``WatchJobBatches`` (step events;
   ``WatchJob`` and every event on a coordinator without it);
 * ``ctl status JOB`` wall time (3 runs during the steps, interpreter start included; the ctl of
   the coordinator's checkout), the max;
 * false LOST: nodes not READY after the steps (every fake daemon heartbeats), and stream errors;
 * the coordinator's peak RSS (``VmHWM``) and its CPU per rank-step over the steady window.
 
-``--legacy`` sends one ``NodeMessage(report=...)`` per report (what today's main, 773e4f1,
-understands); the default sends one ``ReportBatch`` per daemon tick. The peer named in the issue
-is today's main: ``--compare-legacy`` runs the same load against it (``--legacy-python``,
-``--legacy-pythonpath``: a ``pip install --no-deps --target DIR`` of that commit) in legacy mode,
-then against this checkout's coordinator in batched mode, and prints the ratios.
+Each fake daemon sends one ``ReportBatch`` per tick, as the real one does (the one-report-per-message
+form that an earlier main was compared in is gone from the protocol, its field numbers reserved).
 
-    python bench/scale.py --nodes 2048 --slots 8 --steps 30 [--step-rate 1] [--procs P] [--legacy]
+    python bench/scale.py --nodes 2048 --slots 8 --steps 30 [--step-rate 1] [--procs P]
         [--coordinator-python PY] [--coordinator-pythonpath DIR] [--heartbeat-timeout S]
-        [--compare-legacy --legacy-pythonpath DIR [--legacy-python PY]]
 """
 
 from __future__ import annotations
@@ -194,6 +190,11 @@ async def job_progress(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str) 
     return min(r.step for r in ranks), len(ranks), state
 
 
+def event_s(ev: pb.JobEvent) -> float:
+    """When the coordinator recorded the event, in unix seconds."""
+    return ev.event_time.seconds + ev.event_time.nanos / 1e9
+
+
 async def watcher(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str, out: dict) -> None:
     """Lag of every live event: WatchJobBatches (step events), else WatchJob (every event)."""
     start = time.time()
@@ -202,10 +203,11 @@ async def watcher(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str, out: 
         async for batch in client.WatchJobBatches(pb.WatchJobRequest(job_id=job_id)):
             now = time.time()
             for ev in batch.events:
-                if ev.ts >= start:
-                    out["all_lags"].append(now - ev.ts)
+                at = event_s(ev)
+                if at >= start:
+                    out["all_lags"].append(now - at)
                     if ev.kind == "step":
-                        out["step_lags"].append(now - ev.ts)
+                        out["step_lags"].append(now - at)
         return
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
@@ -214,8 +216,8 @@ async def watcher(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str, out: 
     out["api"] = "WatchJob"
     try:
         async for ev in client.WatchJob(pb.WatchJobRequest(job_id=job_id)):
-            if ev.ts >= start:
-                lag = time.time() - ev.ts
+            if event_s(ev) >= start:
+                lag = time.time() - event_s(ev)
                 out["all_lags"].append(lag)
                 if ev.kind == "step":
                     out["step_lags"].append(lag)
@@ -251,7 +253,7 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
         while time.monotonic() < deadline:
             try:
                 nodes = (await client.ListNodes(pb.ListNodesRequest(), timeout=30)).nodes
-                ready = sum(1 for x in nodes if x.state == pb.READY)
+                ready = sum(1 for x in nodes if x.state == pb.NODE_STATE_READY)
             except grpc.aio.AioRpcError:
                 ready = 0
             if ready >= n:
@@ -351,8 +353,8 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
             job = await client.GetJob(pb.GetJobRequest(job_id=job_id, summary_only=True), timeout=60)
             r["reason"] = job.reason
             nodes = (await client.ListNodes(pb.ListNodesRequest(), timeout=60)).nodes
-            r["not_ready"] = sum(1 for x in nodes if x.state != pb.READY)
-            r["lost"] = sum(1 for x in nodes if x.state == pb.LOST)
+            r["not_ready"] = sum(1 for x in nodes if x.state != pb.NODE_STATE_READY)
+            r["lost"] = sum(1 for x in nodes if x.state == pb.NODE_STATE_LOST)
             r["rejected"] = sum(x.rejected_reports for x in nodes)
         except grpc.aio.AioRpcError as exc:
             say(f"after      : GetJob/ListNodes failed: {exc.code().name}: {exc.details()}")
@@ -364,9 +366,9 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
         await channel.close()
 
 
-def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None, legacy: bool) -> dict:
+def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None) -> dict:
     """One coordinator, one load; returns the figures (and prints them as it goes)."""
-    mode = "legacy" if legacy else "batched"
+    mode = "batched"
     root = Path(tempfile.mkdtemp(prefix=f"rankctl-bench-scale-{mode}-"))
     lines: list[str] = []
 
@@ -389,7 +391,7 @@ def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None, legacy
                 break
             args = ["--address", address, "--first", str(first), "--count", str(count), "--total", str(ns.nodes),
                     "--slots", str(ns.slots), "--steps", str(ns.steps), "--step-rate", str(ns.step_rate),
-                    "--streams-per-channel", str(ns.streams_per_channel)] + (["--legacy"] if legacy else [])
+                    "--streams-per-channel", str(ns.streams_per_channel)]
             gens.append(Generator(args, root / f"gen{i}.log"))
         asyncio.run(drive(ns, address, coord, env, python, gens, r))
         r["rss_mib"] = proc_status_kib(coord.pid, "VmHWM") / 1024
@@ -468,7 +470,7 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
         f"{r['assign_bytes_max'] / 1024:.1f} KiB")
     say(f"generators : {r['gen_cpu_s']:.1f} CPU s in all; tick lateness p99 {fmt(r['late_p99'], 3)} s, "
         f"max {fmt(r['late_max'], 3)} s; sent {r['counts'].get('sent_reports', 0)} reports in "
-        f"{r['counts'].get('sent_batches', 0) + r['counts'].get('sent_report_msgs', 0)} messages, "
+        f"{r['counts'].get('sent_batches', 0)} messages, "
         f"{r['counts'].get('recv_ack', 0)} Acks")
     if not r.get("coord_alive", True):
         say("coordinator: exited during the run (see its log)")
@@ -480,13 +482,6 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
                  f"mode={r['mode']}")
 
 
-def ratio(name: str, old: float, new: float, higher_is_better: bool = False) -> str:
-    if any(x is None or math.isnan(x) for x in (old, new)) or (new if not higher_is_better else old) == 0:
-        return f"ratio {name} {'new/legacy' if higher_is_better else 'legacy/new'} = nan"
-    return (f"ratio {name} new/legacy = {new / old:.1f}x" if higher_is_better
-            else f"ratio {name} legacy/new = {old / new:.1f}x")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=2048)
@@ -495,36 +490,17 @@ def main() -> None:
     ap.add_argument("--step-rate", type=float, default=1.0, help="steps per second each rank offers")
     ap.add_argument("--procs", type=int, default=0, help="generator processes (default: 1 per 1024 nodes, at most 4)")
     ap.add_argument("--streams-per-channel", type=int, default=32)
-    ap.add_argument("--legacy", action="store_true", help="one NodeMessage per report (today's main's protocol)")
     ap.add_argument("--coordinator-python", default=sys.executable)
     ap.add_argument("--coordinator-pythonpath", default=None, help="PYTHONPATH for the coordinator (an older checkout)")
     ap.add_argument("--heartbeat-timeout", type=float, default=None, help="default: the coordinator's (10 s)")
-    ap.add_argument("--compare-legacy", action="store_true",
-                    help="first the same load against today's main in --legacy mode, then the ratios")
-    ap.add_argument("--legacy-python", default=sys.executable)
-    ap.add_argument("--legacy-pythonpath", default=None)
     ap.add_argument("--ready-timeout", type=float, default=0, help="default: 60 s + 20 ms per node")
     ap.add_argument("--assign-timeout", type=float, default=120.0)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, state)")
     ns = ap.parse_args()
     ns.procs = ns.procs or min(4, math.ceil(ns.nodes / 1024))
     ns.ready_timeout = ns.ready_timeout or 60 + 0.02 * ns.nodes
-    if ns.compare_legacy:
-        if not ns.legacy_pythonpath:
-            ap.error("--compare-legacy needs --legacy-pythonpath (today's main installed with pip --target)")
-        old = run_once(ns, ns.legacy_python, ns.legacy_pythonpath, legacy=True)
-        new = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath, legacy=ns.legacy)
-        print(old["line"])
-        print(ratio("assign_s", old.get("assign_s", NAN), new.get("assign_s", NAN)))
-        print(ratio("step_rate", old.get("step_rate", NAN), new.get("step_rate", NAN), higher_is_better=True))
-        print(ratio("watch_p99_s", old["watch_p99"], new["watch_p99"]))
-        print(ratio("status_s", old["status_s"], new["status_s"]))
-        print(ratio("rss_mib", old.get("rss_mib", NAN), new.get("rss_mib", NAN)))
-        print(ratio("cpu_us_per_rank_step", old.get("cpu_us", NAN), new.get("cpu_us", NAN)))
-        print(new["line"])
-    else:
-        r = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath, legacy=ns.legacy)
-        print(r["line"])
+    r = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath)
+    print(r["line"])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from collections import Counter
 import grpc
 
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.reporting import step_figures
+from rankctl.worker.reporting import stamp_update, step_figures
 
 MAX_MSG = 16 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -55,7 +55,6 @@ class Sim:
     def __init__(self, ns: argparse.Namespace) -> None:
         self.ns = ns
         self.period = 1.0 / ns.step_rate
-        self.legacy = ns.legacy
         self.stopping = False
         self.registered = 0
         self.assigned = 0
@@ -210,8 +209,8 @@ class Daemon:
             beat += 1
             ports = [self.port] if beat % 5 == 0 else []
             # as the real daemon does (worker/daemon.py): a batch within the interval already showed the
-            # node alive, so only every fifth beat (free ports) goes; an old daemon (legacy) always beats
-            if self.sim.legacy or ports or time.time() - self.last_batch >= interval:
+            # node alive, so only every fifth beat (free ports) goes
+            if ports or time.time() - self.last_batch >= interval:
                 await self.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=time.time(), free_ports=ports)))
                 self.sim.counts["sent_heartbeat"] += 1
             await asyncio.sleep(interval)
@@ -237,21 +236,17 @@ class Daemon:
                result: str = "", exited: bool = False) -> pb.RankReport:
         self.seq += 1
         status = pb.RankStatus(rank=rank, node=self.name, phase=phase, step=step, metrics_json=metrics,
-                               exited=exited, exit_code=0, updated_at=time.time())
-        if metrics and not self.sim.legacy:  # the typed step figures, as the real daemon sets them
+                               exited=exited, exit_code=0)
+        stamp_update(status, time.time())
+        if metrics:  # the typed step figures, as the real daemon sets them
             step_figures(status, self.sim.parsed(metrics))
         return pb.RankReport(job_id=job_id, attempt=attempt, seq=self.seq, result_json=result, status=status)
 
     async def send(self, reports: list[pb.RankReport]) -> None:
         sim = self.sim
-        if sim.legacy:
-            for r in reports:  # one message per report; heartbeats may slip in between
-                await self.write(pb.NodeMessage(report=r))
-            sim.counts["sent_report_msgs"] += len(reports)
-        else:
-            await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)))
-            self.last_batch = time.time()
-            sim.counts["sent_batches"] += 1
+        await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)))
+        self.last_batch = time.time()
+        sim.counts["sent_batches"] += 1
         sim.counts["sent_reports"] += len(reports)
 
     async def play(self, job_id: str, attempt: int, ranks: list[int], t_recv: float) -> None:
@@ -336,7 +331,6 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--step-rate", type=float, default=1.0)
-    ap.add_argument("--legacy", action="store_true", help="one NodeMessage per report (no ReportBatch)")
     ap.add_argument("--streams-per-channel", type=int, default=32)
     ns = ap.parse_args()
     asyncio.run(amain(ns))

@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timezone
 from typing import Any
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from rankctl.proto import from_struct, short_name
 from rankctl.proto import rankctl_pb2 as pb
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 
 def state_name(state: int) -> str:
-    """``RUNNING``, whether the stubs name the value ``RUNNING`` or ``JOB_STATE_RUNNING``."""
-    return pb.JobState.Name(state).removeprefix("JOB_STATE_")
+    """``RUNNING`` for ``JOB_STATE_RUNNING``."""
+    return short_name(pb.JobState, state)
 
 
 def node_state_name(state: int) -> str:
-    """``READY``, whether the stubs name the value ``READY`` or ``NODE_STATE_READY``."""
-    return pb.NodeState.Name(state).removeprefix("NODE_STATE_")
+    """``READY`` for ``NODE_STATE_READY``."""
+    return short_name(pb.NodeState, state)
 
 
-def _loads(text: str) -> Any:
-    return json.loads(text) if text else None
+def seconds(ts: Timestamp) -> float | None:
+    """A Timestamp as unix seconds, None when unset (ctl's JSON has always shown times so)."""
+    return ts.seconds + ts.nanos / 1e9 if ts.seconds or ts.nanos else None
+
+
+def metrics_dict(metrics: Any) -> dict[str, Any]:
+    """A ``map<string, double>`` of metrics as a dict; ``step`` is a whole number."""
+    return {k: int(v) if k == "step" else v for k, v in metrics.items()}
 
 
 def job_to_dict(job: pb.Job) -> dict[str, Any]:
@@ -40,16 +48,17 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
         "reason": job.reason,
         "attempt": job.attempt,
         "world_size": job.world_size,
-        "created_at": job.created_at,
-        "finished_at": job.finished_at or None,
+        "created_at": seconds(job.create_time) or 0.0,
+        "finished_at": seconds(job.finish_time),
         "stopping": job.stopping,
         "submitted_by": job.submitted_by,
         "nodes": list(job.nodes),
         "ranks": [rank_to_dict(r) for r in job.ranks],
         "summary": summary_to_dict(job.summary) if job.HasField("summary") else None,
         "attempts": [{"attempt": a.attempt, "state": a.state or None, "reason": a.reason or None,
-                      "started_at": a.started_at, "finished_at": a.finished_at or None} for a in job.attempts],
-        "result": _loads(job.result_json),
+                      "started_at": seconds(a.start_time) or 0.0, "finished_at": seconds(a.finish_time)}
+                     for a in job.attempts],
+        "result": from_struct(job.result) if job.HasField("result") else None,
     }
     if len(job.ranks) < job.world_size:
         first = job.rank_offset
@@ -69,7 +78,7 @@ def rank_to_dict(r: pb.RankStatus) -> dict[str, Any]:
 def summary_to_dict(s: pb.JobSummary) -> dict[str, Any]:
     return {"phases": dict(s.phases), "running": s.running, "exited": s.exited, "failed": s.failed,
             "min_step": s.min_step, "max_step": s.max_step, "stragglers": list(s.stragglers),
-            "failing": [rank_to_dict(r) for r in s.failing], "metrics": _loads(s.metrics_json) or {},
+            "failing": [rank_to_dict(r) for r in s.failing], "metrics": metrics_dict(s.metrics),
             "reports": s.reports, "slow": [slow_to_dict(r) for r in s.slow]}
 
 
@@ -108,8 +117,9 @@ def apply_event(job: pb.Job, event: pb.JobEvent) -> None:
             r.step = max(r.step, event.step)
         job.summary.min_step = max(job.summary.min_step, event.step)
         job.summary.max_step = max(job.summary.max_step, event.step)
-        if event.metrics_json:
-            job.summary.metrics_json = event.metrics_json
+        if event.metrics:
+            job.summary.metrics.clear()
+            job.summary.metrics.update(event.metrics)
 
 
 def node_to_dict(node: pb.Node) -> dict[str, Any]:
@@ -120,7 +130,7 @@ def node_to_dict(node: pb.Node) -> dict[str, Any]:
         "slots": node.slots,
         "free_slots": node.free_slots,
         "state": node_state_name(node.state),
-        "last_seen": node.last_seen,
+        "last_seen": seconds(node.last_seen_time) or 0.0,
         "rejected_reports": node.rejected_reports,
         "draining": node.draining,
         "excluded_for": list(node.excluded_for),

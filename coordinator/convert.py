@@ -18,7 +18,7 @@ from rankctl.coordinator.states import JobState
 from rankctl.kinds import registry
 from rankctl.kinds.spec import spec_model
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.proto import short_name
+from rankctl.proto import from_short_name, short_name, to_struct
 
 if TYPE_CHECKING:
     from rankctl.coordinator.progress import JobSummary
@@ -28,14 +28,14 @@ JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 TIMESTAMP_END_S = 253_402_300_800  # 10000-01-01T00:00:00Z: past google.protobuf.Timestamp's range
 
 _NODE_STATE = {
-    NodeStatus.READY: pb.READY,
-    NodeStatus.LOST: pb.LOST,
-    NodeStatus.DISCONNECTED: pb.DISCONNECTED,
+    NodeStatus.READY: pb.NODE_STATE_READY,
+    NodeStatus.LOST: pb.NODE_STATE_LOST,
+    NodeStatus.DISCONNECTED: pb.NODE_STATE_DISCONNECTED,
 }
 
 
 def job_state(state: JobState) -> int:
-    return pb.JobState.Value(state.value)
+    return from_short_name(pb.JobState, state.value)
 
 
 def job_state_from_pb(value: int) -> JobState:
@@ -55,11 +55,16 @@ def _seconds(ts: Timestamp) -> float:
     return ts.seconds + ts.nanos / 1e9
 
 
+def update_seconds(st: pb.RankStatus | RankRecord) -> float:
+    """When a rank wrote a status, in unix seconds (0: not said), from a status message or a record."""
+    return st.updated_at if isinstance(st, RankRecord) else _seconds(st.update_time)
+
+
 # -- domain -> pb ---------------------------------------------------------------
 def rank_to_pb(r: RankRecord) -> pb.RankStatus:
     msg = pb.RankStatus(
         rank=r.rank, node=r.node, phase=r.phase, step=r.step, metrics_json=r.metrics_json, error=r.error,
-        exit_code=r.exit_code, exited=r.exited, updated_at=r.updated_at,
+        exit_code=r.exit_code, exited=r.exited,
     )
     stamp(msg.update_time, r.updated_at)
     return msg
@@ -68,32 +73,23 @@ def rank_to_pb(r: RankRecord) -> pb.RankStatus:
 def job_to_pb(job: JobRecord, ranks: list[RankRecord] = (), *, summary: "JobSummary | None" = None,
               rank_offset: int = 0, next_rank_offset: int = 0, nodes: bool = True) -> pb.Job:
     """A whole job message; ``ranks`` is one page starting at ``rank_offset`` (``nodes=False``: no node list)."""
-    msg = pb.Job(
-        id=job.id, name=job.name, state=job_state(job.state), reason=job.reason, attempt=job.attempt,
-        world_size=job.world_size, created_at=job.created_at, finished_at=job.finished_at,
-        nodes=job.nodes if nodes else (), ranks=[rank_to_pb(r) for r in ranks], spec_json=json.dumps(job.spec),
-        result_json=json.dumps(job.result) if job.result is not None else "", kind=job.kind,
-        rank_offset=rank_offset, next_rank_offset=next_rank_offset, submitted_by=job.submitted_by,
-    )
-    _stamp_job(msg)
+    msg = job_summary_pb(job)
+    msg.nodes.extend(job.nodes if nodes else ())
+    msg.ranks.extend(rank_to_pb(r) for r in ranks)
+    msg.rank_offset, msg.next_rank_offset, msg.submitted_by = rank_offset, next_rank_offset, job.submitted_by
+    if isinstance(job.result, dict):
+        msg.result.update(job.result)
     if summary is not None:
         msg.summary.CopyFrom(summary_to_pb(summary))
-    return msg
-
-
-def _stamp_job(msg: pb.Job) -> pb.Job:
-    stamp(msg.create_time, msg.created_at)
-    stamp(msg.finish_time, msg.finished_at)
     return msg
 
 
 def _attempt_to_pb(a: dict) -> pb.Attempt:
     """A stored attempt row (an attempt still running has no end state yet)."""
     msg = pb.Attempt(attempt=a["attempt"], state=a["state"] if a["finished_at"] else "",
-                     reason=a["reason"] if a["finished_at"] else "", started_at=a["started_at"],
-                     finished_at=a["finished_at"])
-    stamp(msg.start_time, msg.started_at)
-    stamp(msg.finish_time, msg.finished_at)
+                     reason=a["reason"] if a["finished_at"] else "")
+    stamp(msg.start_time, a["started_at"])
+    stamp(msg.finish_time, a["finished_at"])
     return msg
 
 
@@ -105,7 +101,7 @@ def summary_to_pb(s: "JobSummary") -> pb.JobSummary:
     return pb.JobSummary(
         phases=s.phases, running=s.running, exited=s.exited, failed=s.failed, min_step=s.min_step,
         max_step=s.max_step, stragglers=s.stragglers, failing=[_error_tail(rank_to_pb(r)) for r in s.failing],
-        metrics_json=json.dumps(s.metrics) if s.metrics else "", reports=s.reports,
+        metrics=_numbers(s.metrics), reports=s.reports,
         slow=[pb.SlowRank(rank=r.rank, node=r.node, compute_s=r.compute_s, median_s=r.median_s, steps=r.steps)
               for r in s.slow[:SHOWN]],
     )
@@ -113,11 +109,20 @@ def summary_to_pb(s: "JobSummary") -> pb.JobSummary:
 
 def job_summary_pb(job: JobRecord) -> pb.Job:
     """A job for lists: no ranks, no result, no node list (their size grows with the job)."""
-    return _stamp_job(pb.Job(
-        id=job.id, name=job.name, state=job_state(job.state), reason=job.reason, attempt=job.attempt,
-        world_size=job.world_size, created_at=job.created_at, finished_at=job.finished_at,
-        spec_json=json.dumps(job.spec), kind=job.kind,
-    ))
+    msg = pb.Job(id=job.id, name=job.name, state=job_state(job.state), reason=job.reason, attempt=job.attempt,
+                 world_size=job.world_size, kind=job.kind, spec=to_struct(job.spec))
+    stamp(msg.create_time, job.created_at)
+    stamp(msg.finish_time, job.finished_at)
+    return msg
+
+
+def _numbers(metrics: dict[str, Any] | None) -> dict[str, float]:
+    """The numeric entries of a metrics dict (a map<string, double> field; anything else is left out)."""
+    return {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def plan_to_pb(layout: dict[str, Any], spec: dict[str, Any]) -> pb.PlanJobResponse:
+    return pb.PlanJobResponse(layout=to_struct(layout), spec=to_struct(spec))
 
 
 def _error_tail(msg: pb.RankStatus) -> pb.RankStatus:
@@ -126,8 +131,8 @@ def _error_tail(msg: pb.RankStatus) -> pb.RankStatus:
 
 
 def event_to_pb(ev: EventRecord) -> pb.JobEvent:
-    msg = pb.JobEvent(seq=ev.seq, job_id=ev.job_id, ts=ev.ts, state=job_state(ev.state), kind=ev.kind,
-                      message=ev.message, step=ev.step, metrics_json=json.dumps(ev.metrics) if ev.metrics else "")
+    msg = pb.JobEvent(seq=ev.seq, job_id=ev.job_id, state=job_state(ev.state), kind=ev.kind,
+                      message=ev.message, step=ev.step, metrics=_numbers(ev.metrics))
     stamp(msg.event_time, ev.ts)
     if ev.rank is not None:
         msg.rank.CopyFrom(rank_to_pb(ev.rank))
@@ -167,8 +172,8 @@ def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0,
     r = session.record
     msg = pb.Node(
         name=r.name, address=r.address, slots=r.slots, free_slots=free_slots, state=_NODE_STATE[session.status],
-        hardware=hardware_to_pb(r.hardware), last_seen=r.last_seen, rejected_reports=rejected_reports,
-        draining=draining, excluded_for=excluded_for,
+        hardware=hardware_to_pb(r.hardware), rejected_reports=rejected_reports,
+        draining=draining, excluded_for=excluded_for, usage=session.usage,
     )
     stamp(msg.last_seen_time, r.last_seen)
     return msg
@@ -207,7 +212,7 @@ def hello_from_pb(reg: pb.Register) -> NodeHello:
 def rank_from_pb(st: pb.RankStatus) -> RankRecord:
     return RankRecord(
         rank=st.rank, node=st.node, phase=st.phase, step=st.step, metrics_json=st.metrics_json, error=st.error,
-        exit_code=st.exit_code, exited=st.exited, updated_at=st.updated_at or _seconds(st.update_time),
+        exit_code=st.exit_code, exited=st.exited, updated_at=_seconds(st.update_time),
     )
 
 

@@ -108,14 +108,12 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
     def _handle(self, session: NodeSession, msg: pb.NodeMessage) -> None:
         body = msg.WhichOneof("body")
         if body == "heartbeat":
+            if msg.heartbeat.HasField("usage"):
+                session.usage = msg.heartbeat.usage
             self.core.heartbeat(session, list(msg.heartbeat.free_ports))
         elif body == "batch":
             self.core.rank_reports(session, msg.batch.reports)  # read in place: no copy per report
         elif body == "log_chunk":
             self.core.logfetch.deliver(session.name, msg.log_chunk)
-        elif body == "report":  # a daemon of an older rankctl: one report per message
-            self.core.rank_report(session, convert.update_from_pb(msg.report))
-        elif body == "logs":    # an older daemon shipping lines: logs now stay on the nodes
-            pass
         else:
             log.warning("node.unexpected_message", node=session.name, body=body)

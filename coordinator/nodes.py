@@ -47,6 +47,7 @@ class NodeSession:
     unverified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) not listed on Register
     acked_at: float = 0.0          # when the last Ack was sent
     peer_port: int = 0             # its PeerService port (checkpoint replication); 0: none
+    usage: pb.NodeUsage | None = None  # the newest usage its heartbeats carried (None: none yet)
 
     @property
     def peer(self) -> str:

@@ -1,5 +1,6 @@
 import datetime
 
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -21,14 +22,6 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_FAILED: _ClassVar[JobState]
     JOB_STATE_CANCELLED: _ClassVar[JobState]
     JOB_STATE_RESTARTING: _ClassVar[JobState]
-    PENDING: _ClassVar[JobState]
-    PLACED: _ClassVar[JobState]
-    STARTING: _ClassVar[JobState]
-    RUNNING: _ClassVar[JobState]
-    SUCCEEDED: _ClassVar[JobState]
-    FAILED: _ClassVar[JobState]
-    CANCELLED: _ClassVar[JobState]
-    RESTARTING: _ClassVar[JobState]
 
 class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,9 +29,6 @@ class NodeState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NODE_STATE_READY: _ClassVar[NodeState]
     NODE_STATE_LOST: _ClassVar[NodeState]
     NODE_STATE_DISCONNECTED: _ClassVar[NodeState]
-    READY: _ClassVar[NodeState]
-    LOST: _ClassVar[NodeState]
-    DISCONNECTED: _ClassVar[NodeState]
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_PENDING: JobState
 JOB_STATE_PLACED: JobState
@@ -48,21 +38,10 @@ JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 JOB_STATE_RESTARTING: JobState
-PENDING: JobState
-PLACED: JobState
-STARTING: JobState
-RUNNING: JobState
-SUCCEEDED: JobState
-FAILED: JobState
-CANCELLED: JobState
-RESTARTING: JobState
 NODE_STATE_UNSPECIFIED: NodeState
 NODE_STATE_READY: NodeState
 NODE_STATE_LOST: NodeState
 NODE_STATE_DISCONNECTED: NodeState
-READY: NodeState
-LOST: NodeState
-DISCONNECTED: NodeState
 
 class GpuInfo(_message.Message):
     __slots__ = ("index", "name", "memory_bytes")
@@ -113,14 +92,13 @@ class NodeUsage(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ..., sample_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "last_seen", "rejected_reports", "draining", "excluded_for", "last_seen_time", "usage")
+    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "rejected_reports", "draining", "excluded_for", "last_seen_time", "usage")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
-    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     REJECTED_REPORTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FOR_FIELD_NUMBER: _ClassVar[int]
@@ -132,16 +110,15 @@ class Node(_message.Message):
     free_slots: int
     state: NodeState
     hardware: Hardware
-    last_seen: float
     rejected_reports: int
     draining: bool
     excluded_for: _containers.RepeatedScalarFieldContainer[str]
     last_seen_time: _timestamp_pb2.Timestamp
     usage: NodeUsage
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., last_seen: _Optional[float] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "updated_at", "loss", "val_loss", "tokens_per_s", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time")
+    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "loss", "val_loss", "tokens_per_s", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -150,7 +127,6 @@ class RankStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     EXITED_FIELD_NUMBER: _ClassVar[int]
-    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -169,7 +145,6 @@ class RankStatus(_message.Message):
     error: str
     exit_code: int
     exited: bool
-    updated_at: float
     loss: float
     val_loss: float
     tokens_per_s: float
@@ -180,34 +155,39 @@ class RankStatus(_message.Message):
     collectives: str
     stack: str
     update_time: _timestamp_pb2.Timestamp
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., updated_at: _Optional[float] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., loss: _Optional[float] = ..., val_loss: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("seq", "job_id", "ts", "state", "kind", "message", "rank", "step", "metrics_json", "event_time")
+    __slots__ = ("seq", "job_id", "state", "kind", "message", "rank", "step", "event_time", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SEQ_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
-    TS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     job_id: str
-    ts: float
     state: JobState
     kind: str
     message: str
     rank: RankStatus
     step: int
-    metrics_json: str
     event_time: _timestamp_pb2.Timestamp
-    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., ts: _Optional[float] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ..., step: _Optional[int] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobSummary(_message.Message):
-    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "metrics_json", "reports", "slow")
+    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "reports", "slow", "metrics")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +195,13 @@ class JobSummary(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     PHASES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     EXITED_FIELD_NUMBER: _ClassVar[int]
@@ -223,9 +210,9 @@ class JobSummary(_message.Message):
     MAX_STEP_FIELD_NUMBER: _ClassVar[int]
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     FAILING_FIELD_NUMBER: _ClassVar[int]
-    METRICS_JSON_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     SLOW_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.ScalarMap[str, int]
     running: int
     exited: int
@@ -234,10 +221,10 @@ class JobSummary(_message.Message):
     max_step: int
     stragglers: _containers.RepeatedScalarFieldContainer[int]
     failing: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    metrics_json: str
     reports: int
     slow: _containers.RepeatedCompositeFieldContainer[SlowRank]
-    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., metrics_json: _Optional[str] = ..., reports: _Optional[int] = ..., slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., reports: _Optional[int] = ..., slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SlowRank(_message.Message):
     __slots__ = ("rank", "node", "compute_s", "median_s", "steps")
@@ -254,19 +241,15 @@ class SlowRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ..., median_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "created_at", "finished_at", "nodes", "ranks", "spec_json", "result_json", "kind", "summary", "rank_offset", "next_rank_offset", "attempts", "stopping", "submitted_by", "create_time", "finish_time")
+    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "nodes", "ranks", "kind", "summary", "rank_offset", "next_rank_offset", "attempts", "stopping", "submitted_by", "create_time", "finish_time", "spec", "result")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
-    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
-    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -276,18 +259,16 @@ class Job(_message.Message):
     SUBMITTED_BY_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
     reason: str
     attempt: int
     world_size: int
-    created_at: float
-    finished_at: float
     nodes: _containers.RepeatedScalarFieldContainer[str]
     ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
-    spec_json: str
-    result_json: str
     kind: str
     summary: JobSummary
     rank_offset: int
@@ -297,39 +278,28 @@ class Job(_message.Message):
     submitted_by: str
     create_time: _timestamp_pb2.Timestamp
     finish_time: _timestamp_pb2.Timestamp
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., created_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., spec_json: _Optional[str] = ..., result_json: _Optional[str] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ..., submitted_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    spec: _struct_pb2.Struct
+    result: _struct_pb2.Struct
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ..., submitted_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., result: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Attempt(_message.Message):
-    __slots__ = ("attempt", "state", "reason", "started_at", "finished_at", "start_time", "finish_time")
+    __slots__ = ("attempt", "state", "reason", "start_time", "finish_time")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     state: str
     reason: str
-    started_at: float
-    finished_at: float
     start_time: _timestamp_pb2.Timestamp
     finish_time: _timestamp_pb2.Timestamp
-    def __init__(self, attempt: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
-
-class RankAssignmentMsg(_message.Message):
-    __slots__ = ("rank", "assignment_json")
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    ASSIGNMENT_JSON_FIELD_NUMBER: _ClassVar[int]
-    rank: int
-    assignment_json: str
-    def __init__(self, rank: _Optional[int] = ..., assignment_json: _Optional[str] = ...) -> None: ...
+    def __init__(self, attempt: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Assign(_message.Message):
-    __slots__ = ("job_id", "attempt", "ranks", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json", "restart", "replica_peer", "restore_peer")
+    __slots__ = ("job_id", "attempt", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json", "restart", "replica_peer", "restore_peer")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
-    RANKS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     FIRST_RANK_FIELD_NUMBER: _ClassVar[int]
     RANK_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -342,7 +312,6 @@ class Assign(_message.Message):
     RESTORE_PEER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     attempt: int
-    ranks: _containers.RepeatedCompositeFieldContainer[RankAssignmentMsg]
     world_size: int
     first_rank: int
     rank_count: int
@@ -353,7 +322,7 @@ class Assign(_message.Message):
     restart: bool
     replica_peer: str
     restore_peer: str
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignmentMsg, _Mapping]]] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ..., restart: _Optional[bool] = ..., replica_peer: _Optional[str] = ..., restore_peer: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ..., restart: _Optional[bool] = ..., replica_peer: _Optional[str] = ..., restore_peer: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("last_seq",)
@@ -445,25 +414,11 @@ class RankReport(_message.Message):
     seq: int
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., status: _Optional[_Union[RankStatus, _Mapping]] = ..., result_json: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
-class LogLines(_message.Message):
-    __slots__ = ("job_id", "attempt", "rank", "lines")
-    JOB_ID_FIELD_NUMBER: _ClassVar[int]
-    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    LINES_FIELD_NUMBER: _ClassVar[int]
-    job_id: str
-    attempt: int
-    rank: int
-    lines: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., rank: _Optional[int] = ..., lines: _Optional[_Iterable[str]] = ...) -> None: ...
-
 class ReportBatch(_message.Message):
-    __slots__ = ("reports", "logs")
+    __slots__ = ("reports",)
     REPORTS_FIELD_NUMBER: _ClassVar[int]
-    LOGS_FIELD_NUMBER: _ClassVar[int]
     reports: _containers.RepeatedCompositeFieldContainer[RankReport]
-    logs: _containers.RepeatedCompositeFieldContainer[LogLines]
-    def __init__(self, reports: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ..., logs: _Optional[_Iterable[_Union[LogLines, _Mapping]]] = ...) -> None: ...
+    def __init__(self, reports: _Optional[_Iterable[_Union[RankReport, _Mapping]]] = ...) -> None: ...
 
 class LogChunk(_message.Message):
     __slots__ = ("request_id", "lines", "next_offset", "error")
@@ -478,20 +433,16 @@ class LogChunk(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., lines: _Optional[_Iterable[str]] = ..., next_offset: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class NodeMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "report", "logs", "batch", "log_chunk")
+    __slots__ = ("register", "heartbeat", "batch", "log_chunk")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
-    REPORT_FIELD_NUMBER: _ClassVar[int]
-    LOGS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LOG_CHUNK_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
-    report: RankReport
-    logs: LogLines
     batch: ReportBatch
     log_chunk: LogChunk
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., report: _Optional[_Union[RankReport, _Mapping]] = ..., logs: _Optional[_Union[LogLines, _Mapping]] = ..., batch: _Optional[_Union[ReportBatch, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., batch: _Optional[_Union[ReportBatch, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node", "heartbeat_interval", "last_seq")
@@ -576,16 +527,14 @@ class GetJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank_offset: _Optional[int] = ..., rank_limit: _Optional[int] = ..., summary_only: _Optional[bool] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("limit", "page_size", "page_token", "states")
-    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("page_size", "page_token", "states")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
-    limit: int
     page_size: int
     page_token: str
     states: _containers.RepeatedScalarFieldContainer[JobState]
-    def __init__(self, limit: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., states: _Optional[_Iterable[_Union[JobState, str]]] = ...) -> None: ...
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., states: _Optional[_Iterable[_Union[JobState, str]]] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs", "next_page_token")
@@ -698,12 +647,12 @@ class PlanJobRequest(_message.Message):
     def __init__(self, spec_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ...) -> None: ...
 
 class PlanJobResponse(_message.Message):
-    __slots__ = ("layout_json", "spec_json")
-    LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
-    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
-    layout_json: str
-    spec_json: str
-    def __init__(self, layout_json: _Optional[str] = ..., spec_json: _Optional[str] = ...) -> None: ...
+    __slots__ = ("layout", "spec")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    layout: _struct_pb2.Struct
+    spec: _struct_pb2.Struct
+    def __init__(self, layout: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class StatBlobRequest(_message.Message):
     __slots__ = ("digest",)

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class NodeServiceStub:
-    """The v1 RPCs below keep their message types: renaming them would break deployed daemons and clients.
+    """The RPCs below keep their first message types (lint exceptions in place): renaming them is churn.
     """
 
     def __init__(self, channel):
@@ -48,7 +48,7 @@ class NodeServiceStub:
 
 
 class NodeServiceServicer:
-    """The v1 RPCs below keep their message types: renaming them would break deployed daemons and clients.
+    """The RPCs below keep their first message types (lint exceptions in place): renaming them is churn.
     """
 
     def Connect(self, request_iterator, context):
@@ -91,7 +91,7 @@ def add_NodeServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class NodeService:
-    """The v1 RPCs below keep their message types: renaming them would break deployed daemons and clients.
+    """The RPCs below keep their first message types (lint exceptions in place): renaming them is churn.
     """
 
     @staticmethod
@@ -150,7 +150,7 @@ class NodeService:
 
 
 class ClientServiceStub:
-    """The lint exceptions are v1 RPCs whose message types clients already use; new RPCs follow the rules.
+    """The lint exceptions are the first RPCs' message types, kept (renaming them is churn); new RPCs follow the rules.
     """
 
     def __init__(self, channel):
@@ -227,7 +227,7 @@ class ClientServiceStub:
 
 
 class ClientServiceServicer:
-    """The lint exceptions are v1 RPCs whose message types clients already use; new RPCs follow the rules.
+    """The lint exceptions are the first RPCs' message types, kept (renaming them is churn); new RPCs follow the rules.
     """
 
     def SubmitJob(self, request, context):
@@ -403,7 +403,7 @@ def add_ClientServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ClientService:
-    """The lint exceptions are v1 RPCs whose message types clients already use; new RPCs follow the rules.
+    """The lint exceptions are the first RPCs' message types, kept (renaming them is churn); new RPCs follow the rules.
     """
 
     @staticmethod

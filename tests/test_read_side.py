@@ -109,7 +109,7 @@ def seqs(events: Iterable[Any]) -> list[int]:
 def test_get_job_answers_a_summary_and_one_bounded_page_of_an_8192_rank_job(tmp_path: Path) -> None:
     async def test(c: Cluster) -> None:
         job = await c.submit(1024, 8)                                    # SubmitJob: summary and first page
-        assert job.state == pb.STARTING and job.world_size == 8192
+        assert job.state == pb.JOB_STATE_STARTING and job.world_size == 8192
         assert dict(job.summary.phases) == {"pending": 8192} and job.summary.running == 0
         assert [r.rank for r in job.ranks] == list(range(256)) and {r.phase for r in job.ranks} == {"pending"}
         assert (job.rank_offset, job.next_rank_offset) == (0, 256)
@@ -119,7 +119,7 @@ def test_get_job_answers_a_summary_and_one_bounded_page_of_an_8192_rank_job(tmp_
 
         page = await c.get(job.id)
         s = page.summary
-        assert page.state == pb.RUNNING and dict(s.phases) == {"running": 8192} and s.running == 8192
+        assert page.state == pb.JOB_STATE_RUNNING and dict(s.phases) == {"running": 8192} and s.running == 8192
         assert (s.min_step, s.max_step, list(s.stragglers), s.failed, s.exited) == (4, 5, [8191], 0, 0)
         assert [r.rank for r in page.ranks] == list(range(256)) and page.next_rank_offset == 256
         tail = await c.get(job.id, rank_offset=8000, rank_limit=1000)  # clipped to the world
@@ -146,7 +146,7 @@ def test_get_job_answers_a_summary_and_one_bounded_page_of_an_8192_rank_job(tmp_
         assert page.ByteSize() - only.ByteSize() < world_bytes / 16
 
         cancelled = (await c.client.CancelJob(pb.CancelJobRequest(job_id=job.id, reason="enough"))).job
-        assert cancelled.state == pb.CANCELLED and cancelled.summary.running == 8192
+        assert cancelled.state == pb.JOB_STATE_CANCELLED and cancelled.summary.running == 8192
         assert len(cancelled.ranks) == 256 and cancelled.next_rank_offset == 256
     run(test, tmp_path)
 
@@ -157,7 +157,7 @@ def test_a_page_of_ranks_with_long_errors_stops_near_a_mebibyte(tmp_path: Path) 
         error = "Traceback (most recent call last):\n" + "  frame\n" * 8000 + "RuntimeError: boom\n"
         c.report(job.id, range(128), "failed", code=1, error=error)
         page = await c.get(job.id, rank_limit=128)
-        assert page.state == pb.FAILED and 0 < len(page.ranks) < 128
+        assert page.state == pb.JOB_STATE_FAILED and 0 < len(page.ranks) < 128
         assert page.next_rank_offset == len(page.ranks) and page.ByteSize() < 2 * servicer.RANK_PAGE_BYTES
         rest = await c.get(job.id, rank_offset=page.next_rank_offset, rank_limit=128)
         assert rest.ranks[0].rank == len(page.ranks)
@@ -176,7 +176,7 @@ def test_a_node_list_past_its_budget_is_left_out(tmp_path: Path, monkeypatch: py
         await c.client.CancelJob(pb.CancelJobRequest(job_id=small.id))
         big = await c.submit(32, 1)
         page = await c.get(big.id)
-        assert page.state == pb.STARTING and list(page.nodes) == [] and len(page.ranks) == 32
+        assert page.state == pb.JOB_STATE_STARTING and list(page.nodes) == [] and len(page.ranks) == 32
         assert {r.node for r in page.ranks} == {f"n{i}" for i in range(32)}
     run(test, tmp_path)
 
@@ -205,25 +205,25 @@ def test_batches_replay_the_history_then_follow_live_until_terminal(tmp_path: Pa
         job = await c.submit(2, 4)
         call = c.client.WatchJobBatches(pb.WatchJobRequest(job_id=job.id))
         first = await call.read()                                  # at once: the stored history
-        assert seqs(first.events) == seqs(c.core.events(job.id)) and first.events[-1].state == pb.STARTING
-        assert first.state == pb.STARTING and first.attempt == 1 and dict(first.summary.phases) == {"pending": 8}
+        assert seqs(first.events) == seqs(c.core.events(job.id)) and first.events[-1].state == pb.JOB_STATE_STARTING
+        assert first.state == pb.JOB_STATE_STARTING and first.attempt == 1 and dict(first.summary.phases) == {"pending": 8}
         c.report(job.id, range(8))
         second = await call.read()                                 # every event ready, in one batch
-        assert second.state == pb.RUNNING and second.summary.running == 8 and second.reason == c.core.get(job.id).reason
+        assert second.state == pb.JOB_STATE_RUNNING and second.summary.running == 8 and second.reason == c.core.get(job.id).reason
         assert [e.kind for e in second.events] == ["rank"] * 8 + ["transition"]
         c.steps(job.id, 8, 1, 3)
         c.finish(job.id, 8)
         rest = await read_all(call)                                # the stream ends at terminal
-        assert rest[-1].state == pb.SUCCEEDED and rest[-1].summary.exited == 8
+        assert rest[-1].state == pb.JOB_STATE_SUCCEEDED and rest[-1].summary.exited == 8
         got = [e for b in [first, second, *rest] for e in b.events]
         assert seqs(got) == seqs(c.core.events(job.id)) == list(range(1, len(got) + 1))
-        steps = [(e.step, json.loads(e.metrics_json)["loss"]) for e in got if e.kind == "step"]
+        steps = [(e.step, e.metrics["loss"]) for e in got if e.kind == "step"]
         assert steps == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
         last = len(got)
         tail = await read_all(c.client.WatchJobBatches(pb.WatchJobRequest(job_id=job.id, after_seq=last - 1)))
-        assert [seqs(b.events) for b in tail] == [[last]] and tail[0].state == pb.SUCCEEDED
+        assert [seqs(b.events) for b in tail] == [[last]] and tail[0].state == pb.JOB_STATE_SUCCEEDED
         none = await read_all(c.client.WatchJobBatches(pb.WatchJobRequest(job_id=job.id, after_seq=last)))
-        assert [list(b.events) for b in none] == [[]] and none[0].state == pb.SUCCEEDED
+        assert [list(b.events) for b in none] == [[]] and none[0].state == pb.JOB_STATE_SUCCEEDED
     run(test, tmp_path)
 
 
@@ -245,8 +245,8 @@ def test_min_interval_coalesces_consecutive_step_events_and_keeps_every_other(
         assert [e.step for e in got if e.kind == "step"] == shown_steps
         stored = [e for e in c.core.events(job.id, after) if e.kind != "step"]
         assert [(e.seq, e.kind) for e in got if e.kind != "step"] == [(e.seq, e.kind) for e in stored]
-        assert json.loads(next(e for e in got if e.step == 20).metrics_json)["loss"] == 1 / 20
-        assert batches[-1].state == pb.SUCCEEDED and json.loads(batches[-1].summary.metrics_json)["step"] == 20
+        assert next(e for e in got if e.step == 20).metrics["loss"] == 1 / 20
+        assert batches[-1].state == pb.JOB_STATE_SUCCEEDED and batches[-1].summary.metrics["step"] == 20
         for b in batches:                                          # never two step events in a row
             kinds = [e.kind for e in b.events]
             assert interval == 0 or ("step", "step") not in zip(kinds, kinds[1:])
@@ -266,7 +266,7 @@ def test_a_long_history_comes_in_bounded_batches_without_waiting(
         c.finish(job.id, 8)
         stored = c.core.events(job.id)
         batches = await read_all(c.client.WatchJobBatches(pb.WatchJobRequest(job_id=job.id, min_interval=interval)))
-        assert all(len(b.events) <= 4 for b in batches) and batches[-1].state == pb.SUCCEEDED
+        assert all(len(b.events) <= 4 for b in batches) and batches[-1].state == pb.JOB_STATE_SUCCEEDED
         got = [e for b in batches for e in b.events]
         if interval == 0:
             assert seqs(got) == seqs(stored) and len(batches) == -(-len(stored) // 4)
@@ -289,10 +289,10 @@ def test_watch_job_sends_one_event_per_message_reading_the_history_in_chunks(
         call = c.client.WatchJob(pb.WatchJobRequest(job_id=job.id))
         got = [await call.read() for _ in history]                 # live: the stream stays open
         assert seqs(got) == seqs(history) and all(isinstance(e, pb.JobEvent) for e in got)
-        assert [e.step for e in got if e.kind == "step"] == [1, 2, 3, 4] and json.loads(got[-1].metrics_json)
+        assert [e.step for e in got if e.kind == "step"] == [1, 2, 3, 4] and got[-1].metrics
         c.finish(job.id, 8)
         got += await read_all(call)
-        assert seqs(got) == seqs(c.core.events(job.id)) and got[-1].state == pb.SUCCEEDED
+        assert seqs(got) == seqs(c.core.events(job.id)) and got[-1].state == pb.JOB_STATE_SUCCEEDED
     run(test, tmp_path)
 
 
@@ -421,17 +421,17 @@ def test_ctl_watch_reads_the_job_once_then_follows_events(served: ThreadedCoordi
 def test_a_followed_job_takes_ranks_steps_and_summary_from_events_and_batches() -> None:
     from rankctl.cli.render import apply_batch
 
-    job = pb.Job(id="j", state=pb.STARTING, attempt=1, world_size=512, rank_offset=256,
+    job = pb.Job(id="j", state=pb.JOB_STATE_STARTING, attempt=1, world_size=512, rank_offset=256,
                  ranks=[pb.RankStatus(rank=r, phase="starting") for r in range(256, 320)])
     summary = pb.JobSummary(phases={"running": 512}, running=512, min_step=7, max_step=9,
-                            metrics_json=json.dumps({"step": 7, "loss": 2.5}))
-    batch = pb.JobEventBatch(state=pb.RUNNING, reason="all 512 ranks running", attempt=1, summary=summary, events=[
-        pb.JobEvent(seq=5, kind="rank", state=pb.STARTING, rank=pb.RankStatus(rank=300, phase="running", step=2)),
-        pb.JobEvent(seq=6, kind="rank", state=pb.STARTING, rank=pb.RankStatus(rank=3, phase="running")),  # not shown
-        pb.JobEvent(seq=7, kind="transition", state=pb.RUNNING, message="all 512 ranks running"),
-        pb.JobEvent(seq=8, kind="step", state=pb.RUNNING, step=7, metrics_json=json.dumps({"step": 7, "loss": 2.5}))])
+                            metrics={"step": 7, "loss": 2.5})
+    batch = pb.JobEventBatch(state=pb.JOB_STATE_RUNNING, reason="all 512 ranks running", attempt=1, summary=summary, events=[
+        pb.JobEvent(seq=5, kind="rank", state=pb.JOB_STATE_STARTING, rank=pb.RankStatus(rank=300, phase="running", step=2)),
+        pb.JobEvent(seq=6, kind="rank", state=pb.JOB_STATE_STARTING, rank=pb.RankStatus(rank=3, phase="running")),  # not shown
+        pb.JobEvent(seq=7, kind="transition", state=pb.JOB_STATE_RUNNING, message="all 512 ranks running"),
+        pb.JobEvent(seq=8, kind="step", state=pb.JOB_STATE_RUNNING, step=7, metrics={"step": 7, "loss": 2.5})])
     apply_batch(job, batch)
-    assert (job.state, job.reason, job.summary) == (pb.RUNNING, "all 512 ranks running", summary)
+    assert (job.state, job.reason, job.summary) == (pb.JOB_STATE_RUNNING, "all 512 ranks running", summary)
     assert job.ranks[300 - 256].phase == "running" and {r.step for r in job.ranks} == {7}
     assert {r.phase for r in job.ranks if r.rank != 300} == {"starting"} and len(job.ranks) == 64
 
@@ -445,8 +445,8 @@ def test_progress_comes_from_the_summary_and_from_the_ranks_of_an_older_coordina
     old = pb.Job(kind="python", ranks=ranks)                                 # no summary field at all
     assert latest_metrics(old) == (4, {"loss": 3.0})
     new = pb.Job(kind="python", ranks=ranks, summary=pb.JobSummary(
-        min_step=6, metrics_json=json.dumps({"step": 5, "loss": 1.5, "tokens_per_s": 10.0})))
+        min_step=6, metrics={"step": 5, "loss": 1.5, "tokens_per_s": 10.0}))
     assert latest_metrics(new) == (5, {"step": 5, "loss": 1.5, "tokens_per_s": 10.0})
     assert python_render.progress(new) == "step 5  loss 1.5000  tokens_per_s 10"
-    new.summary.metrics_json = ""                                             # no step finished by all yet
+    new.summary.metrics.clear()                                              # no step finished by all yet
     assert latest_metrics(new) == (4, {"loss": 3.0})

@@ -11,7 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rankctl.coordinator import convert
+from rankctl.coordinator.node_service import NodeServiceServicer
+from rankctl.coordinator.nodes import NodeSession, NodeStatus
+from rankctl.coordinator.records import NodeRecord
 from rankctl.coordinator.server import CoordinatorServer, start_coordinator
+from rankctl.proto import from_struct
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
 
@@ -55,8 +60,8 @@ class FakeDaemon:
                seq: int | None = None) -> None:
         self.seq = seq if seq is not None else self.seq + 1
         status = pb.RankStatus(rank=rank, node=self.name, phase=phase, exited=code is not None, exit_code=code or 0)
-        self.send(report=pb.RankReport(job_id=job, attempt=1, status=status, seq=self.seq,
-                                       result_json=json.dumps(result) if result else ""))
+        self.send(batch=pb.ReportBatch(reports=[pb.RankReport(job_id=job, attempt=1, status=status, seq=self.seq,
+                                                             result_json=json.dumps(result) if result else "")]))
 
     async def expect(self, kind: str) -> Any:
         while True:
@@ -106,7 +111,7 @@ def test_invalid_and_unknown_map_to_status_codes(tmp_path: Path) -> None:
                 await client.ListJobs(bad)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         plan = await client.PlanJob(pb.PlanJobRequest(spec_yaml=JOB, overrides=["parallel.tp=2"]))
-        assert json.loads(plan.layout_json)["groups"]["tp"] == [[0, 1]]
+        assert from_struct(plan.layout)["groups"]["tp"] == [[0, 1]] and from_struct(plan.spec)["parallel"]["tp"] == 2
         assert (await client.ListJobs(pb.ListJobsRequest())).jobs == []
         for bad in (pb.ListJobsRequest(page_size=-1), pb.ListJobsRequest(page_token="../x")):
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -119,7 +124,7 @@ def test_submit_assign_report_succeed_and_watch(tmp_path: Path) -> None:
     async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
         client = rankctl_pb2_grpc.ClientServiceStub(channel)
         job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB, queue_anyway=True))).job
-        assert job.state == pb.PENDING and "no nodes connected" in job.reason
+        assert job.state == pb.JOB_STATE_PENDING and "no nodes connected" in job.reason
         watch = client.WatchJob(pb.WatchJobRequest(job_id=job.id))
         daemon = FakeDaemon(channel)
         registered = await daemon.expect("registered")
@@ -130,18 +135,48 @@ def test_submit_assign_report_succeed_and_watch(tmp_path: Path) -> None:
         daemon.send(heartbeat=pb.Heartbeat(ts=1.0, free_ports=[29555]))
         for rank in (0, 1):
             daemon.report(job.id, rank, "running")
-        await wait_state(client, job.id, pb.RUNNING)
+        await wait_state(client, job.id, pb.JOB_STATE_RUNNING)
         for rank in (0, 1):
             daemon.report(job.id, rank, "done", code=0, result={"groups": []})
-        done = await wait_state(client, job.id, pb.SUCCEEDED)
-        assert [r.exited for r in done.ranks] == [True, True] and json.loads(done.result_json)["comm"] == []
+        done = await wait_state(client, job.id, pb.JOB_STATE_SUCCEEDED)
+        assert [r.exited for r in done.ranks] == [True, True] and from_struct(done.result)["comm"] == []
         events = [ev async for ev in watch]
         assert [e.seq for e in events] == list(range(1, len(events) + 1))
-        assert events[-1].state == pb.SUCCEEDED and "rank" in {e.kind for e in events}
+        assert events[-1].state == pb.JOB_STATE_SUCCEEDED and "rank" in {e.kind for e in events}
         replay = [ev async for ev in client.WatchJob(pb.WatchJobRequest(job_id=job.id, after_seq=len(events) - 1))]
         assert [e.seq for e in replay] == [len(events)]
         nodes = (await client.ListNodes(pb.ListNodesRequest())).nodes
-        assert [(n.name, n.state, n.free_slots) for n in nodes] == [("n0", pb.READY, 2)]
+        assert [(n.name, n.state, n.free_slots) for n in nodes] == [("n0", pb.NODE_STATE_READY, 2)]
+        daemon.close()
+    run(test, tmp_path)
+
+
+async def node_when(client: rankctl_pb2_grpc.ClientServiceStub, ok: Callable[[pb.Node], bool]) -> pb.Node:
+    """The first node of ListNodes once ``ok`` holds for it (polled; the test's timeout bounds it)."""
+    while True:
+        nodes = (await client.ListNodes(pb.ListNodesRequest())).nodes
+        if nodes and ok(nodes[0]):
+            return nodes[0]
+        await asyncio.sleep(0.02)
+
+
+def test_the_node_usage_a_heartbeat_carries_is_shown_by_list_nodes(tmp_path: Path) -> None:
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        client = rankctl_pb2_grpc.ClientServiceStub(channel)
+        daemon = FakeDaemon(channel)
+        await daemon.expect("registered")
+        daemon.send(heartbeat=pb.Heartbeat(free_ports=[29555]))
+        node = await node_when(client, lambda n: n.last_seen_time.seconds > 0)
+        assert not node.HasField("usage")                                   # none sampled yet
+        gpu = pb.GpuUsage(index=0, utilization=87.5, memory_used_bytes=3 << 30, memory_total_bytes=80 << 30)
+        usage = pb.NodeUsage(cpu_percent=42.0, memory_used_bytes=5 << 30, memory_total_bytes=64 << 30, gpus=[gpu])
+        usage.sample_time.FromSeconds(1_700_000_000)
+        daemon.send(heartbeat=pb.Heartbeat(free_ports=[29555], usage=usage))
+        node = await node_when(client, lambda n: n.HasField("usage"))
+        assert node.usage == usage
+        daemon.send(heartbeat=pb.Heartbeat(free_ports=[29556], usage=pb.NodeUsage(cpu_percent=7.0)))
+        node = await node_when(client, lambda n: n.usage.cpu_percent != 42.0)
+        assert node.usage == pb.NodeUsage(cpu_percent=7.0)                  # the newest sample replaces the last
         daemon.close()
     run(test, tmp_path)
 
@@ -154,7 +189,7 @@ def test_a_broken_node_stream_fails_its_job(tmp_path: Path) -> None:
         job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
         await daemon.expect("assign")
         daemon.call.cancel()
-        failed = await wait_state(client, job.id, pb.FAILED)
+        failed = await wait_state(client, job.id, pb.JOB_STATE_FAILED)
         assert failed.reason == "node n0 lost (stream closed); ranks 0-1 are gone"
         with pytest.raises(grpc.aio.AioRpcError) as err:  # a stream must start with Register
             bad = rankctl_pb2_grpc.NodeServiceStub(channel).Connect(iter([pb.NodeMessage(heartbeat=pb.Heartbeat())]))
@@ -172,22 +207,22 @@ def test_restart_keeps_the_running_job_and_the_node_reconnects(tmp_path: Path) -
         await daemon.expect("assign")
         daemon.report(job.id, 0, "running")
         daemon.report(job.id, 1, "running")
-        await wait_state(client, job.id, pb.RUNNING)
+        await wait_state(client, job.id, pb.JOB_STATE_RUNNING)
         return job.id
 
     job_id = run(first, tmp_path)
 
     async def second(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
         client = rankctl_pb2_grpc.ClientServiceStub(channel)
-        assert (await client.GetJob(pb.GetJobRequest(job_id=job_id))).state == pb.RUNNING
+        assert (await client.GetJob(pb.GetJobRequest(job_id=job_id))).state == pb.JOB_STATE_RUNNING
         nodes = (await client.ListNodes(pb.ListNodesRequest())).nodes
-        assert [(n.name, n.state) for n in nodes] == [("n0", pb.DISCONNECTED)]
+        assert [(n.name, n.state) for n in nodes] == [("n0", pb.NODE_STATE_DISCONNECTED)]
         daemon = FakeDaemon(channel, running=(pb.RunningJob(job_id=job_id, attempt=1, ranks=[0, 1]),))
         assert (await daemon.expect("registered")).last_seq == 2
         daemon.report(job_id, 1, "running", seq=2)            # a replay, dropped
         daemon.report(job_id, 0, "done", code=0, seq=3)
         daemon.report(job_id, 1, "done", code=0, seq=4)
-        await wait_state(client, job_id, pb.SUCCEEDED)
+        await wait_state(client, job_id, pb.JOB_STATE_SUCCEEDED)
         daemon.close()
 
     run(second, tmp_path)
@@ -200,7 +235,7 @@ def test_silent_node_is_lost_and_its_stream_closed(tmp_path: Path) -> None:
         assert (await daemon.expect("registered")).heartbeat_interval == pytest.approx(0.075)
         job = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=JOB))).job
         await daemon.expect("assign")
-        failed = await wait_state(client, job.id, pb.FAILED)      # no heartbeats are sent
+        failed = await wait_state(client, job.id, pb.JOB_STATE_FAILED)      # no heartbeats are sent
         assert failed.reason == "node n0 lost (no heartbeat for 0.3 s); ranks 0-1 are gone"
         assert await daemon.call.read() is grpc.aio.EOF
     run(test, tmp_path, timeout=0.3)
@@ -240,11 +275,36 @@ def test_list_jobs_pages_newest_first_and_filters_by_state(tmp_path: Path) -> No
 
         assert await pages(page_size=3) == [["j6", "j5", "j4"], ["j3", "j2", "j1"], ["j0"]]
         assert await pages(page_size=2, states=[pb.JOB_STATE_FAILED]) == [["j5", "j3"], ["j1"]]
-        assert await pages(states=[pb.SUCCEEDED, pb.FAILED]) == [[f"j{i}" for i in range(6, -1, -1)]]
-        legacy = await client.ListJobs(pb.ListJobsRequest(limit=2))  # the newest N, one page
-        assert [j.id for j in legacy.jobs] == ["j6", "j5"] and legacy.next_page_token == ""
-        short = legacy.jobs[0]
-        assert not (short.ranks or short.nodes or short.attempts or short.result_json or short.HasField("summary"))
+        assert await pages(states=[pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED]) == [[f"j{i}" for i in range(6, -1, -1)]]
+        newest = await client.ListJobs(pb.ListJobsRequest(page_size=2))
+        assert [j.id for j in newest.jobs] == ["j6", "j5"] and newest.next_page_token != ""
+        short = newest.jobs[0]
+        assert not (short.ranks or short.nodes or short.attempts or short.HasField("result") or short.HasField("summary"))
+        assert from_struct(short.spec)["kind"] == "comm-check"
         assert (short.state, short.create_time.seconds, short.finish_time.ToJsonString()) == (
-            pb.SUCCEEDED, 1006, "1970-01-01T00:33:26.500Z")  # 2006.5 s
+            pb.JOB_STATE_SUCCEEDED, 1006, "1970-01-01T00:33:26.500Z")  # 2006.5 s
     run(test, tmp_path)
+
+
+class HeartbeatCore:
+    """The one core call a heartbeat makes, recorded."""
+
+    def __init__(self) -> None:
+        self.beats: list[list[int]] = []
+
+    def heartbeat(self, session: NodeSession, free_ports: list[int]) -> None:
+        self.beats.append(free_ports)
+
+
+def test_a_heartbeat_without_usage_keeps_the_last_sample_and_one_with_usage_replaces_it() -> None:
+    core = HeartbeatCore()
+    service = NodeServiceServicer(core, blobs=None)  # type: ignore[arg-type]
+    session = NodeSession(NodeRecord("n0", "127.0.0.1", 2), NodeStatus.READY)
+    service._handle(session, pb.NodeMessage(heartbeat=pb.Heartbeat(free_ports=[1])))
+    assert session.usage is None
+    service._handle(session, pb.NodeMessage(heartbeat=pb.Heartbeat(usage=pb.NodeUsage(cpu_percent=50.0))))
+    service._handle(session, pb.NodeMessage(heartbeat=pb.Heartbeat(free_ports=[2])))
+    assert session.usage == pb.NodeUsage(cpu_percent=50.0) and core.beats == [[1], [], [2]]
+    assert convert.node_to_pb(session, free_slots=2).usage.cpu_percent == 50.0
+    service._handle(session, pb.NodeMessage(heartbeat=pb.Heartbeat(usage=pb.NodeUsage(cpu_percent=5.0))))
+    assert session.usage.cpu_percent == 5.0

@@ -22,21 +22,13 @@ from rankctl.worker.paths import Refused, check_assignment
 
 def claimed_ranks(msg: pb.Assign) -> list[int]:
     """The ranks an Assign gives this node, as far as they can be read (to report a refusal against)."""
-    if msg.rank_count > 0:
-        count = min(msg.rank_count, MAX_SLOTS_PER_NODE)
-        return [r for r in range(msg.first_rank, msg.first_rank + count) if r >= 0]
-    return [r.rank for r in msg.ranks if r.rank >= 0]
+    count = min(max(msg.rank_count, 0), MAX_SLOTS_PER_NODE)
+    return [r for r in range(msg.first_rank, msg.first_rank + count) if r >= 0]
 
 
 def expand(msg: pb.Assign, node: str, run_dir: str, gpus: int) -> list[RankAssignment]:
     """The node's rank assignments; raises ``Refused`` naming what is wrong with the Assign."""
-    if msg.rank_count <= 0 and msg.ranks:  # the legacy per-rank form
-        try:
-            out = [RankAssignment.from_json(r.assignment_json) for r in msg.ranks]
-        except (ValueError, TypeError) as exc:
-            raise Refused(f"unreadable rank assignment: {str(exc)[:200]}") from None
-    else:
-        out = _compact(msg, node, gpus)
+    out = _compact(msg, node, gpus)
     for a in out:
         check_assignment(a, msg.job_id, msg.attempt)
     return [replace(a, run_dir=run_dir) for a in out]

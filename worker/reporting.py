@@ -43,6 +43,12 @@ def step_figures(status: pb.RankStatus, metrics: Any) -> None:
                 break
 
 
+def stamp_update(status: pb.RankStatus, ts: Any) -> None:
+    """Set ``status.update_time`` to the unix seconds ``ts`` the rank wrote (left unset for none or 0)."""
+    if isinstance(ts, (int, float)) and not isinstance(ts, bool) and ts > 0:
+        status.update_time.FromNanoseconds(int(ts * 1e9))
+
+
 def process_state(pid: int) -> str:
     """"stopped" when the process is stopped (``T``/``t`` in ``/proc/PID/stat``), else "" (or gone)."""
     try:

@@ -15,6 +15,13 @@ def _loads(text: str) -> Any:
     return json.loads(text) if text else None
 
 
+def _spec_steps(job: Any) -> int:
+    """``train.steps`` of the job's spec (a Struct), 0 when it has none."""
+    train = job.spec.fields.get("train")
+    steps = train.struct_value.fields.get("steps") if train is not None else None
+    return int(steps.number_value) if steps is not None else 0
+
+
 def summary(result: Any) -> dict[str, Any]:
     """Extra top-level fields of ``ctl status --json``: the global losses."""
     result = result or {}
@@ -58,7 +65,7 @@ def progress(job: Any):
     from rich.progress_bar import ProgressBar
     from rich.table import Table
 
-    steps = (_loads(job.spec_json) or {}).get("train", {}).get("steps", 0)
+    steps = _spec_steps(job)
     latest = latest_metrics(job)
     if not steps or latest is None:
         return None
@@ -82,10 +89,10 @@ def latest_metrics(job: Any) -> tuple[int, dict] | None:
     """(step, metrics) with a loss: the job summary's (the last step every rank finished), else, from a
     coordinator without summaries, those of the lowest rank in the job's page that reports a loss."""
     summary = job.summary if job.HasField("summary") else None
-    m = _loads(summary.metrics_json) if summary is not None else None
-    if isinstance(m, dict) and _number(m.get("loss")):
+    m = dict(summary.metrics) if summary is not None else {}
+    if _number(m.get("loss")):
         step = m.get("step")
-        return (step if _number(step) else summary.min_step), m
+        return (int(step) if _number(step) else summary.min_step), m
     for r in sorted(job.ranks, key=lambda r: r.rank):
         m = _loads(r.metrics_json) or {}
         if isinstance(m, dict) and _number(m.get("loss")):
