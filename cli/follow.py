@@ -18,8 +18,9 @@ SHOWN_RANKS = 64      # ranks in a status or live view's table
 NOTED_EVENTS = ("straggler",)  # event kinds a live view prints as lines (the rest only update the view)
 
 
-def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120.0):
+def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120.0, *, transient: bool = False):
     """Follow a job until it is terminal; survive coordinator restarts. Returns the job (one final GetJob).
+    ``transient``: the live view leaves nothing behind (the caller prints the final status itself).
 
     One GetJob at the start and after each reconnect; then the displayed job is kept current from
     WatchJobBatches (state, reason, attempt, summary, rank and step events), or from WatchJob's
@@ -29,7 +30,7 @@ def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120
     from rankctl.cli.console import stderr_console
     from rankctl.cli.render import TERMINAL, job_view, state_name
 
-    follower = _Follower(_LiveView(stderr_console(), job_view) if live else None)
+    follower = _Follower(_LiveView(stderr_console(), job_view, transient) if live else None)
     down_since, batches = None, True
     try:
         while True:
@@ -115,13 +116,15 @@ class _Follower:
 
 
 class _LiveView:
-    """A rich Live display on stderr, refreshed at most every ``throttle`` seconds."""
+    """A rich Live display on stderr, refreshed at most every ``throttle`` seconds; ``transient``: erased at
+    the end on a terminal, never written on a file or pipe (only a live view's last frame goes there)."""
 
-    def __init__(self, console, render) -> None:
+    def __init__(self, console, render, transient: bool = False) -> None:
         from rich.live import Live
 
         self._render, self._last = render, 0.0
-        self._live = Live(console=console, auto_refresh=False, transient=False)
+        self._live = Live(console=console, auto_refresh=False, transient=transient,
+                          redirect_stdout=False)  # stdout is for results: nothing of a live view goes there
         self._live.start()
 
     def update(self, job, throttle: float = 0.0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,7 +55,7 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     from rankctl.cli.local import LocalCluster
     from rankctl.cli.workdir import pack_workdir, ship
     from rankctl.worker.procutil import configure_logging
-    from rankctl.cli.console import print_json, stdout_console
+    from rankctl.cli.console import is_terminal, print_json, stdout_console
     from rankctl.cli.render import job_to_dict, job_view
 
     configure_logging(level=log_level, fmt=log_format)
@@ -70,7 +71,9 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
             with ctx.client() as client:
                 job = client.submit(text, sets + ship(client, packed), job_file)
             click.echo(f"submitted {job.id}", err=True)
-            job = follow_job(ctx, job.id, live=True)  # progress on stderr; stdout stays JSON
+            # progress on stderr; one final status: on a terminal that shows stdout too, the live view is
+            # erased and the status printed on stdout replaces it (--json: stdout holds the JSON alone)
+            job = follow_job(ctx, job.id, live=True, transient=is_terminal(sys.stdout) and not as_json)
     finally:
         if tmp:
             shutil.rmtree(root, ignore_errors=True)
