@@ -450,3 +450,26 @@ def test_progress_comes_from_the_summary_and_from_the_ranks_of_an_older_coordina
     assert python_render.progress(new) == "step 5  loss 1.5000  tokens_per_s 10"
     new.summary.metrics.clear()                                              # no step finished by all yet
     assert latest_metrics(new) == (4, {"loss": 3.0})
+
+
+def test_ctl_json_keeps_its_shape_with_times_from_the_timestamps_and_the_result_from_its_struct() -> None:
+    from rankctl.cli.render import job_to_dict
+    from rankctl.coordinator import convert
+    from rankctl.coordinator.records import JobRecord
+    from rankctl.coordinator.states import JobState
+
+    result = {"comm": [{"kind": "tp", "groups": 2, "mean_us": 12.5}], "losses": [{"step": 1, "loss": 2.25}]}
+    record = JobRecord(id="cc-1", name="cc", kind="comm-check", spec={"name": "cc", "train": {"steps": 40}},
+                       state=JobState.RUNNING, reason="", world_size=2, slots_per_node=2, created_at=1_700_000_000.25,
+                       result=result)
+    running = job_to_dict(pb.Job.FromString(convert.job_to_pb(record).SerializeToString()))
+    assert running["created_at"] == 1_700_000_000.25 and running["finished_at"] is None
+    assert running["result"] == result and isinstance(running["result"]["comm"][0]["groups"], int)
+    record.state, record.finished_at, record.result = JobState.SUCCEEDED, 1_700_000_100.5, None
+    msg = convert.job_to_pb(record)
+    msg.attempts.extend(convert.attempts_to_pb([{"attempt": 1, "state": "SUCCEEDED", "reason": "",
+                                                  "started_at": 1_700_000_001.0, "finished_at": 1_700_000_100.5}]))
+    done = job_to_dict(msg)
+    assert (done["state"], done["finished_at"], done["result"]) == ("SUCCEEDED", 1_700_000_100.5, None)
+    assert done["attempts"] == [{"attempt": 1, "state": "SUCCEEDED", "reason": None, "started_at": 1_700_000_001.0,
+                                 "finished_at": 1_700_000_100.5}]
