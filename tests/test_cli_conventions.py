@@ -19,7 +19,7 @@ from click.shell_completion import BashComplete
 from click.testing import CliRunner
 
 from rankctl.cli import console
-from rankctl.cli.globalopts import hoist, option_spec
+from rankctl.cli.globalopts import hoist, lower_json, option_spec
 from rankctl.cli.main import COMMANDS, cli
 from rankctl.proto import rankctl_pb2 as pb
 
@@ -100,6 +100,17 @@ def _hoist(*args: str) -> list[str]:
 ])
 def test_global_options_after_the_subcommand_move_in_front_of_it(args: list[str], expected: list[str]) -> None:
     assert _hoist(*args) == expected
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--json", "jobs", "--limit", "3"], ["jobs", "--limit", "3", "--json"]),
+    (["--context", "--json", "jobs"], ["--context", "--json", "jobs"]),  # a context named --json stays
+    (["--json", "config", "get-contexts"], ["config", "get-contexts", "--json"]),
+    (["--json", "logs", "j1", "--", "-x"], ["logs", "j1", "--json", "--", "-x"]),
+    (["jobs", "--json"], ["jobs", "--json"]),
+])
+def test_json_before_the_subcommand_moves_to_its_end(args: list[str], expected: list[str]) -> None:
+    assert lower_json(args, option_spec(cli), lambda name: cli.get_command(click.Context(cli), name)) == expected
 
 
 def test_the_same_global_option_after_the_subcommand_wins(no_user_config: Path) -> None:
