@@ -37,7 +37,8 @@ def print_document(doc: Any, fmt: str) -> None:
         return
     import yaml
 
-    click.echo(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, default_flow_style=False), nl=False)
+    text = yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, default_flow_style=False, width=float("inf"))
+    click.echo(text, nl=False)  # width: a long value stays on its line (grep), as a table row does
 
 
 def example(*lines: str) -> str:
