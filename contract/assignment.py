@@ -34,10 +34,6 @@ class RankAssignment:
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
 
-    @classmethod
-    def from_json(cls, text: str) -> "RankAssignment":
-        return cls(**json.loads(text))
-
     @property
     def rendezvous_host(self) -> str:
         return self.rendezvous.rsplit(":", 1)[0]
