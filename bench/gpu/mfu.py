@@ -15,7 +15,6 @@ ap.add_argument("status_json")
 ap.add_argument("job_file")
 ap.add_argument("--peak-tflops", type=float, default=989.0)
 ap.add_argument("--dtype", default="bf16")
-ap.add_argument("--dtype", default="bf16")
 ns = ap.parse_args()
 status = json.load(open(ns.status_json))
 model = yaml.safe_load(open(ns.job_file))["model"]
