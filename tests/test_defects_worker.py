@@ -7,6 +7,7 @@ No coordinator process here: a small grpc.aio NodeService in the test stands in 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
@@ -20,7 +21,6 @@ from structlog.testing import capture_logs
 
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.contract.assignment import RankAssignment
 from rankctl.worker.daemon import DaemonConfig, LauncherLost, WorkerDaemon
 from rankctl.worker.launcher_client import LauncherError
 
@@ -119,13 +119,11 @@ async def until(predicate: Callable[[], bool], timeout: float, what: str) -> Non
         await asyncio.sleep(0.05)
 
 
-def assign(job_id: str, attempt: int = 1, *, rank: int = 0, name: str = "ok", kind: str = "comm-check",
-           rank_job_id: str | None = None) -> pb.CoordinatorMessage:
-    a = RankAssignment(job_id=rank_job_id or job_id, attempt=attempt, rank=rank, world_size=1, local_rank=0,
-                       node="node-a", coords={}, groups={}, rendezvous="127.0.0.1:0", backend="gloo", kind=kind,
-                       spec={"name": name, "kind": kind})
-    return pb.CoordinatorMessage(assign=pb.Assign(job_id=job_id, attempt=attempt, ranks=[
-        pb.RankAssignmentMsg(rank=rank, assignment_json=a.to_json())]))
+def assign(job_id: str, attempt: int = 1, *, rank: int = 0, name: str = "ok", kind: str = "comm-check") -> pb.CoordinatorMessage:
+    """A node's compact Assign of one rank (its ranks compute their own groups from the spec)."""
+    return pb.CoordinatorMessage(assign=pb.Assign(
+        job_id=job_id, attempt=attempt, world_size=1, first_rank=rank, rank_count=1, rendezvous="127.0.0.1:0",
+        backend="gloo", kind=kind, spec_json=json.dumps({"name": name, "kind": kind})))
 
 
 class RecordingLauncher(DeadLauncher):
@@ -141,7 +139,7 @@ class RecordingLauncher(DeadLauncher):
 
 
 ESCAPE = "../../../escaped"
-BAD = [assign(ESCAPE), assign("ok-0a1b2c", name=ESCAPE), assign("ok-0a1b2c", rank_job_id=ESCAPE),
+BAD = [assign(ESCAPE), assign("ok-0a1b2c", name=ESCAPE),
        assign("ok-0a1b2c", attempt=-1), assign("ok-0a1b2c", rank=-1), assign("Ok/../x-0a1b2c")]
 
 
@@ -174,6 +172,7 @@ def test_ids_that_are_not_safe_paths_are_refused_and_nothing_leaves_the_state_di
         "node node-a refused the assignment"}
     errors = [e for e in logs if e["event"] == "assignment refused" and e["log_level"] == "error"]
     assert len(errors) == len(BAD) and "job id '../../../escaped'" in errors[0]["error"], errors
+    assert "../../../escaped" in errors[1]["error"], errors[1]  # the job name, refused as a path
 
 
 DROPPED = re.compile(r"^\[rankctl: (\d+) lines dropped")
