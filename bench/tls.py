@@ -52,7 +52,7 @@ backend: gloo
 comm_check: {size_bytes: 1024, iters: 1, warmup: 0}
 """
 WARM_CALLS = 20
-READY = pb.NodeState.Value("READY")
+READY = pb.NODE_STATE_READY
 # a new channel must not ride on another channel's connection: each Client its own subchannel
 client_mod.CHANNEL_OPTIONS = (*client_mod.CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1))
 
@@ -219,7 +219,7 @@ def verdict(get: dict, conn: dict, sub: dict) -> str:
 def job_seconds(s: Side, ids: list[str]) -> float:
     """Median time from submit to end of these jobs, by the coordinator's clock."""
     with s.client() as c:
-        return statistics.median(j.finished_at - j.created_at for j in map(c.get, ids))
+        return statistics.median((j.finish_time.ToNanoseconds() - j.create_time.ToNanoseconds()) / 1e9 for j in map(c.get, ids))
 
 
 def measure(sides: list[Side], job_file: Path, ns: argparse.Namespace) -> list[str]:

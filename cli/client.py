@@ -11,6 +11,7 @@ from typing import Iterable, Iterator
 import grpc
 
 from rankctl.cli.errors import EXIT_UNREACHABLE, EXIT_USAGE, CtlError
+from rankctl.proto import from_short_name
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 
@@ -132,7 +133,7 @@ class Client:
     def iter_jobs(self, limit: int = 0, states: list[str] = ()) -> Iterator[pb.Job]:
         """Job summaries, newest first, page by page; ``limit`` > 0 stops after that many."""
         token, seen = "", 0
-        wanted = [pb.JobState.Value(s) for s in states]
+        wanted = [from_short_name(pb.JobState, s) for s in states]
         while True:
             size = min(limit - seen, PAGE_SIZE) if limit > 0 else PAGE_SIZE
             with rpc_errors(self.address):

@@ -15,7 +15,6 @@ end of its reason ("; stopping: N rank(s) not yet confirmed gone"), so every cli
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from typing import AsyncIterator, NoReturn
@@ -211,9 +210,9 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
         try:
-            if request.page_size < 0 or request.limit < 0:
-                raise InvalidRequest(f"page_size={request.page_size} and limit={request.limit} must not be negative")
-            size = min(request.page_size or request.limit or DEFAULT_PAGE, MAX_PAGE)
+            if request.page_size < 0:
+                raise InvalidRequest(f"page_size={request.page_size} must not be negative")
+            size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
             before = _page_token(request.page_token)
             states = [convert.job_state_from_pb(s) for s in request.states]
             jobs, cursor = self.core.book.page(size, before, states)
@@ -225,7 +224,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
                     cursor = jobs[i - 1].seqno
                     break
                 out.jobs.append(msg)
-            if cursor and not request.limit:
+            if cursor:
                 out.next_page_token = str(cursor)
             return out
         except Exception as exc:
@@ -276,7 +275,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         try:
             layout, spec = await _off_loop(self.core.plan, request.spec_yaml, list(request.overrides),
                                            request.source or "job file")
-            return pb.PlanJobResponse(layout_json=json.dumps(layout, separators=(",", ":")), spec_json=json.dumps(spec))
+            return convert.plan_to_pb(layout, spec)
         except Exception as exc:
             await _abort(context, exc)
 

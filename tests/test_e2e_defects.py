@@ -51,7 +51,7 @@ def forge(address: str, job_id: str, world: int) -> None:
     def messages():
         yield pb.NodeMessage(register=pb.Register(name="stranger", address="127.0.0.1", slots=1, session="x"))
         bad = pb.RankStatus(rank=0, node="stranger", phase="failed", exited=True, exit_code=1, error="forged failure")
-        yield pb.NodeMessage(report=pb.RankReport(job_id=job_id, attempt=1, status=bad, seq=1))  # the legacy form
+        yield pb.NodeMessage(batch=pb.ReportBatch(reports=[pb.RankReport(job_id=job_id, attempt=1, status=bad, seq=1)]))
         ok = [pb.RankReport(job_id=job_id, attempt=1, seq=2 + rank, result_json=json.dumps({"loss": 0.0001}),
                             status=pb.RankStatus(rank=rank, node="stranger", phase="done", exited=True, exit_code=0))
               for rank in range(world)]

@@ -19,7 +19,7 @@ def test_happy_path_is_allowed() -> None:
 def test_table_covers_every_state_and_matches_proto() -> None:
     assert set(TRANSITIONS) == set(JobState)
     for state in JobState:
-        assert pb.JobState.Value(state.value) > 0
+        assert pb.JobState.Value("JOB_STATE_" + state.value) > 0
 
 
 def test_terminal_states_have_no_exits() -> None:
