@@ -56,7 +56,12 @@ class LazyGroup(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         """Global options may also follow the subcommand, and --json precede it (``cli/globalopts.py``)."""
         own, command_of = option_spec(self), lambda name: self.get_command(ctx, name)
-        return super().parse_args(ctx, hoist(lower_json(args, own, command_of), own, command_of))
+        try:
+            args = lower_json(args, own, command_of)
+        except click.UsageError:
+            if not ctx.resilient_parsing:  # completing: offer what there is, never an error
+                raise
+        return super().parse_args(ctx, hoist(args, own, command_of))
 
     def make_context(self, *args, **kwargs) -> click.Context:  # noqa: ANN002, ANN003 - click's signature
         with _reader_gone_ok():  # `ctl --help | head -1`

@@ -474,6 +474,16 @@ def table_rows(text: str) -> dict[str, dict[str, str]]:
     return {row[0]: dict(zip(lines[0], row)) for row in lines[1:]}
 
 
+@pytest.mark.parametrize("words, cword, expected", [
+    ("ctl --json completion ", "3", ["plain,bash", "plain,zsh", "plain,fish"]),  # refused when run, not completing
+    ("ctl --json jobs --sta", "3", ["plain,--state"]),
+])
+def test_completion_after_a_leading_json_flag(words: str, cword: str, expected: list[str]) -> None:
+    env = {**os.environ, "_CTL_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": cword}
+    out = subprocess.run(CTL, capture_output=True, text=True, env=env, timeout=60)
+    assert (out.returncode, out.stdout.split(), out.stderr) == (0, expected, "")
+
+
 def test_nodes_show_cpu_memory_and_gpu_use_or_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
     from rankctl.cli.context import Ctx
 
