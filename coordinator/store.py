@@ -328,7 +328,7 @@ class Store:
     # -- events --------------------------------------------------------------
     def append_event(self, event: EventRecord) -> None:
         rank = _rank_to_json(event.rank) if event.rank is not None else None
-        data = json.dumps({"step": event.step, "metrics": event.metrics}) if event.kind == "step" else None
+        data = json.dumps({"step": event.step, "metrics": event.metrics}) if event.step or event.metrics else None
         self._write(
             "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
             (event.job_id, event.seq, event.ts, event.state.value, event.kind, event.message, rank, data),
