@@ -4,9 +4,10 @@
 is a function ``(RankContext) -> dict`` (the result, JSON-serialisable) from ``kinds.registry``.
 Before it runs, the runtime creates the default group and the rank's groups, unless the entry
 has ``OWN_RENDEZVOUS`` set (the ``python`` kind: the user's script creates the default group).
-The context is ``rankctl.context()`` while the entry runs. rankctl's own log records share the
-rank's log with what the program prints, each marked (``contract.logrecords``): ``ctl logs`` shows
-the program's lines unless asked for the records too.
+The context is ``rankctl.context()`` while the entry runs. rankctl's own records share the rank's
+log with what the program prints, each marked (``contract.logrecords``), from a logger of their own:
+structlog's global configuration stays the user's. ``ctl logs`` shows the program's lines unless asked
+for the records too.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.context import RankContext, set_current
 from rankctl.runtime.rendezvous import is_collective_timeout, victim_line
 from rankctl.runtime.status import StatusWriter
-from rankctl.worker.procutil import configure_logging
+from rankctl.worker.procutil import record_logger
 
 TRACEBACK_LINES = 30
 # An entry with this attribute set true creates the default group itself (``python``: the user's
@@ -82,9 +83,8 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
     a = assignment
     run_dir = a.run_dir or os.getcwd()
     status = StatusWriter(run_dir, a.rank)
-    configure_logging(sys.stderr, stdlib=False, mark=RECORD_MARK)  # records, apart from what the program prints
     structlog.contextvars.bind_contextvars(job=a.job_id, attempt=a.attempt, node=a.node, rank=a.rank)
-    log = structlog.get_logger("rankctl.rank")
+    log = record_logger(sys.stderr, "rankctl.rank", RECORD_MARK)  # apart from what the program prints
     seconds = timeout_s or RestartSpec().collective_timeout  # until the spec is read
     phase = "starting"
     counters = CollectiveCounters(run_dir, a.rank, a.world_size, a.groups)

@@ -156,21 +156,31 @@ def test_the_coordinator_logs_json_lines_with_log_format_json(tmp_path: Path) ->
     assert all({"level", "timestamp", "event"} <= r.keys() for r in records)
 
 
-def test_a_ranks_records_are_marked_json_lines_and_its_users_logging_is_left_alone() -> None:
-    """A rank's records share its log with what its program prints: each is one marked JSON line, on a
-    terminal too, multi-line values included; the user's stdlib logging stays unmarked."""
+def test_a_ranks_records_are_marked_json_lines_whatever_its_users_logging_does() -> None:
+    """A rank's records share its log with what its program prints: each is one marked JSON line (multi-line
+    values included) from a logger of their own; the user's structlog and stdlib logging stay unmarked."""
     from rankctl.contract.logrecords import RECORD_MARK, parse_record
+    from rankctl.worker.procutil import record_logger
 
     stream = Tty()
-    configure_logging(stream, stdlib=False, mark=RECORD_MARK)
-    structlog.get_logger("rankctl.rank").info("step", step=3, note="two\nlines")
-    handler = logging.StreamHandler(stream)
-    logging.getLogger("user").addHandler(handler)
+    log = record_logger(stream, "rankctl.rank", RECORD_MARK)
+    structlog.configure(processors=[structlog.dev.ConsoleRenderer(colors=False)],
+                        logger_factory=structlog.PrintLoggerFactory(stream))  # the user's own configuration
+    structlog.contextvars.bind_contextvars(rank=5)
     try:
-        logging.getLogger("user").warning("the user's own line")
+        log.info("step", step=3, note="two\nlines")
+        structlog.get_logger().info("the user's structlog line")
+        handler = logging.StreamHandler(stream)
+        logging.getLogger("user").addHandler(handler)
+        try:
+            logging.getLogger("user").warning("the user's own line")
+        finally:
+            logging.getLogger("user").removeHandler(handler)
     finally:
-        logging.getLogger("user").removeHandler(handler)
-    first, second = stream.getvalue().rstrip("\n").split("\n")  # not splitlines(): it splits at the mark too
+        structlog.contextvars.clear_contextvars()
+    first, *rest = stream.getvalue().rstrip("\n").split("\n")  # not splitlines(): it splits at the mark too
     record = parse_record(first)
-    assert record is not None and (record["event"], record["step"], record["note"]) == ("step", 3, "two\nlines")
-    assert second == "the user's own line" and parse_record(second) is None
+    assert record is not None and record["logger"] == "rankctl.rank"
+    assert (record["event"], record["step"], record["note"], record["rank"]) == ("step", 3, "two\nlines", 5)
+    assert "the user's structlog line" in rest[0] and rest[1] == "the user's own line"
+    assert all(parse_record(line) is None and RECORD_MARK not in line for line in rest)

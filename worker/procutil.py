@@ -96,11 +96,9 @@ def _add_logger_name(logger: object, method: str, event_dict: dict) -> dict:
     return event_dict
 
 
-def _renderer(stream: TextIO, fmt: str, mark: str = "") -> structlog.types.Processor:
+def _renderer(stream: TextIO, fmt: str) -> structlog.types.Processor:
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format {fmt!r} is not one of {', '.join(LOG_FORMATS)}")
-    if mark:
-        return _MarkedJSON(mark)
     try:
         tty = fmt == "auto" and stream.isatty()
     except (OSError, ValueError):  # a closed stream
@@ -119,6 +117,23 @@ class _MarkedJSON(structlog.processors.JSONRenderer):
 
     def __call__(self, logger: object, name: str, event_dict: dict) -> str:
         return self.mark + super().__call__(logger, name, event_dict)
+
+
+def _pre_chain() -> list:
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        _add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso"),
+    ]
+
+
+def record_logger(stream: TextIO, name: str, mark: str, *, level: int = logging.INFO):  # noqa: ANN201 - a BoundLogger
+    """A structlog logger of its own, apart from structlog's global configuration (a rank leaves that to its
+    user's code): each event one JSON line after ``mark`` on ``stream``, with the contextvars bound."""
+    processors = [*_pre_chain(), structlog.processors.format_exc_info, _MarkedJSON(mark)]
+    return structlog.wrap_logger(SafePrintLogger(stream, name), processors=processors,
+                                 wrapper_class=structlog.make_filtering_bound_logger(level))
 
 
 def _unroute_stdlib() -> logging.Logger:
@@ -145,26 +160,19 @@ def _route_stdlib(stream: TextIO, level: int, pre_chain: list, renderer: structl
 
 
 def configure_logging(stream: TextIO | None = None, *, level: int | str = logging.INFO, fmt: str = "auto",
-                      stdlib: bool = True, mark: str = "") -> None:
+                      stdlib: bool = True) -> None:
     """Configure structlog once per entry point (again replaces, never stacks): ``fmt`` "console" for
     human lines, "json" for one JSON object a line, "auto" for console on a TTY and JSON otherwise.
 
     With ``stdlib`` the root ``logging`` handler renders the stdlib loggers' records (grpc, asyncio,
     aiohttp) the same way; a rank passes False so that its user's code owns the root logger again.
     Context (job, node, rank) comes from structlog's contextvars, bound by each entry point.
-    ``mark``: every line is JSON after this prefix, whatever ``fmt`` says (a rank's records, which share
-    its log with what its program prints: ``contract.logrecords``).
     """
     stream = stream or sys.stderr
     if isinstance(level, str):
         level = logging.getLevelName(level.upper())
-    renderer = _renderer(stream, fmt, mark)
-    pre_chain = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        _add_logger_name,
-        structlog.processors.TimeStamper(fmt="iso"),
-    ]
+    renderer = _renderer(stream, fmt)
+    pre_chain = _pre_chain()
     structlog.configure(
         processors=[*pre_chain, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
