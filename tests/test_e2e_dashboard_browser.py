@@ -55,11 +55,10 @@ if os.environ["RANK"] == "2":
 """
 # counts the job's step events that carry a loss, from WatchJob (a subprocess: no gRPC in the test process)
 COUNT_STEPS = """
-import json, sys
+import sys
 from rankctl.cli.client import Client
 with Client(sys.argv[1]) as c:
-    print(sum(1 for ev in c.watch(sys.argv[2])
-              if ev.kind == "step" and json.loads(ev.metrics_json or "{}").get("loss") is not None))
+    print(sum(1 for ev in c.watch(sys.argv[2]) if ev.kind == "step" and "loss" in ev.metrics))
 """
 
 
