@@ -31,7 +31,7 @@ from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.context import RankContext, set_current
 from rankctl.runtime.rendezvous import is_collective_timeout, victim_line
 from rankctl.runtime.status import StatusWriter
-from rankctl.worker.procutil import record_logger
+from rankctl.contract.logformat import record_logger
 
 TRACEBACK_LINES = 30
 # An entry with this attribute set true creates the default group itself (``python``: the user's

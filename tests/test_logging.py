@@ -160,7 +160,7 @@ def test_a_ranks_records_are_marked_json_lines_whatever_its_users_logging_does()
     """A rank's records share its log with what its program prints: each is one marked JSON line (multi-line
     values included) from a logger of their own; the user's structlog and stdlib logging stay unmarked."""
     from rankctl.contract.logrecords import RECORD_MARK, parse_record
-    from rankctl.worker.procutil import record_logger
+    from rankctl.contract.logformat import record_logger
 
     stream = Tty()
     log = record_logger(stream, "rankctl.rank", RECORD_MARK)

@@ -11,6 +11,8 @@ from typing import TextIO
 
 import structlog
 
+from rankctl.contract.logformat import SafePrintLogger, pre_chain
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -55,25 +57,6 @@ def parse_signal(value: str | int | None, default: int = signal.SIGTERM) -> int:
     return int(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
 
 
-class SafePrintLogger(structlog.PrintLogger):
-    """A print logger that never raises: a log line that cannot be written (a full disk, a closed
-    pipe) is dropped, so that logging can never break the operation that logs."""
-
-    dropped = 0
-
-    def __init__(self, file: TextIO | None = None, name: str | None = None) -> None:
-        super().__init__(file)
-        self.name = name  # structlog.get_logger(NAME): the "logger" key
-
-    def msg(self, message: str) -> None:
-        try:
-            super().msg(message)
-        except (OSError, ValueError):
-            SafePrintLogger.dropped += 1
-
-    log = debug = info = warn = warning = err = error = critical = exception = fatal = failure = msg
-
-
 class SafeStreamHandler(logging.StreamHandler):
     """The root handler for the stdlib ``logging`` records (grpc, asyncio, aiohttp): like
     SafePrintLogger, a record that cannot be written is dropped and counted, never raised or printed."""
@@ -85,15 +68,6 @@ class SafeStreamHandler(logging.StreamHandler):
 
 
 LOG_FORMATS = ("auto", "console", "json")
-
-
-def _add_logger_name(logger: object, method: str, event_dict: dict) -> dict:
-    """``logger``: the stdlib record's name, or the name given to ``structlog.get_logger``."""
-    record = event_dict.get("_record")
-    name = record.name if record is not None else getattr(logger, "name", None)
-    if name:
-        event_dict.setdefault("logger", name)
-    return event_dict
 
 
 def _renderer(stream: TextIO, fmt: str) -> structlog.types.Processor:
@@ -108,34 +82,6 @@ def _renderer(stream: TextIO, fmt: str) -> structlog.types.Processor:
     return structlog.processors.JSONRenderer()
 
 
-class _MarkedJSON(structlog.processors.JSONRenderer):
-    """One JSON object a line, after ``mark`` (a rank's records: ``contract.logrecords``)."""
-
-    def __init__(self, mark: str) -> None:
-        super().__init__()
-        self.mark = mark
-
-    def __call__(self, logger: object, name: str, event_dict: dict) -> str:
-        return self.mark + super().__call__(logger, name, event_dict)
-
-
-def _pre_chain() -> list:
-    return [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        _add_logger_name,
-        structlog.processors.TimeStamper(fmt="iso"),
-    ]
-
-
-def record_logger(stream: TextIO, name: str, mark: str, *, level: int = logging.INFO):  # noqa: ANN201 - a BoundLogger
-    """A structlog logger of its own, apart from structlog's global configuration (a rank leaves that to its
-    user's code): each event one JSON line after ``mark`` on ``stream``, with the contextvars bound."""
-    processors = [*_pre_chain(), structlog.processors.format_exc_info, _MarkedJSON(mark)]
-    return structlog.wrap_logger(SafePrintLogger(stream, name), processors=processors,
-                                 wrapper_class=structlog.make_filtering_bound_logger(level))
-
-
 def _unroute_stdlib() -> logging.Logger:
     """Take our handler off the root logger (a forked rank inherits the launcher's)."""
     root = logging.getLogger()
@@ -145,12 +91,12 @@ def _unroute_stdlib() -> logging.Logger:
     return root
 
 
-def _route_stdlib(stream: TextIO, level: int, pre_chain: list, renderer: structlog.types.Processor) -> None:
-    """Replace our root handler (never stack them): stdlib records get ``pre_chain`` and ``renderer``."""
+def _route_stdlib(stream: TextIO, level: int, chain: list, renderer: structlog.types.Processor) -> None:
+    """Replace our root handler (never stack them): stdlib records get ``chain`` and ``renderer``."""
     root = _unroute_stdlib()
     handler = SafeStreamHandler(stream)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=pre_chain,
+        foreign_pre_chain=chain,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                     structlog.processors.format_exc_info, renderer],
     ))
@@ -172,14 +118,14 @@ def configure_logging(stream: TextIO | None = None, *, level: int | str = loggin
     if isinstance(level, str):
         level = logging.getLevelName(level.upper())
     renderer = _renderer(stream, fmt)
-    pre_chain = _pre_chain()
+    chain = pre_chain()
     structlog.configure(
-        processors=[*pre_chain, structlog.processors.format_exc_info, renderer],
+        processors=[*chain, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=lambda *args: SafePrintLogger(stream, args[0] if args else None),
         cache_logger_on_first_use=False,
     )
     if stdlib:
-        _route_stdlib(stream, level, pre_chain, renderer)
+        _route_stdlib(stream, level, chain, renderer)
     else:
         _unroute_stdlib()
