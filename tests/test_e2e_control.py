@@ -153,7 +153,7 @@ def test_logs_follow_reads_every_rank_from_its_node_until_the_job_ends(cluster: 
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert status(cluster.address, job)["state"] == "SUCCEEDED"
     for rank in range(8):
-        mine = [line for line in out.stdout.splitlines() if line.startswith(f"[{rank}] ")]
+        mine = [line for line in out.stdout.splitlines() if line.startswith(f"[rank {rank}] ")]
         assert any("done" in line for line in mine), (rank, mine[-5:])
     tail = ctl(cluster.address, "logs", job, "--rank", "5", "--tail", "1")
     assert tail.returncode == 0 and len(tail.stdout.splitlines()) == 1 and "done" in tail.stdout, tail.stdout

@@ -65,6 +65,8 @@ BATCH_REPORTS = 4096          # reports in one ReportBatch at most
 ROTATE_EVERY = 50             # poll turns between two checks of the rank logs' sizes
 WATCH_EVERY = 10              # poll turns between two looks at the ranks' process states
 REPLICATE_EVERY = 2           # poll turns between two looks for new checkpoint or snapshot steps to push
+STARTED_PHASES = ("running", "done", "failed")
+FAST_POLL_S = 10.0            # a run's status files are polled at start_poll_interval at most this long
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +78,7 @@ class DaemonConfig:
     advertise_address: str = "127.0.0.1"
     health_listen: str = "127.0.0.1:0"
     poll_interval: float = 0.1
+    start_poll_interval: float = 0.02  # ... while a run's ranks are starting (their phase changes are the start-up)
     report_interval: float = 0.2  # at most one ReportBatch this often (reports in between coalesce)
     log_cap_bytes: int = ROTATE_BYTES  # a rank log past this is rotated (one older generation kept)
     peer_port: int = 0            # where this node's PeerService listens (on advertise_address); 0: none
@@ -128,6 +131,16 @@ class RunState:
     process: dict[int, str] = field(default_factory=dict)  # rank -> last reported process state
     hangs: HangWatch | None = None                       # whose collective counters stopped moving
     succeeded: set[int] = field(default_factory=set)     # ranks that exited 0
+    started: bool = False                                # every rank reported running (or ended)
+    assigned_at: float = field(default_factory=time.monotonic)
+
+    def starting(self) -> bool:
+        """Some rank is on its way to running, within ``FAST_POLL_S`` of the assignment (a long rendezvous
+        wait for other nodes is polled at the usual pace); one look per rank until every one is there."""
+        if not self.started:
+            self.started = time.monotonic() - self.assigned_at > FAST_POLL_S or all(
+                self.phase.get(r) in STARTED_PHASES or r not in self.alive for r in self.ranks)
+        return not self.started
 
 
 class WorkerDaemon:
@@ -330,21 +343,30 @@ class WorkerDaemon:
                 self._status_record(run, rec)
 
     async def _poll_files(self) -> None:
-        turns = 0
+        loop = asyncio.get_running_loop()
+        turns, next_turn = 0, 0.0  # turns of poll_interval (a fast poll at start-up adds none)
         while not self._stopping.is_set():
             for key, run in list(self.runs.items()):
                 self._drain(run)
                 if not run.alive:
                     self.runs.pop(key, None)  # every exit reported (the buffer keeps them until stored)
-            turns += 1
-            if turns % WATCH_EVERY == 0:
-                self._watch_processes()
-            if turns % REPLICATE_EVERY == 0:
-                self._replicate()
-            if turns % ROTATE_EVERY == 0:
-                logs = [log_path(r.run_dir, rank) for r in self.runs.values() for rank in r.alive]
-                await asyncio.to_thread(self._rotate, logs)
-            await asyncio.sleep(self.cfg.poll_interval)
+            starting = any(run.starting() for run in self.runs.values())
+            interval = self.cfg.start_poll_interval if starting else self.cfg.poll_interval
+            if loop.time() >= next_turn:
+                next_turn = loop.time() + self.cfg.poll_interval - interval / 2
+                turns += 1
+                await self._every_turn(turns)
+            await asyncio.sleep(interval)
+
+    async def _every_turn(self, turns: int) -> None:
+        """What the poll loop does every few turns: process states, replica pushes, log rotation."""
+        if turns % WATCH_EVERY == 0:
+            self._watch_processes()
+        if turns % REPLICATE_EVERY == 0:
+            self._replicate()
+        if turns % ROTATE_EVERY == 0:
+            logs = [log_path(r.run_dir, rank) for r in self.runs.values() for rank in r.alive]
+            await asyncio.to_thread(self._rotate, logs)
 
     def _watch_processes(self) -> None:
         """Report a rank whose process is stopped (SIGSTOP, a debugger), and when it goes on, and a
