@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankctl.contract.logrecords import is_record
 from rankctl.contract.rankfiles import STATUS_RE, status_path
 
 
@@ -105,7 +106,8 @@ def read_status(run_dir: str, rank: int) -> list[dict[str, Any]]:
 
 
 def tail_lines(path: str, n: int = 20, *, max_line: int = 500, block: int = 8192) -> list[str]:
-    """The last ``n`` lines of a file (each cut to ``max_line`` characters); [] if missing."""
+    """The last ``n`` lines the program printed to a file (each cut to ``max_line`` characters; rankctl's own
+    records, ``contract.logrecords``, left out); [] if missing."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -117,5 +119,6 @@ def tail_lines(path: str, n: int = 20, *, max_line: int = 500, block: int = 8192
                 data = f.read(step) + data
     except FileNotFoundError:
         return []
-    lines = data.decode("utf-8", "replace").splitlines()[-n:] if n > 0 else []
+    text = data.decode("utf-8", "replace")
+    lines = [line.rstrip("\r") for line in text.split("\n") if line and not is_record(line)][-n:] if n > 0 else []
     return [line[:max_line] for line in lines]
