@@ -9,7 +9,7 @@ Phases, in order: ``rendezvous``, ``groups``, ``running``, then ``done`` (with `
 or ``failed`` (with ``error`` and ``traceback``). Each line is flushed as it is written, so
 a reader never sees a torn record except for the line being written, which it keeps
 pending until the newline arrives. The rank's stdout and stderr go to
-``{run_dir}/rank-{rank}.log``. Writer: ``runtime.status``; readers: ``worker.status``.
+``{run_dir}/rank-{rank}.log``, with rankctl's own records among them, each marked (``contract.logrecords``). Writer: ``runtime.status``; readers: ``worker.status``.
 
 The other way, the daemon writes requests for a rank to ``{run_dir}/rank-{rank}.control.json``
 (replaced whole by a rename; the rank polls its mtime once per step)::

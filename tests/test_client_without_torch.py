@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -78,7 +79,13 @@ def test_ctl_worker_without_torch_says_what_to_install(tmp_path: Path) -> None:
 
 
 def test_the_wheel_needs_torch_only_for_workers_and_carries_its_metadata(tmp_path: Path) -> None:
-    wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)]
+    src = tmp_path / "src"  # a copy of the tracked tree: the build writes build/ beside its sources
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(src)]
     built = subprocess.run([*wheel, "--no-build-isolation"], capture_output=True, text=True, timeout=300)
     if built.returncode != 0:  # the venv's setuptools is older than the build needs: let pip fetch it
         built = subprocess.run(wheel, capture_output=True, text=True, timeout=300)
