@@ -149,11 +149,11 @@ def test_logs_follow_reads_every_rank_from_its_node_until_the_job_ends(cluster: 
     daemon that runs it and ends with the job, having shown each rank's last line."""
     job = long_job(cluster, 4)
     cluster.wait_state(job, {"RUNNING"}, 60)
-    out = ctl(cluster.address, "logs", job, "-f", timeout=120)
+    out = ctl(cluster.address, "logs", job, "-f", "--records", timeout=120)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert status(cluster.address, job)["state"] == "SUCCEEDED"
     for rank in range(8):
         mine = [line for line in out.stdout.splitlines() if line.startswith(f"[rank {rank}] ")]
         assert any("done" in line for line in mine), (rank, mine[-5:])
-    tail = ctl(cluster.address, "logs", job, "--rank", "5", "--tail", "1")
+    tail = ctl(cluster.address, "logs", job, "--rank", "5", "--tail", "1", "--records")
     assert tail.returncode == 0 and len(tail.stdout.splitlines()) == 1 and "done" in tail.stdout, tail.stdout
