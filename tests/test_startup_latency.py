@@ -135,3 +135,19 @@ def test_a_jobs_end_is_sent_at_once_whatever_min_interval(tmp_path: Path) -> Non
         assert batches[-1].state == pb.JOB_STATE_SUCCEEDED
         assert "transition" in [e.kind for e in batches[-1].events]
     run(test, tmp_path, timeout=60.0)
+
+
+def test_a_run_counts_as_starting_until_every_rank_runs_or_ended_and_at_most_fast_poll_s() -> None:
+    from rankctl.worker.daemon import FAST_POLL_S, RunState
+
+    run = RunState(job_id="j", attempt=1, run_dir="", ranks={0, 1, 2}, alive={0, 1, 2})
+    run.phase.update({0: "running", 1: "groups"})
+    assert run.starting()
+    run.alive.discard(2)                 # rank 2 exited before it ran
+    run.phase[1] = "running"
+    assert not run.starting()
+    late = RunState(job_id="j", attempt=1, run_dir="", ranks={0}, alive={0})
+    late.phase[0] = "rendezvous"         # waiting for other nodes: polled at the usual pace after a while
+    assert late.starting()
+    late.assigned_at -= FAST_POLL_S + 1
+    assert not late.starting()
