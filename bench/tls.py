@@ -11,9 +11,8 @@ Measured on both, interleaved call by call or run by run so that machine noise h
   subchannel, as a new ``ctl`` process would (grpc shares connections between channels otherwise);
 * ``ctl submit --wait``: wall time of the whole process for a 1-rank comm-check (CLI start-up, submit,
   placement, the rank, the watch to the end); median over ``--submits``, after one unmeasured run.
-  A job still running when ``--wait`` opens its watch is seen to end only at the next batch, up to
-  ``cli.follow.WAIT_INTERVAL`` (1 s) later; one that has ended already returns at once. So runs fall in two
-  groups about 1 s apart on either side, and the mTLS share of this row is small next to that noise.
+  The watch gets the job's end as soon as the coordinator stores it (whatever ``cli.follow.WAIT_INTERVAL``
+  spaces the batches before it), so the runs no longer fall in two groups a batch interval apart.
 
     python bench/tls.py [--calls 300] [--connects 20] [--submits 5] [--keep]
 """
@@ -40,7 +39,6 @@ from cluster import CTL, Proc, start_coordinator, start_worker, wait_for  # noqa
 
 import rankctl.cli.client as client_mod  # noqa: E402
 from rankctl.cli.client import Client  # noqa: E402
-from rankctl.cli.follow import WAIT_INTERVAL  # noqa: E402
 from rankctl.proto import rankctl_pb2 as pb  # noqa: E402
 
 NODE = "node-0"
@@ -237,9 +235,6 @@ def measure(sides: list[Side], job_file: Path, ns: argparse.Namespace) -> list[s
     sub = interleaved(sides, ns.submits, submit)
     notes = [f"  submit --wait runs, {s.name}: {' '.join(f'{t:.2f}' for t in sub[s.name])} s; the jobs took "
              f"{job_seconds(s, ids[s.name]):.2f} s from submit to end (median, coordinator's clock)" for s in sides]
-    notes.append(f"  (a job still running when `--wait` opens its watch ends it at the next batch, "
-                 f"{WAIT_INTERVAL:g} s later (cli.follow.WAIT_INTERVAL); one already ended returns at once: "
-                 f"runs fall ~{WAIT_INTERVAL:g} s apart on either side)")
     return [table(rows_of(get, lst, conn, sub)), verdict(get, conn, sub), *notes]
 
 
