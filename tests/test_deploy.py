@@ -118,9 +118,10 @@ def test_the_dockerfile_uses_files_that_exist_and_a_torch_rankctl_accepts() -> N
         if line.startswith(("COPY", "ADD")):
             sources = [word for word in line.split()[1:-1] if not word.startswith("--")]
             assert sources and all((ROOT / s).exists() for s in sources), line
-    assert "--mount=type=bind,source=.,target=/src" in text and "pip install /src" in text
+    assert "--mount=type=bind,source=.,target=/src" in text and 'pip install "/src[worker]"' in text
     torch_spec = re.search(r"^ARG TORCH_SPEC=(\S+)$", text, re.M).group(1)
-    declared = [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for r in project["optional-dependencies"]["worker"]]  # the client needs no torch
     [torch] = [r for r in declared if r.name == "torch"]
     assert torch.specifier.contains(Requirement(torch_spec).specifier.__iter__().__next__().version)
     assert entrypoint()[:2] == ["ctl", "worker"] and re.search(r"^USER rankctl$", text, re.M)
@@ -130,7 +131,7 @@ def test_the_build_context_keeps_what_pip_installs() -> None:
     patterns = [p.removeprefix("**/") for p in (ROOT / ".dockerignore").read_text().splitlines()
                 if p.strip() and not p.startswith("#")]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    needed = ["pyproject.toml", project["project"]["readme"], "deploy/healthcheck.py",
+    needed = ["pyproject.toml", project["project"]["readme"], *project["project"]["license-files"], "deploy/healthcheck.py",
               *project["tool"]["setuptools"]["package-dir"].values()]
     for path in needed:
         assert (ROOT / path).exists(), path
