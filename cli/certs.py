@@ -14,7 +14,7 @@ from rankctl.cli.errors import EXIT_USAGE, CtlError
 from rankctl.cli.options import example, json_option
 
 days_option = click.option("--days", default=825, show_default=True, type=click.IntRange(min=1),
-                           help="Days the certificate is valid (never past the CA's end).")
+                           help="Days the certificate is valid (never past the CA's end; docs/operations.md).")
 
 
 @click.group("certs", epilog=example("ctl certs init ./ca --san coord.example.com",
@@ -61,7 +61,31 @@ def issue(ca_dir: Path, node: str | None, user: str | None, role: str | None, ou
           as_json)
 
 
-def _run(make) -> Path:  # noqa: ANN001 - a callable returning the directory made
+@certs.command("revoke", short_help="Revoke a node's or a user's certificates (the CA's CRL).",
+               epilog=example("ctl certs revoke ./ca --node node-3", "ctl certs revoke ./ca --serial 1234567"))
+@click.argument("ca_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--node", metavar="NAME", help="Revoke every certificate the CA issued to this node.")
+@click.option("--user", metavar="NAME", help="Revoke every certificate the CA issued to this user.")
+@click.option("--serial", type=click.IntRange(min=1), metavar="N", help="Revoke the certificate with this serial.")
+@json_option
+def revoke(ca_dir: Path, node: str | None, user: str | None, serial: int | None, as_json: bool) -> None:
+    """Add certificates to the CA's revocation list and write it (an X.509 CRL) to CA_DIR/crl.pem and
+    CA_DIR/coordinator/crl.pem. Services refuse them within seconds, no restart; copy crl.pem into each
+    worker's --tls-dir (and any other coordinator identity directory) yourself. Prints the serials revoked
+    (--json: {"revoked", "crl"})."""
+    from rankctl.security.certs import revoke as revoke_certs
+
+    serials, crl = _run(lambda: revoke_certs(ca_dir, node=node, user=user, serial=serial))
+    if as_json:
+        from rankctl.cli.console import print_json
+
+        print_json({"revoked": serials, "crl": str(crl)})
+    else:
+        click.echo("\n".join(str(s) for s in serials))
+        click.echo(f"revoked {len(serials)} certificate(s); the list is {crl}", err=True)
+
+
+def _run(make):  # noqa: ANN001, ANN202 - a callable; its result
     from rankctl.security.certs import CertError
 
     try:

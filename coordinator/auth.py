@@ -27,9 +27,11 @@ import grpc
 import structlog
 
 from rankctl.security.identity import NODE, ROLES, Identity, role_allows
+from rankctl.security.tls import peer_pem, revoked_problem
 
 log = structlog.get_logger("rankctl.coordinator")
 _CALLER: contextvars.ContextVar[Identity | None] = contextvars.ContextVar("rankctl_caller", default=None)
+_CERT: contextvars.ContextVar[tuple[Any, bytes] | None] = contextvars.ContextVar("rankctl_cert", default=None)
 
 CLIENT = "/rankctl.v1.ClientService/"
 NODES = "/rankctl.v1.NodeService/"
@@ -46,6 +48,17 @@ MUTATING = {"SubmitJob", "UploadBlob", "CancelJob", "DrainNode"}
 def caller() -> Identity | None:
     """The identity of the call being served (None without TLS)."""
     return _CALLER.get()
+
+
+def caller_revoked() -> Callable[[], str | None] | None:
+    """For the call being served: a cheap check ``() -> why`` telling whether the caller's certificate has been
+    revoked since (a long node stream asks it each second); None without TLS or without a revocation list."""
+    held = _CERT.get()
+    if held is None:
+        return None
+    revocations, pem = held
+    who = _CALLER.get()
+    return lambda: revoked_problem(revocations, pem, who)
 
 
 def needed(method: str) -> str | None:
@@ -69,10 +82,11 @@ def refusal(who: Identity, method: str, need: str) -> str | None:
 
 class Authorizer(grpc.aio.ServerInterceptor):
     """Checks each call's certificate against ``needed``; ``identify(context)`` -> Identity (raises
-    ValueError for a certificate without a rankctl identity), used only when ``enabled``."""
+    ValueError for a certificate without a rankctl identity), used only when ``enabled``. ``revocations``
+    (``security.revocation.Revocations``): certificates on the CA's CRL are refused, UNAUTHENTICATED."""
 
-    def __init__(self, identify: Callable[[Any], Identity | None], enabled: bool) -> None:
-        self.identify, self.enabled = identify, enabled
+    def __init__(self, identify: Callable[[Any], Identity | None], enabled: bool, revocations: Any = None) -> None:
+        self.identify, self.enabled, self.revocations = identify, enabled, revocations
 
     async def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201 - grpc's signature
         handler = await continuation(details)
@@ -87,6 +101,12 @@ class Authorizer(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not a rankctl identity: {exc}")
         if who is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate")
+        revoked = revoked_problem(self.revocations, peer_pem(context), who)
+        if revoked:
+            log.warning("call refused: certificate revoked", caller=str(who), method=method)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, revoked)
+        if self.revocations is not None:
+            _CERT.set((self.revocations, peer_pem(context)))
         need = needed(method)
         why = refusal(who, method, need) if need else None
         if why:

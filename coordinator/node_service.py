@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from rankctl.coordinator import convert
-from rankctl.coordinator.auth import caller
+from rankctl.coordinator.auth import caller, caller_revoked
 from rankctl.coordinator.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import ProtocolError
@@ -24,6 +24,7 @@ from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
 
 log = structlog.get_logger("rankctl.coordinator")
+REVOCATION_CHECK_S = 2.0  # how often a live stream asks whether its certificate has been revoked since
 
 
 class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
@@ -74,13 +75,19 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
                 session = self.core.register(convert.hello_from_pb(first.register), outbox.put_nowait)
             except Exception as exc:
                 await _abort(context, exc)
-            reader = asyncio.create_task(self._read(messages, session, outbox))
+            revoked: list[str] = []
+            tasks = [asyncio.create_task(self._read(messages, session, outbox))]
+            if (check := caller_revoked()) is not None:
+                tasks.append(asyncio.create_task(_watch_revocation(check, outbox, revoked)))
             try:
                 while (msg := await outbox.get()) is not None:
                     yield msg
             finally:
-                reader.cancel()
-                self.core.disconnect(session, "stream closed")
+                for task in tasks:
+                    task.cancel()
+                self.core.disconnect(session, "certificate revoked" if revoked else "stream closed")
+            if revoked:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, revoked[0])
 
     async def _read(self, messages: AsyncIterator[pb.NodeMessage], session: NodeSession,
                     outbox: asyncio.Queue) -> None:
@@ -117,3 +124,12 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             self.core.logfetch.deliver(session.name, msg.log_chunk)
         else:
             log.warning("node.unexpected_message", node=session.name, body=body)
+
+
+async def _watch_revocation(check, outbox: asyncio.Queue, revoked: list[str]) -> None:  # noqa: ANN001
+    """End the stream once ``check()`` says the node's certificate is revoked (its reason appended to ``revoked``)."""
+    while (why := check()) is None:
+        await asyncio.sleep(REVOCATION_CHECK_S)
+    log.warning("node.certificate_revoked", reason=why)
+    revoked.append(why)
+    outbox.put_nowait(None)

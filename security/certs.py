@@ -22,12 +22,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from rankctl.contract.names import node_name_problem, shown
 from rankctl.security.identity import COORDINATOR, NODE, ROLES, Identity
+from rankctl.security.revocation import CRL, RevocationError, record_issued, serials_of, write_crl
 
 CA, CA_KEY = "ca.pem", "ca-key.pem"  # in the CA directory; every identity directory has a copy of ca.pem
 CERT, KEY = "cert.pem", "key.pem"
 COORDINATOR_DIR = "coordinator"
 ORG = "rankctl"
-DEFAULT_DAYS = 825  # the longest validity browsers accept for a leaf; CA and leaves alike here
+DEFAULT_DAYS = 825  # the longest validity browsers accept for a leaf; CA and leaves alike here (docs/operations.md)
 CLOCK_SKEW = timedelta(minutes=5)  # certificates start this far in the past: machines' clocks differ
 LOOPBACK_SANS = ("localhost", "127.0.0.1", "::1")  # always on the coordinator's certificate
 PEER_SAN = "rankctl-node"  # on every node certificate: nodes reach each other by address and check "a node of this CA"
@@ -153,7 +154,23 @@ def _issue(ca_dir: Path, out_dir: Path, identity: Identity, sans: list[x509.Gene
     _write(out_dir / KEY, _key_pem(key), private=True)
     _write(out_dir / CERT, cert.public_bytes(serialization.Encoding.PEM))
     _write(out_dir / CA, ca_cert.public_bytes(serialization.Encoding.PEM))
+    record_issued(ca_dir, cert, identity.kind, identity.name, identity.role)
     return out_dir
+
+
+def revoke(ca_dir: Path, *, node: str | None = None, user: str | None = None,
+           serial: int | None = None) -> tuple[list[int], Path]:
+    """Revoke every certificate the CA in ``ca_dir`` issued to ``node`` or ``user`` (its index), or one ``serial``:
+    write the CA's CRL to ``ca_dir/crl.pem`` and ``ca_dir/coordinator/crl.pem``. Returns (the serials just revoked,
+    the CRL's path); CertError naming the option when nothing matches."""
+    ca_dir = Path(ca_dir)
+    ca_cert, ca_key = _load_ca(ca_dir)
+    try:
+        serials = serials_of(ca_dir, node=node, user=user, serial=serial)
+    except RevocationError as exc:
+        raise CertError(str(exc)) from None
+    write_crl(ca_dir, ca_cert, ca_key, serials, [ca_dir / COORDINATOR_DIR])
+    return serials, ca_dir / CRL
 
 
 def _identity(name: str, role: str) -> Identity:

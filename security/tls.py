@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from cryptography import x509
 
 from rankctl.security.certs import CA, CERT, KEY, CertError, check_identity_files, identity_of_pem
 from rankctl.security.identity import Identity
+from rankctl.security.revocation import CRL, Revocations, serial_of_pem
 
 PEER_CERT_KEY = "x509_pem_cert"  # gRPC's auth-context property: the peer's certificate, when it sent one
 
@@ -28,6 +30,7 @@ class IdentityDir:
     cert: bytes
     key: bytes
     identity: Identity
+    revocations: Revocations | None = None  # the CA's CRL as ``crl.pem`` in this directory (absent: none revoked)
 
 
 def load_identity_dir(d: str | Path) -> IdentityDir:
@@ -39,7 +42,9 @@ def load_identity_dir(d: str | Path) -> IdentityDir:
     if mode & 0o077:
         raise CertError(f"{path / KEY} has mode {mode:04o}; it must be 0600 (chmod 600 {path / KEY})")
     identity = check_identity_files(ca, cert, key, path)
-    return IdentityDir(path=path, ca=ca, cert=cert, key=key, identity=identity)
+    revocations = Revocations(path / CRL, x509.load_pem_x509_certificate(ca))
+    revocations.refresh()  # a bad crl.pem is logged at start, not at the first call
+    return IdentityDir(path=path, ca=ca, cert=cert, key=key, identity=identity, revocations=revocations)
 
 
 def server_credentials(idd: IdentityDir) -> grpc.ServerCredentials:
@@ -76,8 +81,25 @@ def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> I
 
     The certificate was verified against the CA in the handshake; CertError when it carries no identity.
     """
+    pem = peer_pem(context)
+    return identity_of_pem(pem) if pem else None
+
+
+def peer_pem(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> bytes | None:
+    """The caller's certificate (PEM) from the handshake; None on a plain-text call."""
     pems = context.auth_context().get(PEER_CERT_KEY)
-    return identity_of_pem(pems[0]) if pems else None
+    return pems[0] if pems else None
+
+
+def revoked_problem(revocations: Revocations | None, cert_pem: bytes | None, who: object) -> str | None:
+    """Why a caller presenting ``cert_pem`` is refused because its certificate is on the CA's CRL (None: it is
+    not, or there is no list to check)."""
+    if revocations is None or cert_pem is None:
+        return None
+    serial = serial_of_pem(cert_pem)
+    if revocations.revoked(serial):
+        return f"the certificate of {who} (serial {serial}) is revoked ({revocations.path})"
+    return None
 
 
 def is_loopback(listen_or_address: str) -> bool:

@@ -17,17 +17,24 @@ from aiohttp import web
 from rankctl.coordinator.auth import CLIENT_ROLES
 from rankctl.security.certs import CertError, identity_of_pem
 from rankctl.security.identity import ROLES, Identity, role_allows
+from rankctl.security.tls import revoked_problem
 
 WHO = web.RequestKey("who", Identity)  # the viewer of a request, set by the role check
 ANY_CERT = "any"      # a route any certificate of the CA may read
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def peer(request: web.Request) -> Identity | None:
-    """The identity of the request's client certificate (None on plain HTTP); CertError when it has none."""
+def peer_pem(request: web.Request) -> bytes | None:
+    """The request's client certificate as PEM (None on plain HTTP)."""
     sslobj = request.transport.get_extra_info("ssl_object") if request.transport else None
     der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
-    return identity_of_pem(ssl.DER_cert_to_PEM_cert(der).encode()) if der else None
+    return ssl.DER_cert_to_PEM_cert(der).encode() if der else None
+
+
+def peer(request: web.Request) -> Identity | None:
+    """The identity of the request's client certificate (None on plain HTTP); CertError when it has none."""
+    pem = peer_pem(request)
+    return identity_of_pem(pem) if pem else None
 
 
 def needs(method: str) -> str:
@@ -45,8 +52,9 @@ def refusal(who: Identity | None, need: str, what: str) -> str | None:
     return None
 
 
-def guarded(method: str, enabled: bool, handler: Handler) -> Handler:
-    """``handler`` behind the role check of ``method`` (a no-op without TLS); the viewer in ``request[WHO]``."""
+def guarded(method: str, enabled: bool, handler: Handler, revocations: object = None) -> Handler:
+    """``handler`` behind the role check of ``method`` (a no-op without TLS); the viewer in ``request[WHO]``.
+    ``revocations`` (``security.revocation.Revocations``): a certificate on the CA's CRL is refused, 401."""
     need = needs(method)
 
     async def admit(request: web.Request) -> web.StreamResponse:
@@ -56,6 +64,9 @@ def guarded(method: str, enabled: bool, handler: Handler) -> Handler:
                 who = peer(request)
             except CertError as exc:
                 raise web.HTTPUnauthorized(text=f"not a rankctl identity: {exc}") from None
+            revoked = revoked_problem(revocations, peer_pem(request), who)
+            if revoked:
+                raise web.HTTPUnauthorized(text=revoked)
             why = refusal(who, need, request.path)
             if why:
                 raise web.HTTPForbidden(text=why)

@@ -35,8 +35,29 @@ STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 HTTP_OF_GRPC = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "FAILED_PRECONDITION": 409, "ALREADY_EXISTS": 409}
 
 
-def _int(text: str | None, default: int = 0) -> int:
-    return int(text) if text and text.isdigit() and len(text) < 12 else default
+MAX_QUERY_INT = 2**31 - 1   # page numbers, cursors and ranks are int32 on the wire
+MAX_JOB_ID = 128            # longer path ids are no job's
+
+
+def _int(request: web.Request, name: str, default: int, high: int = MAX_QUERY_INT) -> int:
+    """Query parameter ``name`` as a whole number in 0..high (``default`` when absent); 400 naming it otherwise."""
+    text = request.query.get(name)
+    if text is None:
+        return default
+    if not (text.isascii() and text.isdigit() and len(text) <= 10 and int(text) <= high):
+        raise web.HTTPBadRequest(text=f"query parameter {name}={_shown(text)} must be a whole number from 0 to {high}")
+    return int(text)
+
+
+def _job_id(request: web.Request) -> str:
+    job_id = request.match_info["job_id"]
+    if len(job_id) > MAX_JOB_ID or not job_id.isprintable():
+        raise web.HTTPBadRequest(text=f"job id {_shown(job_id)} must be at most {MAX_JOB_ID} printable characters")
+    return job_id
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _html(body: str, status: int = 200) -> web.Response:
@@ -79,7 +100,7 @@ class Dashboard:
         return str(who) if who is not None else ""
 
     async def jobs(self, request: web.Request) -> web.StreamResponse:
-        jobs, cursor = self.core.book.page(views.JOBS_PAGE, _int(request.query.get("before")))
+        jobs, cursor = self.core.book.page(views.JOBS_PAGE, _int(request, "before", 0))
         layouts = await self.layouts.of(jobs)
         return _html(page("jobs", views.jobs_table(jobs, layouts, cursor, time.time()), self._who(request)))
 
@@ -102,21 +123,23 @@ class Dashboard:
         return await asyncio.to_thread(render)
 
     async def job(self, request: web.Request) -> web.StreamResponse:
-        fragment, data = await self._fragment(request.match_info["job_id"], _int(request.query.get("page")))
+        fragment, data = await self._fragment(_job_id(request), _int(request, "page", 0))
         job = self.core.get(data["id"])
         return _html(jobview.job_page(job, fragment, self._who(request), time.time()))
 
     async def live(self, request: web.Request) -> web.StreamResponse:
-        fragment, _ = await self._fragment(request.match_info["job_id"], _int(request.query.get("page")))
+        fragment, _ = await self._fragment(_job_id(request), _int(request, "page", 0))
         return _html(fragment)
 
     async def data(self, request: web.Request) -> web.StreamResponse:
-        _, data = await self._fragment(request.match_info["job_id"], _int(request.query.get("page")))
+        _, data = await self._fragment(_job_id(request), _int(request, "page", 0))
         return web.json_response(data)
 
     async def logs(self, request: web.Request) -> web.StreamResponse:
-        job = self.core.get(request.match_info["job_id"])
-        rank = _int(request.query.get("rank"), -1)
+        job = self.core.get(_job_id(request))
+        if "rank" not in request.query:
+            raise web.HTTPBadRequest(text=f"query parameter rank is required: 0 to {job.world_size - 1}")
+        rank = _int(request, "rank", 0)  # get_logs says when it is not a rank of the job
         req = pb.GetLogsRequest(job_id=job.id, rank=rank, tail=jobview.LOG_TAIL)
         lines: list[str] = []
 
@@ -131,7 +154,7 @@ class Dashboard:
 
     async def nodes(self, request: web.Request) -> web.StreamResponse:
         views_ = self.core.node_views()
-        body = views.nodes_table(views_, dict(self.core.nodes.draining), _int(request.query.get("page")), time.time())
+        body = views.nodes_table(views_, dict(self.core.nodes.draining), _int(request, "page", 0), time.time())
         return _html(page("nodes", body, self._who(request)))
 
     async def plan_form(self, request: web.Request) -> web.StreamResponse:
@@ -185,8 +208,9 @@ async def _security_headers(request: web.Request, handler):  # noqa: ANN001, ANN
     return response
 
 
-def build_app(dash: Dashboard, tls: bool) -> web.Application:
-    """Every route, behind the role of the ClientService method it mirrors (``access``)."""
+def build_app(dash: Dashboard, tls: bool, revocations: Any = None) -> web.Application:
+    """Every route, behind the role of the ClientService method it mirrors (``access``); with ``revocations``
+    (``security.revocation.Revocations``) a revoked client certificate is refused."""
     app = web.Application(client_max_size=4 * MAX_JOB_FILE_BYTES, middlewares=[_security_headers])
     routes = [
         ("GET", "/", dash.jobs, "ListJobs"),
@@ -201,7 +225,7 @@ def build_app(dash: Dashboard, tls: bool) -> web.Application:
         ("GET", "/static/{name}", dash.static, ANY_CERT),
     ]
     for verb, path, handler, method in routes:
-        app.router.add_route(verb, path, guarded(method, tls, _answers(handler)))
+        app.router.add_route(verb, path, guarded(method, tls, _answers(handler), revocations))
     return app
 
 
@@ -232,7 +256,8 @@ async def start_http(core: Any, listen: str, identity: Any = None, metrics_per_r
     certificates only. OSError when the address cannot be bound."""
     from rankctl.security.tls import https_server_context
 
-    app = build_app(Dashboard(core, metrics_per_rank), tls=identity is not None)
+    app = build_app(Dashboard(core, metrics_per_rank), tls=identity is not None,
+                    revocations=getattr(identity, "revocations", None))
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     host, port = _host_port(listen)
