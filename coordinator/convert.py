@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 SUMMARY_ERROR_CHARS = 2000  # a failing rank's error in a summary: its tail (the summary goes out with every batch)
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+REDACTED = "<redacted>"  # what clients see of a python.env value: only the Assign to the job's nodes carries it
 TIMESTAMP_END_S = 253_402_300_800  # 10000-01-01T00:00:00Z: past google.protobuf.Timestamp's range
 
 _NODE_STATE = {
@@ -110,7 +111,7 @@ def summary_to_pb(s: "JobSummary") -> pb.JobSummary:
 def job_summary_pb(job: JobRecord) -> pb.Job:
     """A job for lists: no ranks, no result, no node list (their size grows with the job)."""
     msg = pb.Job(id=job.id, name=job.name, state=job_state(job.state), reason=job.reason, attempt=job.attempt,
-                 world_size=job.world_size, kind=job.kind, spec=to_struct(job.spec))
+                 world_size=job.world_size, kind=job.kind, spec=to_struct(public_spec(job.spec)))
     stamp(msg.create_time, job.created_at)
     stamp(msg.finish_time, job.finished_at)
     return msg
@@ -122,7 +123,16 @@ def _numbers(metrics: dict[str, Any] | None) -> dict[str, float]:
 
 
 def plan_to_pb(layout: dict[str, Any], spec: dict[str, Any]) -> pb.PlanJobResponse:
-    return pb.PlanJobResponse(layout=to_struct(layout), spec=to_struct(spec))
+    return pb.PlanJobResponse(layout=to_struct(layout), spec=to_struct(public_spec(spec)))
+
+
+def public_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec as clients see it: each ``python.env`` value replaced by REDACTED (the keys stay), others as is."""
+    python = spec.get("python") if isinstance(spec, dict) else None
+    env = python.get("env") if isinstance(python, dict) else None
+    if not isinstance(env, dict) or not env:
+        return spec
+    return {**spec, "python": {**python, "env": {key: REDACTED for key in env}}}
 
 
 def _error_tail(msg: pb.RankStatus) -> pb.RankStatus:

@@ -70,9 +70,7 @@ async def start_peer(host: str, state_dir, identity=None) -> tuple[grpc.aio.Serv
     """The PeerService (checkpoint replication) on the advertised address; (None, 0) when it cannot bind.
     With ``identity``: mutual TLS, node certificates only."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    identify = None
-    if identity is not None:
-        from rankctl.security.tls import peer_identity as identify
+    identify = None if identity is None else _identify_unrevoked(identity.revocations)
     pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir), identify), server)
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     try:
@@ -82,6 +80,20 @@ async def start_peer(host: str, state_dir, identity=None) -> tuple[grpc.aio.Serv
         return None, 0
     await server.start()
     return server, port
+
+
+def _identify_unrevoked(revocations):  # noqa: ANN001, ANN202 - security.revocation.Revocations
+    """The peer's identity (``security.tls.peer_identity``); ValueError when its certificate is on the CA's CRL
+    (``crl.pem`` in the node's --tls-dir, re-read when it changes)."""
+    from rankctl.security.tls import peer_identity, peer_pem, revoked_problem
+
+    def identify(context):  # noqa: ANN001, ANN202
+        who = peer_identity(context)
+        why = revoked_problem(revocations, peer_pem(context), who)
+        if why:
+            raise ValueError(why)
+        return who
+    return identify
 
 
 @dataclass
