@@ -98,7 +98,7 @@ def revoked_problem(revocations: Revocations | None, cert_pem: bytes | None, who
         return None
     serial = serial_of_pem(cert_pem)
     if revocations.revoked(serial):
-        return f"the certificate of {who} (serial {serial}) is revoked ({revocations.path})"
+        return f"the certificate of {who} (serial {serial}) is revoked: it is on the CA's revocation list"
     return None
 
 

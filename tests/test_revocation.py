@@ -1,0 +1,98 @@
+"""Revocation without a network (security.revocation, ``ctl certs revoke``): the CA's index, a signed X.509 CRL,
+and ``Revocations`` reloading it on change, at most one stat a second, keeping the last good list."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from cryptography import x509
+
+from rankctl.cli.certs import certs
+from rankctl.security.certs import CertError, init_ca, issue, revoke
+from rankctl.security.revocation import CRL, INDEX, Revocations, issued, serial_of_pem
+from rankctl.security.tls import load_identity_dir, revoked_problem
+
+
+def serial(d: Path) -> int:
+    return serial_of_pem((d / "cert.pem").read_bytes())
+
+
+@pytest.fixture()
+def ca(tmp_path: Path) -> Path:
+    init_ca(tmp_path / "ca", sans=[])
+    for out, kw in (("n1", {"node": "n1"}), ("n1-again", {"node": "n1"}), ("n2", {"node": "n2"}),
+                    ("eve", {"user": "eve", "role": "viewer"})):
+        issue(tmp_path / "ca", tmp_path / out, **kw)
+    return tmp_path / "ca"
+
+
+def test_the_index_lists_every_certificate_issued(ca: Path) -> None:
+    rows = issued(ca)
+    assert [(r["kind"], r["name"]) for r in rows] == [("coordinator", "coordinator"), ("node", "n1"), ("node", "n1"),
+                                                      ("node", "n2"), ("user", "eve")]
+    assert rows[1]["serial"] == serial(ca.parent / "n1") and rows[1]["not_after"].startswith("20")
+
+
+def test_revoking_a_node_revokes_each_of_its_certificates_in_a_crl_signed_by_the_ca(ca: Path) -> None:
+    serials, path = revoke(ca, node="n1")
+    assert sorted(serials) == sorted([serial(ca.parent / "n1"), serial(ca.parent / "n1-again")])
+    revoke(ca, serial=serial(ca.parent / "n2"))
+    ca_cert = x509.load_pem_x509_certificate((ca / "ca.pem").read_bytes())
+    for where in (path, ca / "coordinator" / CRL):
+        crl = x509.load_pem_x509_crl(where.read_bytes())
+        assert crl.is_signature_valid(ca_cert.public_key()) and crl.issuer == ca_cert.subject
+        assert {r.serial_number for r in crl} == {*serials, serial(ca.parent / "n2")}
+
+
+def test_revoke_names_what_it_cannot_find(ca: Path) -> None:
+    with pytest.raises(CertError, match=r"--user 'bob': .*issued.jsonl lists no user certificate"):
+        revoke(ca, user="bob")
+    with pytest.raises(CertError, match="exactly one of --node NAME, --user NAME and --serial N"):
+        revoke(ca, node="n1", user="eve")
+    with pytest.raises(CertError, match="--serial '0' must be a certificate serial"):
+        revoke(ca, serial=0)
+    assert not (ca / CRL).exists()
+
+
+def test_the_list_reloads_on_change_at_most_once_a_second_and_keeps_the_last_good_one(ca: Path) -> None:
+    now = [0.0]
+    idd = load_identity_dir(ca / "coordinator")
+    revs = Revocations(idd.path / CRL, x509.load_pem_x509_certificate(idd.ca), clock=lambda: now[0])
+    eve = serial(ca.parent / "eve")
+    assert not revs.revoked(eve)
+    revoke(ca, user="eve")
+    assert not revs.revoked(eve)           # checked less than a second ago: no stat yet
+    now[0] = 1.5
+    assert revs.revoked(eve) and revs.version == 1
+    pem = (ca.parent / "eve" / "cert.pem").read_bytes()
+    assert "user eve (viewer)" in revoked_problem(revs, pem, "user eve (viewer)") and "revoked" in revoked_problem(
+        revs, pem, "x")
+    (idd.path / CRL).write_bytes(b"-----BEGIN X509 CRL-----\ngarbage\n-----END X509 CRL-----\n")
+    now[0] = 3.0
+    assert revs.revoked(eve) and revs.version == 1   # a bad file: the last good list stays
+    other = ca.parent / "other"
+    init_ca(other, sans=[])
+    issue(other, ca.parent / "o1", node="o1")
+    revoke(other, node="o1")
+    os.replace(other / CRL, idd.path / CRL)          # signed by another CA: refused too
+    now[0] = 4.5
+    assert revs.revoked(eve)
+    (idd.path / CRL).unlink()
+    now[0] = 6.0
+    assert not revs.revoked(eve) and revs.version == 2
+
+
+def test_ctl_certs_revoke_prints_serials_and_errors_without_traceback(ca: Path) -> None:
+    runner = CliRunner()
+    done = runner.invoke(certs, ["revoke", str(ca), "--user", "eve", "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout) == {"revoked": [serial(ca.parent / "eve")], "crl": str(ca / CRL)}
+    bad = runner.invoke(certs, ["revoke", str(ca), "--node", "ghost"])
+    assert bad.exit_code == 2 and "--node 'ghost'" in bad.output and bad.exc_info[0] is SystemExit
+    missing = runner.invoke(certs, ["revoke", str(ca.parent / "nowhere"), "--node", "n1"])
+    assert missing.exit_code == 2 and "ctl certs init" in missing.output
+    assert (ca / INDEX).is_file()
