@@ -24,6 +24,7 @@ from typing import Iterable, Sequence
 
 import structlog
 
+from rankctl.coordinator.convert import update_seconds
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.progress import SLOW_EVENTS, JobProgress, SlowRank
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
@@ -226,8 +227,9 @@ class ReportsMixin:
             metrics = st.metrics_json
             if metrics and metrics != "{}":
                 old.metrics_json = metrics
-            if st.updated_at:
-                old.updated_at = st.updated_at
+            updated = update_seconds(st)
+            if updated:
+                old.updated_at = updated
             if st.process != old.process:  # the daemon saw the process stop or go on (memory only)
                 old.process = st.process
             if st.collectives or st.stack:  # hang evidence: counters that stopped moving (memory only)
@@ -246,7 +248,7 @@ class ReportsMixin:
         metrics = st.metrics_json if st.metrics_json not in ("", "{}") or old is None else old.metrics_json
         error = st.error or (old.error if old else "")
         new = RankRecord(rank=st.rank, node=node, phase=phase, step=step, metrics_json=metrics, error=error,
-                         exit_code=st.exit_code, exited=st.exited, updated_at=st.updated_at or self.clock(),
+                         exit_code=st.exit_code, exited=st.exited, updated_at=update_seconds(st) or self.clock(),
                          result_json=update.result_json or (old.result_json if old else ""), process=st.process)
         progress.advanced_at = self.clock()
         if step != (old.step if old else 0):

@@ -54,9 +54,10 @@ from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
 from rankctl.worker.reportbuf import ReportBuffer
 from rankctl.worker.sandbox import allowed_roots, assignment_problem
 from rankctl.worker.reporting import (
-    exit_code, free_ports, hardware_pb, launcher_status, process_state, step_figures,
+    exit_code, free_ports, hardware_pb, launcher_status, process_state, stamp_update, step_figures,
 )
 from rankctl.worker.status import StatusTailer
+from rankctl.worker.usage import UsageSampler
 
 log = structlog.get_logger("rankctl.worker")
 
@@ -180,6 +181,7 @@ class WorkerDaemon:
         self.connected = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None  # the session's, for FetchBlob
         self.workdirs = WorkdirCache(cfg.state_dir)
+        self._usage = UsageSampler()  # CPU, memory and GPU use, sent with each heartbeat
         self.shards = ShardStore(cfg.state_dir)
         self.roots = allowed_roots(cfg.data_roots, str(cfg.state_dir))  # ValueError: a root is not a directory
         self._credentials = None   # grpc.ChannelCredentials of this node's certificate (cfg.tls_dir)
@@ -210,8 +212,9 @@ class WorkerDaemon:
         status = pb.RankStatus(
             rank=int(rec.get("rank", -1)), node=self.cfg.name, phase=str(rec.get("phase") or "unknown"),
             step=int(rec.get("step") or 0), metrics_json=json.dumps(rec.get("metrics") or {}),
-            error=str(rec.get("error") or ""), updated_at=float(rec.get("ts") or 0.0),
+            error=str(rec.get("error") or ""),
         )
+        stamp_update(status, rec.get("ts"))
         if rec.get("traceback"):
             status.error = f"{status.error}\n{rec['traceback']}".strip()
         step_figures(status, rec.get("metrics"))
@@ -583,7 +586,8 @@ class WorkerDaemon:
                 # a batch sent within the interval already showed the node alive: skip all but the port beats
                 if beat % 5 == 0 or loop.time() - last_batch >= self._heartbeat_interval:
                     ports = free_ports(self.cfg.advertise_address, self.cfg.free_ports) if beat % 5 == 0 else []
-                    await call.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=loop.time(), free_ports=ports)))
+                    await call.write(pb.NodeMessage(heartbeat=pb.Heartbeat(
+                        ts=loop.time(), free_ports=ports, usage=self._usage.sample())))
             while self._control:
                 await call.write(self._control.popleft())
             if not self.reports.unsent:
