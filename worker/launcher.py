@@ -68,6 +68,9 @@ def hardware_facts() -> dict:
 
     import torch
 
+    # NVML answers is_available() without the CUDA driver's cuInit, which a fork must never follow: the ranks
+    # forked from this process initialise CUDA themselves (device_count() asks NVML first anyway)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = _nvidia_smi_gpus() if gpu_count else []
     if len(gpus) != gpu_count or "CUDA_VISIBLE_DEVICES" in os.environ:
