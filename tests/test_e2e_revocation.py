@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster import CTL, http_address, start_coordinator, start_worker, wait_for
+from test_e2e_tls import certs
 
 pytestmark = pytest.mark.timeout(300)
 NODES = ("node-0", "node-1")
@@ -25,10 +26,6 @@ resources: {{nodes: 2, slots_per_node: 1}}
 backend: gloo
 python: {{entrypoint: sleep.py, workdir: {workdir}}}
 """
-
-
-def certs(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CTL, "certs", *args], capture_output=True, text=True, timeout=60)
 
 
 class Cluster:
