@@ -93,7 +93,9 @@ class Client:
                         "or its own certificate does not match (its CA or its --san names)", EXIT_USAGE)
 
     def close(self) -> None:
-        self._channel.close()
+        # grpc's connectivity poller (started by _connect's subscribe) wakes every 0.2 s and Channel.close waits
+        # for it: close off the caller's path, so that `ctl` exits without that wait (0.2 s a client)
+        threading.Thread(target=self._channel.close, name="rankctl-channel-close", daemon=True).start()
 
     def __enter__(self) -> "Client":
         return self
