@@ -96,3 +96,28 @@ def test_ctl_certs_revoke_prints_serials_and_errors_without_traceback(ca: Path) 
     missing = runner.invoke(certs, ["revoke", str(ca.parent / "nowhere"), "--node", "n1"])
     assert missing.exit_code == 2 and "ctl certs init" in missing.output
     assert (ca / INDEX).is_file()
+
+
+class FakeContext:
+    def __init__(self, pem: bytes) -> None:
+        self.pem = pem
+
+    def auth_context(self) -> dict:
+        return {"x509_pem_cert": [self.pem]}
+
+
+def test_the_workers_peer_service_refuses_a_revoked_node(ca: Path) -> None:
+    from rankctl.worker.serve import _identify_unrevoked
+
+    now = [0.0]
+    idd = load_identity_dir(ca.parent / "n2")
+    identify = _identify_unrevoked(Revocations(idd.path / CRL, x509.load_pem_x509_certificate(idd.ca),
+                                               clock=lambda: now[0]))
+    n1 = FakeContext((ca.parent / "n1" / "cert.pem").read_bytes())
+    assert str(identify(n1)) == "node n1"
+    revoke(ca, node="n1")
+    (idd.path / CRL).write_bytes((ca / CRL).read_bytes())  # the operator copies the list to the node
+    now[0] = 2.0
+    with pytest.raises(ValueError, match=r"the certificate of node n1 \(serial \d+\) is revoked"):
+        identify(n1)
+    assert str(identify(FakeContext((ca.parent / "n2" / "cert.pem").read_bytes()))) == "node n2"
