@@ -47,6 +47,7 @@ class JobKind:
     paths); ``job_dir`` is the job file's directory, absolute.
     ``blobs(spec dict) -> ["sha256:<hex>"]``: blobs the spec references (a packed workdir), pure; the
     coordinator refuses a job whose blobs it does not hold, and a daemon fetches them before its ranks start.
+    ``blob_limit(spec dict) -> bytes``: the most a node may unpack of those blobs (a workdir quota), pure.
     """
 
     name: str
@@ -59,6 +60,7 @@ class JobKind:
     progress: Any = None
     client_overrides: Any = None
     blobs: Any = None
+    blob_limit: Any = None
 
     def resolve(self, attr: str) -> Callable[..., Any] | None:
         """The hook ``attr`` as a callable; a ``"module:function"`` string is imported now."""
@@ -152,6 +154,14 @@ def blobs_of(spec: Mapping[str, Any]) -> list[str]:
     kind = kinds().get(str(spec.get("kind", "")))
     hook = kind.resolve("blobs") if kind else None
     return list(hook(spec)) if hook else []
+
+
+def blob_limit_of(spec: Mapping[str, Any]) -> int | None:
+    """The bytes a node may unpack of the spec's blobs, by its kind's ``blob_limit`` hook; None: no limit
+    of the spec's own (the node's cap applies)."""
+    kind = kinds().get(str(spec.get("kind", "")))
+    hook = kind.resolve("blob_limit") if kind else None
+    return int(hook(spec)) if hook else None
 
 
 def unknown_kind(name: str) -> str:

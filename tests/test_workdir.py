@@ -106,7 +106,7 @@ def test_extraction_round_trips_a_packed_tree_and_caps_bytes(tmp_path: Path) -> 
     extract(tmp_path / "a.tar.gz", tmp_path / "out")
     assert (tmp_path / "out" / "pkg" / "m.py").read_text() == "x = 1\n"
     assert (tmp_path / "out" / "t.py").stat().st_mode & 0o777 == 0o755
-    with pytest.raises(FetchFailed, match="more than 4 bytes"):
+    with pytest.raises(FetchFailed, match="past the node's cap of 4 bytes"):
         extract(tmp_path / "a.tar.gz", tmp_path / "capped", max_bytes=4)
 
 
@@ -162,3 +162,93 @@ def test_concurrent_assigns_of_one_digest_fetch_once_and_a_bad_fetch_leaves_noth
     with pytest.raises(FetchFailed, match="arrived with"):
         asyncio.run(WorkdirCache(tmp_path / "other").path(wrong, fetch))
     assert list((tmp_path / "other" / "workdirs").iterdir()) == []
+
+
+def bomb(path: Path, unpacked: int, *, name: str = "zeros.bin") -> Path:
+    """A tar.gz of one file of ``unpacked`` zero bytes, written streaming (never ``unpacked`` bytes in memory)."""
+
+    class Zeros(io.RawIOBase):
+        def __init__(self) -> None:
+            self.left = unpacked
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buf) -> int:  # noqa: ANN001
+            n = min(len(buf), self.left)
+            buf[:n] = bytes(n)
+            self.left -= n
+            return n
+
+    with tarfile.open(str(path), "w|gz") as tar:  # stream mode deflates at level 9
+        info = tarfile.TarInfo(name)
+        info.size = unpacked
+        tar.addfile(info, io.BufferedReader(Zeros(), 1 << 20))
+    return path
+
+
+def _written(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_a_compression_bomb_stops_at_the_ratio_with_less_than_it_written(tmp_path: Path) -> None:
+    from rankctl.worker.blobs import MAX_RATIO, RATIO_FLOOR
+
+    archive = bomb(tmp_path / "b.tar.gz", 256 << 20)  # ~250 KiB packed: over 1000x
+    packed = archive.stat().st_size
+    with pytest.raises(FetchFailed, match=f"more than {MAX_RATIO}x its packed size"):
+        extract(archive, tmp_path / "out")
+    assert 0 < _written(tmp_path / "out") <= max(MAX_RATIO * packed, RATIO_FLOOR) + (1 << 20)
+
+
+def test_extraction_stops_at_the_unpacked_limit_before_writing_past_it(tmp_path: Path) -> None:
+    archive = bomb(tmp_path / "b.tar.gz", 8 << 20)  # under the ratio floor: only the limit stops it
+    what = "python.workdir_max_unpacked_mb=2"
+    with pytest.raises(FetchFailed, match=f"unpacks past {what}"):
+        extract(archive, tmp_path / "out", max_bytes=2 << 20, what=what)
+    assert _written(tmp_path / "out") <= 2 << 20
+    extract(archive, tmp_path / "whole", max_bytes=9 << 20)  # the same archive, under a larger limit
+    assert _written(tmp_path / "whole") == 8 << 20
+
+
+def test_the_unpacked_limit_defaults_to_four_times_the_packed_cap_and_is_checked_at_submit() -> None:
+    from rankctl.kinds.registry import blob_limit_of
+    from rankctl.kinds.spec import SpecError
+
+    spec = build_spec({"name": "j", "kind": "python", "python": {"entrypoint": "t.py", "workdir_max_mb": 3}})
+    assert blob_limit_of(spec.to_dict()) == 12 << 20
+    spec = build_spec({"name": "j", "kind": "python", "python": {"entrypoint": "t.py", "workdir_max_unpacked_mb": 5}})
+    assert blob_limit_of(spec.to_dict()) == 5 << 20
+    with pytest.raises(SpecError, match="workdir_max_unpacked_mb"):
+        build_spec({"name": "j", "kind": "python", "python": {"entrypoint": "t.py", "workdir_max_unpacked_mb": 0}})
+
+
+def test_the_node_cache_evicts_the_least_recently_used_tree_but_never_a_pinned_one(tmp_path: Path) -> None:
+    import asyncio
+    import hashlib
+
+    from rankctl.worker.blobs import WorkdirCache
+
+    archives = {}
+    for i in range(3):
+        data = bomb(tmp_path / f"{i}.tar.gz", 1 << 20, name=f"f{i}").read_bytes()
+        archives["sha256:" + hashlib.sha256(data).hexdigest()] = data
+    a, b, c = archives
+
+    async def fetch(digest: str):
+        yield archives[digest]
+
+    async def main() -> WorkdirCache:
+        cache = WorkdirCache(tmp_path / "node", max_bytes=(2 << 20) + 1000)
+        await cache.path(a, fetch)
+        await cache.path(b, fetch)
+        cache.pin(a)  # a runs: b is the one evicted, though a is older
+        await cache.path(c, fetch)
+        return cache
+
+    cache = asyncio.run(main())
+    done = sorted(p.name[:-5] for p in cache.root.glob("*.done"))
+    assert done == sorted(d.removeprefix("sha256:") for d in (a, c))
+    assert not (cache.root / b.removeprefix("sha256:")).exists()
+    cache.unpin(a)
+    assert cache.evict(set()) == [] and cache.evict({c.removeprefix("sha256:")}) == []  # 2 MiB: fits

@@ -19,4 +19,5 @@ KIND = JobKind(
     progress="rankctl.kinds.python.render:progress",
     client_overrides="rankctl.kinds.python.checks:absolute_workdir",
     blobs="rankctl.kinds.python.checks:blobs",
+    blob_limit="rankctl.kinds.python.checks:unpacked_limit",
 )

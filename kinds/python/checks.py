@@ -10,6 +10,7 @@ from typing import Any
 
 from rankctl.contract.names import shown
 from rankctl.contract.spec import JobSpec
+from rankctl.kinds.python.spec import PythonSpec
 
 FUNCTION_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
@@ -46,6 +47,11 @@ def blobs(spec: dict) -> list[str]:
     """``JobKind.blobs``: the packed workdir ``ctl`` uploaded (``python.workdir_blob``), if any."""
     digest = (spec.get("python") or {}).get("workdir_blob")
     return [digest] if digest else []
+
+
+def unpacked_limit(spec: dict) -> int:
+    """``JobKind.blob_limit``: the bytes a node may extract of the spec's workdir blob (the spec as a dict)."""
+    return PythonSpec.model_validate(spec.get("python") or {}).unpacked_limit_mb() << 20
 
 
 def node_paths(spec: dict[str, Any], workdir: str, cwd: str) -> list[tuple[str, Any, Any]]:

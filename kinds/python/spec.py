@@ -13,6 +13,7 @@ from rankctl.contract.spec import Section
 MAX_TEXT = 4096  # characters of an entry point, one argument, one env value, the workdir
 MAX_ARGS = 1000
 MAX_WORKDIR_MB = 1024  # python.workdir_max_mb: the largest packed workdir ctl may ship (the coordinator's cap)
+UNPACKED_PER_PACKED = 4  # python.workdir_max_unpacked_mb's default: this many times workdir_max_mb
 BLOB_RE = r"sha256:[0-9a-f]{64}"
 MAX_ENV = 256
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -32,6 +33,12 @@ class PythonSpec(Section):
     # set by ctl: the packed workdir on the coordinator; ranks then run in the node's extracted copy
     workdir_blob: Blob | None = None
     workdir_max_mb: int = Field(100, ge=1, le=MAX_WORKDIR_MB)  # ctl refuses to ship a larger packed workdir
+    workdir_max_unpacked_mb: int | None = Field(None, ge=1, le=UNPACKED_PER_PACKED * MAX_WORKDIR_MB)
+    """The most a node extracts of the shipped workdir (MiB, counted as bytes arrive); None: 4 x workdir_max_mb."""
+
+    def unpacked_limit_mb(self) -> int:
+        """``workdir_max_unpacked_mb``, or its default."""
+        return self.workdir_max_unpacked_mb or UNPACKED_PER_PACKED * self.workdir_max_mb
 
     @field_validator("env")
     @classmethod
