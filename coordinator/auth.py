@@ -50,15 +50,10 @@ def caller() -> Identity | None:
     return _CALLER.get()
 
 
-def caller_revoked() -> Callable[[], str | None] | None:
-    """For the call being served: a cheap check ``() -> why`` telling whether the caller's certificate has been
-    revoked since (a long node stream asks it each second); None without TLS or without a revocation list."""
-    held = _CERT.get()
-    if held is None:
-        return None
-    revocations, pem = held
-    who = _CALLER.get()
-    return lambda: revoked_problem(revocations, pem, who)
+def caller_certificate() -> tuple[Any, bytes] | None:
+    """For the call being served: (the revocation list it was checked against, the caller's certificate PEM), so
+    that a long node stream can be closed when its certificate is revoked later; None without a list."""
+    return _CERT.get()
 
 
 def needed(method: str) -> str | None:
@@ -101,12 +96,13 @@ class Authorizer(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"not a rankctl identity: {exc}")
         if who is None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate")
-        revoked = revoked_problem(self.revocations, peer_pem(context), who)
+        pem = peer_pem(context)
+        revoked = revoked_problem(self.revocations, pem, who)
         if revoked:
             log.warning("call refused: certificate revoked", caller=str(who), method=method)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, revoked)
         if self.revocations is not None:
-            _CERT.set((self.revocations, peer_pem(context)))
+            _CERT.set((self.revocations, pem))
         need = needed(method)
         why = refusal(who, method, need) if need else None
         if why:

@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from rankctl.coordinator import convert
-from rankctl.coordinator.auth import caller, caller_revoked
+from rankctl.coordinator.auth import caller, caller_certificate
 from rankctl.coordinator.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import ProtocolError
@@ -22,9 +22,11 @@ from rankctl.coordinator.ratelimit import StreamBudget
 from rankctl.coordinator.servicer import _abort
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
+from rankctl.security.revocation import serial_of_pem
+from rankctl.security.tls import revoked_problem
 
 log = structlog.get_logger("rankctl.coordinator")
-REVOCATION_CHECK_S = 2.0  # how often a live stream asks whether its certificate has been revoked since
+REVOCATION_CHECK_S = 1.0  # how often one watcher asks whether the revocation list changed
 
 
 class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
@@ -40,6 +42,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
     def __init__(self, core: Coordinator, blobs: BlobStore) -> None:
         self.core = core
         self.blobs = blobs
+        self.revoked: RevokedStreams | None = None  # made at the first stream checked against a revocation list
 
     async def FetchBlob(self, request: pb.FetchBlobRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlobChunk]:
@@ -76,18 +79,33 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             except Exception as exc:
                 await _abort(context, exc)
             revoked: list[str] = []
-            tasks = [asyncio.create_task(self._read(messages, session, outbox))]
-            if (check := caller_revoked()) is not None:
-                tasks.append(asyncio.create_task(_watch_revocation(check, outbox, revoked)))
+            reader = asyncio.create_task(self._read(messages, session, outbox))
+            watch = self._watch(who, outbox, revoked)
             try:
                 while (msg := await outbox.get()) is not None:
                     yield msg
             finally:
-                for task in tasks:
-                    task.cancel()
+                reader.cancel()
+                watch()
                 self.core.disconnect(session, "certificate revoked" if revoked else "stream closed")
             if revoked:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, revoked[0])
+
+    def _watch(self, who, outbox: asyncio.Queue, revoked: list[str]):  # noqa: ANN001, ANN202
+        """Close this stream (a reason in ``revoked``, None in ``outbox``) if its certificate is revoked later;
+        returns the call that stops watching it."""
+        held = caller_certificate()
+        if held is None:
+            return lambda: None
+        revocations, pem = held
+        if self.revoked is None:
+            self.revoked = RevokedStreams(revocations)
+
+        def close() -> None:
+            revoked.append(revoked_problem(revocations, pem, who) or f"the certificate of {who} is revoked")
+            log.warning("node.certificate_revoked", reason=revoked[0])
+            outbox.put_nowait(None)
+        return self.revoked.add(serial_of_pem(pem), close)
 
     async def _read(self, messages: AsyncIterator[pb.NodeMessage], session: NodeSession,
                     outbox: asyncio.Queue) -> None:
@@ -126,10 +144,43 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             log.warning("node.unexpected_message", node=session.name, body=body)
 
 
-async def _watch_revocation(check, outbox: asyncio.Queue, revoked: list[str]) -> None:  # noqa: ANN001
-    """End the stream once ``check()`` says the node's certificate is revoked (its reason appended to ``revoked``)."""
-    while (why := check()) is None:
-        await asyncio.sleep(REVOCATION_CHECK_S)
-    log.warning("node.certificate_revoked", reason=why)
-    revoked.append(why)
-    outbox.put_nowait(None)
+
+class RevokedStreams:
+    """One watcher for every node stream checked against one revocation list: once a second (the list's own stat)
+    it closes the streams whose certificate serial the list has come to hold. Adding and removing a stream is O(1);
+    only a change of the list costs O(streams). The task runs while streams are watched."""
+
+    def __init__(self, revocations) -> None:  # noqa: ANN001 - security.revocation.Revocations
+        self.revocations, self.seen = revocations, revocations.version
+        self.streams: dict[int, set] = {}
+        self.task: asyncio.Task | None = None
+
+    def add(self, serial: int, close):  # noqa: ANN001, ANN201 - close() ends one stream; returns its remover
+        if self.revocations.revoked(serial):  # revoked between the interceptor's check and now
+            close()
+            return lambda: None
+        self.streams.setdefault(serial, set()).add(close)
+        if self.task is None:
+            self.task = asyncio.create_task(self._run())
+        return lambda: self._remove(serial, close)
+
+    def _remove(self, serial: int, close) -> None:  # noqa: ANN001
+        closes = self.streams.get(serial)
+        if closes is not None:
+            closes.discard(close)
+            if not closes:
+                del self.streams[serial]
+        if not self.streams and self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(REVOCATION_CHECK_S)
+            self.revocations.refresh()
+            if self.revocations.version == self.seen:
+                continue
+            self.seen = self.revocations.version
+            for serial in [s for s in self.streams if self.revocations.revoked(s)]:
+                for close in list(self.streams.pop(serial, ())):
+                    close()

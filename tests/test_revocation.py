@@ -121,3 +121,36 @@ def test_the_workers_peer_service_refuses_a_revoked_node(ca: Path) -> None:
     with pytest.raises(ValueError, match=r"the certificate of node n1 \(serial \d+\) is revoked"):
         identify(n1)
     assert str(identify(FakeContext((ca.parent / "n2" / "cert.pem").read_bytes()))) == "node n2"
+
+
+def test_one_watcher_closes_only_the_streams_of_revoked_serials_and_stops_when_none_are_left(
+        ca: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from rankctl.coordinator import node_service
+
+    monkeypatch.setattr(node_service, "REVOCATION_CHECK_S", 0.01)
+    idd = load_identity_dir(ca / "coordinator")
+    now = [0.0]
+    revs = Revocations(idd.path / CRL, x509.load_pem_x509_certificate(idd.ca), clock=lambda: now[0])
+    n1, n2 = serial(ca.parent / "n1"), serial(ca.parent / "n2")
+
+    async def main() -> tuple[list[str], bool, bool]:
+        closed: list[str] = []
+        watch = node_service.RevokedStreams(revs)
+        watch.add(n1, lambda: closed.append("n1"))
+        remove_n2 = watch.add(n2, lambda: closed.append("n2"))
+        revoke(ca, node="n1")
+        now[0] = 2.0
+        for _ in range(200):
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+        running = watch.task is not None
+        remove_n2()
+        late: list[str] = []
+        watch.add(n1, lambda: late.append("n1"))  # a stream of a revoked serial is closed at once
+        return closed + late, running, watch.task is None
+
+    closed, running, stopped = asyncio.run(main())
+    assert closed == ["n1", "n1"] and running and stopped
