@@ -30,6 +30,7 @@ class RankAssignment:
     device: int | None = None            # CUDA device index on GPU nodes
     workdir: str = ""                    # set by the daemon: where a shipped workdir lies on this node
     restart: bool = False                # an automatic restart of the same job (attempt > 1)
+    node_address: str = ""               # the node's advertised address: collectives bind there ("": unknown)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

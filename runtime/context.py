@@ -7,6 +7,7 @@ whose code owns the rendezvous (``python``): the default group is then the one t
 ``init_process_group``, or, if it created none, one made here at the same address (``MASTER_ADDR:MASTER_PORT``).
 All of the rank's groups are built at once, in ``parallel.groups``' global order, so the first ``group()`` call
 must happen on every rank (any kind, any time): like Megatron's initialisation, it cannot deadlock then.
+Making the context pins gloo and NCCL to the node's advertised address (``runtime.netif``), before any kind runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rankctl.kinds.spec import parallel_config
 from rankctl.parallel.groups import WORLD, ProcessGroups, group_name
 from rankctl.parallel.layout import RankLayout
 from rankctl.parallel.placement import node_of_rank
+from rankctl.runtime.netif import pin_interface
 from rankctl.runtime.rendezvous import init_distributed, resolve_backend
 from rankctl.runtime.status import StatusWriter
 
@@ -61,6 +63,9 @@ class RankContext:
         self._losses: list[dict[str, Any]] = []
         self._metrics: dict[str, float] = {}
         self._step: int | None = None
+        self.pinning = pin_interface(assignment.node_address, assignment.rendezvous_host, os.environ)
+        log.info("collectives", address=self.pinning.address, interface=self.pinning.interface,
+                 set=list(self.pinning.set_vars), why=self.pinning.why)
 
     # -- identity (pure) --------------------------------------------------------------------
     rank = property(lambda self: self.assignment.rank)

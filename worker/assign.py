@@ -26,12 +26,15 @@ def claimed_ranks(msg: pb.Assign) -> list[int]:
     return [r for r in range(msg.first_rank, msg.first_rank + count) if r >= 0]
 
 
-def expand(msg: pb.Assign, node: str, run_dir: str, gpus: int) -> list[RankAssignment]:
-    """The node's rank assignments; raises ``Refused`` naming what is wrong with the Assign."""
+def expand(msg: pb.Assign, node: str, run_dir: str, gpus: int, address: str = "") -> list[RankAssignment]:
+    """The node's rank assignments; raises ``Refused`` naming what is wrong with the Assign.
+
+    ``address`` is the node's advertised address, where its ranks bind their collectives (``runtime.netif``).
+    """
     out = _compact(msg, node, gpus)
     for a in out:
         check_assignment(a, msg.job_id, msg.attempt)
-    return [replace(a, run_dir=run_dir) for a in out]
+    return [replace(a, run_dir=run_dir, node_address=address) for a in out]
 
 
 def _compact(msg: pb.Assign, node: str, gpus: int) -> list[RankAssignment]:
