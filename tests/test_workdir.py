@@ -236,7 +236,7 @@ def test_the_node_cache_evicts_the_least_recently_used_tree_but_never_a_pinned_o
     a, b, c = archives
 
     async def fetch(digest: str):
-        yield archives[digest]
+        yield archives.get(digest, b"not an archive")
 
     async def main() -> WorkdirCache:
         cache = WorkdirCache(tmp_path / "node", max_bytes=(2 << 20) + 1000)
@@ -244,11 +244,15 @@ def test_the_node_cache_evicts_the_least_recently_used_tree_but_never_a_pinned_o
         await cache.path(b, fetch)
         cache.pin(a)  # a runs: b is the one evicted, though a is older
         await cache.path(c, fetch)
+        with pytest.raises(FetchFailed):
+            await cache.path("sha256:" + "0" * 64, fetch, pin=True)  # not fetched: not left pinned
+        await cache.path(c, fetch, pin=True)
         return cache
 
     cache = asyncio.run(main())
     done = sorted(p.name[:-5] for p in cache.root.glob("*.done"))
     assert done == sorted(d.removeprefix("sha256:") for d in (a, c))
     assert not (cache.root / b.removeprefix("sha256:")).exists()
+    assert cache.pinned() == {a.removeprefix("sha256:"): 1, c.removeprefix("sha256:"): 1}
     cache.unpin(a)
     assert cache.evict(set()) == [] and cache.evict({c.removeprefix("sha256:")}) == []  # 2 MiB: fits

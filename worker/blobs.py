@@ -115,10 +115,26 @@ class WorkdirCache:
         if left > 0:
             self._pins[hx] = left
 
+    def pinned(self) -> dict[str, int]:
+        """hex digest -> runs using its tree."""
+        return dict(self._pins)
+
     async def path(self, digest: str, fetch: Callable[[str], AsyncIterator[Any]],
-                   max_bytes: int | None = None) -> Path:
-        """``max_bytes``: what the spec lets it unpack to (``registry.blob_limit_of``); None: the node's cap."""
+                   max_bytes: int | None = None, *, pin: bool = False) -> Path:
+        """``max_bytes``: what the spec lets it unpack to (``registry.blob_limit_of``); None: the node's cap.
+        ``pin``: pinned from the call on (no eviction can slip in before the caller pins), unpinned if it fails."""
         hx = self._hex(digest)
+        if pin:
+            self.pin(digest)
+        try:
+            return await self._path(digest, hx, fetch, max_bytes)
+        except BaseException:
+            if pin:
+                self.unpin(digest)
+            raise
+
+    async def _path(self, digest: str, hx: str, fetch: Callable[[str], AsyncIterator[Any]],
+                    max_bytes: int | None) -> Path:
         done = self.root / f"{hx}.done"
         if done.exists():
             done.touch()  # its use time, for eviction
