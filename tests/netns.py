@@ -3,13 +3,16 @@
 Each node gets a namespace with one veth link (``eth0``, its own address on a private /24) plugged
 into a bridge in the host namespace, where the coordinator listens on the bridge's address. A
 partition is the host side of a node's link going down: its streams stall without a FIN, as when
-a switch port dies. Needs root and ``ip``; ``netns_problem()`` says why it cannot run here.
+a switch port dies. In each namespace the host name resolves to 127.0.0.1 (``/etc/netns/NS/hosts``, which
+``ip netns exec`` binds over ``/etc/hosts``), as on many real hosts: nothing tells gloo or NCCL which interface
+to use but rankctl itself. Needs root and ``ip``; ``netns_problem()`` says why it cannot run here.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -73,6 +76,13 @@ class NetnsCluster:
             _ip("addr", "add", f"{self.addr[name]}/24", "dev", "eth0", ns=ns)
             _ip("link", "set", "eth0", "up", ns=ns)
             _ip("link", "set", "lo", "up", ns=ns)
+            hosts = self.hosts_file(name)
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            hosts.write_text(f"127.0.0.1 localhost {socket.gethostname()}\n")
+
+    def hosts_file(self, name: str) -> Path:
+        """The namespace's /etc/hosts: the host name is loopback there."""
+        return Path("/etc/netns") / self.ns[name] / "hosts"
 
     def start_worker(self, name: str) -> None:
         state = self.root / name
@@ -80,8 +90,7 @@ class NetnsCluster:
         self.workers[name] = Proc(
             ["worker", "--coordinator", self.address, "--slots", str(self.slots), "--name", name,
              "--state-dir", str(state), "--advertise-address", self.addr[name], "--insecure"],  # a private bridge
-            self.root / f"{name}.log", env={"GLOO_SOCKET_IFNAME": "eth0"},
-            prefix=["ip", "netns", "exec", self.ns[name]])
+            self.root / f"{name}.log", prefix=["ip", "netns", "exec", self.ns[name]])
 
     def wait_ready(self, names: list[str] | None = None) -> None:
         want = sorted(names or self.names)
@@ -103,6 +112,11 @@ class NetnsCluster:
                 pass
         if self.coord is not None:
             self.coord.stop()
-        for ns in self.ns.values():
+        for name, ns in self.ns.items():
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(self.hosts_file(name).parent, ignore_errors=True)
+        try:
+            os.rmdir("/etc/netns")  # only when no other namespace keeps a file there
+        except OSError:
+            pass
         _ip("link", "del", self.bridge, check=False)
