@@ -267,12 +267,21 @@ USAGE = {"cpu": r"\d+%", "memory": r"[\d.]+ / [\d.]+ GiB", "gpus": r"(?s)none|\d
 def test_the_nodes_page_shows_cpu_memory_and_gpu_use(driver, cluster: ProcCluster,  # noqa: ANN001
                                                      tmp_path: Path) -> None:
     driver.set_window_size(1100, 440)
-    driver.get(f"{cluster.http_url}/nodes")
-    heads = [h.text for h in driver.find_elements("css selector", "#nodes thead th")]
-    rows = [[td.text for td in r.find_elements("css selector", "td")]
-            for r in driver.find_elements("css selector", "#nodes tbody tr")]
+
+    def table() -> tuple[list[str], list[list[str]]]:
+        driver.get(f"{cluster.http_url}/nodes")
+        heads = [h.text for h in driver.find_elements("css selector", "#nodes thead th")]
+        return heads, [[td.text for td in r.find_elements("css selector", "td")]
+                       for r in driver.find_elements("css selector", "#nodes tbody tr")]
+
+    # every daemon's heartbeats carry its usage (worker/usage.py): wait until both have sent one
+    def heard(t: tuple[list[str], list[list[str]]]) -> bool:
+        cols = [t[0].index(name) for name in USAGE]
+        return len(t[1]) == 2 and all(r[c] != "—" for r in t[1] for c in cols)
+
+    heads, rows = wait_for(lambda: (t := table()) and heard(t) and t, 30, "both nodes' usage on the nodes page")
     assert sorted(r[0] for r in rows) == ["node-0", "node-1"]
     for name, rule in USAGE.items():
         col = heads.index(name)
-        assert all(r[col] == "—" or re.fullmatch(rule, r[col]) for r in rows), (name, rows)  # "—": not heard yet
+        assert all(re.fullmatch(rule, r[col]) for r in rows), (name, rows)
     shot(driver, tmp_path, "dashboard-nodes.png")
