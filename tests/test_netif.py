@@ -95,3 +95,17 @@ def test_the_assignment_carries_the_node_address_over_the_wire() -> None:
     import json
     assert json.loads(a.to_json())["node_address"] == "10.9.0.4"
     assert RankAssignment(**json.loads(a.to_json())) == a
+
+
+def test_the_daemon_s_expansion_hands_each_rank_its_node_address() -> None:
+    import json
+
+    from rankctl.proto import rankctl_pb2 as pb
+    from rankctl.worker.assign import expand
+
+    doc = {"name": "a", "kind": "comm-check", "resources": {"nodes": 2, "slots_per_node": 2}}
+    msg = pb.Assign(job_id="a-000001", attempt=1, world_size=4, first_rank=2, rank_count=2,
+                    rendezvous="10.9.0.3:5000", backend="gloo", kind="comm-check", spec_json=json.dumps(doc))
+    ranks = expand(msg, "n1", "/tmp/run", 0, "10.9.0.4")
+    assert [(a.rank, a.node_address) for a in ranks] == [(2, "10.9.0.4"), (3, "10.9.0.4")]
+    assert {a.node_address for a in expand(msg, "n1", "/tmp/run", 0)} == {""}  # a daemon that passes none
