@@ -60,7 +60,7 @@ def plain_text_problem(addresses: dict[str, str], tls_dir: str | None, insecure:
 
 async def _serve_coordinator(listen: str, state_dir: Path, tls_dir: str | None, **options: object) -> None:
     """Serve until SIGTERM/SIGINT; ``options``: start_coordinator's keyword arguments (heartbeat_timeout,
-    head_wait, http_listen, metrics_per_rank)."""
+    head_wait, http_listen, metrics_per_rank, blob_quota_bytes, blob_retention_s)."""
     import structlog
 
     from rankctl.coordinator.server import start_coordinator
@@ -92,11 +92,15 @@ async def _serve_coordinator(listen: str, state_dir: Path, tls_dir: str | None, 
               help="Serve the dashboard and Prometheus /metrics over HTTP here (default or \"\": off).")
 @click.option("--metrics-per-rank", is_flag=True,
               help="Add per-rank series to /metrics (one per rank of every active job: large clusters beware).")
+@click.option("--blob-quota-mb", default=10240, show_default=True, type=click.IntRange(min=1),
+              help="MiB of uploaded workdirs each submitter may store (an upload past it is refused, naming the use).")
+@click.option("--blob-retention-hours", default=168.0, show_default=True, type=click.FloatRange(min=0),
+              help="Keep a workdir blob this long after the last job using it finished or it was last uploaded.")
 @with_tls
 @log_level
 @log_format
 def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float, http_listen: str | None,
-                metrics_per_rank: bool, tls_dir: str | None, insecure: bool, log_level: str, log_format: str) -> None:
+                metrics_per_rank: bool, blob_quota_mb: int, blob_retention_hours: float, tls_dir: str | None, insecure: bool, log_level: str, log_format: str) -> None:
     """Run the coordinator service (gRPC) until SIGTERM/SIGINT."""
     from rankctl.coordinator.store import StateDirInUse, StoreUnusable
     from rankctl.security.certs import CertError
@@ -122,7 +126,8 @@ def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wai
     try:
         asyncio.run(_serve_coordinator(listen, state_dir, tls_dir, heartbeat_timeout=heartbeat_timeout,
                                        head_wait=head_wait, http_listen=http_listen,
-                                       metrics_per_rank=metrics_per_rank))
+                                       metrics_per_rank=metrics_per_rank, blob_quota_bytes=blob_quota_mb << 20,
+                                       blob_retention_s=blob_retention_hours * 3600))
     except (StateDirInUse, StoreUnusable, CertError) as exc:
         raise CtlError(str(exc)) from None
     except OSError as exc:

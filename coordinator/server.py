@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from rankctl.coordinator.auth import Authorizer
-from rankctl.coordinator.blobs import BlobStore
+from rankctl.coordinator.blobs import QUOTA_BYTES, RETENTION_S, BlobStore, collect_loop
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator import reflection
 from rankctl.coordinator.node_service import NodeServiceServicer
@@ -58,6 +58,7 @@ class CoordinatorServer:
     host: str
     port: int
     monitor: asyncio.Task | None = field(default=None, repr=False)
+    blob_gc: asyncio.Task | None = field(default=None, repr=False)  # unreferenced blobs collected (coordinator.blobs)
     http: "HttpServer | None" = field(default=None, repr=False)   # the dashboard (``--http-listen``)
     http_host: str = ""
 
@@ -86,10 +87,11 @@ class CoordinatorServer:
         self.core.shutdown()
         if self.http is not None:
             await self.http.stop()
-        if self.monitor is not None:
-            self.monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.monitor
+        for task in (self.monitor, self.blob_gc):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.store.close()
@@ -159,7 +161,8 @@ def _split_listen(listen: str) -> str:
 async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float = 10.0, *,
                             clock: Callable[[], float] = time.time, head_wait: float | None = None,
                             tls_dir: str | Path | None = None, http_listen: str | None = None,
-                            metrics_per_rank: bool = False) -> CoordinatorServer:
+                            metrics_per_rank: bool = False, blob_quota_bytes: int = QUOTA_BYTES,
+                            blob_retention_s: float = RETENTION_S) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
     ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
 
@@ -173,7 +176,7 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     store = Store(state_dir)
     extra = {} if head_wait is None else {"head_wait": head_wait}
     core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout, **extra)
-    blobs = BlobStore(state_dir)  # after the store: its lock says this state dir is ours
+    blobs = BlobStore(state_dir, quota_bytes=blob_quota_bytes, retention_s=blob_retention_s)  # after the store's lock
     server = grpc.aio.server(options=SERVER_OPTIONS,
                              interceptors=[Authorizer(peer_identity, enabled=identity is not None,
                                       revocations=identity.revocations if identity is not None else None)])
@@ -194,6 +197,7 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     coord = CoordinatorServer(server, core, store, health, _split_listen(listen), port)
     coord.monitor = asyncio.create_task(_monitor(core, period=max(0.05, min(0.5, heartbeat_timeout / 4))))
+    coord.blob_gc = asyncio.create_task(collect_loop(blobs, core.list, clock=clock))
     if http_listen is not None:
         await _start_dashboard(coord, http_listen, identity, metrics_per_rank, Path(state_dir))
     core.schedule()

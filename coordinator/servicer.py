@@ -27,7 +27,7 @@ from rankctl.coordinator.auth import ADMIN, caller
 from rankctl.coordinator.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import (
-    AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, ProtocolError,
+    AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, ProtocolError, os_status,
 )
 from rankctl.coordinator.jobs import MAX_PAGE
 from rankctl.coordinator.logfetch import get_logs
@@ -81,6 +81,8 @@ def domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
     The dashboard answers with the same (``coordinator.web.app.http_error``)."""
     if isinstance(exc, StoreError):
         return _store_code(exc), str(exc)
+    if isinstance(exc, OSError):  # a disk full, a permission: named, never INTERNAL (coordinator.errors)
+        return os_status(exc)
     for kind, code in _CODES:
         if isinstance(exc, kind):
             return code, "\n".join(exc.errors) if isinstance(exc, SpecError) else str(exc)
@@ -302,7 +304,9 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             first = await anext(chunks, None)
             if first is None:
                 raise InvalidRequest("an upload needs at least one chunk naming its digest and size")
-            size = await self.blobs.put(first.digest, first.size, _upload_chunks(first, chunks))
+            who = caller()  # the blob is charged to its first uploader's quota
+            size = await self.blobs.put(first.digest, first.size, _upload_chunks(first, chunks),
+                                        owner=who.name if who else "")
             log.info("blob.stored", digest=first.digest, size=size)
             return pb.BlobRef(digest=first.digest, size=size)
         except Exception as exc:
