@@ -31,6 +31,36 @@ def sleep(ctx):
     return {}
 
 register_kind("test-sleep", sleep)
+
+def orphan(ctx):
+    """A child that leaves the rank's session, ignores SIGTERM and SIGHUP, and sleeps on."""
+    import os, signal
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        ctx.status.write("running", metrics={"child_pid": os.getpid()})
+        while True:
+            time.sleep(1)
+    os.waitpid(pid, 0)
+    time.sleep(0.5)
+    return {}
+
+def burst(ctx):
+    """64 MiB of numbered lines on stdout as fast as it can, then exit."""
+    import sys
+    line = b"x" * 1000
+    for i in range(64 * 1024):
+        sys.stdout.buffer.write(b"%08d " % i + line + b"\\n")
+    sys.stdout.buffer.write(b"the last line\\n")
+    sys.stdout.flush()
+    return {}
+
+register_kind("test-orphan", orphan)
+register_kind("test-burst", burst)
 '''
 
 
@@ -93,6 +123,15 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def subreaper(loop, env):
+    """A second launcher that contains ranks without cgroups (the fallback)."""
+    launcher = loop.run_until_complete(Launcher.start(env=env, imports=["rankctl_test_kinds"],
+                                                      containment="subreaper"))
+    yield launcher
+    loop.run_until_complete(launcher.close())
 
 
 def test_ready_reports_hardware(launcher) -> None:
@@ -173,6 +212,34 @@ def test_no_rank_survives_a_killed_launcher(loop, env, tmp_path) -> None:
     wait_until(lambda: not pid_alive(started["pid"]), timeout=5)
     for pid in _child_pids(str(tmp_path), 1):  # the rank's own child is orphaned, not killed
         os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("which", ["launcher", "subreaper"])
+def test_a_setsid_child_that_ignores_sigterm_ends_with_its_rank(loop, request, which, tmp_path) -> None:
+    launcher = request.getfixturevalue(which)
+    job = f"orphan-{which}"
+    loop.run_until_complete(launcher.launch(assignments(job, "test-orphan", str(tmp_path))))
+    (exited,) = [e for e in wait_events(loop, launcher, job, "exited", 1) if e["event"] == "exited"]
+    (child,) = _child_pids(str(tmp_path), 1)
+    assert exited["exit_code"] == 0 and exited["leftovers_killed"] == 1, exited
+    assert not pid_alive(child)  # gone before the exit was reported, not after
+    if which == "subreaper":
+        assert launcher.containment.startswith("child subreaper"), launcher.containment
+
+
+def test_a_burst_on_stdout_is_rotated_as_it_arrives(loop, launcher, tmp_path) -> None:
+    """64 MiB in one burst, then exit, with 1 MiB generations: two generations stay on disk."""
+    from rankctl.worker.rankio import MIN_GENERATION_BYTES
+
+    loop.run_until_complete(launcher.launch(assignments("burst", "test-burst", str(tmp_path)),
+                                            log_bytes=MIN_GENERATION_BYTES))
+    (exited,) = [e for e in wait_events(loop, launcher, "burst", "exited", 1, timeout=60) if e["event"] == "exited"]
+    assert exited["exit_code"] == 0, exited["log_tail"]
+    sizes = {p.name: p.stat().st_size for p in tmp_path.glob("rank-0.log*")}
+    assert set(sizes) == {"rank-0.log", "rank-0.log.1"} and sum(sizes.values()) <= 2 * MIN_GENERATION_BYTES, sizes
+    assert sizes["rank-0.log.1"] > MIN_GENERATION_BYTES - 1100  # cut at a line end near the size
+    assert exited["log_tail"][-1] == "the last line"
+    assert (tmp_path / "rank-0.log.1").read_bytes().endswith(b"\n")
 
 
 # -- status files (no processes) ---------------------------------------------------------------

@@ -20,7 +20,8 @@ from rankctl.coordinator.logfetch import LogFetcher, LogsUnavailable, get_logs
 from rankctl.coordinator.records import JobRecord, RankRecord
 from rankctl.coordinator.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.logship import MAX_CHUNK_BYTES, MAX_LINE_BYTES, RankLog, answer_fetch, rotate_if_big
+from rankctl.worker import rankio
+from rankctl.worker.logship import MAX_CHUNK_BYTES, MAX_LINE_BYTES, RankLog, answer_fetch
 
 JOB = "train-0a1b2c"
 CUT = f" [rankctl: line cut at {MAX_LINE_BYTES} bytes]"
@@ -141,23 +142,50 @@ def test_a_symlinked_or_special_log_is_refused(tmp_path: Path) -> None:
         assert chunk.error and list(chunk.lines) == []
 
 
-# -- rotation ----------------------------------------------------------------------------------
-def test_rotation_keeps_one_generation_and_appending_writers_go_on(tmp_path: Path) -> None:
+# -- rotation as bytes arrive (worker.rankio) ----------------------------------------------------
+def _rank_log(path: Path, generation: int) -> tuple["rankio.RankLog", int]:
+    r, w = rankio.output_pipe()
+    return rankio.RankLog(str(path), r, generation), w
+
+
+def test_rotation_keeps_one_generation_cut_at_a_line_end(tmp_path: Path) -> None:
     path = log_file(tmp_path, 0)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # as the forker opens it
+    log, w = _rank_log(path, 100)
+    follower = 0
     try:
-        os.write(fd, b"old line\n" * 10)
-        assert not rotate_if_big(str(path), cap=1000)
+        os.write(w, b"old line\n" * 10)  # 90 bytes: no rotation yet
+        assert log.pump() and not Path(f"{path}.1").exists()
         follower = fetch(tmp_path).next_offset
-        assert rotate_if_big(str(path), cap=50)
-        os.write(fd, b"new line\n")
+        os.write(w, b"new line\n" * 2)  # the second line would pass 100 bytes: it opens a generation
+        assert log.pump()
     finally:
-        os.close(fd)
+        os.close(w)
+    assert not log.pump()  # every writer closed the pipe: EOF
+    log.close()
+    assert Path(f"{path}.1").read_bytes() == b"old line\n" * 10 + b"new line\n"
     assert path.read_bytes() == b"new line\n"
-    assert Path(f"{path}.1").read_bytes() == (b"old line\n" * 10)[-50:]  # at most the last cap bytes
     chunk = fetch(tmp_path, offset=follower)  # the follower's offset is past the new end: it restarts
     assert list(chunk.lines) == ["[rankctl: the log was rotated; older lines are in rank-0.log.1]", "new line"]
-    assert not rotate_if_big(str(path.with_name("rank-9.log")), cap=1)
+
+
+def test_a_burst_leaves_at_most_two_generations(tmp_path: Path) -> None:
+    path = log_file(tmp_path, 0)
+    log, w = _rank_log(path, 1000)
+    try:
+        for i in range(500):
+            os.write(w, b"%07d\n" % i)
+            log.pump()
+    finally:
+        os.close(w)
+    log.close()
+    assert path.stat().st_size + Path(f"{path}.1").stat().st_size <= 2000
+    assert path.read_bytes().endswith(b"0000499\n")
+
+
+def test_the_per_job_cap_shrinks_each_generation() -> None:
+    assert rankio.generation_bytes(1) == rankio.GENERATION_BYTES
+    assert rankio.generation_bytes(64) * 2 * 64 <= rankio.JOB_LOG_BYTES
+    assert rankio.generation_bytes(1 << 16) == rankio.MIN_GENERATION_BYTES
 
 
 def test_rotation_follows_no_symlink(tmp_path: Path) -> None:
@@ -166,12 +194,16 @@ def test_rotation_follows_no_symlink(tmp_path: Path) -> None:
     other.write_bytes(b"o" * 100)
     path = log_file(tmp_path, 0)
     path.symlink_to(victim)
-    assert not rotate_if_big(str(path), cap=10) and victim.read_bytes() == b"v" * 100
-    path.unlink()
-    path.write_bytes(b"l" * 100)
-    Path(f"{path}.1").symlink_to(other)
-    assert rotate_if_big(str(path), cap=10)
-    assert other.read_bytes() == b"o" * 100 and not Path(f"{path}.1").is_symlink()
+    log, w = _rank_log(path, 10)
+    try:
+        Path(f"{path}.1").symlink_to(other)
+        os.write(w, b"l" * 30)
+        log.pump()
+    finally:
+        os.close(w)
+    log.close()
+    assert victim.read_bytes() == b"v" * 100 and other.read_bytes() == b"o" * 100
+    assert not path.is_symlink() and not Path(f"{path}.1").is_symlink()
 
 
 def test_the_deprecated_shipper_ships_nothing() -> None:

@@ -7,7 +7,7 @@ per tick with every rank that changed (``worker.reportbuf`` keeps only the newes
 rank under backlog); a phase change, exit or error goes out at once, without waiting for the tick. Heartbeats never queue behind reports: the writer sends a due heartbeat
 before the next batch (and skips it, but for every fifth, which carries free ports, when a batch
 went out within the interval: a report shows the node alive as well). Rank logs stay in their files here; the coordinator reads them on
-demand (FetchLogs, answered by ``worker.logship``, which also rotates them past a size cap). While the coordinator is away it
+demand (FetchLogs, answered by ``worker.logship``; the launcher rotates them as bytes arrive, ``worker.rankio``). While the coordinator is away it
 reconnects with jittered backoff (``reconnect_delay``) and keeps every report; after re-registering
 it replays those the coordinator has not yet stored.
 
@@ -47,7 +47,8 @@ from rankctl.worker.hangwatch import HangWatch
 from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.contract.collfiles import read_counters
 from rankctl.contract.rankfiles import log_path, write_control
-from rankctl.worker.logship import ROTATE_BYTES, answer_fetch, rotate_if_big
+from rankctl.worker.logship import answer_fetch
+from rankctl.worker.rankio import GENERATION_BYTES
 from rankctl.worker.metrics import DaemonStats
 from rankctl.worker.paths import Refused, run_dir_for
 from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
@@ -63,7 +64,6 @@ log = structlog.get_logger("rankctl.worker")
 
 MAX_BUFFERED_REPORTS = 200_000
 BATCH_REPORTS = 4096          # reports in one ReportBatch at most
-ROTATE_EVERY = 50             # poll turns between two checks of the rank logs' sizes
 WATCH_EVERY = 10              # poll turns between two looks at the ranks' process states
 REPLICATE_EVERY = 2           # poll turns between two looks for new checkpoint or snapshot steps to push
 STARTED_PHASES = ("running", "done", "failed")
@@ -81,7 +81,7 @@ class DaemonConfig:
     poll_interval: float = 0.1
     start_poll_interval: float = 0.02  # ... while a run's ranks are starting (their phase changes are the start-up)
     report_interval: float = 0.2  # at most one ReportBatch this often (reports in between coalesce)
-    log_cap_bytes: int = ROTATE_BYTES  # a rank log past this is rotated (one older generation kept)
+    log_cap_bytes: int = GENERATION_BYTES  # the launcher rotates a rank log at this size as bytes arrive
     peer_port: int = 0            # where this node's PeerService listens (on advertise_address); 0: none
     backoff_initial: float = 0.2
     backoff_max: float = 5.0      # retries at least this often (the coordinator's RECONNECT_GRACE_S counts on it)
@@ -244,11 +244,15 @@ class WorkerDaemon:
         run.alive.discard(rank)
         self._drain(run)  # status lines written before the exit go first
         code = exit_code(ev)
-        tail = "\n".join(ev.get("log_tail") or [])
+        leftovers = int(ev.get("leftovers_killed") or 0)
+        notes = ["\n".join(ev.get("log_tail") or [])] if code != 0 else []
+        if leftovers:
+            notes.append(f"rankctl: {leftovers} leftover process(es) of rank {rank} still ran after it ended; "
+                         "they were killed")
         status = pb.RankStatus(rank=rank, node=self.cfg.name, phase="exited", exited=True, exit_code=code,
-                               error=tail if code != 0 else "")
+                               error="\n".join(notes))
         self._report(run.job_id, run.attempt, status)
-        self._log.info("rank exited", job=run.job_id, rank=rank, code=code)
+        self._log.info("rank exited", job=run.job_id, rank=rank, code=code, leftovers_killed=leftovers)
         if code == 0:
             run.succeeded.add(rank)
             if run.succeeded == run.ranks and run.job_name:
@@ -362,14 +366,12 @@ class WorkerDaemon:
             await asyncio.sleep(interval)
 
     async def _every_turn(self, turns: int) -> None:
-        """What the poll loop does every few turns: process states, replica pushes, log rotation."""
+        """What the poll loop does every few turns: process states, replica pushes (the launcher
+        rotates rank logs as their bytes arrive, ``worker.rankio``)."""
         if turns % WATCH_EVERY == 0:
             self._watch_processes()
         if turns % REPLICATE_EVERY == 0:
             self._replicate()
-        if turns % ROTATE_EVERY == 0:
-            logs = [log_path(r.run_dir, rank) for r in self.runs.values() for rank in r.alive]
-            await asyncio.to_thread(self._rotate, logs)
 
     def _watch_processes(self) -> None:
         """Report a rank whose process is stopped (SIGSTOP, a debugger), and when it goes on, and a
@@ -422,15 +424,6 @@ class WorkerDaemon:
         run.process[rank] = state  # the report carries the process state the coordinator keeps
         self._report(run.job_id, run.attempt, pb.RankStatus(rank=rank, node=self.cfg.name, process=state,
                                                             collectives=evidence, stack=stack))
-
-    def _rotate(self, paths: list[str]) -> None:
-        """Keep each live rank's log bounded (``logship.rotate_if_big``); runs on a worker thread."""
-        for path in paths:
-            try:
-                if rotate_if_big(path, self.cfg.log_cap_bytes):
-                    self._log.info("rank log rotated", path=path)
-            except OSError as exc:
-                self._log.warning("rank log rotation failed", path=path, error=str(exc))
 
     # -- coordinator messages ----------------------------------------------------------------
     def _checked(self, msg: pb.Assign) -> tuple[Path, list[RankAssignment]]:
@@ -497,7 +490,8 @@ class WorkerDaemon:
         self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(ranks))
         await self._launcher_up.wait()
         try:
-            await self.launcher.launch(assignments)
+            custom = self.cfg.log_cap_bytes != GENERATION_BYTES  # the launcher's default otherwise
+            await self.launcher.launch(assignments, **({"log_bytes": self.cfg.log_cap_bytes} if custom else {}))
         except LauncherError as exc:  # it just died: _launcher_died reports these ranks
             self._log.warning("launch failed", job=msg.job_id, error=str(exc))
 
@@ -683,6 +677,7 @@ class WorkerDaemon:
     async def run(self) -> None:
         """Until ``stop()``; raises ``LauncherLost`` or ``NodeNameTaken`` when the daemon must exit."""
         self._session = f"{self.cfg.name}-{os.getpid()}-{id(self):x}"
+        self._log.info("rank containment", how=getattr(self.launcher, "containment", "") or "unknown")
         tasks = [asyncio.create_task(c) for c in (self._connect_loop(), self._pump_launcher(), self._poll_files())]
         stopping = asyncio.create_task(self._stopping.wait())
         try:

@@ -2,11 +2,14 @@
 
 Single-threaded on purpose: forking happens in the main thread (``PR_SET_PDEATHSIG``
 follows the thread that forked), and with no other threads no lock can be held at
-fork time. SIGCHLD wakes the loop through ``signal.set_wakeup_fd``.
+fork time. SIGCHLD wakes the loop through ``signal.set_wakeup_fd``. The same loop copies each
+rank's output pipe into its log (``rankio``), and a rank's exit is reported only once every
+process of it is gone (``contain``) and its pipe is drained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import heapq
@@ -17,15 +20,19 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from rankctl.contract.assignment import RankAssignment
+from rankctl.worker import contain
 from rankctl.worker.procutil import configure_logging, parse_signal, set_parent_death_signal, signal_name
 from rankctl.contract.rankfiles import log_path
+from rankctl.worker.rankio import RankLog, generation_bytes, output_pipe
 from rankctl.worker.status import tail_lines
 
 LOG_TAIL_LINES = 20
 DEFAULT_GRACE_S = 10.0
+LEFTOVER_GRACE_S = 3.0   # SIGTERM to a rank's leftovers, then SIGKILL after this
+DRAIN_S = 5.0            # the log pipe of a rank whose processes are all gone, at most this long
 
 
 @dataclasses.dataclass
@@ -33,18 +40,27 @@ class RankProc:
     assignment: RankAssignment
     pid: int
     log: str
+    key: str = ""
+    out: RankLog | None = None
+    status: int | None = None                # the wait status, once the rank's own process exited
+    leftovers: set[int] = dataclasses.field(default_factory=set)
+    kill_at: float = 0.0                     # when the leftovers get SIGKILL
+    drain_until: float = 0.0
 
 
 class Forker:
     """Serves the launcher protocol (see ``rankctl.worker.launcher``) on stdin / ``event_fd``."""
 
-    def __init__(self, event_fd: int, stdin_fd: int = 0) -> None:
+    def __init__(self, event_fd: int, stdin_fd: int = 0, containment: str = "auto") -> None:
         self.event_fd = event_fd
         self.stdin_fd = stdin_fd
         self.procs: dict[int, RankProc] = {}
         self._deadlines: list[tuple[float, int]] = []  # (when, pid): SIGKILL if still running
         self._buf = b""
         self._stopping = False
+        self.ending: dict[int, RankProc] = {}    # ranks that exited, until every process of theirs is gone
+        self.contain, self.containment = contain.choose(os.getpid(), containment)
+        self._sel: selectors.BaseSelector | None = None
 
     # -- events ---------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -57,22 +73,28 @@ class Forker:
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        sel = selectors.DefaultSelector()
+        sel = self._sel = selectors.DefaultSelector()
         sel.register(self.stdin_fd, selectors.EVENT_READ, "stdin")
         sel.register(wake_r, selectors.EVENT_READ, "wake")
         while not self._stopping:
             for key, _ in sel.select(self._timeout()):
                 if key.data == "wake":
                     _drain(wake_r)
-                else:
+                elif key.data == "stdin":
                     self._read_commands()
+                else:
+                    self._pump(key.data)
             self._reap()
             self._expire()
+            self._finish()
         sel.close()
+        self.contain.close()
         self.emit({"event": "shutdown"})
         return 0
 
     def _timeout(self) -> float:
+        if self.ending:
+            return 0.05
         if not self._deadlines:
             return 1.0
         return max(0.0, min(1.0, self._deadlines[0][0] - time.monotonic()))
@@ -94,7 +116,8 @@ class Forker:
             name = cmd.get("cmd")
             if name == "launch":
                 self.launch([RankAssignment(**a) for a in cmd["assignments"]],
-                            timeout_s=cmd.get("timeout_s"), threads=cmd.get("threads"))
+                            timeout_s=cmd.get("timeout_s"), threads=cmd.get("threads"),
+                            log_bytes=cmd.get("log_bytes"))
             elif name == "kill":
                 self.kill(cmd["job_id"], attempt=cmd.get("attempt"), sig=parse_signal(cmd.get("signal")),
                           grace_s=float(cmd.get("grace_s", DEFAULT_GRACE_S)))
@@ -108,9 +131,10 @@ class Forker:
 
     # -- commands -------------------------------------------------------------
     def launch(self, assignments: list[RankAssignment], *, timeout_s: float | None = None,
-               threads: int | None = None) -> None:
+               threads: int | None = None, log_bytes: int | None = None) -> None:
         """Fork one rank process per assignment and report ``started`` for each."""
         threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(assignments)))
+        generation = generation_bytes(len(assignments), **({"cap": log_bytes} if log_bytes else {}))
         running = {(p.assignment.job_id, p.assignment.attempt, p.assignment.rank) for p in self.procs.values()}
         for a in assignments:
             if (a.job_id, a.attempt, a.rank) in running:
@@ -118,28 +142,56 @@ class Forker:
                 self.emit({"event": "error", "message": msg})
                 continue
             try:
-                proc = self._fork(a, threads, timeout_s)
+                proc = self._fork(a, threads, timeout_s, generation)
             except Exception as exc:  # noqa: BLE001 - report it as this rank's end
                 self.emit(_exited(a, None, None, None, [], f"launch failed: {type(exc).__name__}: {exc}"))
                 continue
             self.procs[proc.pid] = proc
             self.emit({"event": "started", "job_id": a.job_id, "attempt": a.attempt, "rank": a.rank, "pid": proc.pid})
 
-    def _fork(self, a: RankAssignment, threads: int, timeout_s: float | None) -> RankProc:
+    def _fork(self, a: RankAssignment, threads: int, timeout_s: float | None, generation: int) -> RankProc:
         run_dir = a.run_dir or os.path.join("/tmp", "rankctl", a.job_id, str(a.attempt))
         if not a.run_dir:
             a = dataclasses.replace(a, run_dir=run_dir)
         os.makedirs(run_dir, exist_ok=True)
         log = log_path(run_dir, a.rank)
-        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        key = f"{a.job_id}.{a.attempt}.{a.rank}"
+        self.contain.prepare(key)
+        read_fd, write_fd = output_pipe(f"{log}.out")
+        try:
+            out = RankLog(log, read_fd, generation)
+        except OSError:
+            os.close(read_fd)
+            os.close(write_fd)
+            raise
         parent = os.getpid()
         try:
             pid = os.fork()
             if pid == 0:
-                _child(a, log_fd, parent, threads, timeout_s)
+                _child(a, write_fd, parent, threads, timeout_s, lambda: self.contain.enter(key))
+        except BaseException:
+            out.close()
+            raise
         finally:
-            os.close(log_fd)
-        return RankProc(assignment=a, pid=pid, log=log)
+            os.close(write_fd)
+        proc = RankProc(assignment=a, pid=pid, log=log, key=key, out=out)
+        if self._sel is not None:
+            self._sel.register(read_fd, selectors.EVENT_READ, proc)
+        return proc
+
+    def _pump(self, proc: RankProc) -> None:
+        """Copy a rank's output into its log; at EOF stop watching the pipe."""
+        if proc.out is not None and not proc.out.pump():
+            self._close_output(proc)
+
+    def _close_output(self, proc: RankProc) -> None:
+        if proc.out is None:
+            return
+        if self._sel is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(proc.out.fd)
+        proc.out.close()
+        proc.out = None
 
     def kill(self, job_id: str, *, attempt: int | None = None, sig: int = signal.SIGTERM,
              grace_s: float = DEFAULT_GRACE_S) -> list[int]:
@@ -164,11 +216,16 @@ class Forker:
             _killpg(pid, signal.SIGKILL)
         while self.procs:
             self._reap(block=True)
+        while self.ending:
+            self._finish(now=time.monotonic() + LEFTOVER_GRACE_S)  # no more grace: SIGKILL at once
+            self._reap()
+            time.sleep(0.02)
         self._stopping = True
 
     # -- children -------------------------------------------------------------
     def _reap(self, block: bool = False) -> None:
-        while self.procs:
+        """Reap every child that exited: ranks, and the leftovers the launcher adopted (subreaper)."""
+        while True:
             try:
                 pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
             except ChildProcessError:
@@ -177,13 +234,42 @@ class Forker:
                 return
             proc = self.procs.pop(pid, None)
             if proc is None:
-                continue
-            _killpg(pid, signal.SIGKILL)  # a rank's helpers do not outlive it
-            code = os.waitstatus_to_exitcode(status)
-            sig = signal_name(-code) if code < 0 else None
-            self.emit(_exited(proc.assignment, pid, code if code >= 0 else None, sig,
-                              tail_lines(proc.log, LOG_TAIL_LINES)))
+                continue  # a leftover the launcher adopted, or a rank's helper
+            proc.status = status
+            self.contain.adopt(proc.key, set(self.procs))
+            self.ending[pid] = proc
             block = False
+
+    def _finish(self, now: float | None = None) -> None:
+        """Ranks that exited: end their leftovers (SIGTERM, SIGKILL after a grace), drain their log,
+        then report the exit, with how many leftovers had to be killed."""
+        now = time.monotonic() if now is None else now
+        for pid, proc in list(self.ending.items()):
+            members = [p for p in self.contain.members(proc.key) if p != pid]
+            if members:
+                if not proc.leftovers:
+                    proc.kill_at = now + LEFTOVER_GRACE_S
+                    contain.signal_all(members, signal.SIGTERM)
+                elif now >= proc.kill_at:
+                    self.contain.kill(proc.key, members)
+                proc.leftovers.update(members)
+                self.contain.adopt(proc.key, set(self.procs))
+                continue
+            if proc.out is not None:
+                proc.drain_until = proc.drain_until or now + DRAIN_S
+                if proc.out.pump() and now < proc.drain_until:
+                    continue  # a writer we cannot see still holds the pipe: wait a little
+                self._close_output(proc)
+            self._report_exit(self.ending.pop(pid))
+
+    def _report_exit(self, proc: RankProc) -> None:
+        self.contain.release(proc.key)
+        code = os.waitstatus_to_exitcode(proc.status or 0)
+        sig = signal_name(-code) if code < 0 else None
+        event = _exited(proc.assignment, proc.pid, code if code >= 0 else None, sig,
+                        tail_lines(proc.log, LOG_TAIL_LINES))
+        event["leftovers_killed"] = len(proc.leftovers)
+        self.emit(event)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -214,8 +300,9 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _isolate(log_fd: int, parent: int) -> None:
-    """In the child: own session, die with the launcher, fds 0/1/2 = /dev/null, log, log."""
+def _isolate(log_fd: int, parent: int, enter: Callable[[], None]) -> None:
+    """In the child: contained, own session, die with the launcher, fds 0/1/2 = /dev/null, log, log."""
+    enter()
     os.setsid()
     set_parent_death_signal(signal.SIGKILL, expected_parent=parent)
     signal.set_wakeup_fd(-1)
@@ -236,12 +323,13 @@ def _isolate(log_fd: int, parent: int) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
 
 
-def _child(a: RankAssignment, log_fd: int, parent: int, threads: int, timeout_s: float | None) -> NoReturn:
+def _child(a: RankAssignment, log_fd: int, parent: int, threads: int, timeout_s: float | None,
+           enter: Callable[[], None]) -> NoReturn:
     """Body of a forked rank process; never returns."""
     code = 1
     try:
         gc.freeze()  # objects inherited from the launcher are never collected (no stray fd closes)
-        _isolate(log_fd, parent)
+        _isolate(log_fd, parent, enter)
         configure_logging(sys.stderr, stdlib=False)  # the user's own logging.basicConfig() must work in a rank
         os.environ["OMP_NUM_THREADS"] = str(threads)
         import torch

@@ -6,13 +6,16 @@ process per assignment, so a rank starts in milliseconds with torch already load
 
 Protocol: one JSON object per line, commands on stdin, events on stdout::
 
-    {"cmd": "launch", "assignments": [RankAssignment as dict, ...], "timeout_s": 300, "threads": 2}
+    {"cmd": "launch", "assignments": [RankAssignment as dict, ...], "timeout_s": 300, "threads": 2,
+     "log_bytes": 67108864}                        # optional: the rotation size of each rank's log
     {"cmd": "kill", "job_id": "j1", "attempt": 0, "signal": "SIGTERM", "grace_s": 10}
     {"cmd": "shutdown", "grace_s": 5}
 
-    {"event": "ready", "pid": 123, "hardware": {"hostname", "cpu_count", "memory_bytes", "gpu_count", "gpus", ...}}
+    {"event": "ready", "pid": 123, "hardware": {"hostname", "cpu_count", "memory_bytes", "gpu_count", "gpus", ...},
+     "containment": "cgroup2 per rank under ..."}
     {"event": "started", "job_id", "attempt", "rank", "pid"}
-    {"event": "exited", "job_id", "attempt", "rank", "pid", "exit_code", "signal", "log_tail", "error"}
+    {"event": "exited", "job_id", "attempt", "rank", "pid", "exit_code", "signal", "log_tail", "error",
+     "leftovers_killed"}                          # only once every process of the rank is gone
     {"event": "error", "message"}                  # a command it could not carry out
     {"event": "shutdown"}                          # last line before the launcher exits
 
@@ -92,6 +95,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None, help="exit at once if this is not our parent")
     p.add_argument("--import", dest="imports", action="append", default=[],
                    help="module to import at start-up: its KIND (or its register calls) adds a job kind")
+    p.add_argument("--containment", choices=("auto", "cgroup2", "subreaper"), default="auto",
+                   help="how a rank's processes are kept together and ended with it (auto: cgroup v2 if writable)")
     return p.parse_args(argv)
 
 
@@ -115,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     for module in args.imports:
         registry.load_module(module)
     rank.preload_kinds()
-    forker = Forker(event_fd)
-    forker.emit({"event": "ready", "pid": os.getpid(), "hardware": hardware_facts()})
+    forker = Forker(event_fd, containment=args.containment)
+    forker.emit({"event": "ready", "pid": os.getpid(), "hardware": hardware_facts(),
+                 "containment": forker.containment})
     return forker.serve()
 
 

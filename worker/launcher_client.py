@@ -38,6 +38,7 @@ class Launcher:
     def __init__(self, proc: asyncio.subprocess.Process, ready: dict[str, Any]) -> None:
         self.proc = proc
         self.hardware: dict[str, Any] = ready.get("hardware", {})
+        self.containment: str = str(ready.get("containment", ""))  # how a rank's processes are kept together
         self._events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._reader = asyncio.create_task(self._read())
 
@@ -54,12 +55,15 @@ class Launcher:
         imports: Iterable[str] = (),
         ready_timeout: float = 120.0,
         stderr: int | None = None,
+        containment: str = "auto",
     ) -> "Launcher":
         """Start the launcher and wait for its ``ready`` event (torch import takes seconds).
 
-        ``imports`` are modules the launcher imports at start-up (they may register job kinds).
+        ``imports`` are modules the launcher imports at start-up (they may register job kinds);
+        ``containment``: "auto", "cgroup2" or "subreaper" (``worker.contain``).
         """
-        args = [python, "-m", "rankctl.worker.launcher", "--parent-pid", str(os.getpid())]
+        args = [python, "-m", "rankctl.worker.launcher", "--parent-pid", str(os.getpid()),
+                "--containment", containment]
         for module in imports:
             args += ["--import", module]
         proc = await asyncio.create_subprocess_exec(
@@ -100,13 +104,16 @@ class Launcher:
             raise LauncherError(f"launcher is gone: {exc}") from exc
 
     async def launch(self, assignments: Iterable[RankAssignment], *, timeout_s: float | None = None,
-                     threads: int | None = None) -> None:
-        """Fork one rank per assignment; ``started``/``exited`` events follow."""
+                     threads: int | None = None, log_bytes: int | None = None) -> None:
+        """Fork one rank per assignment; ``started``/``exited`` events follow. ``log_bytes``: the
+        rotation size of each rank's log (``rankio.GENERATION_BYTES`` when None)."""
         cmd: dict[str, Any] = {"cmd": "launch", "assignments": [json.loads(a.to_json()) for a in assignments]}
         if timeout_s is not None:
             cmd["timeout_s"] = timeout_s
         if threads is not None:
             cmd["threads"] = threads
+        if log_bytes is not None:
+            cmd["log_bytes"] = log_bytes
         await self._send(cmd)
 
     async def kill(self, job_id: str, *, attempt: int | None = None, sig: str | int = "SIGTERM",

@@ -2,7 +2,8 @@
 
 A rank's stdout and stderr go to ``{run_dir}/rank-{rank}.log`` (``contract.rankfiles``). The
 coordinator reads them on demand (``answer_fetch``, blocking file IO: call it off the event
-loop); ``rotate_if_big`` keeps one log under a size cap by copy-truncate into ``.log.1``.
+loop). The launcher keeps each log bounded as its bytes arrive (``worker.rankio``: rotation
+into ``.log.1`` by rename).
 Lines are cut at ``MAX_LINE_BYTES``, marked. An answer holds what the program printed; rankctl's
 own records (marked lines, ``contract.logrecords``) only when the fetch asks for ``records``. Files are opened without following symlinks and
 must be regular files: the rank, which owns its run dir, cannot point the daemon elsewhere.
@@ -26,8 +27,6 @@ MAX_LINE_BYTES = 4096
 MAX_LINES = 5000            # lines per answer (also the largest tail)
 MAX_CHUNK_BYTES = 1 << 20   # bytes of the file read per offset answer: its text stays under ~1 MiB
 MAX_TAIL_BYTES = 4 << 20    # bytes read back from the end for a tail
-ROTATE_BYTES = 64 << 20     # a rank log past this is rotated (copy-truncate, one generation kept)
-_COPY_BLOCK = 1 << 20
 
 
 def answer_fetch(state_dir: Path, req: pb.FetchLogs) -> pb.LogChunk:
@@ -174,45 +173,6 @@ def read_from(f, offset: int, max_lines: int, records: bool = True) -> tuple[lis
         pos = nl + 1
     lines, pos = _lines(data, pos, max_lines, _everything if records else _program_output)
     return lines, offset + pos
-
-
-def rotate_if_big(path: str, cap: int = ROTATE_BYTES) -> bool:
-    """Copy-truncate ``path`` into ``path.1`` (replacing it) once it is larger than ``cap`` bytes.
-
-    Cheap when nothing is to do (one ``lstat``); the copy (at most the last ``cap`` bytes) is
-    blocking IO: call it off the event loop. Writers that opened the log O_APPEND go on at its new
-    end; lines written between the copy and the truncation are lost. True when rotated; OSError
-    when the copy fails (e.g. a full disk: the log is left as it was), for the caller to log.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or st.st_size <= cap:
-        return False
-    with _open_log(path, os.O_RDWR) as src:
-        _copy_end(src, f"{path}.1", cap)
-        src.truncate(0)
-    return True
-
-
-def _copy_end(src, dest: str, n: int) -> None:  # noqa: ANN001 - a binary file
-    """The last ``n`` bytes of ``src`` (as of now) into a new file that then replaces ``dest``."""
-    end = os.fstat(src.fileno()).st_size
-    src.seek(max(0, end - n))
-    tmp = f"{dest}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # left by a copy that died; unlink does not follow a symlink
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as dst:
-            while src.tell() < end and (block := src.read(min(_COPY_BLOCK, end - src.tell()))):
-                dst.write(block)
-        os.replace(tmp, dest)  # replaces a symlink at dest itself, never its target
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # Deprecated: the daemon no longer ships log lines; kept importable until worker/daemon.py drops it.

@@ -1,0 +1,190 @@
+"""Every process of a rank ends with it (issue 24 item 1).
+
+Two ways, chosen once per launcher by ``choose()`` as the node allows:
+
+- ``CgroupContainment``: a cgroup v2 per rank under the launcher's own cgroup; the forked rank
+  moves itself in before any user code runs, so nothing it starts (setsid or not) can leave it.
+- ``TreeContainment``: the launcher is a child subreaper and so is every rank, so that while a
+  rank lives its whole tree hangs under it by PPid links; when it exits, the processes the
+  launcher adopts at that moment (and their descendants) are its leftovers.
+
+Either way the launcher reports a rank's exit only once ``members()`` is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+
+PR_SET_CHILD_SUBREAPER = 36
+CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+
+
+def become_subreaper() -> None:
+    """Orphans of our descendants are re-parented to us, not to init."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER) failed: {os.strerror(err)}")
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+class CgroupContainment:
+    """One cgroup v2 directory per rank under ``base`` (a directory of the launcher's own cgroup)."""
+
+    name = "cgroup2"
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.base, key)
+
+    def prepare(self, key: str) -> None:
+        """In the launcher, before the fork."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self._path(key))
+
+    def enter(self, key: str) -> None:
+        """In the forked rank, before any user code."""
+        with open(os.path.join(self._path(key), "cgroup.procs"), "w") as f:
+            f.write("0")
+
+    def adopt(self, key: str, rank_pids: set[int]) -> None:
+        """Nothing to do: membership is the kernel's."""
+
+    def members(self, key: str) -> list[int]:
+        try:
+            with open(os.path.join(self._path(key), "cgroup.procs")) as f:
+                return [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            return []
+
+    def kill(self, key: str, pids: list[int]) -> None:
+        """SIGKILL every member, forks in flight included (``cgroup.kill``, Linux 5.14+)."""
+        try:
+            with open(os.path.join(self._path(key), "cgroup.kill"), "w") as f:
+                f.write("1")
+        except OSError:
+            signal_all(pids, signal.SIGKILL)
+
+    def release(self, key: str) -> None:
+        with contextlib.suppress(OSError):
+            os.rmdir(self._path(key))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.rmdir(self.base)
+
+
+class TreeContainment:
+    """The fallback: a rank's tree by /proc's PPid links, the launcher and the ranks as subreapers."""
+
+    name = "subreaper"
+
+    def __init__(self, launcher_pid: int) -> None:
+        self.launcher_pid = launcher_pid
+        self.owned: dict[str, set[int]] = {}  # key of a rank that exited -> processes adopted for it
+
+    def prepare(self, key: str) -> None:
+        self.owned.pop(key, None)
+
+    def enter(self, key: str) -> None:
+        become_subreaper()  # the rank's orphans stay under it while it lives
+
+    def adopt(self, key: str, rank_pids: set[int]) -> None:
+        """Processes the launcher adopted and no one owns yet: the leftovers of a rank that just exited."""
+        taken = set().union(*self.owned.values()) if self.owned else set()
+        mine = self.owned.setdefault(key, set())
+        for pid, ppid in _parents().items():
+            if ppid == self.launcher_pid and pid not in rank_pids and pid not in taken:
+                mine.add(pid)
+
+    def members(self, key: str) -> list[int]:
+        roots = self.owned.get(key, set())
+        if not roots:
+            return []
+        children: dict[int, list[int]] = {}
+        parents = _parents()
+        for pid, ppid in parents.items():
+            children.setdefault(ppid, []).append(pid)
+        found, todo = [], [p for p in roots if p in parents]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo.extend(children.get(pid, ()))
+        return found
+
+    def kill(self, key: str, pids: list[int]) -> None:
+        signal_all(pids, signal.SIGKILL)
+
+    def release(self, key: str) -> None:
+        self.owned.pop(key, None)
+
+    def close(self) -> None:
+        self.owned.clear()
+
+
+Containment = CgroupContainment | TreeContainment
+
+
+def _parents() -> dict[int, int]:
+    """pid -> PPid of every live (non-zombie) process on the node."""
+    out: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and fields[0] not in (b"Z", b"X"):
+            out[int(name)] = int(fields[1])
+    return out
+
+
+def _cgroup_base(launcher_pid: int) -> str | None:
+    """A new directory for ranks in the launcher's own cgroup v2, or None when none can be made."""
+    own = ""
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        own = next((line.strip()[3:] for line in f if line.startswith("0::")), "")
+    for root in CGROUP_ROOTS:
+        if not os.path.exists(os.path.join(root, "cgroup.procs")) or not os.path.exists(
+                os.path.join(root, "cgroup.subtree_control")):
+            continue
+        base = os.path.join(root, own.lstrip("/"), f"rankctl-ranks-{launcher_pid}")
+        try:
+            os.makedirs(base, exist_ok=True)
+            probe = os.path.join(base, "probe")
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError:
+            continue
+        return base
+    return None
+
+
+MODES = ("auto", "cgroup2", "subreaper")
+
+
+def choose(launcher_pid: int, mode: str = "auto") -> tuple[Containment, str]:
+    """The containment ``mode`` asks for ("auto": the best this node allows), and a line for the
+    start-up log saying which and why; "cgroup2" where none can be made is an OSError."""
+    if mode not in MODES:
+        raise ValueError(f"containment {mode!r} is not one of {', '.join(MODES)}")
+    become_subreaper()  # either way: leftovers are ours to reap, never init's
+    base = _cgroup_base(launcher_pid) if mode != "subreaper" else None
+    if base is not None:
+        return CgroupContainment(base), f"cgroup2 per rank under {base}"
+    if mode == "cgroup2":
+        raise OSError(f"containment cgroup2: no writable cgroup v2 under {' or '.join(CGROUP_ROOTS)}")
+    why = "asked for" if mode == "subreaper" else "no writable cgroup v2 found"
+    return TreeContainment(launcher_pid), f"child subreaper ({why})"
