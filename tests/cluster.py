@@ -110,19 +110,32 @@ def alive(pid: int) -> bool:
         return False
 
 
-def rank_pids(job_id: str) -> list[int]:
-    """PIDs of a job's rank processes: their stdout is the job's rank log under ``jobs/<job_id>/``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def _written_status_files(pid: str) -> list[str]:
+    """The rank status files (``rank-R.status.jsonl``) a process holds open for writing: a rank holds its own
+    (``runtime.status.StatusWriter``); a daemon's tailer only reads them."""
+    found = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
         try:
-            target = os.readlink(f"/proc/{entry}/fd/1")
-        except OSError:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if not target.endswith(".status.jsonl"):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration, ValueError):
             continue
-        if f"/jobs/{job_id}/" in target and alive(int(entry)):
-            pids.append(int(entry))
-    return pids
+        if flags & 3:  # O_WRONLY or O_RDWR
+            found.append(target)
+    return found
+
+
+def rank_pids(job_id: str) -> list[int]:
+    """PIDs of a job's live rank processes: each writes its status file under ``jobs/<job_id>/``."""
+    return sorted(int(entry) for entry in os.listdir("/proc") if entry.isdigit()  # a rank before a child it forked
+                  and any(f"/jobs/{job_id}/" in t for t in _written_status_files(entry)) and alive(int(entry)))
 
 
 class ProcCluster:
@@ -159,11 +172,9 @@ class ProcCluster:
 
 
 def rank_pid(job: str, rank: int) -> int:
-    """The pid of one rank of the job: its stdout is the rank's log file ``rank-R.log``."""
-    import re
-
+    """The pid of one rank of the job: the process writing its ``rank-R.status.jsonl``."""
     for pid in rank_pids(job):
-        if re.search(rf"rank-{rank}\.log$", os.readlink(f"/proc/{pid}/fd/1")):
+        if any(t.endswith(f"/rank-{rank}.status.jsonl") for t in _written_status_files(str(pid))):
             return pid
     raise AssertionError(f"no process of rank {rank} of job {job}")
 
