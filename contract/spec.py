@@ -19,6 +19,8 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 DEFAULT_SCHEDULE = "1f1b"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_HANG_TIMEOUT_S = 300.0  # restart.hang_timeout: no rank of a RUNNING job advanced for this long
+DEFAULT_SHM_MB = 1024           # resources.shm_mb
+MAX_SHM_MB = 1 << 20
 
 
 class Section(BaseModel):
@@ -30,6 +32,8 @@ class Section(BaseModel):
 class Resources(Section):
     nodes: StrictInt = Field(1, ge=1, le=L.MAX_NODES)
     slots_per_node: StrictInt = Field(1, ge=1, le=L.MAX_SLOTS_PER_NODE)
+    shm_mb: StrictInt = Field(DEFAULT_SHM_MB, ge=1, le=MAX_SHM_MB)
+    """MiB of the job's private ``/dev/shm`` on each node (a tmpfs its ranks there share, removed at the end)."""
 
     @model_validator(mode="after")
     def _world(self) -> "Resources":

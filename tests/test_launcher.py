@@ -15,6 +15,7 @@ import pytest
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.contract.assignment import RankAssignment
 from rankctl.kinds.comm_check.results import comm_check_result
+from rankctl.worker import shm
 from rankctl.worker.launcher import Launcher
 from rankctl.worker.procutil import pid_alive
 from rankctl.worker.status import StatusTailer, read_status
@@ -212,6 +213,7 @@ def test_no_rank_survives_a_killed_launcher(loop, env, tmp_path) -> None:
     wait_until(lambda: not pid_alive(started["pid"]), timeout=5)
     for pid in _child_pids(str(tmp_path), 1):  # the rank's own child is orphaned, not killed
         os.kill(pid, signal.SIGKILL)
+    shm.unmount_job_shm(str(tmp_path))  # the daemon does this when its launcher dies
 
 
 @pytest.mark.parametrize("which", ["launcher", "subreaper"])

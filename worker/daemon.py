@@ -48,6 +48,7 @@ from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.contract.collfiles import read_counters
 from rankctl.contract.rankfiles import log_path, write_control
 from rankctl.worker.logship import answer_fetch
+from rankctl.worker import shm
 from rankctl.worker.rankio import GENERATION_BYTES
 from rankctl.worker.metrics import DaemonStats
 from rankctl.worker.paths import Refused, run_dir_for
@@ -101,6 +102,12 @@ class LauncherLost(RuntimeError):
 
 class NodeNameTaken(RuntimeError):
     """The coordinator refused this node's name: another live daemon holds it. Retrying cannot help."""
+
+
+def _unmount_shm(run_dirs: list[str]) -> None:
+    """The private /dev/shm of each run whose launcher died (it unmounts them itself otherwise)."""
+    for run_dir in run_dirs:
+        shm.unmount_job_shm(run_dir)
 
 
 def reconnect_delay(previous: float, initial: float, cap: float, rng: random.Random) -> float:
@@ -315,6 +322,7 @@ class WorkerDaemon:
                "every rank it had forked was killed with it")
         self._log.error("launcher died; restarting it", status=launcher_status(self.launcher),
                         jobs=sorted({r.job_id for r in self.runs.values() if r.alive}))
+        await asyncio.to_thread(_unmount_shm, [r.run_dir for r in self.runs.values() if r.alive])
         for run in list(self.runs.values()):
             self._drain(run)
             for rank in sorted(run.alive):
@@ -678,6 +686,9 @@ class WorkerDaemon:
         """Until ``stop()``; raises ``LauncherLost`` or ``NodeNameTaken`` when the daemon must exit."""
         self._session = f"{self.cfg.name}-{os.getpid()}-{id(self):x}"
         self._log.info("rank containment", how=getattr(self.launcher, "containment", "") or "unknown")
+        stale = await asyncio.to_thread(shm.unmount_stale, str(self.cfg.state_dir))
+        if stale:
+            self._log.info("stale job /dev/shm unmounted", mounts=len(stale))
         tasks = [asyncio.create_task(c) for c in (self._connect_loop(), self._pump_launcher(), self._poll_files())]
         stopping = asyncio.create_task(self._stopping.wait())
         try:

@@ -23,7 +23,7 @@ import traceback
 from typing import Any, Callable, NoReturn
 
 from rankctl.contract.assignment import RankAssignment
-from rankctl.worker import contain
+from rankctl.worker import contain, shm
 from rankctl.worker.procutil import configure_logging, parse_signal, set_parent_death_signal, signal_name
 from rankctl.contract.rankfiles import log_path
 from rankctl.worker.rankio import RankLog, generation_bytes, output_pipe
@@ -60,6 +60,8 @@ class Forker:
         self._stopping = False
         self.ending: dict[int, RankProc] = {}    # ranks that exited, until every process of theirs is gone
         self.contain, self.containment = contain.choose(os.getpid(), containment)
+        self.private_shm = shm.can_mount(f"/tmp/rankctl-shm-probe-{os.getpid()}")
+        self.containment += "; /dev/shm: " + ("a tmpfs per job attempt" if self.private_shm else "the host's")
         self._sel: selectors.BaseSelector | None = None
 
     # -- events ---------------------------------------------------------------
@@ -157,6 +159,7 @@ class Forker:
         log = log_path(run_dir, a.rank)
         key = f"{a.job_id}.{a.attempt}.{a.rank}"
         self.contain.prepare(key)
+        private = self.private_shm and bool(shm.mount_job_shm(run_dir, shm.shm_mb(a.spec)))
         read_fd, write_fd = output_pipe(f"{log}.out")
         try:
             out = RankLog(log, read_fd, generation)
@@ -168,7 +171,7 @@ class Forker:
         try:
             pid = os.fork()
             if pid == 0:
-                _child(a, write_fd, parent, threads, timeout_s, lambda: self.contain.enter(key))
+                _child(a, write_fd, parent, threads, timeout_s, lambda: self._enter(key, run_dir, private))
         except BaseException:
             out.close()
             raise
@@ -178,6 +181,12 @@ class Forker:
         if self._sel is not None:
             self._sel.register(read_fd, selectors.EVENT_READ, proc)
         return proc
+
+    def _enter(self, key: str, run_dir: str, private_shm: bool) -> None:
+        """In the forked rank: into its containment, and onto its job's own /dev/shm."""
+        self.contain.enter(key)
+        if private_shm:
+            shm.enter_private_shm(run_dir)
 
     def _pump(self, proc: RankProc) -> None:
         """Copy a rank's output into its log; at EOF stop watching the pipe."""
@@ -264,6 +273,10 @@ class Forker:
 
     def _report_exit(self, proc: RankProc) -> None:
         self.contain.release(proc.key)
+        a = proc.assignment
+        if self.private_shm and not any((p.assignment.job_id, p.assignment.attempt) == (a.job_id, a.attempt)
+                                        for p in (*self.procs.values(), *self.ending.values())):
+            shm.unmount_job_shm(a.run_dir)  # the attempt's last process on this node is gone
         code = os.waitstatus_to_exitcode(proc.status or 0)
         sig = signal_name(-code) if code < 0 else None
         event = _exited(proc.assignment, proc.pid, code if code >= 0 else None, sig,
