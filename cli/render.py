@@ -224,6 +224,10 @@ def job_view(job: pb.Job, max_ranks: int = 64):
         if len(shown) < d["world_size"]:
             parts.append(Text(f"showing ranks {shown[0]['rank']}-{shown[-1]['rank']} of {d['world_size']}; "
                               f"`ctl status {d['id']} --ranks A-B` for more", style="dim"))
+        contained = [r for r in shown if r.get("exit_code") == 0 and LEFTOVERS in (r.get("error") or "")]
+        for r in contained[:FAILING_SHOWN]:  # exit 0, yet its processes had to be killed (worker containment)
+            parts.append(Text(f"rank {r['rank']} on {r['node'] or '-'}: {last_line(r['error'])[:ERROR_LINE_MAX]}",
+                              style="yellow"))
     parts += result_tables(d["result"], job.kind)
     return Group(*parts)
 
@@ -232,6 +236,7 @@ NODES_NAMED = 8       # node names in a job's head line; the rest are counted
 FAILING_SHOWN = 4     # failing ranks in a job's view, each with its error's last line ...
 SLOW_SHOWN = 4        # stragglers by compute time in a job's view (the summary carries the worst 16)
 ERROR_LINE_MAX = 160  # ... cut to this many characters
+LEFTOVERS = "leftover process"  # the daemon's note on a rank whose processes outlived it (worker/forker.py)
 
 
 def _nodes_text(nodes: list[str]) -> str:

@@ -89,6 +89,8 @@ def test_a_setsid_child_that_ignores_sigterm_is_killed_with_its_job(cluster, scr
     print(f"child {child} gone {time.monotonic() - ended:.2f} s after the job's end")
     (rank,) = st["ranks"]  # ctl status --json
     assert "1 leftover process(es) of rank 0" in rank["error"], rank
+    text = ctl(cluster.address, "status", st["id"])  # and a person reading ctl status sees it too
+    assert text.returncode == 0 and "rank 0 on w0: rankctl: 1 leftover process(es)" in text.stdout, text.stdout
 
 
 def test_a_3_gib_file_in_dev_shm_goes_with_its_job(cluster, scripts) -> None:

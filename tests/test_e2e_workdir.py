@@ -168,8 +168,6 @@ def test_a_3mb_archive_that_expands_to_3gib_fails_at_the_ratio_having_written_le
     assert _stopped_at(job["reason"]) <= MAX_RATIO * packed + (1 << 20) < 3 << 30
 
 
-@pytest.mark.xfail(strict=True, reason="until worker/daemon.py passes registry.blob_limit_of(spec) to "
-                                       "WorkdirCache.path (see the report of issue 24 item 4)")
 def test_a_bomb_fails_naming_python_workdir_max_unpacked_mb(runner, bomb_blob) -> None:
     digest, _ = bomb_blob
     job = _bombed(runner, digest, "name=bomb-limit", "python.workdir_max_unpacked_mb=12")

@@ -39,7 +39,7 @@ import structlog
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.contract.assignment import RankAssignment
-from rankctl.kinds.registry import blobs_of
+from rankctl.kinds.registry import blob_limit_of, blobs_of
 from rankctl.worker.assign import claimed_ranks, expand
 from rankctl.worker.blobs import FetchFailed, WorkdirCache
 from rankctl.worker import hangwatch
@@ -94,6 +94,7 @@ class DaemonConfig:
     tls_dir: str | None = None  # this node's identity directory: mutual TLS to the coordinator and to peers
     data_roots: tuple[str, ...] = ()  # where a job's data and other node paths may lie (besides the state dir)
     metrics_listen: str = ""      # HOST:PORT of the Prometheus /metrics endpoint (worker.metrics); "": none
+    workdir_cache_mb: int = 20480  # the node's cache of extracted workdirs; least recently used evicted past it
 
 
 class LauncherLost(RuntimeError):
@@ -140,6 +141,7 @@ class RunState:
     hangs: HangWatch | None = None                       # whose collective counters stopped moving
     succeeded: set[int] = field(default_factory=set)     # ranks that exited 0
     started: bool = False                                # every rank reported running (or ended)
+    workdir_blob: str = ""                               # the shipped workdir its ranks run in (pinned in the cache)
     assigned_at: float = field(default_factory=time.monotonic)
 
     def starting(self) -> bool:
@@ -187,7 +189,7 @@ class WorkerDaemon:
         self._heartbeat_interval = 1.0
         self.connected = asyncio.Event()
         self._channel: grpc.aio.Channel | None = None  # the session's, for FetchBlob
-        self.workdirs = WorkdirCache(cfg.state_dir)
+        self.workdirs = WorkdirCache(cfg.state_dir, cfg.workdir_cache_mb << 20)
         self._usage = UsageSampler()  # CPU, memory and GPU use, sent with each heartbeat
         self.shards = ShardStore(cfg.state_dir)
         self.roots = allowed_roots(cfg.data_roots, str(cfg.state_dir))  # ValueError: a root is not a directory
@@ -365,6 +367,8 @@ class WorkerDaemon:
                 self._drain(run)
                 if not run.alive:
                     self.runs.pop(key, None)  # every exit reported (the buffer keeps them until stored)
+                    if run.workdir_blob:
+                        self.workdirs.unpin(run.workdir_blob)  # its tree may now be evicted
             starting = any(run.starting() for run in self.runs.values())
             interval = self.cfg.start_poll_interval if starting else self.cfg.poll_interval
             if loop.time() >= next_turn:
@@ -438,7 +442,7 @@ class WorkerDaemon:
         """The run dir and assignments of an Assign whose every id is safe as a path."""
         run_dir = run_dir_for(self.cfg.state_dir, msg.job_id, msg.attempt)
         gpus = len(getattr(self.launcher, "hardware", {}).get("gpus") or [])
-        return run_dir, expand(msg, self.cfg.name, str(run_dir), gpus)
+        return run_dir, expand(msg, self.cfg.name, str(run_dir), gpus, self.cfg.advertise_address)
 
     def _refuse(self, msg: pb.Assign, why: str) -> None:
         """Count and log a refused Assign; its ranks are reported as never started."""
@@ -466,7 +470,8 @@ class WorkerDaemon:
         if not digests:
             return assignments
         try:
-            path = await self.workdirs.path(digests[0], self._fetch_blob)
+            path = await self.workdirs.path(digests[0], self._fetch_blob, blob_limit_of(assignments[0].spec),
+                                            pin=True)  # unpinned when the run ends (or is refused below)
         except (FetchFailed, OSError) as exc:
             raise Refused(f"cannot fetch the job's workdir {digests[0]}: {exc}") from None
         return [replace(a, workdir=str(path)) for a in assignments]
@@ -478,6 +483,8 @@ class WorkerDaemon:
             first = assignments[0] if assignments else None
             problem = first and assignment_problem(first.spec, self.roots, workdir=first.workdir)
             if problem:
+                for digest in blobs_of(first.spec)[:1] if first.workdir else []:
+                    self.workdirs.unpin(digest)
                 raise Refused(problem)
         except Refused as exc:
             self._refuse(msg, str(exc))
@@ -492,7 +499,8 @@ class WorkerDaemon:
         spec = assignments[0].spec if assignments else None
         run = RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
                        status=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer,
-                       hangs=HangWatch(hangwatch.stall_after(spec)))
+                       hangs=HangWatch(hangwatch.stall_after(spec)),
+                       workdir_blob=(blobs_of(spec)[:1] or [""])[0] if spec and assignments[0].workdir else "")
         run.alive |= ranks  # counted alive from the launch on; exits remove them
         self.runs[(msg.job_id, msg.attempt)] = run
         self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(ranks))
@@ -672,6 +680,9 @@ class WorkerDaemon:
                 if isinstance(exc, grpc.aio.AioRpcError) and name_taken(exc):
                     self._log.error("node name taken; stopping", error=exc.details())
                     raise NodeNameTaken(exc.details()) from None
+                if isinstance(exc, grpc.aio.AioRpcError) and "revoked" in (exc.details() or ""):
+                    self._log.error("the coordinator refuses this node's certificate: it is revoked (ctl certs "
+                                    "revoke); retrying at the backoff's pace", error=exc.details())
                 self.stats.connect_failures += 1
                 error = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             if self.stats.registrations > registered:
