@@ -62,7 +62,10 @@ class Runner:
         with self.ctx.client() as c:
             while time.monotonic() < deadline:
                 d = job_to_dict(c.get(job_id))
-                if d["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                # ended, and every rank confirmed gone: its slots are free again, so the next job of the same
+                # layout lands where this one ran (node-local checkpoints; CI saw a resume placed on the other
+                # node while the cancelled ranks were still stopping, with nothing there to resume from)
+                if d["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and not d["stopping"]:
                     return d
                 time.sleep(0.2)
         raise AssertionError(f"{job_id} did not finish in {timeout} s")
