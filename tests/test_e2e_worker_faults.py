@@ -15,6 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+import cluster
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import Proc, ProcCluster, ready_nodes, wait_for
@@ -55,15 +57,11 @@ def node(tmp_path_factory: pytest.TempPathFactory):
 
 
 def rank_pid(job_id: str, rank: int) -> int | None:
-    """The rank process whose stdout is ``jobs/<job_id>/<attempt>/rank-<rank>.log``."""
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            target = os.readlink(f"/proc/{entry}/fd/1")
-        except OSError:
-            continue
-        if f"/jobs/{job_id}/" in target and target.endswith(f"/rank-{rank}.log"):
-            return int(entry)
-    return None
+    """The rank's process (the one writing its status file: ``cluster.rank_pid``), None until it runs."""
+    try:
+        return cluster.rank_pid(job_id, rank)
+    except AssertionError:
+        return None
 
 
 def test_hung_rank_fails_the_job_within_its_collective_timeout_blaming_no_one(node: Node) -> None:
