@@ -178,8 +178,9 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout, **extra)
     blobs = BlobStore(state_dir, quota_bytes=blob_quota_bytes, retention_s=blob_retention_s)  # after the store's lock
     server = grpc.aio.server(options=SERVER_OPTIONS,
-                             interceptors=[Authorizer(peer_identity, enabled=identity is not None,
-                                      revocations=identity.revocations if identity is not None else None)])
+                             interceptors=[Authorizer(
+                                 peer_identity, enabled=identity is not None,
+                                 revocations=identity.revocations if identity is not None else None)])
     rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core, blobs), server)
     rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core, blobs), server)
     health = health_aio.HealthServicer()
