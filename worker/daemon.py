@@ -258,6 +258,7 @@ class WorkerDaemon:
         if leftovers:
             notes.append(f"rankctl: {leftovers} leftover process(es) of rank {rank} still ran after it ended; "
                          "they were killed")
+        notes.extend(f"rankctl: {note}" for note in ev.get("notes") or [])  # e.g. the OOM killer at a limit
         status = pb.RankStatus(rank=rank, node=self.cfg.name, phase="exited", exited=True, exit_code=code,
                                error="\n".join(notes))
         self._report(run.job_id, run.attempt, status)

@@ -15,7 +15,8 @@ Protocol: one JSON object per line, commands on stdin, events on stdout::
      "containment": "cgroup2 per rank under ..."}
     {"event": "started", "job_id", "attempt", "rank", "pid"}
     {"event": "exited", "job_id", "attempt", "rank", "pid", "exit_code", "signal", "log_tail", "error",
-     "leftovers_killed"}                          # only once every process of the rank is gone
+     "leftovers_killed", "notes"}                 # only once every process of the rank is gone; notes:
+                                                   # what rankctl saw of its end (e.g. an OOM kill at a limit)
     {"event": "error", "message"}                  # a command it could not carry out
     {"event": "shutdown"}                          # last line before the launcher exits
 
