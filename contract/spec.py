@@ -21,6 +21,8 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 DEFAULT_HANG_TIMEOUT_S = 300.0  # restart.hang_timeout: no rank of a RUNNING job advanced for this long
 DEFAULT_SHM_MB = 1024           # resources.shm_mb
 MAX_SHM_MB = 1 << 20
+MIN_MEMORY_MB, MAX_MEMORY_MB = 64, 1 << 24   # resources.memory_mb: 64 MiB .. 16 TiB per rank
+MIN_PIDS, MAX_PIDS = 16, 1 << 22             # resources.pids_max
 
 
 class Section(BaseModel):
@@ -34,6 +36,12 @@ class Resources(Section):
     slots_per_node: StrictInt = Field(1, ge=1, le=L.MAX_SLOTS_PER_NODE)
     shm_mb: StrictInt = Field(DEFAULT_SHM_MB, ge=1, le=MAX_SHM_MB)
     """MiB of the job's private ``/dev/shm`` on each node (a tmpfs its ranks there share, removed at the end)."""
+    memory_mb: StrictInt | None = Field(None, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB)
+    """MiB of memory each rank may use with every process it starts (a cgroup's memory limit; past it the
+    kernel's OOM killer ends the rank, and its reason says so). null: no limit of the job's own."""
+    pids_max: StrictInt | None = Field(None, ge=MIN_PIDS, le=MAX_PIDS)
+    """Processes and threads each rank may have at once, its children's included (a cgroup's pids limit;
+    torch's own threads count). null: no limit of the job's own."""
 
     @model_validator(mode="after")
     def _world(self) -> "Resources":

@@ -1,6 +1,7 @@
-"""What a job leaves on its node (issue 24 items 1-3), through a real coordinator, a real worker
-daemon and ``ctl``: a setsid child that ignores SIGTERM, a 3 GiB file in /dev/shm, a 1 GiB burst
-on stdout. Each job ends; then nothing of it may be left but a bounded log."""
+"""What a job leaves on its node and what it may take (issue 24 items 1-3), through a real
+coordinator, a real worker daemon and ``ctl``: a setsid child that ignores SIGTERM, a 3 GiB file in
+/dev/shm, a 1 GiB burst on stdout, a rank past ``resources.memory_mb`` or ``resources.pids_max``.
+Each job ends; then nothing of it may be left but a bounded log."""
 
 from __future__ import annotations
 
@@ -53,6 +54,31 @@ for i in range(1024):
 out.write(b"the last line of the burst\\n")
 """
 
+HOG = """import sys
+chunks = []
+print("allocating", flush=True)
+for i in range(64):  # 2 GiB in 32 MiB steps, each page touched
+    chunks.append(bytearray(32 << 20))
+    print("held", (i + 1) * 32, "MiB", flush=True)
+print("never here: the limit did not hold")
+"""
+FORKS = """import os, sys, time
+children = []
+try:
+    for _ in range(200):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        children.append(pid)
+except BlockingIOError as exc:
+    print("fork refused after", len(children), "children:", exc, flush=True)
+for pid in children:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+print("children started:", len(children))
+"""
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
@@ -64,7 +90,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def scripts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("scripts")
-    for name, text in (("orphan.py", ORPHAN), ("shm.py", SHM), ("burst.py", BURST)):
+    for name, text in (("orphan.py", ORPHAN), ("shm.py", SHM), ("burst.py", BURST), ("hog.py", HOG), ("forks.py", FORKS)):
         (d / name).write_text(text)
     return d
 
@@ -112,3 +138,33 @@ def test_a_1_gib_burst_then_exit_leaves_at_most_the_cap(cluster, scripts) -> Non
     tail = ctl(cluster.address, "logs", st["id"], "--rank", "0", "--tail", "3")
     assert tail.returncode == 0, tail.stderr
     assert tail.stdout.strip().splitlines()[-1].endswith("the last line of the burst"), tail.stdout[-300:]
+
+
+def test_a_rank_past_its_memory_limit_is_oom_killed_and_told_so(cluster, scripts) -> None:
+    st = run(cluster, scripts, "hog", sets=("resources.memory_mb=256",))
+    assert st["state"] == "FAILED", st
+    (rank,) = st["ranks"]
+    print("reason:", st["reason"][:300], "| rank 0:", rank["error"][-200:])
+    assert "OOM killer" in rank["error"] and "resources.memory_mb=256" in rank["error"], rank
+    logs = ctl(cluster.address, "logs", st["id"], "--rank", "0").stdout
+    held = [int(x.split()[1]) for x in logs.splitlines() if x.startswith("held ")]
+    assert held and max(held) < 256 and "never here" not in logs, logs[-500:]
+
+
+def test_a_rank_cannot_pass_its_pids_limit(cluster, scripts) -> None:
+    st = run(cluster, scripts, "forks", sets=("resources.pids_max=64",))
+    assert st["state"] == "SUCCEEDED", st["reason"]
+    logs = ctl(cluster.address, "logs", st["id"], "--rank", "0").stdout
+    started = int(logs.rsplit("children started:", 1)[1].split()[0])
+    print(logs.strip().splitlines()[-2:])
+    assert "fork refused after" in logs and started < 64, logs[-500:]
+
+
+def test_a_limit_out_of_range_is_refused_naming_it_and_creates_nothing(cluster, scripts) -> None:
+    before = ctl(cluster.address, "jobs", "--json").stdout
+    path = scripts / "bad.yaml"
+    path.write_text(JOB.format(name="bad-limit", entry="hog.py", workdir=scripts))
+    out = ctl(cluster.address, "submit", str(path), "--set", "resources.memory_mb=1")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "resources.memory_mb" in out.stderr and "64" in out.stderr, out.stderr
+    assert ctl(cluster.address, "jobs", "--json").stdout == before

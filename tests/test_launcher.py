@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -62,6 +63,19 @@ def burst(ctx):
 
 register_kind("test-orphan", orphan)
 register_kind("test-burst", burst)
+
+def shm_probe(ctx):
+    """In /dev/shm: a file written and closed, one held open, one a child holds; then exit."""
+    base = "/dev/shm/rankctl-test-" + ctx.assignment.job_id
+    with open(base + "-closed", "wb") as f:
+        f.write(b"x" * 4096)
+    held = open(base + "-held", "wb")
+    child = subprocess.Popen(["sh", "-c", "exec 3>" + base + "-child; sleep 2.5"])
+    time.sleep(2.5)  # the launcher looks every second
+    child.wait()
+    return {}
+
+register_kind("test-shm", shm_probe)
 '''
 
 
@@ -131,6 +145,15 @@ def subreaper(loop, env):
     """A second launcher that contains ranks without cgroups (the fallback)."""
     launcher = loop.run_until_complete(Launcher.start(env=env, imports=["rankctl_test_kinds"],
                                                       containment="subreaper"))
+    yield launcher
+    loop.run_until_complete(launcher.close())
+
+
+@pytest.fixture(scope="module")
+def tracked(loop, env):
+    """A launcher that leaves ranks on the host's /dev/shm and tracks what they create there."""
+    launcher = loop.run_until_complete(Launcher.start(env=env, imports=["rankctl_test_kinds"],
+                                                      containment="subreaper", shm="tracked"))
     yield launcher
     loop.run_until_complete(launcher.close())
 
@@ -275,3 +298,26 @@ def test_tail_lines(tmp_path) -> None:
     assert tail_lines(str(path), 3) == ["line 4997", "line 4998", "line 4999"]
     assert tail_lines(str(path), 3, block=7) == ["line 4997", "line 4998", "line 4999"]
     assert tail_lines(str(tmp_path / "missing.log")) == []
+
+
+def test_on_the_hosts_dev_shm_what_a_job_created_goes_with_it(loop, tracked, tmp_path) -> None:
+    job = f"shm-{os.getpid()}"
+    before = f"/dev/shm/rankctl-test-{job}-before"
+    own = "/dev/shm/rankctl-0123456789ab"  # a memory_base directory: rankctl's own, never taken
+    with open(before, "wb"):
+        pass
+    time.sleep(0.2)  # older than the job by more than the file system clock's coarseness
+    assert "tracked and removed (asked for)" in tracked.containment, tracked.containment
+    try:
+        loop.run_until_complete(tracked.launch(assignments(job, "test-shm", str(tmp_path))))
+        wait_events(loop, tracked, job, "started", 1)
+        os.makedirs(own, exist_ok=True)
+        (exited,) = [e for e in wait_events(loop, tracked, job, "exited", 1) if e["event"] == "exited"]
+        assert exited["exit_code"] == 0, exited
+        left = sorted(x for x in os.listdir("/dev/shm") if x.startswith(f"rankctl-test-{job}"))
+        assert left == [os.path.basename(before)], left  # closed, held and the child's went; the older stays
+        assert os.path.isdir(own)
+    finally:
+        os.unlink(before)
+        with contextlib.suppress(OSError):
+            os.rmdir(own)

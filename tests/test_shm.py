@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,39 @@ def test_shm_mb_comes_from_the_spec_with_its_documented_default() -> None:
     assert shm.shm_mb({}) == DEFAULT_SHM_MB == Resources().shm_mb
     with pytest.raises(ValueError, match="shm_mb"):
         Resources(shm_mb=0)
+
+
+def test_tracked_shm_takes_what_was_held_and_leaves_what_overlapping_jobs_closed(tmp_path) -> None:
+    from rankctl.worker.shmtrack import ShmTracker
+
+    track = ShmTracker(str(tmp_path))
+    track.started(("a", 1))
+    track.started(("b", 1))  # two attempts at once: a closed file belongs to neither
+    (tmp_path / "closed").write_bytes(b"x")
+    held = open(tmp_path / "held-by-a", "wb")
+    try:
+        track.scan(("a", 1), [os.getpid()])
+        track.scan(("b", 1), [os.getpid()])  # seen first by a: a's
+    finally:
+        held.close()
+    assert track.ended(("a", 1)) == [str(tmp_path / "held-by-a")]
+    assert track.ended(("b", 1)) == [] and (tmp_path / "closed").exists()
+
+
+def test_tracked_shm_alone_takes_what_it_created_and_nobody_holds(tmp_path) -> None:
+    from rankctl.worker.shmtrack import ShmTracker
+
+    (tmp_path / "older").write_bytes(b"x")
+    time.sleep(0.05)
+    track = ShmTracker(str(tmp_path))
+    track.started(("a", 1))
+    (tmp_path / "closed").write_bytes(b"x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "inside").write_bytes(b"x")
+    (tmp_path / "rankctl-0123456789ab").mkdir()  # rankctl's own memory directory
+    still_open = open(tmp_path / "open-elsewhere", "wb")  # someone else still holds it
+    try:
+        assert track.ended(("a", 1)) == [str(tmp_path / "closed"), str(tmp_path / "dir")]
+    finally:
+        still_open.close()
+    assert sorted(os.listdir(tmp_path)) == ["older", "open-elsewhere", "rankctl-0123456789ab"]

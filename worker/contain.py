@@ -67,6 +67,10 @@ class CgroupContainment:
         except FileNotFoundError:
             return []
 
+    def processes(self, key: str, pid: int) -> list[int]:
+        """Every process of the live rank ``pid``."""
+        return self.members(key)
+
     def kill(self, key: str, pids: list[int]) -> None:
         """SIGKILL every member, forks in flight included (``cgroup.kill``, Linux 5.14+)."""
         try:
@@ -109,18 +113,11 @@ class TreeContainment:
 
     def members(self, key: str) -> list[int]:
         roots = self.owned.get(key, set())
-        if not roots:
-            return []
-        children: dict[int, list[int]] = {}
-        parents = _parents()
-        for pid, ppid in parents.items():
-            children.setdefault(ppid, []).append(pid)
-        found, todo = [], [p for p in roots if p in parents]
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            todo.extend(children.get(pid, ()))
-        return found
+        return _descendants(roots) if roots else []
+
+    def processes(self, key: str, pid: int) -> list[int]:
+        """Every process of the live rank ``pid``: its tree (a subreaper, its orphans stay in it)."""
+        return _descendants([pid])
 
     def kill(self, key: str, pids: list[int]) -> None:
         signal_all(pids, signal.SIGKILL)
@@ -149,6 +146,20 @@ def _parents() -> dict[int, int]:
         if fields and fields[0] not in (b"Z", b"X"):
             out[int(name)] = int(fields[1])
     return out
+
+
+def _descendants(roots) -> list[int]:  # noqa: ANN001 - an iterable of pids
+    """``roots`` that live and every process below them."""
+    children: dict[int, list[int]] = {}
+    parents = _parents()
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [p for p in roots if p in parents]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
 
 
 def _cgroup_base(launcher_pid: int) -> str | None:

@@ -22,13 +22,19 @@ import time
 import traceback
 from typing import Any, Callable, NoReturn
 
+import structlog
+
+from rankctl.contract import checkpoints
 from rankctl.contract.assignment import RankAssignment
 from rankctl.worker import contain, shm
+from rankctl.worker.limits import RankLimits, Unenforceable, find_controllers
+from rankctl.worker.shmtrack import SCAN_S, ShmTracker
 from rankctl.worker.procutil import configure_logging, parse_signal, set_parent_death_signal, signal_name
 from rankctl.contract.rankfiles import log_path
 from rankctl.worker.rankio import RankLog, generation_bytes, output_pipe
 from rankctl.worker.status import tail_lines
 
+log = structlog.get_logger("rankctl.launcher")
 LOG_TAIL_LINES = 20
 DEFAULT_GRACE_S = 10.0
 LEFTOVER_GRACE_S = 3.0   # SIGTERM to a rank's leftovers, then SIGKILL after this
@@ -51,7 +57,7 @@ class RankProc:
 class Forker:
     """Serves the launcher protocol (see ``rankctl.worker.launcher``) on stdin / ``event_fd``."""
 
-    def __init__(self, event_fd: int, stdin_fd: int = 0, containment: str = "auto") -> None:
+    def __init__(self, event_fd: int, stdin_fd: int = 0, containment: str = "auto", shm_mode: str = "auto") -> None:
         self.event_fd = event_fd
         self.stdin_fd = stdin_fd
         self.procs: dict[int, RankProc] = {}
@@ -60,8 +66,11 @@ class Forker:
         self._stopping = False
         self.ending: dict[int, RankProc] = {}    # ranks that exited, until every process of theirs is gone
         self.contain, self.containment = contain.choose(os.getpid(), containment)
-        self.private_shm = shm.can_mount(f"/tmp/rankctl-shm-probe-{os.getpid()}")
-        self.containment += "; /dev/shm: " + ("a tmpfs per job attempt" if self.private_shm else "the host's")
+        self.limits = find_controllers(os.getpid(), getattr(self.contain, "base", None))
+        self.containment += "; " + self.limits.describe()
+        self.private_shm, self.shm_track, how = _shm_mode(shm_mode)
+        self.containment += "; /dev/shm: " + how
+        self._next_scan = 0.0
         self._sel: selectors.BaseSelector | None = None
 
     # -- events ---------------------------------------------------------------
@@ -89,7 +98,9 @@ class Forker:
             self._reap()
             self._expire()
             self._finish()
+            self._scan_shm()
         sel.close()
+        self.limits.close()
         self.contain.close()
         self.emit({"event": "shutdown"})
         return 0
@@ -145,6 +156,9 @@ class Forker:
                 continue
             try:
                 proc = self._fork(a, threads, timeout_s, generation)
+            except Unenforceable as exc:  # the job file asks for a limit this node cannot set
+                self.emit(_exited(a, None, None, None, [], str(exc)))
+                continue
             except Exception as exc:  # noqa: BLE001 - report it as this rank's end
                 self.emit(_exited(a, None, None, None, [], f"launch failed: {type(exc).__name__}: {exc}"))
                 continue
@@ -159,7 +173,15 @@ class Forker:
         log = log_path(run_dir, a.rank)
         key = f"{a.job_id}.{a.attempt}.{a.rank}"
         self.contain.prepare(key)
+        try:
+            limit_dirs = self.limits.prepare(key, RankLimits.of(a.spec))
+        except OSError:
+            self.limits.release(key)
+            self.contain.release(key)
+            raise
         private = self.private_shm and bool(shm.mount_job_shm(run_dir, shm.shm_mb(a.spec)))
+        if self.shm_track is not None:
+            self.shm_track.started((a.job_id, a.attempt))
         read_fd, write_fd = output_pipe(f"{log}.out")
         try:
             out = RankLog(log, read_fd, generation)
@@ -171,7 +193,7 @@ class Forker:
         try:
             pid = os.fork()
             if pid == 0:
-                _child(a, write_fd, parent, threads, timeout_s, lambda: self._enter(key, run_dir, private))
+                _child(a, write_fd, parent, threads, timeout_s, lambda: self._enter(key, run_dir, private, limit_dirs))
         except BaseException:
             out.close()
             raise
@@ -182,9 +204,10 @@ class Forker:
             self._sel.register(read_fd, selectors.EVENT_READ, proc)
         return proc
 
-    def _enter(self, key: str, run_dir: str, private_shm: bool) -> None:
-        """In the forked rank: into its containment, and onto its job's own /dev/shm."""
+    def _enter(self, key: str, run_dir: str, private_shm: bool, limit_dirs: list[str]) -> None:
+        """In the forked rank: into its containment and limits, and onto its job's own /dev/shm."""
         self.contain.enter(key)
+        self.limits.enter(limit_dirs)
         if private_shm:
             shm.enter_private_shm(run_dir)
 
@@ -272,17 +295,43 @@ class Forker:
             self._report_exit(self.ending.pop(pid))
 
     def _report_exit(self, proc: RankProc) -> None:
+        notes = self._oom_notes(proc)
+        self.limits.release(proc.key)
         self.contain.release(proc.key)
         a = proc.assignment
-        if self.private_shm and not any((p.assignment.job_id, p.assignment.attempt) == (a.job_id, a.attempt)
-                                        for p in (*self.procs.values(), *self.ending.values())):
-            shm.unmount_job_shm(a.run_dir)  # the attempt's last process on this node is gone
+        if not any((p.assignment.job_id, p.assignment.attempt) == (a.job_id, a.attempt)
+                   for p in (*self.procs.values(), *self.ending.values())):  # the attempt's last process here
+            if self.private_shm:
+                shm.unmount_job_shm(a.run_dir)
+            elif self.shm_track is not None:
+                removed = self.shm_track.ended((a.job_id, a.attempt))
+                if removed:
+                    log.info("removed what the job left in /dev/shm", job=a.job_id, attempt=a.attempt, paths=removed)
         code = os.waitstatus_to_exitcode(proc.status or 0)
         sig = signal_name(-code) if code < 0 else None
         event = _exited(proc.assignment, proc.pid, code if code >= 0 else None, sig,
                         tail_lines(proc.log, LOG_TAIL_LINES))
         event["leftovers_killed"] = len(proc.leftovers)
+        event["notes"] = notes
         self.emit(event)
+
+    def _oom_notes(self, proc: RankProc) -> list[str]:
+        kills = self.limits.oom_kills(proc.key)
+        if not kills:
+            return []
+        limit = RankLimits.of(proc.assignment.spec)
+        return [f"the kernel's OOM killer ended {kills} process(es) of rank {proc.assignment.rank} "
+                f"at its memory limit ({limit.describe('memory')})"]
+
+    def _scan_shm(self) -> None:
+        """Tracked /dev/shm: what each running rank's processes hold now is its attempt's."""
+        now = time.monotonic()
+        if self.shm_track is None or now < self._next_scan:
+            return
+        self._next_scan = now + SCAN_S
+        for pid, proc in self.procs.items():
+            a = proc.assignment
+            self.shm_track.scan((a.job_id, a.attempt), self.contain.processes(proc.key, pid))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -290,6 +339,19 @@ class Forker:
             _, pid = heapq.heappop(self._deadlines)
             if pid in self.procs:
                 _killpg(pid, signal.SIGKILL)
+
+
+def _shm_mode(mode: str) -> tuple[bool, ShmTracker | None, str]:
+    """(private tmpfs per attempt?, the tracker otherwise, how, for the start-up line)."""
+    if mode not in shm.SHM_MODES:
+        raise ValueError(f"shm {mode!r} is not one of {', '.join(shm.SHM_MODES)}")
+    can = mode != "tracked" and shm.can_mount(f"/tmp/rankctl-shm-probe-{os.getpid()}")
+    if mode == "private" and not can:
+        raise OSError("shm private: this launcher may not mount a tmpfs")
+    if can:
+        return True, None, "a tmpfs per job attempt"
+    why = "asked for" if mode == "tracked" else "mounts refused"
+    return False, ShmTracker(checkpoints.SHM), f"the host's, what each job creates tracked and removed ({why})"
 
 
 def _exited(a: RankAssignment, pid: int | None, code: int | None, sig: str | None,

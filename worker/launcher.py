@@ -37,6 +37,7 @@ import sys
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 from rankctl.worker.launcher_client import Launcher, LauncherError  # noqa: E402  (no torch)
+from rankctl.worker.shm import SHM_MODES  # noqa: E402
 
 __all__ = ["Launcher", "LauncherError", "hardware_facts", "main"]
 
@@ -98,6 +99,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="module to import at start-up: its KIND (or its register calls) adds a job kind")
     p.add_argument("--containment", choices=("auto", "cgroup2", "subreaper"), default="auto",
                    help="how a rank's processes are kept together and ended with it (auto: cgroup v2 if writable)")
+    p.add_argument("--shm", choices=SHM_MODES, default="auto",
+                   help="a job's /dev/shm: a private tmpfs per job attempt, or the host's with what the job "
+                        "creates tracked and removed (auto: private where the node allows mounts)")
     return p.parse_args(argv)
 
 
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for module in args.imports:
         registry.load_module(module)
     rank.preload_kinds()
-    forker = Forker(event_fd, containment=args.containment)
+    forker = Forker(event_fd, containment=args.containment, shm_mode=args.shm)
     forker.emit({"event": "ready", "pid": os.getpid(), "hardware": hardware_facts(),
                  "containment": forker.containment})
     return forker.serve()

@@ -56,14 +56,16 @@ class Launcher:
         ready_timeout: float = 120.0,
         stderr: int | None = None,
         containment: str = "auto",
+        shm: str = "auto",
     ) -> "Launcher":
         """Start the launcher and wait for its ``ready`` event (torch import takes seconds).
 
         ``imports`` are modules the launcher imports at start-up (they may register job kinds);
-        ``containment``: "auto", "cgroup2" or "subreaper" (``worker.contain``).
+        ``containment``: "auto", "cgroup2" or "subreaper" (``worker.contain``); ``shm``: "auto",
+        "private" or "tracked" (``worker.shm``).
         """
         args = [python, "-m", "rankctl.worker.launcher", "--parent-pid", str(os.getpid()),
-                "--containment", containment]
+                "--containment", containment, "--shm", shm]
         for module in imports:
             args += ["--import", module]
         proc = await asyncio.create_subprocess_exec(

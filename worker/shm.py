@@ -7,7 +7,8 @@ attempt's ranks share it (NCCL's shared-memory transport) and nobody else sees i
 own snapshot directory (``contract.checkpoints.memory_base``) is bound back in from the host,
 so that the daemon still reads what the ranks snapshot. When the attempt's last rank on the node
 is gone the launcher unmounts it, and its bytes go with it. Where the node refuses a mount
-(no CAP_SYS_ADMIN) ranks use the host's ``/dev/shm`` as before, and the start-up log says so.
+(no CAP_SYS_ADMIN) ranks use the host's ``/dev/shm``, and what each attempt creates there is
+tracked and removed with it (``worker.shmtrack``); the start-up log says which.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rankctl.contract.spec import DEFAULT_SHM_MB
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 4096, 16384, 1 << 19
 MNT_DETACH = 2
+SHM_MODES = ("auto", "private", "tracked")  # the launcher's --shm; "tracked" is worker.shmtrack
 
 
 def _libc() -> ctypes.CDLL:
