@@ -17,9 +17,11 @@ import contextlib
 import ctypes
 import os
 import signal
+import time
 
 PR_SET_CHILD_SUBREAPER = 36
 CGROUP_ROOTS = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+BASE_PREFIX = "rankctl-ranks-"  # + the launcher's pid: one directory of rank cgroups per launcher
 
 
 def become_subreaper() -> None:
@@ -162,6 +164,38 @@ def _descendants(roots) -> list[int]:  # noqa: ANN001 - an iterable of pids
     return found
 
 
+def end_stale(parent: str, wait_s: float = 5.0) -> list[str]:
+    """Rank directories of launchers that died (SIGKILL, OOM) beside ours: what still runs in them (a
+    rank's setsid children) is killed, and the directories go. The directories ended."""
+    ended = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            pid = name.removeprefix(BASE_PREFIX)
+            if name.startswith(BASE_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                base = os.path.join(parent, name)
+                for key in subdirs(base):
+                    rank = CgroupContainment(base)
+                    rank.kill(key, rank.members(key))
+                    wait_empty(lambda k=key, r=rank: r.members(k), wait_s)
+                    rank.release(key)
+                with contextlib.suppress(OSError):
+                    os.rmdir(base)
+                ended.append(base)
+    return ended
+
+
+def subdirs(path: str) -> list[str]:
+    with contextlib.suppress(OSError):
+        return [e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    return []
+
+
+def wait_empty(members, wait_s: float) -> None:  # noqa: ANN001 - () -> list of pids
+    end = time.monotonic() + wait_s
+    while members() and time.monotonic() < end:
+        time.sleep(0.02)
+
+
 def _cgroup_base(launcher_pid: int) -> str | None:
     """A new directory for ranks in the launcher's own cgroup v2, or None when none can be made."""
     own = ""
@@ -171,7 +205,9 @@ def _cgroup_base(launcher_pid: int) -> str | None:
         if not os.path.exists(os.path.join(root, "cgroup.procs")) or not os.path.exists(
                 os.path.join(root, "cgroup.subtree_control")):
             continue
-        base = os.path.join(root, own.lstrip("/"), f"rankctl-ranks-{launcher_pid}")
+        parent = os.path.join(root, own.lstrip("/"))
+        end_stale(parent)
+        base = os.path.join(parent, f"{BASE_PREFIX}{launcher_pid}")
         try:
             os.makedirs(base, exist_ok=True)
             probe = os.path.join(base, "probe")

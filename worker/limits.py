@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from dataclasses import dataclass
+
+from rankctl.worker.contain import BASE_PREFIX, CgroupContainment, signal_all, subdirs, wait_empty
 
 V1_ROOT = "/sys/fs/cgroup"
 CONTROLLERS = ("memory", "pids")
@@ -155,12 +158,28 @@ def _v1_base(name: str, launcher_pid: int) -> str | None:
     root = os.path.join(V1_ROOT, name)
     if own is None or not os.path.exists(os.path.join(root, "cgroup.procs")):
         return None
-    base = os.path.join(root, own.lstrip("/"), f"rankctl-ranks-{launcher_pid}")
+    parent = os.path.join(root, own.lstrip("/"))
+    for stale in _stale(parent):  # a dead launcher's: what still runs there is killed (v1 has no cgroup.kill)
+        for key in subdirs(stale):
+            rank = CgroupContainment(stale)
+            signal_all(rank.members(key), signal.SIGKILL)
+            wait_empty(lambda k=key, r=rank: r.members(k), 5.0)
+            rank.release(key)
+        with contextlib.suppress(OSError):
+            os.rmdir(stale)
+    base = os.path.join(parent, f"{BASE_PREFIX}{launcher_pid}")
     try:
         os.makedirs(base, exist_ok=True)
     except OSError:
         return None
     return base
+
+
+def _stale(parent: str) -> list[str]:
+    with contextlib.suppress(OSError):
+        return [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(BASE_PREFIX)
+                and n.removeprefix(BASE_PREFIX).isdigit() and not os.path.exists(f"/proc/{n.removeprefix(BASE_PREFIX)}")]
+    return []
 
 
 def find_controllers(launcher_pid: int, v2_base: str | None) -> Limits:
