@@ -121,17 +121,24 @@ class BlobStore:
         if used + size > self.quota_bytes:
             raise BlobRefused(f"submitter {owner or '(no TLS identity)'!s} would pass the blob quota of "
                               f"{self.quota_bytes} bytes: {used} bytes stored, this upload is {size}")
+        self._charge(owner, size)  # reserved before the first await: two uploads at once cannot both fit
         try:
-            await self._write(final, digest, size, chunks, owner)
+            stored = await self._write(final, digest, size, chunks, owner)
         except OSError as exc:
+            self._charge(owner, -size)
             code, message = os_status(exc, self.root)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise BlobRefused(message) from None
             raise
-        self._charge(owner, size)
+        except BaseException:
+            self._charge(owner, -size)
+            raise
+        if not stored:  # the same blob arrived whole from another upload meanwhile: charged there
+            self._charge(owner, -size)
         return size
 
-    async def _write(self, final: Path, digest: str, size: int, chunks: AsyncIterator[bytes], owner: str) -> None:
+    async def _write(self, final: Path, digest: str, size: int, chunks: AsyncIterator[bytes], owner: str) -> bool:
+        """Whether this upload stored the blob (False: another one stored it first)."""
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -140,8 +147,12 @@ class BlobStore:
             if got != size or f"sha256:{sha}" != digest:
                 raise InvalidRequest(f"upload of {digest} does not match: {got} bytes with sha256:{sha}, "
                                      f"declared {size} bytes")
+            if final.exists():  # no await since the check in put: another upload finished first
+                Path(tmp).unlink(missing_ok=True)
+                return False
             (self.owners / final.name).write_text(owner)
             os.replace(tmp, final)
+            return True
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

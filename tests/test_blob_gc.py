@@ -42,6 +42,39 @@ def test_an_upload_past_the_submitters_quota_is_refused_naming_it(tmp_path: Path
     assert store.count() == 2
 
 
+def test_two_uploads_at_once_cannot_both_fit_under_the_quota(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path, quota_bytes=10)
+    gate = asyncio.Event()
+
+    async def slow(data: bytes):
+        await gate.wait()  # both uploads are past their quota check before either writes
+        yield data
+
+    async def both() -> list:
+        blobs = [b"123456", b"abcdef"]
+        tasks = [asyncio.create_task(store.put("sha256:" + hashlib.sha256(b).hexdigest(), 6, slow(b), "user a"))
+                 for b in blobs]
+        await asyncio.sleep(0.01)
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    first, second = asyncio.run(both())
+    assert first == 6 and isinstance(second, BlobRefused), (first, second)
+    assert store.use == {"user a": 6} and store.count() == 1
+
+
+def test_the_same_blob_uploaded_twice_at_once_is_charged_once(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path, quota_bytes=100)
+    data = b"0123456789"
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+
+    async def both() -> list:
+        return await asyncio.gather(store.put(digest, 10, _one(data), "u"), store.put(digest, 10, _one(data), "u"))
+
+    assert asyncio.run(both()) == [10, 10]
+    assert store.use == {"u": 10} and store.count() == 1
+
+
 def test_gc_deletes_only_old_blobs_no_live_or_recent_job_references(tmp_path: Path) -> None:
     store = BlobStore(tmp_path, retention_s=100)
     old, live, recent, fresh = (put(store, bytes([i]) * 3, "u") for i in range(4))
