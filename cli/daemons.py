@@ -178,6 +178,10 @@ def _check_node_identity(tls_dir: str, node: str) -> None:
               help="Serve this node's Prometheus /metrics over HTTP here (default: off).")
 @click.option("--workdir-cache-mb", default=20480, show_default=True, type=click.IntRange(min=1),
               help="MiB of extracted workdirs this node keeps (least recently used removed; a running job's never).")
+@click.option("--snapshot-memory-mb", default=None, type=click.IntRange(min=0),
+              help="MiB of the node's memory that rankctl's in-memory snapshots may take, the ranks' own and copies "
+                   "kept for peers (a tmpfs of that size where the daemon may mount; else peers' copies are "
+                   "refused past it). Default: a quarter of the node's memory; 0: no bound of rankctl's own.")
 @click.option("--data-root", "data_roots", multiple=True, metavar="DIR",
               help="A directory under which jobs may name data and other paths on this node (repeatable; "
                    "default: only builtin data and the state dir).")
@@ -187,8 +191,8 @@ def _check_node_identity(tls_dir: str, node: str) -> None:
 @pass_ctx
 def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: str | None,
            advertise_address: str | None, state_dir: Path, health_listen: str, metrics_listen: str | None,
-           workdir_cache_mb: int, data_roots: tuple[str, ...], tls_dir: str | None, insecure: bool, log_level: str,
-           log_format: str) -> None:
+           workdir_cache_mb: int, snapshot_memory_mb: int | None, data_roots: tuple[str, ...], tls_dir: str | None,
+           insecure: bool, log_level: str, log_format: str) -> None:
     """Run the worker daemon for this node until SIGTERM/SIGINT."""
     from rankctl.worker.procutil import configure_logging
     from rankctl.worker.daemon import DaemonConfig, LauncherLost, NodeNameTaken
@@ -233,6 +237,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         data_roots=tuple(data_roots),
         metrics_listen=metrics_listen or "",
         workdir_cache_mb=workdir_cache_mb,
+        snapshot_memory_mb=snapshot_memory_mb,
     )
     try:
         asyncio.run(run_worker(cfg))

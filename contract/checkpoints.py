@@ -14,7 +14,8 @@ memory (tmpfs), so that they outlive the rank process but cost no disk write::
 
 (``{state}/snapshots/...`` and ``{state}/snapshot-replicas/...`` when /dev/shm is missing, not
 writable, or its ``rankctl-*`` directory is not this user's). Each root keeps the newest
-``KEEP_STEPS`` marked steps per rank (``prune``).
+``KEEP_STEPS`` marked steps per rank (``prune``). Both roots together stay under the worker's
+``--snapshot-memory-mb`` (``worker.snapmem``: a tmpfs of that size mounted at ``memory_base``).
 
 Pure paths and directory listing only: the rank side (``kinds.train.checkpoint``) writes and reads
 the files, the daemon side (``worker.replicas``) copies complete ones to a peer node and back.

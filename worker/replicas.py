@@ -16,16 +16,19 @@ them starts over.
 
 Files travel as ``ShardChunk`` streams (1 MiB chunks, the .pt first, then its done-marker), are
 written to a temporary name and renamed, and every name from the wire is checked before it
-becomes a path. File IO runs on worker threads, never on the daemon's event loop.
+becomes a path. File IO runs on worker threads, never on the daemon's event loop. A peer without room
+for a pushed step (past its snapshot memory bound, ``worker.snapmem``, or out of space) keeps nothing
+partial and answers RESOURCE_EXHAUSTED; the sender does not push that step again, a newer one it does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 from pathlib import Path
-from typing import AsyncIterator, Iterable
+from typing import TYPE_CHECKING, AsyncIterator, Iterable
 
 import grpc
 import structlog
@@ -34,6 +37,9 @@ from rankctl.contract import checkpoints as layout
 from rankctl.contract.names import job_name_problem
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from rankctl.worker.snapmem import Bound
 
 log = structlog.get_logger("rankctl.worker")
 CHUNK = 1 << 20
@@ -46,6 +52,10 @@ KINDS = (SNAPSHOTS, "")  # the wire's ``root``; snapshots first, the newer state
 
 class BadShard(ValueError):
     """A chunk whose names cannot be paths (or a request for nothing)."""
+
+
+class NoRoom(OSError):
+    """A pushed file does not fit (the snapshot memory bound, ``worker.snapmem``, or no space): a failed write."""
 
 
 def _check(name: str, step: int, rank: int, file: str, kind: str = "") -> None:
@@ -148,14 +158,34 @@ def _files(root: str) -> int:
 
 
 class _Writer:
-    """Chunks in, files out (temporary name, renamed on the last chunk)."""
+    """Chunks in, files out (temporary name, renamed on the last chunk). ``bound``: the node's snapshot memory
+    bound; when only accounted, the snapshot files under it are counted once a stream (the ranks write theirs
+    from other processes), then this stream's chunks are added as they come."""
 
-    def __init__(self, root_of, dropped=lambda name: False) -> None:  # noqa: ANN001 - (name, kind) -> root
+    def __init__(self, root_of, dropped=lambda name: False, bound: Bound | None = None) -> None:  # noqa: ANN001
         self.root_of, self.dropped, self.f, self.tmp, self.final, self.files = root_of, dropped, None, "", "", 0
         self.markers: dict[tuple[str, str], dict[int, int]] = {}  # (name, kind) -> rank -> step of a marker
         self.written: set[tuple[str, int, int]] = set()   # (root, step, rank) of every file written
+        self.bound, self.in_use, self.incoming = bound, -1, 0  # in_use: counted at the first snapshot chunk
 
     def feed(self, c: pb.ShardChunk) -> None:
+        """One chunk; NoRoom when it does not fit (the caller aborts: nothing partial stays)."""
+        if c.root == SNAPSHOTS and self.bound is not None and self.bound.accounted:
+            if self.in_use < 0:
+                self.in_use = self.bound.in_use()
+            if self.in_use + self.incoming + len(c.data) > self.bound.limit:
+                raise NoRoom(self.bound.full(self.in_use, self.incoming + len(c.data)))
+        try:
+            self._write(c)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            if c.root == SNAPSHOTS and self.bound is not None:
+                raise NoRoom(self.bound.full(self.bound.in_use(), len(c.data))) from exc
+            raise NoRoom(f"no space left for {self.final}: {exc.strerror}") from exc
+        self.incoming += len(c.data) if c.root == SNAPSHOTS else 0
+
+    def _write(self, c: pb.ShardChunk) -> None:
         if self.f is None:
             _check(c.job_name, c.step, c.rank, c.file, c.root)
             if c.root == SNAPSHOTS and self.dropped(c.job_name):
@@ -184,11 +214,13 @@ class _Writer:
     def abort(self) -> None:
         self.drop_incomplete()
         if self.f is not None:
-            self.f.close()
-            try:
+            with contextlib.suppress(OSError):  # a full filesystem refuses the buffered rest: it goes anyway
+                self.f.close()
+            self.f = None
+            with contextlib.suppress(OSError):
                 os.unlink(self.tmp)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.tmp))  # a step directory this stream made for nothing else
 
 
 def _chunks(name: str, step: int, rank: int, root: str, kind: str = "") -> Iterable[pb.ShardChunk]:
@@ -214,8 +246,8 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     """Serves this node's shards to peers and keeps the copies they push. ``identify(context)``: the
     caller's certificate identity (mutual TLS), when given only nodes are served."""
 
-    def __init__(self, store: ShardStore, identify=None) -> None:  # noqa: ANN001 - context -> Identity | None
-        self.store, self.identify = store, identify
+    def __init__(self, store: ShardStore, identify=None, bound: Bound | None = None) -> None:  # noqa: ANN001
+        self.store, self.identify, self.bound = store, identify, bound  # identify: context -> Identity | None
 
     async def _admit(self, context) -> None:  # noqa: ANN001
         if self.identify is None:
@@ -230,20 +262,30 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
 
     async def PutShards(self, request_iterator, context):  # noqa: ANN001, ANN201, N802 - gRPC
         await self._admit(context)
-        writer = _Writer(self.store.replica_root, self.store.dropped)
+        writer = _Writer(self.store.replica_root, self.store.dropped, self.bound)
         try:
             async for chunk in request_iterator:
                 await asyncio.to_thread(writer.feed, chunk)
         except BadShard as exc:
             writer.abort()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NoRoom as exc:  # the steps completed before it stay (and are pruned); the rest goes
+            await asyncio.to_thread(self._settle, writer, True)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except BaseException:
             writer.abort()
             raise
-        await asyncio.to_thread(writer.drop_incomplete)
-        for (name, kind), arrived in writer.markers.items():
-            await asyncio.to_thread(self.store.prune, name, kind, arrived)
+        await asyncio.to_thread(self._settle, writer, False)
         return pb.PutShardsResponse(files=writer.files)
+
+    def _settle(self, writer: _Writer, aborted: bool) -> None:
+        """A stream's end: its incomplete steps dropped, the kept copies of the ranks that arrived pruned."""
+        if aborted:
+            writer.abort()
+        else:
+            writer.drop_incomplete()
+        for (name, kind), arrived in writer.markers.items():
+            self.store.prune(name, kind, arrived)
 
     async def GetShards(self, request, context):  # noqa: ANN001, ANN201, N802 - gRPC
         await self._admit(context)
@@ -280,17 +322,20 @@ class Replicator:
     def __init__(self, store: ShardStore, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.store, self.credentials = store, credentials
         self._pushed: dict[tuple[str, str, str, int], int] = {}  # (peer, job name, kind, rank) -> newest step pushed
+        self._refused: dict[tuple[str, str, str, int], int] = {}  # ... -> newest step the peer had no room for
         self._busy: set[str] = set()                             # peers with a push in flight
 
     def due(self, peer: str, name: str, ranks: Iterable[int]) -> list[tuple[str, int, int]]:
         """(kind, rank, step) whose newest complete step has not reached ``peer`` (blocking: a thread).
-        A newest step below the one pushed last is pushed too: a new run under the name started over."""
+        A newest step below the one pushed last is pushed too: a new run under the name started over. A step
+        the peer had no room for is not pushed again; a newer one is."""
         out, ranks = [], list(ranks)
         for kind in KINDS:
             root = self.store.own_root(name, kind)
             for r in ranks:
                 steps = layout.complete_for(root, [r])
-                if steps and steps[-1] != self._pushed.get((peer, name, kind, r)):
+                key = (peer, name, kind, r)
+                if steps and steps[-1] not in (self._pushed.get(key), self._refused.get(key)):
                     out.append((kind, r, steps[-1]))
         return out
 
@@ -316,10 +361,20 @@ class Replicator:
                      steps={kind or "checkpoints": sorted({s for k, _, s in due if k == kind}) for kind in KINDS
                             if any(k == kind for k, _, _ in due)})
         except (grpc.aio.AioRpcError, OSError) as exc:
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self._refuse(peer, name, due)
             log.warning("checkpoint replication failed", peer=peer, job_name=name,
                         error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
         finally:
             self._busy.discard(peer)
+
+    def _refuse(self, peer: str, name: str, due: list[tuple[str, int, int]]) -> None:
+        """The peer had no room for this push: its snapshot steps (the stream's first files), or its checkpoint
+        steps when it had none, are not pushed again, so the next round sends the rest alone."""
+        kind = SNAPSHOTS if any(k == SNAPSHOTS for k, _, _ in due) else ""
+        for k, r, step in due:
+            if k == kind:
+                self._refused[(peer, name, k, r)] = step
 
 
 async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], timeout: float = 300.0,

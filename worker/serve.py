@@ -18,6 +18,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+from rankctl.worker import snapmem
 from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 from rankctl.worker.replicas import PeerServicer, ShardStore
 
@@ -66,12 +67,13 @@ def serving_setter(servicer: health.aio.HealthServicer, service: str = OVERALL) 
     return set_serving
 
 
-async def start_peer(host: str, state_dir, identity=None) -> tuple[grpc.aio.Server | None, int]:  # noqa: ANN001
+async def start_peer(host: str, state_dir, identity=None,  # noqa: ANN001
+                     bound: snapmem.Bound | None = None) -> tuple[grpc.aio.Server | None, int]:
     """The PeerService (checkpoint replication) on the advertised address; (None, 0) when it cannot bind.
-    With ``identity``: mutual TLS, node certificates only."""
+    With ``identity``: mutual TLS, node certificates only; ``bound``: the node's snapshot memory bound."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     identify = None if identity is None else _identify_unrevoked(identity.revocations)
-    pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir), identify), server)
+    pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir), identify, bound), server)
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     try:
         port = _bind(server, f"{host}:0", identity, require_client_auth=True)
@@ -126,14 +128,14 @@ class _Services:
             await self.peer.stop(0.5)
 
 
-async def _start_services(cfg: DaemonConfig) -> _Services:
+async def _start_services(cfg: DaemonConfig, bound: snapmem.Bound) -> _Services:
     identity = None
     if cfg.tls_dir:
         from rankctl.security.tls import load_identity_dir
 
         identity = load_identity_dir(cfg.tls_dir)
     health_server, port, servicer = await start_health(cfg.health_listen, identity)
-    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir, identity)
+    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir, identity, bound)
     await servicer.set(PEER_SERVICE, _status(peer_server is not None))
     return _Services(health_server, port, servicer, peer_server, peer_port, identity)
 
@@ -143,7 +145,18 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
 
     Raises ``LauncherLost`` when the launcher died and no new one would start, ``NodeNameTaken``
     when the coordinator refuses the node's name, OSError when the metrics address cannot be bound.
+    The snapshot memory bound (``worker.snapmem``) is in force before a peer can push or a rank run.
     """
+    bound = snapmem.apply(str(cfg.state_dir), cfg.snapshot_memory_mb)
+    log.info("snapshot memory bound", node=cfg.name, **bound.fields())
+    try:
+        await _run_worker(cfg, stop, launcher, bound)
+    finally:
+        if snapmem.release(bound):  # empty: it would outlive the daemon for nothing
+            log.info("snapshot memory unmounted", node=cfg.name, path=bound.base)
+
+
+async def _run_worker(cfg: DaemonConfig, stop: asyncio.Event | None, launcher: Any, bound: snapmem.Bound) -> None:
     from rankctl.worker.launcher_client import Launcher
 
     own_launcher = launcher is None
@@ -151,7 +164,7 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
         launcher = await Launcher.start(python=sys.executable)
     if cfg.slots < 1:  # one rank per GPU, or one slot on a CPU node
         cfg = replace(cfg, slots=len(launcher.hardware.get("gpus", [])) or 1)
-    services = await _start_services(cfg)
+    services = await _start_services(cfg, bound)
     cfg = replace(cfg, peer_port=services.peer_port)
     daemon = WorkerDaemon(cfg, launcher, start_launcher=lambda: Launcher.start(python=sys.executable),
                           set_serving=serving_setter(services.servicer))

@@ -7,7 +7,8 @@ Layout on disk::
 
 Both are written to a temporary name and ``os.replace``d, so a reader never sees a torn
 file. In-memory snapshots (``train.snapshot_every``) are the same files under
-``snapshot_root`` (``contract.checkpoints``: the node's tmpfs). A step counts as complete only when every rank of the world has its marker with the
+``snapshot_root`` (``contract.checkpoints``: the node's tmpfs, bounded: ``save_snapshot`` makes room once
+when it is full). A step counts as complete only when every rank of the world has its marker with the
 same ``fingerprint``: a hash of the run's identity (world size, layout, model, seed, data; see
 ``kinds.train.train_state.identity_of``), which the marker also keeps so that a refused resume
 can name what differs (``differences``): ``latest_complete``.
@@ -32,6 +33,8 @@ expert exactly as the serial model names it.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -41,14 +44,14 @@ from typing import Any
 import torch
 
 from rankctl.contract.checkpoints import (
-    complete_for, list_steps, marker_file, prune, rank_file, read_marker, root_in, snapshot_root, state_dir_of,
-    step_dir,
+    complete_for, list_steps, marker_file, prune, rank_file, read_marker, remove_rank_step, root_in, snapshot_root,
+    state_dir_of, step_dir,
 )
 
 # the layout's helpers live in contract.checkpoints (the daemon replicates these files); re-exported here
 __all__ = ["checkpoint_root", "complete_for", "copied", "differences", "export_full_state_dict", "fingerprint",
            "latest_complete", "list_steps", "load_rank", "marker_file", "prune", "rank_file", "read_marker",
-           "remove_rank_files", "save_rank", "snapshot_root_for", "step_dir"]
+           "remove_rank_files", "save_rank", "save_snapshot", "snapshot_root_for", "step_dir"]
 
 
 def checkpoint_root(run_dir: str, job_name: str) -> str:
@@ -96,13 +99,43 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
             for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
 
+class _Recorder:
+    """A file whose ``write`` keeps the OSError it raised: torch.save turns it into a RuntimeError
+    ("unexpected pos"), which would hide a full filesystem (ENOSPC)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _atomic_write(path: str, write: Any) -> None:
+    """``write(f)`` to a temporary name renamed over ``path``; the temporary file goes when it fails."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            out = _Recorder(f)
+            try:
+                write(out)
+            except RuntimeError as exc:
+                if out.error is None:
+                    raise
+                raise out.error from exc
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
@@ -117,6 +150,41 @@ def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
         fields["job_id"] = job_id
     marker = json.dumps(fields).encode()
     _atomic_write(marker_file(root, step, rank), lambda f: f.write(marker))
+    return path
+
+
+def space_note(root: str) -> str:
+    """What bounds the filesystem under ``root``, for a message about a full one."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return "the node's snapshot memory is full"
+    return (f"the node's snapshot memory ({st.f_blocks * st.f_frsize >> 20} MiB, bounded by ctl worker "
+            f"--snapshot-memory-mb) is full")
+
+
+def _saved_or_full(root: str, step: int, rank: int, *args: Any) -> str | None:
+    """``save_rank``'s path, or None when the filesystem is full (ENOSPC; this rank's files of ``step`` removed)."""
+    try:
+        return save_rank(root, step, rank, *args)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    remove_rank_step(root, step, rank)
+    return None
+
+
+def save_snapshot(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
+                  identity: dict[str, Any] | None = None, job_id: str | None = None) -> str:
+    """``save_rank`` into the node's bounded snapshot memory. When it is full (ENOSPC) the partial step goes,
+    this rank keeps only its newest complete step and the write is tried once more; a second ENOSPC raises
+    one naming the bound (and leaves nothing partial)."""
+    path = _saved_or_full(root, step, rank, state, fp, identity, job_id)
+    if path is None:
+        prune(root, [rank], keep=1)
+        path = _saved_or_full(root, step, rank, state, fp, identity, job_id)
+    if path is None:
+        raise OSError(errno.ENOSPC, f"No space left after keeping only the newest snapshot step: {space_note(root)}")
     return path
 
 

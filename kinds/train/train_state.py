@@ -24,7 +24,9 @@ checkpoint, copied synchronously at the step boundary (tensors cloned to the CPU
 by one background thread to the node's tmpfs (``contract.checkpoints.snapshot_root``), marker
 last; the rank keeps its newest ``KEEP_STEPS`` (2) snapshot steps. One write is outstanding at a
 time: the next snapshot *waits* for the previous write rather than skipping a step, so a fault
-loses at most K steps plus the newest write, and at most two copies of the state are held.
+loses at most K steps plus the newest write, and at most two copies of the state are held. When the
+node's snapshot memory is full (its bound: ``ctl worker --snapshot-memory-mb``) the rank keeps only its
+newest snapshot step and tries once more; a write that still fails is logged and training goes on.
 A fresh run deletes this rank's snapshots under the job name (they only ever serve its restarts).
 
 A resume or restart takes the newest step every rank holds in *either* root (a checkpoint,
@@ -188,7 +190,7 @@ class Snapshots:
 
     def _write(self, step: int, state: dict[str, Any]) -> None:
         try:
-            ckpt.save_rank(self.root, step, self.rank, state, self.fp, self.identity, self.job_id)
+            ckpt.save_snapshot(self.root, step, self.rank, state, self.fp, self.identity, self.job_id)
             ckpt.prune(self.root, [self.rank])
             self.written.append(step)
         except BaseException as exc:  # noqa: BLE001 - reported on the loop's thread (wait)
