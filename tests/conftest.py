@@ -9,9 +9,14 @@ Several multi-rank tests fork ranks from the pytest process. A process whose Ope
 pool has started cannot fork safely (the child waits for pool threads that do not exist), so
 the test process runs torch single-threaded from the start: no pool is ever created. Ranks
 set their own thread count after the fork, as the launcher's ranks do.
+
+A worker daemon mounts its snapshot memory (``worker.snapmem``) and unmounts it on a clean stop;
+one a fault test SIGKILLs leaves it mounted, so the session unmounts what it added.
 """
 
+import contextlib
 import os
+import shutil
 
 import pytest
 
@@ -20,6 +25,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def _snapshot_mounts() -> set[str]:
+    with open("/proc/self/mounts") as f:
+        return {fields[1] for fields in (line.split() for line in f)
+                if len(fields) > 2 and fields[2] == "tmpfs" and fields[1].startswith("/dev/shm/rankctl-")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _unmount_snapshot_memory_left_by_killed_daemons():
+    before = _snapshot_mounts()
+    yield
+    from rankctl.worker import shm
+
+    for point in sorted(_snapshot_mounts() - before):
+        shm.libc().umount2(point.encode(), shm.MNT_DETACH)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(point)
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook

@@ -279,4 +279,4 @@ def test_a_tmpfs_of_a_few_mib_keeps_the_bound_and_outlives_a_restart_only_with_s
         assert snapmem.release(again) and not os.path.exists(bound.base)
     finally:
         if os.path.ismount(bound.base):  # a failed assertion above: never leave the test's mount behind
-            node_shm._libc().umount2(bound.base.encode(), node_shm.MNT_DETACH)
+            node_shm.libc().umount2(bound.base.encode(), node_shm.MNT_DETACH)

@@ -26,19 +26,19 @@ MNT_DETACH = 2
 SHM_MODES = ("auto", "private", "tracked")  # the launcher's --shm; "tracked" is worker.shmtrack
 
 
-def _libc() -> ctypes.CDLL:
+def libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _check(rc: int, what: str) -> None:
+def check(rc: int, what: str) -> None:
     if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     enc = (lambda s: s.encode() if s is not None else None)
-    _check(_libc().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+    check(libc().mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
            f"mount {source or fstype} on {target}")
 
 
@@ -56,7 +56,7 @@ def mount_job_shm(run_dir: str, size_mb: int) -> str:
     path = job_shm_dir(run_dir)
     os.makedirs(path, exist_ok=True)
     if not os.path.ismount(path):
-        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size_mb)}m,mode=1777")
+        mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size_mb)}m,mode=1777")
     return path
 
 
@@ -65,7 +65,7 @@ def unmount_job_shm(run_dir: str) -> None:
     path = job_shm_dir(run_dir)
     if os.path.ismount(path):
         with contextlib.suppress(OSError):
-            _check(_libc().umount2(path.encode(), MNT_DETACH), f"umount {path}")
+            check(libc().umount2(path.encode(), MNT_DETACH), f"umount {path}")
     with contextlib.suppress(OSError):
         os.rmdir(path)
 
@@ -74,12 +74,12 @@ def can_mount(scratch: str) -> bool:
     """Whether this process may mount a tmpfs (tried on an empty directory ``scratch``, then undone)."""
     os.makedirs(scratch, exist_ok=True)
     try:
-        _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m")
+        mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m")
     except OSError:
         return False
     finally:
         with contextlib.suppress(OSError):
-            _check(_libc().umount2(scratch.encode(), MNT_DETACH), f"umount {scratch}")
+            check(libc().umount2(scratch.encode(), MNT_DETACH), f"umount {scratch}")
         with contextlib.suppress(OSError):
             os.rmdir(scratch)
     return True
@@ -105,14 +105,14 @@ def enter_private_shm(run_dir: str) -> None:
     inside = keep.startswith(checkpoints.SHM + os.sep)
     if inside:
         os.makedirs(keep, exist_ok=True)
-    _check(_libc().unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    _mount(None, "/", None, MS_REC | MS_SLAVE)  # host mounts still arrive; ours never leave
+    check(libc().unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    mount(None, "/", None, MS_REC | MS_SLAVE)  # host mounts still arrive; ours never leave
     host = os.open(keep, os.O_PATH | os.O_DIRECTORY) if inside else -1
     try:
-        _mount(job_shm_dir(run_dir), checkpoints.SHM, None, MS_BIND)
+        mount(job_shm_dir(run_dir), checkpoints.SHM, None, MS_BIND)
         if inside:
             os.makedirs(keep, exist_ok=True)
-            _mount(f"/proc/self/fd/{host}", keep, None, MS_BIND)
+            mount(f"/proc/self/fd/{host}", keep, None, MS_BIND)
     finally:
         if host >= 0:
             os.close(host)

@@ -95,7 +95,7 @@ def _mount_or_resize(base: str, limit_mb: int) -> Bound:
         if kind != "tmpfs":
             return Bound(limit=limit, how=ACCOUNTED, base=base, why=f"a {kind or 'foreign'} mount is there")
         try:
-            shm._mount(None, base, None, MS_REMOUNT | flags, f"size={limit_mb}m")
+            shm.mount(None, base, None, MS_REMOUNT | flags, f"size={limit_mb}m")
         except OSError as exc:  # tmpfs will not shrink below what it holds
             return Bound(limit=limit, how=ACCOUNTED, base=base,
                          why=f"the tmpfs there keeps its size: a resize to {limit_mb} MiB was refused ({exc.strerror})")
@@ -103,7 +103,7 @@ def _mount_or_resize(base: str, limit_mb: int) -> Bound:
     os.makedirs(base, mode=0o700, exist_ok=True)
     if os.listdir(base):  # a mount would hide them (snapshots from before the bound)
         return Bound(limit=limit, how=ACCOUNTED, base=base, why="it holds files from before; mounted once empty")
-    shm._mount("tmpfs", base, "tmpfs", flags, f"size={limit_mb}m,mode=0700,uid={os.getuid()},gid={os.getgid()}")
+    shm.mount("tmpfs", base, "tmpfs", flags, f"size={limit_mb}m,mode=0700,uid={os.getuid()},gid={os.getgid()}")
     return Bound(limit=limit, how=MOUNTED, base=base)
 
 
@@ -133,7 +133,7 @@ def release(bound: Bound) -> bool:
     if bound.how not in (MOUNTED, RESIZED) or holds_snapshots(bound.base):
         return False
     try:
-        shm._check(shm._libc().umount2(bound.base.encode(), shm.MNT_DETACH), f"umount {bound.base}")
+        shm.check(shm.libc().umount2(bound.base.encode(), shm.MNT_DETACH), f"umount {bound.base}")
     except OSError:
         return False
     with contextlib.suppress(OSError):
