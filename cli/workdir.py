@@ -177,30 +177,34 @@ class Packed:
     digest: str
     size: int
     file: IO[bytes]
+    field: str  # the spec field that references the blob
 
 
 def pack_workdir(spec: "JobSpec") -> Packed | None:
-    """The job's ``python.workdir`` packed into a temporary file (None without one); CtlError (exit 2) when
-    it is not a directory here or its archive passes ``python.workdir_max_mb``."""
-    cfg = getattr(spec, "python", None)
-    if cfg is None or not cfg.workdir or cfg.workdir_blob:
+    """The directory the job's kind ships (``JobKind.shipment``: a python job's workdir) packed into a
+    temporary file (None when there is none); CtlError (exit 2) when it is not a directory here or its
+    archive passes the kind's cap."""
+    from rankctl.kinds import registry
+
+    hook = registry.get(spec.kind).resolve("shipment")
+    what = hook(spec) if hook else None
+    if what is None:
         return None
-    workdir = Path(cfg.workdir)
+    workdir = Path(what.directory)
     if not workdir.is_dir():
-        raise CtlError(f"python.workdir {workdir} is not a directory here; ctl packs it and ships it to the nodes")
-    cap = cfg.workdir_max_mb * MB
+        raise CtlError(f"{what.source} {workdir} is not a directory here; ctl packs it and ships it to the nodes")
     f = tempfile.TemporaryFile(prefix="rankctl-workdir-")
     try:
-        digest, size = pack(workdir, f, cap)
+        digest, size = pack(workdir, f, what.max_mb * MB)
     except TooLarge:
         f.close()
-        raise CtlError(f"python.workdir {workdir} packs to more than {cfg.workdir_max_mb} MiB (packing stopped "
-                       f"there), over the cap python.workdir_max_mb={cfg.workdir_max_mb}: exclude large files "
+        raise CtlError(f"{what.source} {workdir} packs to more than {what.max_mb} MiB (packing stopped "
+                       f"there), over the cap {what.cap}={what.max_mb}: exclude large files "
                        "in its .rankctlignore (or .gitignore) or raise the cap") from None
     except BaseException:
         f.close()
         raise
-    return Packed(workdir, digest, size, f)
+    return Packed(workdir, digest, size, f, what.field)
 
 
 def ship(client: "Client", packed: Packed | None) -> list[str]:
@@ -213,4 +217,4 @@ def ship(client: "Client", packed: Packed | None) -> list[str]:
             client.upload_blob(packed.digest, packed.size, iter(lambda: packed.file.read(CHUNK), b""))
     finally:
         packed.file.close()
-    return [f"python.workdir_blob={packed.digest}"]
+    return [f"{packed.field}={packed.digest}"]

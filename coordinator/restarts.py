@@ -40,6 +40,7 @@ from rankctl.coordinator.nodes import NodeStatus
 from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import JobRecord
 from rankctl.coordinator.states import JobState, is_terminal
+from rankctl.kinds import registry
 from rankctl.parallel.placement import ranks_of_node
 
 log = structlog.get_logger("rankctl.coordinator")
@@ -78,6 +79,12 @@ def drain_step(progress: JobProgress) -> int:
     if isinstance(dt, (int, float)) and dt > 0:
         lead = max(lead, min(DRAIN_MAX_LEAD, math.ceil(DRAIN_LEAD_S / dt)))
     return progress.max_step + lead
+
+
+def _saves_on_request(kind: str) -> bool:
+    """Whether a running job of ``kind`` saves a checkpoint at a step the daemon asks for (a drain waits)."""
+    known = registry.kinds().get(kind)
+    return known is not None and known.drain_checkpoint
 
 
 class RestartsMixin:
@@ -265,7 +272,7 @@ class RestartsMixin:
             if wait is not None and wait.attempt == job.attempt:
                 if name not in wait.nodes:
                     wait.nodes.append(name)
-            elif job.kind == "train" and job.state is S.RUNNING:
+            elif job.state is S.RUNNING and _saves_on_request(job.kind):
                 self._ask_checkpoint(job, name)
             else:
                 self._drain_restart(job, [name], f"the job was {job.state.value.lower()}: moved at once")

@@ -24,9 +24,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from rankctl.contract.spec import JobSpec
-    from rankctl.parallel.layout import ParallelConfig
-
 ENTRY_POINT_GROUP = "rankctl.kinds"
 ENV_VAR = "RANKCTL_KINDS"
 
@@ -48,6 +45,13 @@ class JobKind:
     ``blobs(spec dict) -> ["sha256:<hex>"]``: blobs the spec references (a packed workdir), pure; the
     coordinator refuses a job whose blobs it does not hold, and a daemon fetches them before its ranks start.
     ``blob_limit(spec dict) -> bytes``: the most a node may unpack of those blobs (a workdir quota), pure.
+    ``shipment(spec) -> Shipment | None``: a directory ``ctl`` packs and uploads before submitting (a workdir).
+    ``node_paths(spec dict, workdir, cwd) -> [(field, value, path)]``: the node files a rank will open, which
+    the worker's sandbox keeps under its roots before the ranks start.
+    ``drain_checkpoint``: a running job saves a checkpoint at a step the daemon asks for (a node's drain waits
+    for it, then restarts the job without the node); otherwise a drain restarts it at once.
+    ``own_rendezvous``: the rank's code creates its default process group itself (torchrun-style scripts);
+    the runtime creates no group before the entry runs.
     """
 
     name: str
@@ -61,6 +65,10 @@ class JobKind:
     client_overrides: Any = None
     blobs: Any = None
     blob_limit: Any = None
+    shipment: Any = None
+    node_paths: Any = None
+    drain_checkpoint: bool = False
+    own_rendezvous: bool = False
 
     def resolve(self, attr: str) -> Callable[..., Any] | None:
         """The hook ``attr`` as a callable; a ``"module:function"`` string is imported now."""
@@ -69,6 +77,18 @@ class JobKind:
             module, _, name = target.partition(":")
             target = getattr(importlib.import_module(module), name)
         return target
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shipment:
+    """A directory ``ctl`` packs (gzip tar, ``.rankctlignore``) and uploads before submitting; the spec then
+    references the blob by ``field`` (set to its digest), and ``source`` names it in errors."""
+
+    directory: str
+    max_mb: int
+    field: str      # the spec field that references the blob, e.g. "python.workdir_blob"
+    source: str     # the spec field that named the directory, e.g. "python.workdir"
+    cap: str        # the spec field of max_mb, e.g. "python.workdir_max_mb"
 
 
 _KINDS: dict[str, JobKind] = {}

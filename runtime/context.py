@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rankctl.contract import checkpoints
 from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.names import job_name_problem
 from rankctl.contract.spec import JobSpec
@@ -168,12 +169,10 @@ class RankContext:
     @property
     def checkpoint_dir(self) -> str:
         """``{state}/checkpoints/{job name}``: the job name's, kept across restarts and resubmissions."""
-        from rankctl.kinds.train.checkpoint import checkpoint_root
-
         problem = job_name_problem(self.spec.name)
         if problem:
             raise ValueError(f"no checkpoint directory: {problem}")
-        path = checkpoint_root(self._run_dir, self.spec.name)
+        path = checkpoints.root_in(checkpoints.state_dir_of(self._run_dir), self.spec.name)
         os.makedirs(path, exist_ok=True)
         return path
 

@@ -3,7 +3,7 @@
 ``run_rank(assignment)`` is what a rank process runs (the launcher forks it). A kind's entry
 is a function ``(RankContext) -> dict`` (the result, JSON-serialisable) from ``kinds.registry``.
 Before it runs, the runtime creates the default group and the rank's groups, unless the entry
-has ``OWN_RENDEZVOUS`` set (the ``python`` kind: the user's script creates the default group).
+declares ``own_rendezvous`` (the ``python`` kind: the user's script creates the default group).
 The context is ``rankctl.context()`` while the entry runs. rankctl's own records share the rank's
 log with what the program prints, each marked (``contract.logrecords``), from a logger of their own:
 structlog's global configuration stays the user's. ``ctl logs`` shows the program's lines unless asked
@@ -36,7 +36,6 @@ from rankctl.contract.logformat import record_logger
 TRACEBACK_LINES = 30
 # An entry with this attribute set true creates the default group itself (``python``: the user's
 # ``init_process_group``); the runtime then builds no group before it, ``RankContext.group`` does on first use.
-OWN_RENDEZVOUS = "rankctl_own_rendezvous"
 
 
 JobFn = Callable[[RankContext], "dict[str, Any] | None"]
@@ -95,9 +94,10 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
         spec = parse_spec(a.spec)
         seconds = timeout_s or spec.restart.collective_timeout
         timeout = timedelta(seconds=seconds)
+        kind = registry.get(a.kind)
         job = resolve_kind(a.kind)
         ctx = RankContext(assignment=a, spec=spec, status=status, log=log, timeout=timeout)
-        if not getattr(job, OWN_RENDEZVOUS, False):
+        if not kind.own_rendezvous:
             status.write(phase := "rendezvous")
             log.info("rendezvous", at=a.rendezvous, world_size=a.world_size, timeout_s=seconds)
             ctx.init_default_group()

@@ -7,7 +7,7 @@ launcher's, which it inherits from the daemon), then ``..`` and symlinks (``os.p
 only a string prefix (``/data`` for ``/data2``) does not count. The answer never depends on whether the path
 exists, so a refusal tells nothing about files outside the roots.
 
-Node paths a spec names, per kind (the kind's ``checks.node_paths``):
+Node paths a spec names, per kind (``JobKind.node_paths``):
 - ``train.data`` (``builtin:`` data names no file);
 - ``python.workdir`` and a script ``python.entrypoint``. A workdir ``ctl`` shipped (``python.workdir_blob``) is
   fetched by content hash into the state dir: the spec's ``python.workdir`` then only says where ``ctl`` found
@@ -20,20 +20,18 @@ their directory: ``derived_problem`` checks the ids with ``contract.names`` befo
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from rankctl.contract import rankfiles
 from rankctl.contract.names import job_name_problem, shown
+from rankctl.kinds import registry
 from rankctl.worker.paths import Refused, _index_problem, run_dir_for
 from rankctl.worker.replicas import KINDS, ShardStore
 
 MAX_PATH = 4096  # characters of a path a job names (Linux's PATH_MAX)
 SHOWN_PATH = 200  # characters of a refused path quoted back
-# a kind -> its "module:function" (spec dict, workdir, cwd) -> [(field, value, path)]; until JobKind has the hook
-NODE_PATHS = {"train": "rankctl.kinds.train.checks:node_paths", "python": "rankctl.kinds.python.checks:node_paths"}
 
 
 def allowed_roots(data_roots: Sequence[str], state_dir: str) -> list[str]:
@@ -82,11 +80,10 @@ def assignment_problem(spec: dict[str, Any], roots: Sequence[str], *, workdir: s
     """The first node path ``spec`` (an assignment's canonical spec dict) names that lies outside ``roots``, as a
     one-line reason, or None. ``workdir``: the daemon's copy of a shipped workdir (``RankAssignment.workdir``);
     ``cwd``: the ranks' working directory (default: this process's, which the launcher and its ranks inherit)."""
-    target = NODE_PATHS.get(spec.get("kind", "train"))
-    if target is None:
+    kind = registry.kinds().get(str(spec.get("kind", "")))
+    node_paths = kind.resolve("node_paths") if kind else None
+    if node_paths is None:
         return None
-    module, _, name = target.partition(":")
-    node_paths = getattr(importlib.import_module(module), name)
     for field, value, path in node_paths(spec, workdir, os.getcwd() if cwd is None else cwd):
         problem = path_problem(field, value, roots, path=path)
         if problem:

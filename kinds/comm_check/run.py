@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,8 @@ import torch.distributed as dist
 from rankctl.kinds.comm_check.ops import BUS_FACTOR, OPS
 from rankctl.kinds.comm_check.spec import CommCheckSpec
 
-if TYPE_CHECKING:
-    from rankctl.parallel.groups import ProcessGroups
-    from rankctl.runtime.rank import RankContext
+from rankctl.kinds.context import RankContext
+from rankctl.parallel.groups import ProcessGroups
 
 
 class CommCheckError(RuntimeError):
@@ -165,7 +164,7 @@ def _go_on(started: float, cfg: CommCheckSpec, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def run(ctx: "RankContext") -> dict[str, Any]:
+def run(ctx: RankContext) -> dict[str, Any]:
     """The ``comm-check`` job kind: this rank's per-group results; raises on any wrong value."""
     cfg = ctx.spec.comm_check
     torch.set_num_threads(1)

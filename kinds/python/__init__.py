@@ -20,4 +20,7 @@ KIND = JobKind(
     client_overrides="rankctl.kinds.python.checks:absolute_workdir",
     blobs="rankctl.kinds.python.checks:blobs",
     blob_limit="rankctl.kinds.python.checks:unpacked_limit",
+    shipment="rankctl.kinds.python.checks:shipment",
+    node_paths="rankctl.kinds.python.checks:node_paths",
+    own_rendezvous=True,
 )

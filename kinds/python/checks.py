@@ -11,6 +11,7 @@ from typing import Any
 from rankctl.contract.names import shown
 from rankctl.contract.spec import JobSpec
 from rankctl.kinds.python.spec import PythonSpec
+from rankctl.kinds.registry import Shipment
 
 FUNCTION_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
@@ -41,6 +42,15 @@ def absolute_workdir(spec: JobSpec, job_dir: Path) -> list[str]:
     if is_function(cfg.entrypoint) or Path(cfg.entrypoint).is_absolute():
         return []
     return [f"python.workdir={job_dir}"]
+
+
+def shipment(spec: JobSpec) -> Shipment | None:
+    """``python.workdir`` is packed and shipped by ``ctl`` unless it already names a blob."""
+    cfg: PythonSpec | None = getattr(spec, "python", None)
+    if cfg is None or not cfg.workdir or cfg.workdir_blob:
+        return None
+    return Shipment(directory=cfg.workdir, max_mb=cfg.workdir_max_mb, field="python.workdir_blob",
+                    source="python.workdir", cap="python.workdir_max_mb")
 
 
 def blobs(spec: dict) -> list[str]:

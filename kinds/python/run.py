@@ -1,6 +1,6 @@
 """The ``python`` kind's rank entry: the user's script or function, in torchrun's environment.
 
-The runtime does not rendezvous for this kind (``rankctl_own_rendezvous``, below): ``MASTER_ADDR:MASTER_PORT`` is the
+The runtime does not rendezvous for this kind (``JobKind.own_rendezvous``): ``MASTER_ADDR:MASTER_PORT`` is the
 assignment's rendezvous address, free on rank 0's node, so an unmodified script's
 ``init_process_group("gloo")`` (``env://``) hosts its TCPStore there on rank 0. ``rankctl.context()`` uses
 that default group, or creates it at the same address if the script never did (``runtime.context``).
@@ -12,15 +12,13 @@ import importlib
 import os
 import runpy
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from rankctl.kinds.context import RankContext
 from rankctl.kinds.python.checks import is_function
 
-if TYPE_CHECKING:
-    from rankctl.runtime.context import RankContext
 
-
-def torchrun_env(ctx: "RankContext") -> dict[str, str]:
+def torchrun_env(ctx: RankContext) -> dict[str, str]:
     """What torchrun sets for a worker (``RANK`` ... ``MASTER_PORT``), from the rank's assignment."""
     a = ctx.assignment
     return {
@@ -61,7 +59,7 @@ def _call(entrypoint: str, args: list[str], workdir: str | None) -> None:
     runpy.run_path(path, run_name="__main__")
 
 
-def run(ctx: "RankContext") -> dict[str, Any]:
+def run(ctx: RankContext) -> dict[str, Any]:
     """The ``python`` job kind: exit 0 (or return) is success; an exception or a non-zero exit fails the rank."""
     cfg = ctx.spec.python
     os.environ.update(torchrun_env(ctx))
@@ -80,6 +78,3 @@ def run(ctx: "RankContext") -> dict[str, Any]:
             raise RuntimeError(f"{cfg.entrypoint} exited with code {code}") from None
     return ctx.reported()
 
-
-# ``runtime.rank.OWN_RENDEZVOUS``: the runtime creates no group before ``run`` (kinds never import the runtime)
-run.rankctl_own_rendezvous = True

@@ -18,4 +18,6 @@ KIND = JobKind(
     tables="rankctl.kinds.train.render:tables",
     progress="rankctl.kinds.train.render:progress",
     client_overrides="rankctl.kinds.train.checks:absolute_data",
+    node_paths="rankctl.kinds.train.checks:node_paths",
+    drain_checkpoint=True,
 )

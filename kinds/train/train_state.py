@@ -48,8 +48,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,17 +56,7 @@ from rankctl.contract.names import job_id_problem, job_name_problem
 from rankctl.contract.rankfiles import control_path, read_control
 from rankctl.kinds.train import checkpoint as ckpt
 
-if TYPE_CHECKING:
-    from rankctl.kinds.train.loop import Trainer
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # last finished step
-    losses: list[dict[str, float | None]] = field(default_factory=list)  # loss None off the last stage
-    val_losses: list[dict[str, float | None]] = field(default_factory=list)
-    resumed_from: int | None = None
-    stale_checkpoints: bool = False  # not saved: this fresh run's first checkpoint clears older files first
+from rankctl.kinds.train.trainer import Trainer, TrainState
 
 
 def _layout(t: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
