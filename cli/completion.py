@@ -82,7 +82,6 @@ def completion(shell: str) -> None:
     """
     from click.shell_completion import get_completion_class
 
-    from rankctl.cli.main import cli
-
-    script = get_completion_class(shell)(cli, {}, "ctl", "_CTL_COMPLETE").source()
+    root = click.get_current_context().find_root().command  # ctl itself (no import of cli.main: no cycle)
+    script = get_completion_class(shell)(root, {}, "ctl", "_CTL_COMPLETE").source()
     click.echo(script)
