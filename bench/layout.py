@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from rankctl.parallel.layout import KINDS, ParallelConfig, RankLayout  # noqa: E402
+from rankctl.parallel.layout import GROUP_NAMES, ParallelConfig, RankLayout  # noqa: E402
 
 
 def best_of(repeat: int, fn) -> float:
@@ -37,12 +37,12 @@ def main() -> None:
     from megatron_ref import megatron_groups  # imports megatron-core (dev extra)
 
     t_meg = best_of(ns.repeat, lambda: megatron_groups(**kw))
-    t_all = best_of(ns.repeat, lambda: [RankLayout(ParallelConfig(**kw)).group_array(k) for k in KINDS])
+    t_all = best_of(ns.repeat, lambda: [RankLayout(ParallelConfig(**kw)).group_array(k) for k in GROUP_NAMES])
     lay = RankLayout(ParallelConfig(**kw))
     rank = ns.world_size // 2 + 3
     t_one = best_of(max(ns.repeat, 20), lambda: lay.rank_groups(rank))
     t_one_cold = best_of(ns.repeat, lambda: RankLayout(ParallelConfig(**kw)).rank_groups(rank))
-    print(f"layout bench: world_size={ns.world_size} tp=8 cp=2 pp=8 ep=8, {len(KINDS)} kinds, best of {ns.repeat}")
+    print(f"layout bench: world_size={ns.world_size} tp=8 cp=2 pp=8 ep=8, {len(GROUP_NAMES)} kinds, best of {ns.repeat}")
     print(f"  megatron-core RankGenerator, all kinds : {t_meg * 1e3:10.1f} ms")
     print(f"  rankctl RankLayout, all kinds          : {t_all * 1e3:10.1f} ms   {t_meg / t_all:8.0f}x faster")
     print(f"  rankctl rank_groups(one rank)          : {t_one * 1e3:10.3f} ms   {t_meg / t_one:8.0f}x faster")

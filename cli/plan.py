@@ -68,14 +68,14 @@ def _rank_table(layout: "RankLayout", gpn: int, all_ranks: bool) -> list[str]:
 
 
 def _kind_table(layout: "RankLayout", gpn: int) -> tuple[list[str], list[str]]:
-    from rankctl.parallel.placement import INTRA_NODE_KINDS, kind_summary
+    from rankctl.parallel.placement import INTRA_NODE_GROUPS, group_summary
 
     lines = [f"  {'kind':<9} {'groups':>7} {'size':>6} {'cross-node':>11}"]
     warnings = []
-    for kind, k in kind_summary(layout, gpn).items():
+    for kind, k in group_summary(layout, gpn).items():
         n, size, cross = k["groups"], k["size"], k["cross_node"]
         lines.append(f"  {kind:<9} {n:>7} {size:>6} {cross:>11}")
-        if kind in INTRA_NODE_KINDS and cross and size > 1:
+        if kind in INTRA_NODE_GROUPS and cross and size > 1:
             warnings.append(
                 f"warning: {cross} of {n} {kind} groups cross a node boundary "
                 f"({kind} traffic is heavy; keep {kind} groups inside a node of {gpn} gpus)"
@@ -90,7 +90,7 @@ def _human(layout: "RankLayout", gpn: int, all_ranks: bool) -> str:
     span = str(comms[0]) if len(comms) == 1 else f"{comms[0]}-{comms[-1]}"
     kinds, warnings = _kind_table(layout, gpn)
     out = [_header(cfg, gpn), "", *_rank_table(layout, gpn, all_ranks), "", "groups:", *kinds, ""]
-    out.append(f"each rank joins {span} communicator(s) ({len(layout.kinds)} kinds; identical member lists share one)")
+    out.append(f"each rank joins {span} communicator(s) ({len(layout.names)} group names; identical member lists share one)")
     return "\n".join(out + warnings)
 
 

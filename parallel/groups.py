@@ -3,10 +3,10 @@
 ``ProcessGroups.build`` creates a communicator only for the distinct member lists this rank
 belongs to (``use_local_synchronization=True``: non-members never take part):
 
-* kinds with identical member lists share one communicator (``tp_cp`` == ``tp`` when cp=1);
+* names with identical member lists share one communicator (``tp_cp`` == ``tp`` when cp=1);
 * a member list equal to the whole world reuses the default group;
-* size-1 groups get no communicator: ``pgs.size(kind) == 1`` and ``pgs[kind]`` raises
-  ``SingletonGroupError``; code asks ``pgs.size(kind) > 1`` (or ``pgs.get(kind)``) first.
+* size-1 groups get no communicator: ``pgs.size(name) == 1`` and ``pgs[name]`` raises
+  ``SingletonGroupError``; code asks ``pgs.size(name) > 1`` (or ``pgs.get(name)``) first.
 
 Creation order is global: distinct member lists sorted as tuples. With local
 synchronization each creation blocks until every member has made the same call, so two
@@ -37,24 +37,26 @@ from typing import Callable, Iterable, Iterator
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-WORLD = "world"
+from rankctl.parallel.layout import GroupName
+
+WORLD = GroupName.WORLD
 
 NewGroup = Callable[..., "dist.ProcessGroup | None"]
 
 
 class SingletonGroupError(KeyError):
-    """The group of this kind has one member, so it has no communicator."""
+    """The group of this name has one member, so it has no communicator."""
 
 
 def creation_order(rank: int, groups: dict[str, list[int]]) -> list[tuple[int, ...]]:
     """Distinct member lists (size > 1) this rank must create, in the global order."""
     distinct: set[tuple[int, ...]] = set()
-    for kind, members in groups.items():
+    for name, members in groups.items():
         members_t = tuple(sorted(members))
         if rank not in members_t:
-            raise ValueError(f"rank {rank} is not a member of its {kind} group {list(members_t)}")
+            raise ValueError(f"rank {rank} is not a member of its {name} group {list(members_t)}")
         if len(set(members_t)) != len(members_t):
-            raise ValueError(f"{kind} group {list(members)} repeats a rank")
+            raise ValueError(f"{name} group {list(members)} repeats a rank")
         if len(members_t) > 1:
             distinct.add(members_t)
     return sorted(distinct)
@@ -80,9 +82,9 @@ def _rank_only_names() -> Iterator[None]:
 
 
 class ProcessGroups:
-    """This rank's groups by kind: ``pgs["tp"]``, ``pgs.ranks("tp")``, ``pgs.size("tp")``.
+    """This rank's groups by name: ``pgs["tp"]``, ``pgs.ranks("tp")``, ``pgs.size("tp")``.
 
-    The kind ``world`` is always present (the default group).
+    The name ``world`` is always present (the default group).
     """
 
     def __init__(
@@ -128,51 +130,51 @@ class ProcessGroups:
 
     # -- access ---------------------------------------------------------------
     @property
-    def kinds(self) -> tuple[str, ...]:
+    def names(self) -> tuple[str, ...]:
         return tuple(self._members)
 
-    def __contains__(self, kind: str) -> bool:
-        return kind in self._members
+    def __contains__(self, name: str) -> bool:
+        return name in self._members
 
-    def ranks(self, kind: str) -> list[int]:
-        """Global ranks of this rank's ``kind`` group, ascending."""
-        return list(self._lookup(kind))
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's ``name`` group, ascending."""
+        return list(self._lookup(name))
 
-    def size(self, kind: str) -> int:
-        return len(self._lookup(kind))
+    def size(self, name: str) -> int:
+        return len(self._lookup(name))
 
-    def local_rank(self, kind: str) -> int:
-        """This rank's index inside its ``kind`` group."""
-        return self._lookup(kind).index(self.rank)
+    def local_rank(self, name: str) -> int:
+        """This rank's index inside its ``name`` group."""
+        return self._lookup(name).index(self.rank)
 
-    def get(self, kind: str) -> "dist.ProcessGroup | None":
+    def get(self, name: str) -> "dist.ProcessGroup | None":
         """The communicator, or None for a size-1 group (never the world by accident)."""
-        return self._handles.get(self._lookup(kind))
+        return self._handles.get(self._lookup(name))
 
-    def __getitem__(self, kind: str) -> "dist.ProcessGroup":
-        members = self._lookup(kind)
+    def __getitem__(self, name: str) -> "dist.ProcessGroup":
+        members = self._lookup(name)
         if len(members) == 1:
             raise SingletonGroupError(
-                f"the {kind} group of rank {self.rank} has one member, so it has no communicator; "
-                f"check pgs.size({kind!r}) > 1 before communicating"
+                f"the {name} group of rank {self.rank} has one member, so it has no communicator; "
+                f"check pgs.size({name!r}) > 1 before communicating"
             )
         return self._handles[members]
 
-    def distinct(self, kinds: Iterable[str] | None = None) -> list[tuple[tuple[int, ...], list[str]]]:
-        """(members, kinds sharing them) for each distinct group of size > 1, in creation order."""
+    def distinct(self, names: Iterable[str] | None = None) -> list[tuple[tuple[int, ...], list[str]]]:
+        """(members, names sharing them) for each distinct group of size > 1, in creation order."""
         by_members: dict[tuple[int, ...], list[str]] = {}
-        for kind in kinds if kinds is not None else self.kinds:
-            members = self._lookup(kind)
+        for name in names if names is not None else self.names:
+            members = self._lookup(name)
             if len(members) > 1:
-                by_members.setdefault(members, []).append(kind)
+                by_members.setdefault(members, []).append(name)
         return sorted(by_members.items())
 
-    def _lookup(self, kind: str) -> tuple[int, ...]:
+    def _lookup(self, name: str) -> tuple[int, ...]:
         try:
-            return self._members[kind]
+            return self._members[name]
         except KeyError:
             raise KeyError(
-                f"rank {self.rank} has no {kind!r} group; its kinds are {', '.join(self.kinds)}"
+                f"rank {self.rank} has no {name!r} group; its names are {', '.join(self.names)}"
             ) from None
 
     def destroy(self) -> None:

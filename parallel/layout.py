@@ -10,13 +10,14 @@ Expert layers factor the same ranks a second time, ``(etp, ep, edp, pp)``
 with cp = 1, in the same order; both factorisations must agree on pp groups.
 
 An "X" group holds the ranks whose X coordinate differs and every other
-coordinate is equal. Combined kinds (``tp_dp`` ...) vary several dimensions.
+coordinate is equal. Combined groups (``tp_dp`` ...) vary several dimensions.
 This reproduces ``megatron.core.parallel_state.initialize_model_parallel``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from functools import cached_property
 from typing import Iterator
 
@@ -29,27 +30,52 @@ TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Megatron's RankGenerator appends tokens missing from ``order`` in this order.
 _APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp")
 
-# kind -> (grid, dimensions that vary inside one group)
-DENSE_KINDS: dict[str, tuple[str, ...]] = {
-    "tp": ("tp",),
-    "pp": ("pp",),
-    "dp": ("dp",),
-    "cp": ("cp",),
-    "dp_cp": ("dp", "cp"),
-    "mp": ("tp", "pp"),
-    "tp_cp": ("tp", "cp"),
-    "tp_dp": ("tp", "dp"),
-    "tp_dp_cp": ("tp", "dp", "cp"),
+class GroupName(StrEnum):
+    """The name of a kind of process group: one closed set, defined here and imported everywhere else.
+    Members are strings (``GroupName.TP == "tp"``), so assignments, JSON and user code keep plain names."""
+
+    TP = "tp"
+    PP = "pp"
+    DP = "dp"
+    CP = "cp"
+    DP_CP = "dp_cp"
+    MP = "mp"
+    TP_CP = "tp_cp"
+    TP_DP = "tp_dp"
+    TP_DP_CP = "tp_dp_cp"
+    EMBD = "embd"
+    POS_EMBD = "pos_embd"
+    EP = "ep"
+    EXPT_TP = "expt_tp"
+    TP_EP = "tp_ep"
+    TP_EP_PP = "tp_ep_pp"
+    EXPT_DP = "expt_dp"
+    WORLD = "world"  # every rank: the default group (a rank's groups, never a layout's)
+
+
+G = GroupName
+# group name -> the grid dimensions that vary inside one group of it
+DENSE_GROUPS: dict[GroupName, tuple[str, ...]] = {
+    G.TP: ("tp",),
+    G.PP: ("pp",),
+    G.DP: ("dp",),
+    G.CP: ("cp",),
+    G.DP_CP: ("dp", "cp"),
+    G.MP: ("tp", "pp"),
+    G.TP_CP: ("tp", "cp"),
+    G.TP_DP: ("tp", "dp"),
+    G.TP_DP_CP: ("tp", "dp", "cp"),
 }
-EXPERT_KINDS: dict[str, tuple[str, ...]] = {
-    "ep": ("ep",),
-    "expt_tp": ("tp",),
-    "tp_ep": ("tp", "ep"),
-    "tp_ep_pp": ("tp", "ep", "pp"),
-    "expt_dp": ("dp",),
+EXPERT_GROUPS: dict[GroupName, tuple[str, ...]] = {
+    G.EP: ("ep",),
+    G.EXPT_TP: ("tp",),
+    G.TP_EP: ("tp", "ep"),
+    G.TP_EP_PP: ("tp", "ep", "pp"),
+    G.EXPT_DP: ("dp",),
 }
-EMBEDDING_KINDS = ("embd", "pos_embd")
-KINDS: tuple[str, ...] = (*DENSE_KINDS, *EMBEDDING_KINDS, *EXPERT_KINDS)
+EMBEDDING_GROUPS = (G.EMBD, G.POS_EMBD)
+GROUP_NAMES: tuple[GroupName, ...] = (*DENSE_GROUPS, *EMBEDDING_GROUPS, *EXPERT_GROUPS)
+assert set(GROUP_NAMES) | {G.WORLD} == set(GroupName)
 
 
 class LayoutError(ValueError):
@@ -249,9 +275,9 @@ class ParallelConfig:
 
 
 class RankLayout:
-    """Every communication group of a ``ParallelConfig``, by kind name."""
+    """Every communication group of a ``ParallelConfig``, by group name."""
 
-    kinds: tuple[str, ...] = KINDS
+    names: tuple[GroupName, ...] = GROUP_NAMES
 
     def __init__(self, config: ParallelConfig) -> None:
         self.config = config
@@ -261,55 +287,55 @@ class RankLayout:
     def world_size(self) -> int:
         return self.config.world_size
 
-    def group_array(self, kind: str) -> np.ndarray:
-        """All groups of ``kind`` as a (num_groups, group_size) int64 array."""
-        if kind not in self._cache:
-            self._cache[kind] = self._build(kind)
-        return self._cache[kind]
+    def group_array(self, name: str) -> np.ndarray:
+        """All groups of ``name`` as a (num_groups, group_size) int64 array."""
+        if name not in self._cache:
+            self._cache[name] = self._build(name)
+        return self._cache[name]
 
-    def _build(self, kind: str) -> np.ndarray:
+    def _build(self, name: str) -> np.ndarray:
         cfg = self.config
-        if kind in DENSE_KINDS:
-            return cfg.dense_grid.groups(DENSE_KINDS[kind])
-        if kind in EXPERT_KINDS:
-            return cfg.expert_grid.groups(EXPERT_KINDS[kind])
-        if kind == "embd":
+        if name in DENSE_GROUPS:
+            return cfg.dense_grid.groups(DENSE_GROUPS[name])
+        if name in EXPERT_GROUPS:
+            return cfg.expert_grid.groups(EXPERT_GROUPS[name])
+        if name == "embd":
             pp = self.group_array("pp")
             return pp[:, [0]] if cfg.pp == 1 else pp[:, [0, -1]]
-        if kind == "pos_embd":
+        if name == "pos_embd":
             return self.group_array("pp")[:, [0]]
-        raise KeyError(f"unknown group kind {kind!r}; kinds are {', '.join(KINDS)}")
+        raise KeyError(f"unknown group name {name!r}; names are {', '.join(GROUP_NAMES)}")
 
-    def groups(self, kind: str) -> list[list[int]]:
-        return self.group_array(kind).tolist()
+    def groups(self, name: str) -> list[list[int]]:
+        return self.group_array(name).tolist()
 
     def iter_groups(self, cache: bool = True) -> Iterator[tuple[str, np.ndarray]]:
-        """(kind, groups) for every kind; ``cache=False`` keeps one kind's array alive at a time."""
-        for kind in self.kinds:
-            yield kind, self.group_array(kind) if cache or kind in self._cache else self._build(kind)
+        """(name, groups) for every group name; ``cache=False`` keeps one name's array alive at a time."""
+        for name in self.names:
+            yield name, self.group_array(name) if cache or name in self._cache else self._build(name)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise LayoutError(f"rank={rank} is outside the world (0..{self.world_size - 1})")
 
     def rank_groups(self, rank: int) -> dict[str, list[int]]:
-        """The groups ``rank`` belongs to, one per kind; cost independent of world size.
+        """The groups ``rank`` belongs to, one per group name; cost independent of world size.
 
         ``embd`` and ``pos_embd`` appear only for the ranks that are members.
         """
         self._check_rank(rank)
         cfg = self.config
         out: dict[str, list[int]] = {}
-        for kind, varying in DENSE_KINDS.items():
-            out[kind] = cfg.dense_grid.group_of(rank, varying)
+        for name, varying in DENSE_GROUPS.items():
+            out[name] = cfg.dense_grid.group_of(rank, varying)
         pipeline = out["pp"]
         embd = pipeline[:1] if cfg.pp == 1 else [pipeline[0], pipeline[-1]]
         if rank in embd:
             out["embd"] = embd
         if rank == pipeline[0]:
             out["pos_embd"] = pipeline[:1]
-        for kind, varying in EXPERT_KINDS.items():
-            out[kind] = cfg.expert_grid.group_of(rank, varying)
+        for name, varying in EXPERT_GROUPS.items():
+            out[name] = cfg.expert_grid.group_of(rank, varying)
         return out
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -328,4 +354,4 @@ class RankLayout:
         }
 
     def to_dict(self) -> dict:
-        return {"config": self.config.to_dict(), "groups": {k: self.groups(k) for k in self.kinds}}
+        return {"config": self.config.to_dict(), "groups": {k: self.groups(k) for k in self.names}}

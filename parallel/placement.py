@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from rankctl.contract.limits import PLAN_MAX_RANKS_LISTED
-from rankctl.parallel.layout import RankLayout
+from rankctl.parallel.layout import GroupName, RankLayout
 
-# kinds whose traffic is too heavy to cross a node boundary comfortably
-INTRA_NODE_KINDS = ("tp", "cp", "ep")
+# groups whose traffic is too heavy to cross a node boundary comfortably
+INTRA_NODE_GROUPS = (GroupName.TP, GroupName.CP, GroupName.EP)
 
 
 @dataclass(frozen=True)
@@ -41,28 +41,28 @@ def ranks_of_node(node: int, slots_per_node: int) -> range:
     return range(node * slots_per_node, (node + 1) * slots_per_node)
 
 
-def kind_summary(layout: RankLayout, slots_per_node: int) -> dict[str, dict[str, int]]:
-    """kind -> groups, size and cross-node groups; one kind's array in memory at a time."""
+def group_summary(layout: RankLayout, slots_per_node: int) -> dict[str, dict[str, int]]:
+    """group name -> groups, size and cross-node groups; one name's array in memory at a time."""
     out = {}
-    for kind, groups in layout.iter_groups(cache=False):
+    for name, groups in layout.iter_groups(cache=False):
         nodes = node_of_rank(groups, slots_per_node)
         cross = int(np.count_nonzero(nodes.min(axis=1) != nodes.max(axis=1)))
-        out[kind] = {"groups": int(groups.shape[0]), "size": int(groups.shape[1]), "cross_node": cross}
+        out[name] = {"groups": int(groups.shape[0]), "size": int(groups.shape[1]), "cross_node": cross}
     return out
 
 
 def layout_document(layout: RankLayout, slots_per_node: int, all_ranks: bool = False) -> dict:
     """The layout as JSON-ready data (``ctl plan --json``, the coordinator's PlanJob).
 
-    Always the config and a per-kind summary; every group's members and ``node_of_rank`` only up to
+    Always the config and a per-group-name summary; every group's members and ``node_of_rank`` only up to
     ``PLAN_MAX_RANKS_LISTED`` ranks (or with ``all_ranks``), so the answer stays proportional to a
     question, not to the world.
     """
     world = layout.world_size
     doc: dict = {"config": layout.config.to_dict(), "gpus_per_node": slots_per_node,
-                 "kinds": kind_summary(layout, slots_per_node)}
+                 "kinds": group_summary(layout, slots_per_node)}  # the JSON key stays
     if all_ranks or world <= PLAN_MAX_RANKS_LISTED:
-        doc["groups"] = {k: layout.groups(k) for k in layout.kinds}
+        doc["groups"] = {k: layout.groups(k) for k in layout.names}
         doc["node_of_rank"] = [node_of_rank(r, slots_per_node) for r in range(world)]
     else:
         doc["omitted"] = ["groups", "node_of_rank"]

@@ -1,8 +1,8 @@
 """``RankContext``: one rank's view of its job, for rankctl's kinds and (``rankctl.context()``) for user code.
 
 Identity (``rank``, ``world_size``, ``local_rank``, ``node``, ``job_id``, ``attempt``, ``coords``, ``layout``,
-``ranks(kind)``) is pure and read from the assignment. Process groups are built once: up front by the
-runtime for kinds that want them (``train``, ``comm-check``), or on the first ``group(kind)`` for kinds
+``ranks(name)``) is pure and read from the assignment. Process groups are built once: up front by the
+runtime for kinds that want them (``train``, ``comm-check``), or on the first ``group(name)`` for kinds
 whose code owns the rendezvous (``python``): the default group is then the one the script created with
 ``init_process_group``, or, if it created none, one made here at the same address (``MASTER_ADDR:MASTER_PORT``).
 All of the rank's groups are built at once, in ``parallel.groups``' global order, so the first ``group()`` call
@@ -96,14 +96,14 @@ class RankContext:
             self._layout = RankLayout(parallel_config(self.spec))
         return self._layout
 
-    def ranks(self, kind: str) -> list[int]:
-        """Global ranks of this rank's ``kind`` group, ascending (``world``: every rank)."""
-        if kind == WORLD:
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's ``name`` group, ascending (``world``: every rank)."""
+        if name == WORLD:
             return list(range(self.world_size))
         try:
-            return sorted(self.assignment.groups[kind])
+            return sorted(self.assignment.groups[name])
         except KeyError:
-            raise KeyError(f"rank {self.rank} has no {kind!r} group; its kinds are "
+            raise KeyError(f"rank {self.rank} has no {name!r} group; its kinds are "
                            f"{', '.join(self.assignment.groups)}, world") from None
 
     # -- groups -----------------------------------------------------------------------------
@@ -137,15 +137,15 @@ class RankContext:
             self._device = resolve_backend(self.assignment)[1]
         return self._device
 
-    def group(self, kind: str) -> dist.ProcessGroup:
-        """The live process group of ``kind`` (``world`` or a ``parallel.layout`` kind) for this rank;
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The live process group of ``name`` (``world`` or a ``parallel.layout`` name) for this rank;
         one-member kinds share one group of this rank alone (Megatron asks every group its size)."""
-        self.ranks(kind)  # a clear KeyError for a kind this rank lacks
+        self.ranks(name)  # a clear KeyError for a name this rank lacks
         pgs = self.groups
-        if kind == WORLD:
+        if name == WORLD:
             return dist.group.WORLD
-        if pgs.size(kind) > 1:
-            return pgs[kind]
+        if pgs.size(name) > 1:
+            return pgs[name]
         if self._alone is None:
             self._alone = _alone_group(self.rank, self.timeout)
         return self._alone

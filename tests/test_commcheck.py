@@ -24,7 +24,7 @@ from rankctl.kinds.comm_check.run import (
 
 
 def group(rank: int = 1) -> _Group:
-    return _Group(kinds=["dp", "dp_cp"], members=[1, 3, 5], pg=None, rank=rank)
+    return _Group(names=["dp", "dp_cp"], members=[1, 3, 5], pg=None, rank=rank)
 
 
 def test_verify_accepts_the_right_values() -> None:

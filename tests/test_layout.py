@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rankctl.parallel.layout import KINDS, LayoutError, ParallelConfig, RankLayout
+from rankctl.parallel.layout import GROUP_NAMES, LayoutError, ParallelConfig, RankLayout
 
 
 def layout(**kw) -> RankLayout:
@@ -47,7 +47,7 @@ def test_expert_grid_is_second_factorisation() -> None:
 def test_to_dict_shape() -> None:
     d = layout(world_size=8, tp=2, pp=2).to_dict()
     assert d["config"]["dp"] == 2 and d["config"]["world_size"] == 8
-    assert set(d["groups"]) == set(KINDS)
+    assert set(d["groups"]) == set(GROUP_NAMES)
 
 
 def _divisors(n: int) -> list[int]:
@@ -82,7 +82,7 @@ def test_each_kind_partitions_the_ranks(kw: dict) -> None:
     if lay is None:
         return
     world = kw["world_size"]
-    for kind in KINDS:
+    for kind in GROUP_NAMES:
         arr = lay.group_array(kind)
         flat = np.sort(arr.ravel())
         if kind in ("embd", "pos_embd"):
@@ -101,7 +101,7 @@ def test_rank_groups_agree_with_groups(kw: dict, pick: int) -> None:
         return
     rank = pick % kw["world_size"]
     mine = lay.rank_groups(rank)
-    for kind in KINDS:
+    for kind in GROUP_NAMES:
         containing = [g for g in lay.groups(kind) if rank in g]
         if containing:
             assert mine[kind] == containing[0], kind

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from rankctl.parallel.layout import KINDS, LayoutError, ParallelConfig, RankLayout
+from rankctl.parallel.layout import GROUP_NAMES, LayoutError, ParallelConfig, RankLayout
 
 megatron = pytest.importorskip("megatron.core")
 from megatron_ref import megatron_groups  # noqa: E402
@@ -60,7 +60,7 @@ def _ours(kw: dict) -> dict[str, list[list[int]]] | None:
     except LayoutError as exc:
         assert str(exc), "a LayoutError carries a message"
         return None
-    return {k: lay.groups(k) for k in KINDS}
+    return {k: lay.groups(k) for k in GROUP_NAMES}
 
 
 def _theirs(kw: dict) -> dict[str, list[list[int]]] | None:
@@ -80,7 +80,7 @@ def test_grid_matches_megatron() -> None:
             rejected += 1
             continue
         assert ours is not None, f"megatron accepts {kw} but rankctl rejects it"
-        for kind in KINDS:
+        for kind in GROUP_NAMES:
             assert ours[kind] == sorted(sorted(g) for g in theirs[kind]), (kind, kw)
         accepted += 1
     # the grid must exercise both sides substantially
@@ -92,5 +92,5 @@ def test_megatron_group_order_is_ours_unsorted() -> None:
     kw = dict(world_size=192, tp=2, pp=3, cp=2, ep=4, etp=2, order="tp-cp-ep-dp-pp")
     theirs = megatron_groups(**kw)
     lay = RankLayout(ParallelConfig(**kw))
-    for kind in KINDS:
+    for kind in GROUP_NAMES:
         assert lay.groups(kind) == theirs[kind], kind

@@ -6,7 +6,7 @@ from typing import Any
 
 from rankctl.coordinator.web.html import age, e, job_href, state_badge, table
 from rankctl.coordinator.web.layouts import layout_text
-from rankctl.parallel.placement import INTRA_NODE_KINDS
+from rankctl.parallel.placement import INTRA_NODE_GROUPS
 
 JOBS_PAGE = 50
 NODES_PAGE = 200
@@ -83,7 +83,7 @@ def _kinds(doc: dict) -> tuple[str, list[str]]:
     gpn, rows, warnings = doc["gpus_per_node"], [], []
     for kind, k in doc["kinds"].items():
         rows.append([e(kind), str(k["groups"]), str(k["size"]), str(k["cross_node"])])
-        if kind in INTRA_NODE_KINDS and k["cross_node"] and k["size"] > 1:
+        if kind in INTRA_NODE_GROUPS and k["cross_node"] and k["size"] > 1:
             warnings.append(f"{k['cross_node']} of {k['groups']} {kind} groups cross a node boundary "
                             f"({kind} traffic is heavy; keep {kind} groups inside a node of {gpn} slots)")
     return table(["kind", "groups", "size", "cross-node"], rows, "plan-kinds"), warnings

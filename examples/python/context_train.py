@@ -21,7 +21,7 @@ TRUE_W = torch.tensor([1.0, -2.0, 3.0, 0.5])
 def check_groups(ctx) -> dict[str, float]:
     """kind -> the all-reduced sum, checked against the members' sum."""
     sums = {}
-    for kind in ("world", *ctx.layout.kinds):
+    for kind in ("world", *ctx.layout.names):
         try:
             members = ctx.ranks(kind)
         except KeyError:  # embd, pos_embd: only the first (and last) pipeline stage is a member

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rankctl.kinds.comm_check.ops import BUS_FACTOR, OPS
-from rankctl.parallel.layout import KINDS
+from rankctl.parallel.layout import GROUP_NAMES
 
 
 def _group_times(results: Mapping[int, Any]) -> dict[tuple[int, ...], dict[str, Any]]:
@@ -59,7 +59,7 @@ def comm_check_result(results: Mapping[int, Any]) -> dict[str, Any]:
     for members, g in _group_times(results).items():
         for kind in g["kinds"]:
             by_kind.setdefault(kind, []).append((members, g))
-    order = sorted(by_kind, key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
+    order = sorted(by_kind, key=lambda k: (GROUP_NAMES.index(k) if k in GROUP_NAMES else len(GROUP_NAMES), k))
     first = next((r for r in results.values() if isinstance(r, Mapping)), {})
     return {
         "comm": [row for kind in order for row in _kind_rows(kind, by_kind[kind])],

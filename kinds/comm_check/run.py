@@ -36,13 +36,13 @@ class CommCheckError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class _Group:
-    kinds: list[str]
+    names: list[str]  # the group names sharing these members
     members: list[int]
     pg: Any  # dist.ProcessGroup
     rank: int
 
     def where(self) -> str:
-        return f"{'/'.join(self.kinds)} group {self.members} (observed on rank {self.rank})"
+        return f"{'/'.join(self.names)} group {self.members} (observed on rank {self.rank})"
 
 
 def _sync(device: torch.device) -> None:
@@ -130,9 +130,9 @@ def check_groups(pgs: "ProcessGroups", rank: int, cfg: CommCheckSpec, device: to
     Rows carry ``error`` per op where a value was wrong; ``errors(rows)`` lists them.
     """
     out = []
-    for members, kinds in pgs.distinct():
-        g = _Group(kinds=kinds, members=list(members), pg=pgs[kinds[0]], rank=rank)
-        row: dict[str, Any] = {"kinds": kinds, "members": list(members)}
+    for members, names in pgs.distinct():
+        g = _Group(names=names, members=list(members), pg=pgs[names[0]], rank=rank)
+        row: dict[str, Any] = {"kinds": names, "members": list(members)}  # the result's key stays
         for op in OPS:
             row[op] = bench_op(op, g, cfg, device)
         out.append(row)
