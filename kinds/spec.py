@@ -28,13 +28,14 @@ def _check_kind(cls: type, v: str) -> str:
 
 
 def spec_model() -> type[JobSpec]:
-    """``JobSpec`` with every registered kind's sections as optional fields (rebuilt when kinds change)."""
+    """``JobFile``: ``JobSpec`` (its only base) with every registered kind's sections as optional fields, rebuilt
+    when kinds change; every spec in a process is an instance of it."""
     version = registry.version()
     model = _models.get(version)
     if model is None:
         sections = {name: (cls | None, None) for kind in registry.kinds().values()
                     for name, cls in kind.sections.items()}
-        model = create_model("JobSpec", __base__=JobSpec, __module__=__name__,
+        model = create_model("JobFile", __base__=JobSpec, __module__=__name__,
                              __validators__={"_kind": field_validator("kind")(classmethod(_check_kind))},
                              **sections)
         _models.clear()
