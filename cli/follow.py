@@ -23,28 +23,21 @@ def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120
     ``transient``: the live view leaves nothing behind (the caller prints the final status itself).
 
     One GetJob at the start and after each reconnect; then the displayed job is kept current from
-    WatchJobBatches (state, reason, attempt, summary, rank and step events), or from WatchJob's
-    single events when the coordinator predates batches.
+    WatchJobBatches (state, reason, attempt, summary, rank and step events).
     """
-    from rankctl.cli.client import Unimplemented
     from rankctl.cli.console import stderr_console
     from rankctl.cli.render import TERMINAL, job_view, state_name
 
     follower = _Follower(_LiveView(stderr_console(), job_view, transient) if live else None)
-    down_since, batches = None, True
+    down_since = None
     try:
         while True:
             try:
                 with ctx.client() as client:
                     job = follower.start(client.get(job_id, rank_limit=SHOWN_RANKS))
                     down_since, job_id = None, job.id
-                    if state_name(job.state) not in TERMINAL and batches:
-                        try:
-                            follower.batches(client, LIVE_INTERVAL if live else WAIT_INTERVAL)
-                        except Unimplemented:  # an older coordinator: single events
-                            batches = False
-                    if state_name(follower.job.state) not in TERMINAL and not batches:
-                        follower.events(client)
+                    if state_name(job.state) not in TERMINAL:
+                        follower.batches(client, LIVE_INTERVAL if live else WAIT_INTERVAL)
                     if state_name(follower.job.state) in TERMINAL:
                         return follower.finish(client.get(job_id))
             except CtlError as exc:
@@ -81,18 +74,6 @@ class _Follower:
             self.after = max([self.after, *(ev.seq for ev in batch.events)])
             self._notes(batch.events)
             self._show(LIVE_INTERVAL / 2)  # the coordinator spaces batches already; this only spares a backlog
-
-    def events(self, client) -> None:
-        """The same from WatchJob (a coordinator without batches): one event at a time, no GetJob per event."""
-        from rankctl.cli.render import TERMINAL, apply_event, state_name
-
-        for event in client.watch(self.job.id, after_seq=self.after):
-            apply_event(self.job, event)
-            self.after = max(self.after, event.seq)
-            self._notes([event])
-            self._show(LIVE_INTERVAL)
-            if state_name(event.state) in TERMINAL:
-                return
 
     def finish(self, job):
         self.job = job
