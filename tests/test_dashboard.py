@@ -293,7 +293,8 @@ def test_tick_labels_read_like_numbers() -> None:
     assert tick_labels([80_000, 100_000, 120_000], 20_000) == ["80k", "100k", "120k"]  # one scale per axis
     assert tick_labels([1.2e6, 1.4e6], 2e5) == ["1.2M", "1.4M"]
     assert tick_labels([0.0, 0.05, 0.1], 0.05) == ["0", "0.05", "0.10"]
-    assert [nice_step(s) for s in (11, 0.37, 1, 7000)] == [5, 0.1, 0.2, 2000]
+    # the round step nearest span/5 ticks with at least 3 (11 with a step of 5 could show 2 ticks)
+    assert [nice_step(s) for s in (11, 0.37, 1, 7000)] == [2, 0.1, 0.2, 1000]
 
 
 def test_points_carry_their_step_and_value_on_hover_bounded_per_line() -> None:
@@ -365,3 +366,16 @@ def test_the_plan_form_holds_what_was_typed() -> None:
     form = plan_form("name: x\nkind: train", 'parallel.tp=3\nname=<b>"')
     assert '<textarea name="spec" rows="16" cols="90">\nname: x\nkind: train</textarea>' in form
     assert '<textarea name="set" rows="2" cols="60">\nparallel.tp=3\nname=&lt;b&gt;&quot;</textarea>' in form
+
+
+def test_every_axis_gets_between_three_and_a_dozen_round_ticks() -> None:
+    """CI saw steps 1..55 labelled 20 and 40 only: the smallest round step above span/5 left 2 ticks."""
+    from rankctl.coordinator.web.charts import MIN_TICKS, nice_step, tick_values
+
+    for lo, hi in [(1, 55), (1, 41), (1, 34), (0, 7), (3.2, 5.5), (1000, 10030), (1e-5, 2e-5), (2.5, 2.61), (1, 999)]:
+        for shift in (0.0, 0.37, 0.71):
+            a, b = lo + shift * (hi - lo) / 10, hi + shift * (hi - lo) / 10
+            step = nice_step(b - a)
+            ticks = tick_values(a, b, step)
+            assert MIN_TICKS <= len(ticks) <= 12, (a, b, step, ticks)
+            assert f"{step:.1e}"[0] in "125", step

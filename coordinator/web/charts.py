@@ -17,6 +17,7 @@ from rankctl.coordinator.web.html import number
 W, H = 560, 236
 LEFT, RIGHT, TOP, BOTTOM = 60, 28, 12, 42
 TICKS = 5              # about this many ticks per axis
+MIN_TICKS = 3          # ticks an axis shows at least
 HOVER_POINTS = 120     # points per line with a hover title (evenly over the line, and its newest)
 SUFFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 PLAIN_BELOW = 1e5      # labels below this magnitude are written out (10,030); above, with a suffix
@@ -30,10 +31,13 @@ class Series:
 
 
 def nice_step(span: float, ticks: int = TICKS) -> float:
-    """A round distance (1, 2 or 5 times a power of ten) giving about ``ticks`` ticks over ``span``."""
+    """A round distance (1, 2 or 5 times a power of ten) giving about ``ticks`` ticks over ``span``, and at
+    least ``MIN_TICKS`` wherever the axis starts (``span / step`` intervals hold that many multiples)."""
     raw = span / max(1, ticks)
-    mag = 10 ** math.floor(math.log10(raw))
-    return next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    exp = math.floor(math.log10(raw))
+    steps = [m * 10.0 ** e for e in (exp - 1, exp, exp + 1) for m in (1, 2, 5)]
+    enough = [s for s in steps if span / s >= MIN_TICKS]
+    return min(enough or steps[:1], key=lambda s: abs(math.log(span / s / ticks)))
 
 
 def tick_values(lo: float, hi: float, step: float) -> list[float]:
