@@ -17,11 +17,14 @@ from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 
 class LocalCluster:
     def __init__(self, nodes: int, slots: int, state_dir: Path, heartbeat_timeout: float = 10.0,
-                 name_prefix: str = "local", imports: Sequence[str] = ()) -> None:
-        """``imports``: modules that add job kinds (``kinds.registry.load_module``), here and in every launcher."""
+                 name_prefix: str = "local", imports: Sequence[str] = (), data_roots: Sequence[str] = ("/",)) -> None:
+        """``imports``: modules that add job kinds (``kinds.registry.load_module``), here and in every launcher.
+        ``data_roots``: where jobs may name node files (the embedded cluster runs as you, for your jobs only:
+        anywhere, by default)."""
         self.nodes, self.slots, self.state_dir = nodes, slots, Path(state_dir)
         self.heartbeat_timeout = heartbeat_timeout
         self.imports = list(imports)
+        self.data_roots = tuple(data_roots)
         self.names = [f"{name_prefix}-{k}" for k in range(nodes)]
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -72,9 +75,8 @@ class LocalCluster:
                                          heartbeat_timeout=self.heartbeat_timeout)
         self.address = server.address
         daemons = [
-            # the embedded cluster runs as you, on your machine, for your jobs only: they may name any path
             WorkerDaemon(DaemonConfig(coordinator=self.address, name=name, slots=self.slots,
-                                      state_dir=self.state_dir / name, data_roots=("/",)), launcher)
+                                      state_dir=self.state_dir / name, data_roots=self.data_roots), launcher)
             for name, launcher in zip(self.names, launchers)
         ]
         tasks = [asyncio.create_task(d.run()) for d in daemons]

@@ -1,10 +1,12 @@
 """A job kind that lives in this folder only: registered by importing it (``KIND``).
 
 It proves the plug-in interface: its spec section, check, rank entry, aggregation and
-rendering are declared here, and nothing outside this folder names it.
+rendering are declared here, and so are its capabilities: the node file it reads (sandboxed by
+the worker) and a checkpoint on request (a node's drain waits for it). Nothing outside this
+folder names it.
 """
 
-from pydantic import StrictInt
+from pydantic import StrictInt, StrictStr
 
 from rankctl.contract.spec import Section
 from rankctl.kinds.registry import JobKind
@@ -12,10 +14,17 @@ from rankctl.kinds.registry import JobKind
 
 class ToySpec(Section):
     value: StrictInt = 1
+    steps: StrictInt = 0       # > 0: report that many steps, saving a checkpoint when the daemon asks
+    path: StrictStr = ""       # a node file every rank reads: the worker keeps it under its roots
 
 
 def check(spec, cfg) -> list[str]:
     return [] if spec.toy.value >= 0 else [f"toy.value={spec.toy.value} must not be negative"]
+
+
+def node_paths(spec, workdir: str, cwd: str) -> list:
+    toy = spec["toy"] if isinstance(spec, dict) else spec.toy.model_dump()
+    return [("toy.path", toy["path"], toy["path"])] if toy.get("path") else []
 
 
 KIND = JobKind(
@@ -25,4 +34,6 @@ KIND = JobKind(
     entry="toykind.rank:run",
     aggregate="toykind.results:total",
     summary="toykind.results:summary",
+    node_paths=node_paths,
+    drain_checkpoint=True,
 )

@@ -1,10 +1,37 @@
-"""The toy kind's rank entry: every rank adds (rank + 1) * toy.value over the world."""
+"""The toy kind's rank entry: every rank adds (rank + 1) * toy.value over the world. With ``toy.steps`` it
+reports steps, saves its step to its checkpoint when the daemon asks (``checkpoint_at``), and resumes from it."""
+
+import json
+import os
+import time
 
 import torch
 import torch.distributed as dist
 
+from rankctl.contract.rankfiles import control_path, read_control
+
+
+def _checkpoint(ctx) -> str:
+    return os.path.join(ctx.checkpoint_dir, f"toy-rank-{ctx.assignment.rank}.json")
+
+
+def _steps(ctx) -> int | None:
+    """Report toy.steps steps; the step this rank resumed from, if any."""
+    path, control = _checkpoint(ctx), control_path(ctx.assignment.run_dir, ctx.assignment.rank)
+    resumed = json.load(open(path))["step"] if os.path.exists(path) else None
+    for step in range((resumed or 0) + 1, ctx.spec.toy.steps + 1):
+        time.sleep(0.1)
+        if read_control(control).get("checkpoint_at") == step:
+            with open(path, "w") as f:
+                json.dump({"step": step}, f)
+        ctx.report(step, loss=1.0 / step)
+    return resumed
+
 
 def run(ctx) -> dict:
+    if ctx.spec.toy.path:
+        open(ctx.spec.toy.path).close()
+    resumed = _steps(ctx) if ctx.spec.toy.steps else None
     x = torch.tensor([float((ctx.assignment.rank + 1) * ctx.spec.toy.value)])
     dist.all_reduce(x)
-    return {"sum": float(x.item()), "value": ctx.spec.toy.value}
+    return {"sum": float(x.item()), "value": ctx.spec.toy.value, "resumed_from": resumed}

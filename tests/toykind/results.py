@@ -3,7 +3,8 @@
 
 def total(results: dict) -> dict:
     sums = {r["sum"] for r in results.values()}
-    return {"sum": sums.pop() if len(sums) == 1 else None, "ranks": len(results)}
+    resumed = {str(rank): r.get("resumed_from") for rank, r in results.items()}
+    return {"sum": sums.pop() if len(sums) == 1 else None, "ranks": len(results), "resumed_from": resumed}
 
 
 def summary(result) -> dict:
