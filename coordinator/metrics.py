@@ -1,8 +1,8 @@
 """Prometheus metrics of the coordinator, collected from the core's state at scrape time.
 
-``CoordinatorStats`` holds the few counters the core keeps for them (O(1) per increment);
 ``CoordinatorMetrics`` is a registry of its own (never the process-global one) whose collector
-reads the core when scraped. The scrape runs on the event loop thread, so it reads the core
+reads the core when scraped, through the narrow ``Observed`` (the counters the core keeps for it
+are ``coordinator.stats``). The scrape runs on the event loop thread, so it reads the core
 without locks; it costs O(jobs + nodes), plus O(ranks of the active jobs) only with
 ``per_rank`` (opt-in). Per-job series are labelled ``job_id`` (and ``job_name``), never ``job``: a
 scraper owns that label (Prometheus sets it to the scrape job's name and renames ours). A job that
@@ -14,23 +14,17 @@ cardinality: docs/metrics.md.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from rankctl.coordinator.histogram import Histogram
-from rankctl.coordinator.nodes import NodeStatus
+from rankctl.coordinator.jobs import JobBook
+from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable
 from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import PHASES, JobRecord
 from rankctl.coordinator.states import JobState, is_terminal
-
-if TYPE_CHECKING:
-    from rankctl.coordinator.core import Coordinator
-
-QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
-RESTART_CAUSES = ("failure", "drain")
+from rankctl.coordinator.stats import RESTART_CAUSES, CoordinatorStats
 OTHER = "other"   # a phase outside PHASES (ranks write their own): one label value for all of them
 JOB = ("job_id",)     # the per-job label; "job" belongs to the scraper
 FINISHED_KEPT = 16        # ended jobs whose last series stay, the most recently ended ...
@@ -38,13 +32,22 @@ FINISHED_KEPT_S = 600.0   # ... for this long after they ended
 Shown = tuple[JobRecord, JobProgress]   # a job whose series a scrape shows, with its counters
 
 
-@dataclass
-class CoordinatorStats:
-    """What the core counts for its metrics (since the process started, as Prometheus counters are)."""
+class Observed(Protocol):
+    """What a scrape reads of the coordinator (``core.Coordinator`` is one); the counters are ``coordinator.stats``."""
 
-    rank_reports: int = 0                                    # applied and stored
-    restarts: Counter = field(default_factory=Counter)       # cause ("failure" | "drain") -> attempts restarted
-    queue_wait: Histogram = field(default_factory=lambda: Histogram(QUEUE_WAIT_BUCKETS))
+    book: JobBook
+    nodes: NodeTable
+    stats: CoordinatorStats
+
+    def clock(self) -> float: ...
+
+    def node_views(self) -> list[tuple[NodeSession, int]]: ...
+
+    @property
+    def rejected_reports(self) -> Counter[str]: ...
+
+    @property
+    def held_reports(self) -> int: ...
 
 
 def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
@@ -58,7 +61,7 @@ def _phase(phase: str) -> str:
 class _Collector:
     """Reads the core when the registry is scraped (event loop thread)."""
 
-    def __init__(self, core: Coordinator, per_rank: bool) -> None:
+    def __init__(self, core: Observed, per_rank: bool) -> None:
         self.core, self.per_rank = core, per_rank
         self._seen: dict[str, Shown] = {}              # the jobs active at the last scrape
         self._ended: OrderedDict[str, Shown] = OrderedDict()   # ended since, the last one last
@@ -230,7 +233,7 @@ class JobFamilies:
 class CoordinatorMetrics:
     """The coordinator's /metrics: a registry of its own with one collector bound to ``core``."""
 
-    def __init__(self, core: Coordinator, *, per_rank: bool = False) -> None:
+    def __init__(self, core: Observed, *, per_rank: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(core, per_rank))
 

@@ -18,9 +18,7 @@ from typing import Any, Callable
 
 from rankctl.coordinator.histogram import Histogram, exponential_bounds
 from rankctl.coordinator.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
-from rankctl.coordinator.skew import (  # noqa: F401 - SLOW_EVENTS, SlowRank: re-exported for reports.py
-    SHOWN, SLOW_EVENTS, ComputeSkew, SlowRank, pipeline_peers,
-)
+from rankctl.coordinator.skew import SHOWN, ComputeSkew, SlowRank, pipeline_peers
 from rankctl.parallel.placement import node_of_rank
 
 STEP_TIME_BUCKETS = exponential_bounds(0.001, 600.0, per_doubling=3)   # seconds: 1 ms .. ~10 min, ~26% wide

@@ -27,7 +27,7 @@ from rankctl.coordinator.blobs import QUOTA_BYTES, RETENTION_S, BlobStore, colle
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator import reflection
 from rankctl.coordinator.node_service import NodeServiceServicer
-from rankctl.coordinator.reports import FLUSH_S
+from rankctl.coordinator.intake import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
 from rankctl.coordinator.store import Store
 from rankctl.proto import rankctl_pb2_grpc

@@ -320,7 +320,8 @@ class Store:
     def attempts(self, job_id: str, last: int = 0) -> list[dict]:
         """The job's attempts, oldest first (``last`` > 0: only the newest ``last``), without node lists."""
         cur = self._db.execute(
-            "SELECT * FROM (SELECT job_id, attempt, rendezvous, started_at, finished_at, state, reason FROM attempts "
+            "SELECT * FROM (SELECT job_id, attempt, rendezvous, started_at, finished_at, state, reason, cause "
+            "FROM attempts "
             "WHERE job_id=? ORDER BY attempt DESC LIMIT ?) ORDER BY attempt", (job_id, last if last > 0 else -1))
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]

@@ -79,7 +79,15 @@ class World:
             seq = fake.seq
         status = RankRecord(rank, fake.name, phase, exited=code is not None, exit_code=code or 0, error=error)
         update = RankUpdate(job_id, job.attempt, status, json.dumps(result) if result else "", seq)
-        return self.core.rank_report(fake.session, update)
+        return self.deliver(fake.session, update)
+
+    def deliver(self, session, update: RankUpdate) -> bool:  # noqa: ANN001 - a NodeSession
+        """Queue one report and store it at once; False when the core dropped it unseen (a replay, a stale
+        stream): neither applied nor rejected as another node's."""
+        seen = self.core.stats.rank_reports + sum(self.core.rejected_reports.values())
+        self.core.rank_reports(session, [update])
+        self.core.flush()
+        return self.core.stats.rank_reports + sum(self.core.rejected_reports.values()) > seen
 
     def run_all(self, job_id: str, result: dict | None = None) -> None:
         job = self.core.get(job_id)

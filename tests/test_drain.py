@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from rankctl.coordinator.drains import DRAIN_LEAD_STEPS, DRAIN_WAIT_S
 from rankctl.coordinator.errors import InvalidRequest
 from rankctl.coordinator.nodes import NodeNotFound
 from rankctl.coordinator.records import RankRecord, RankUpdate, RunningJob
-from rankctl.coordinator.restarts import DRAIN_LEAD_STEPS, DRAIN_WAIT_S, STOP_TIMEOUT_S
 from rankctl.coordinator.states import JobState
+from rankctl.coordinator.stops import STOP_TIMEOUT_S
 from rankctl.coordinator.store import SCHEMA_VERSION, Store
 from test_core import World, make_world
 
@@ -49,8 +50,8 @@ def step(world: World, job, rank: int, n: int) -> None:
     """Rank ``rank`` reports step ``n`` (the common running-rank report)."""
     node = world.nodes[job.nodes[rank // job.slots_per_node]]
     node.seq += 1
-    world.core.rank_report(node.session, RankUpdate(job.id, job.attempt, RankRecord(rank, node.name, "running", n),
-                                                    "", node.seq))
+    world.deliver(node.session, RankUpdate(job.id, job.attempt, RankRecord(rank, node.name, "running", n),
+                                           "", node.seq))
 
 
 def exit_node(world: World, job, node: str, code: int = -9) -> None:

@@ -53,7 +53,7 @@ def test_a_failed_rank_restarts_the_job_only_after_every_rank_of_the_attempt_is_
     assigns = [a for a in world.nodes["n0"].bodies("assign") if a.attempt == 2]
     assert len(assigns) == 1 and assigns[0].restart and world.nodes["n0"].assignments(job.id)[-1].restart
     late = RankUpdate(job.id, 1, RankRecord(0, "n0", "exited", exited=True, exit_code=1), "", 999)
-    world.core.rank_report(world.nodes["n0"].session, late)        # a late report of attempt 1 is ignored
+    world.deliver(world.nodes["n0"].session, late)        # a late report of attempt 1 is ignored
     assert job.state is S.STARTING and job.attempt == 2
     attempts = world.store.attempts(job.id)
     assert [a["attempt"] for a in attempts] == [1, 2] and attempts[0]["state"] == "RESTARTING"
@@ -134,10 +134,10 @@ def test_a_job_whose_ranks_stop_advancing_is_hung_and_restarts_naming_the_stoppe
     world.core.tick()
     assert job.state is S.RUNNING                     # no step reported yet: a silent script is not a hang
     for r in range(4):
-        world.core.rank_report(world.nodes[job.nodes[r // 2]].session, RankUpdate(
+        world.deliver(world.nodes[job.nodes[r // 2]].session, RankUpdate(
             job.id, 1, RankRecord(r, job.nodes[r // 2], "running", 1 if r != 2 else 0), "", 100 + r))
     stopped = RankUpdate(job.id, 1, RankRecord(2, "n1", "", 0, process="stopped"), "", 200)
-    world.core.rank_report(world.nodes["n1"].session, stopped)
+    world.deliver(world.nodes["n1"].session, stopped)
     world.clock.t += 15
     for n in ("n0", "n1"):
         world.core.heartbeat(world.nodes[n].session)

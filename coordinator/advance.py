@@ -1,0 +1,109 @@
+"""Job advancement: an active job moves on from its ranks' counters, or fails when it hangs.
+
+After each group commit of rank reports, an active job's ``JobProgress`` decides: the lowest failed
+rank fails the attempt (``restarts``), every rank running makes it RUNNING, every rank exited 0
+aggregates the result and makes it SUCCEEDED. A RUNNING job none of whose ranks changed step or phase
+for ``restart.hang_timeout`` seconds is hung (``check_hangs``); the reason names whom it waits for
+(``coordinator.hangs``). An advance the store refused is owed and retried by ``settle``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import structlog
+
+from rankctl.contract.spec import DEFAULT_HANG_TIMEOUT_S
+from rankctl.coordinator.commit import StoreGuard
+from rankctl.coordinator.jobs import JobBook
+from rankctl.coordinator.progress import failure_reason
+from rankctl.coordinator.records import JobRecord
+from rankctl.coordinator.restarts import Restarts
+from rankctl.coordinator.results import aggregate, parse_rank_results
+from rankctl.coordinator.states import JobState, is_active
+from rankctl.coordinator.stops import Stops
+from rankctl.coordinator.store import Store, StoreError
+
+log = structlog.get_logger("rankctl.coordinator")
+S = JobState
+
+
+class Advancer:
+    """Moves active jobs along; called from the event loop thread only."""
+
+    def __init__(self, book: JobBook, store: Store, clock: Callable[[], float], guard: StoreGuard,
+                 restarts: Restarts, stops: Stops) -> None:
+        self._book, self._store, self._clock, self._guard = book, store, clock, guard
+        self._restarts, self._stops = restarts, stops
+        self._owed: set[str] = set()                     # jobs whose advance failed to store: retried by settle
+
+    def advance(self, job: JobRecord) -> None:
+        """Move an active job along from its rank statuses (owed to ``settle`` when the store refuses)."""
+        if not is_active(job.state) and job.id not in self._stops:
+            return
+        try:
+            with self._guard.consistent():
+                self.advance_once(job)
+        except StoreError as exc:
+            self._owed.add(job.id)
+            log.warning("job.advance_store_failed", job=job.id, error=str(exc))
+
+    def settle(self) -> None:
+        """Retry the advances the store refused."""
+        for job_id in sorted(self._owed):
+            self._owed.discard(job_id)
+            self.advance(self._book.jobs[job_id])
+
+    def advance_once(self, job: JobRecord) -> None:
+        """Move the job along from its counters (constant time; a result reads every rank once)."""
+        if not is_active(job.state):
+            if job.id in self._stops:  # an ended attempt: an exit may complete its stop
+                self._restarts.free_when_gone(job)
+            return
+        if job.state is S.RESTARTING:
+            self._restarts.requeue_when_stopped(job)
+            return
+        progress = self._book.progress(job)
+        bad = progress.lowest_failed()
+        if bad is not None:
+            self._restarts.fail_attempt(job, failure_reason(bad), node=bad.node)
+            return
+        if job.state is S.STARTING and progress.all_running():
+            self._book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
+            progress.advanced_at = self._clock()
+        if job.state is S.RUNNING and progress.all_succeeded():
+            self._succeed(job)
+
+    def _succeed(self, job: JobRecord) -> None:
+        ranks = self._book.ranks(job.id)
+        results = parse_rank_results({r: rec.result_json for r, rec in ranks.items()})
+        with self._store.transaction(f"the result of job {job.id}"):
+            job.result = aggregate(job.kind, results)
+            self._book.save(job)
+            self._book.event(job, "result", f"result from {len(results)} rank(s)")
+        self._restarts.finish(job, S.SUCCEEDED, f"all {job.world_size} ranks exited 0")
+
+    def check_hangs(self, loop_lag: float) -> None:
+        """A RUNNING job that has reported steps and none of whose ranks changed step or phase for
+        ``restart.hang_timeout`` seconds is hung; its attempt fails (and restarts if it may) naming what is
+        known. Time the coordinator's own loop was stalled (``loop_lag``) does not count."""
+        now = self._clock()
+        for job in self._book.active():
+            if job.state is not S.RUNNING:
+                continue
+            progress = self._book.progress(job)
+            if loop_lag > 0:
+                progress.advanced_at += loop_lag
+            timeout = float((job.spec.get("restart") or {}).get("hang_timeout", DEFAULT_HANG_TIMEOUT_S))
+            idle = now - progress.advanced_at
+            # armed once a rank reported a step: a script that never reports one cannot be told from a hang
+            if progress.advanced_at and progress.max_step > 0 and idle > timeout:
+                self._restarts.fail_attempt(job, self._hang_reason(job, idle, timeout))
+
+    def _hang_reason(self, job: JobRecord, idle: float, timeout: float) -> str:
+        """Who the hang waits for (``coordinator.hangs``): stopped or spinning ranks, the groups waiting and
+        the members that never entered their operation, from the evidence the daemons sent; else the slowest
+        ranks."""
+        from rankctl.coordinator.hangs import hang_reason
+
+        return hang_reason(self._book.ranks(job.id), self._book.progress(job).summary(), idle, timeout)

@@ -1,0 +1,77 @@
+"""All or nothing: what one change of the coordinator does with its memory and with the nodes.
+
+``StoreGuard.consistent()``: when the store refuses a write (``StoreError``: disk full, I/O error), memory
+goes back to what the store holds (the job book, the nodes' stored report numbers, drains and
+exclusions) and the error goes on to the caller. ``Outgoing``: node messages decided inside a change
+are held and sent only once it completes (its transaction committed); outside one they go at once.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from rankctl.coordinator.jobs import JobBook
+from rankctl.coordinator.nodes import NodeTable
+from rankctl.coordinator.store import Store, StoreError
+from rankctl.proto import rankctl_pb2 as pb
+
+
+class StoreGuard:
+    """Undoes the memory changes of a block whose writes did not all commit (the store is the truth)."""
+
+    def __init__(self, store: Store, book: JobBook, nodes: NodeTable) -> None:
+        self._store, self._book, self._nodes = store, book, nodes
+
+    @contextmanager
+    def consistent(self) -> Iterator[None]:
+        try:
+            yield
+        except StoreError:
+            if not self._store.in_transaction:  # else the outermost block, once rolled back, resyncs
+                self._resync()
+            raise
+
+    def _resync(self) -> None:
+        store, nodes = self._store, self._nodes
+        self._book.resync()
+        stored = {r.name: r.last_seq for r in store.load_nodes()}
+        for session in nodes:
+            session.record.last_seq = stored.get(session.name, 0)
+        nodes.draining, nodes.excluded = store.load_drains(), store.load_exclusions()
+
+
+class Outgoing:
+    """Messages to nodes; inside ``after_commit()`` they wait until the block completes."""
+
+    def __init__(self, nodes: NodeTable) -> None:
+        self._nodes = nodes
+        self._held: list[tuple[str, pb.CoordinatorMessage]] | None = None
+
+    @contextmanager
+    def after_commit(self) -> Iterator[None]:
+        """Hold node messages decided inside the block; send them only if it completes (it committed)."""
+        outer = self._held is None
+        if outer:
+            self._held = []
+        try:
+            yield
+        except BaseException:
+            if outer:
+                self._held = None
+            raise
+        if outer:
+            held, self._held = self._held, None
+            for name, msg in held:
+                self._nodes.send(name, msg)
+
+    def send(self, name: str, msg: pb.CoordinatorMessage) -> None:
+        if self._held is not None:
+            self._held.append((name, msg))
+        else:
+            self._nodes.send(name, msg)
+
+    def to_nodes(self, names: list[str], msg: pb.CoordinatorMessage) -> None:
+        """``msg`` to each of ``names`` once (a job's nodes, in order)."""
+        for name in dict.fromkeys(names):
+            self.send(name, msg)

@@ -1,0 +1,182 @@
+"""The scheduler: pending jobs placed in queue order and started on their nodes.
+
+A pass walks the PENDING jobs in submission order; the first that cannot start holds the ones behind it
+back for ``head_wait`` seconds unless they fit beside it (``capacity.may_pass``). A job is placed on the
+free slots of READY nodes that are neither draining nor excluded for it; a restarted attempt keeps the
+nodes of its previous one where it can and has its moved ranks fetch their checkpoints from a node that
+holds them. Ended jobs whose ranks are not confirmed gone still hold slots and ports. A pass that could
+not be stored, or was asked for inside another change's transaction, is owed: ``catch_up`` runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import structlog
+
+from rankctl.coordinator import capacity
+from rankctl.coordinator.commit import Outgoing, StoreGuard
+from rankctl.coordinator.jobs import JobBook
+from rankctl.coordinator.nodes import NodeStatus, NodeTable
+from rankctl.coordinator.planner import assign_messages, pick_port
+from rankctl.coordinator.records import JobRecord
+from rankctl.coordinator.states import JobState
+from rankctl.coordinator.stats import CoordinatorStats
+from rankctl.coordinator.store import Store, StoreError
+from rankctl.parallel.placement import NodeSlots, PlacementError
+
+log = structlog.get_logger("rankctl.coordinator")
+S = JobState
+HEAD_WAIT_S = 60.0          # how long the first job that cannot start holds back the jobs behind it
+
+
+def _node_span(names: list[str], shown: int = 8) -> str:
+    """The nodes of a placement, at most ``shown`` of them named."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+class Scheduler:
+    """Places and starts pending jobs; called from the event loop thread only.
+
+    ``ended``: the jobs that ended for good but still hold slots (``Stops.ended``);
+    ``shutting_down``: true once the coordinator is going down (nothing is started then).
+    """
+
+    def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
+                 guard: StoreGuard, outgoing: Outgoing, stats: CoordinatorStats, *,
+                 ended: Callable[[], Iterable[JobRecord]], shutting_down: Callable[[], bool],
+                 head_wait: float = HEAD_WAIT_S) -> None:
+        self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
+        self._guard, self._outgoing, self._stats = guard, outgoing, stats
+        self._ended, self._shutting_down = ended, shutting_down
+        self.head_wait = head_wait
+        self._head_since: dict[str, float] = {}          # job id -> when it first could not start
+        self._owed = False                               # a pass failed to store or was postponed
+        self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes (cache)
+
+    def schedule(self) -> None:
+        """Start pending jobs in queue order (see ``capacity``); a pass that cannot store is owed to ``catch_up``."""
+        if self._shutting_down() or (not self._book.pending() and not self._owed):
+            return
+        if self._store.in_transaction:  # never inside another change's transaction: right after it, or by tick
+            self._owed = True
+            return
+        try:
+            with self._guard.consistent():
+                self._pass()
+            self._owed = False
+        except StoreError as exc:
+            self._owed = True
+            log.warning("schedule.store_failed", error=str(exc))
+
+    def catch_up(self) -> None:
+        """Run the pass a refused write or an open transaction postponed, if any."""
+        if self._owed:
+            self.schedule()
+
+    def free_slots(self) -> dict[str, int]:
+        """READY node -> its slots not held by a job."""
+        return capacity.free_slots(self._nodes.ready(), self._holding())
+
+    def remember_nodes(self, job: JobRecord) -> None:
+        """The job's attempt is over and it is queued again: its next attempt is placed against these nodes."""
+        self._prev_nodes[job.id] = list(job.nodes)
+
+    def forget(self, job_id: str) -> None:
+        """The job ended: it is placed nowhere again."""
+        self._prev_nodes.pop(job_id, None)
+
+    def _pass(self) -> None:
+        head: JobRecord | None = None
+        sessions, now = list(self._nodes), self._clock()
+        for job in self._book.pending():
+            if job.state is not S.PENDING:
+                continue
+            if head is not None and not capacity.may_pass(head, sessions, now - self._head_since[head.id],
+                                                          self.head_wait):
+                self._book.set_waiting(job, f"queued behind {head.id}")
+                continue
+            why = self._try_start(job)
+            if why is None:
+                self._head_since.pop(job.id, None)
+                continue
+            self._book.set_waiting(job, why)
+            self._head_since.setdefault(job.id, now)
+            head = head or job
+
+    def _holding(self) -> list[JobRecord]:
+        """Jobs that hold slots and ports: the active ones, and ended ones whose ranks are not confirmed gone."""
+        return self._book.active() + list(self._ended())
+
+    def _ports_in_use(self, node: str) -> set[int]:
+        return {int(j.rendezvous.rsplit(":", 1)[1]) for j in self._holding() if j.nodes[:1] == [node]}
+
+    def _try_start(self, job: JobRecord) -> str | None:
+        """Place and start ``job`` (a restart against its previous attempt's nodes); or return why it must wait.
+
+        Draining nodes and the nodes excluded for this job are not placed; the reason names them."""
+        blocked = self._nodes.blocked(job.id)
+        slots = [NodeSlots(name, n) for name, n in self.free_slots().items() if name not in blocked]
+        try:
+            names = capacity.place_keeping(self._prev_attempt_nodes(job), job.nodes_needed, job.slots_per_node,
+                                           slots)
+        except PlacementError as exc:
+            shown = "; ".join(f"{name} {why}" for name, why in sorted(blocked.items())[:8])
+            more = f" and {len(blocked) - 8} more" if len(blocked) > 8 else ""
+            return f"waiting for capacity: {exc}" + (f"; not placed: {shown}{more}" if blocked else "")
+        port = pick_port(self._nodes.get(names[0]).free_ports, self._ports_in_use(names[0]))
+        if port is None:
+            return f"waiting for a rendezvous port: node {names[0]} reported no free port that is not in use"
+        self._start(job, names, port)
+        return None
+
+    def _start(self, job: JobRecord, names: list[str], port: int) -> None:
+        rendezvous = f"{self._nodes.get(names[0]).record.host}:{port}"
+        try:
+            messages = assign_messages(job, names, rendezvous, [self._nodes.get(n).peer for n in names],
+                                       self._restore_sources(job, names))
+        except Exception as exc:  # a stored spec that no longer lays out: fail it, keep the queue moving
+            log.exception("job.assignments_failed", job=job.id)
+            self._book.transition(job, S.FAILED, f"cannot build rank assignments: {exc}")
+            return
+        waited = self._book.waited(job)
+        with self._store.transaction(f"the placement of job {job.id}"):
+            job.nodes, job.rendezvous = names, rendezvous
+            self._book.transition(job, S.PLACED, f"placed on {_node_span(names)}; rendezvous {job.rendezvous}")
+            self._store.put_attempt(job, self._clock())
+            self._book.start_ranks(job)
+            self._book.transition(job, S.STARTING,
+                                  f"sent {job.world_size} rank assignment(s) to {len(names)} node(s)")
+        self._stats.queue_wait.observe(waited)
+        for name, msg in zip(names, messages):
+            self._outgoing.send(name, msg)
+
+    def _prev_attempt_nodes(self, job: JobRecord) -> list[str]:
+        """The nodes of the job's previous attempt, which a restart places against (memory, else the store)."""
+        if job.attempt < 2:
+            return []
+        prev = self._prev_nodes.get(job.id)
+        if prev is None:  # the coordinator restarted since: the attempts table has them
+            prev = self._prev_nodes[job.id] = self._store.attempt_nodes(job.id, job.attempt - 1)
+        return prev
+
+    def _restore_sources(self, job: JobRecord, names: list[str]) -> list[str]:
+        """For each job node of a restarted attempt that did not run the same ranks before: the
+        PeerService of a connected node holding those ranks' checkpoints (the node that ran them, even
+        while it is draining, or the one that kept their copies: the next node of the previous
+        attempt); "" otherwise."""
+        prev = self._prev_attempt_nodes(job)
+        self._prev_nodes.pop(job.id, None)
+        out = [""] * len(names)
+        if not prev or len(prev) != len(names):
+            return out
+        for k, name in enumerate(names):
+            if name == prev[k]:
+                continue
+            for holder in (prev[k], prev[(k + 1) % len(prev)]):
+                session = self._nodes.get(holder)
+                if session is not None and session.status is NodeStatus.READY and session.peer:
+                    out[k] = session.peer
+                    break
+        return out

@@ -1,0 +1,212 @@
+"""Node sessions: a daemon's Register, heartbeats and stream end; a node that stops answering is LOST.
+
+On Register the node's jobs are reconciled with ours: a job of ours it does not list may have finished
+while the stream was down (its exits still buffered), so the same daemon session gets until its first
+heartbeat, after its replay, before such a job's attempt fails (``verify``); jobs it runs that we do not
+are cancelled; a stopping attempt it no longer runs counts as gone there. A LOST node's jobs fail their
+attempt (or move, when it is draining: ``coordinator.restarts``). A node known only from the store gets
+``RECONNECT_GRACE_S`` (at least the heartbeat timeout) to come back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import structlog
+
+from rankctl.contract.limits import MAX_SLOTS_PER_NODE
+from rankctl.contract.names import node_name_problem
+from rankctl.coordinator import convert
+from rankctl.coordinator.commit import Outgoing, StoreGuard
+from rankctl.coordinator.drains import Drains
+from rankctl.coordinator.errors import NodeNameTaken, ProtocolError
+from rankctl.coordinator.jobs import JobBook
+from rankctl.coordinator.logfetch import LogFetcher
+from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable, Outbox
+from rankctl.coordinator.records import NodeHello, RunningJob
+from rankctl.coordinator.restarts import Restarts
+from rankctl.coordinator.states import JobState, is_active
+from rankctl.coordinator.stops import Stops
+from rankctl.coordinator.store import Store, StoreError
+
+RECONNECT_GRACE_S = 10.0  # at least this long for a DISCONNECTED node to come back: a daemon retries at
+                          # least every 5 s (worker DaemonConfig.backoff_max), later on a loaded machine
+log = structlog.get_logger("rankctl.coordinator")
+S = JobState
+
+
+class Streams:
+    """Ends node streams (the servicer then hears ``disconnect``); the node's log fetches fail with them."""
+
+    def __init__(self, clock: Callable[[], float], logfetch: LogFetcher) -> None:
+        self._clock, self._logfetch = clock, logfetch
+
+    def close(self, session: NodeSession) -> None:
+        if session.outbox is not None:
+            session.outbox(None)
+            session.outbox = None
+        self._logfetch.fail_node(session.name, f"node {session.name} is {session.status.value}")
+
+    def resync(self, session: NodeSession) -> None:
+        """Close the stream without losing the node: it reconnects and replays what the store lacks."""
+        session.status, session.detail = NodeStatus.DISCONNECTED, "asked to reconnect and replay its reports"
+        session.since = self._clock()
+        self.close(session)
+
+
+def check_hello(hello: NodeHello) -> None:
+    """ProtocolError naming the field when a Register cannot be a node's."""
+    problem = node_name_problem(hello.name)
+    if problem is not None:
+        raise ProtocolError(f"Register: {problem}")
+    if not 1 <= hello.slots <= MAX_SLOTS_PER_NODE:
+        raise ProtocolError(f"Register: slots={hello.slots} must be between 1 and {MAX_SLOTS_PER_NODE}")
+
+
+class Sessions:
+    """The live side of the node table; called from the event loop thread only.
+
+    ``flush``: stores the reports received so far (False: the store refused); ``schedule``: a schedule pass;
+    ``shutting_down``: true once the coordinator is going down (closing streams then fail no job).
+    """
+
+    def __init__(self, nodes: NodeTable, book: JobBook, store: Store, clock: Callable[[], float],
+                 guard: StoreGuard, outgoing: Outgoing, streams: Streams, stops: Stops, drains: Drains,
+                 restarts: Restarts, *, flush: Callable[[], bool], schedule: Callable[[], None],
+                 heartbeat_timeout: float, shutting_down: Callable[[], bool]) -> None:
+        self._nodes, self._book, self._store, self._clock = nodes, book, store, clock
+        self._guard, self._outgoing, self._streams = guard, outgoing, streams
+        self._stops, self._drains, self._restarts = stops, drains, restarts
+        self._flush, self._schedule, self._shutting_down = flush, schedule, shutting_down
+        self.heartbeat_timeout = heartbeat_timeout
+        self.started_at = clock()
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """What nodes are asked for: four heartbeats per timeout, at most one every 2 s."""
+        return min(2.0, self.heartbeat_timeout / 4)
+
+    def register(self, hello: NodeHello, outbox: Outbox) -> NodeSession:
+        """Open a node session: answer Registered, reconcile the jobs it runs, schedule.
+
+        A name held by a live session of another daemon is refused (NodeNameTaken); the same daemon
+        reconnecting (same session id) replaces its old stream. The node's record is stored before the
+        session opens, so a failed write changes nothing.
+        """
+        check_hello(hello)
+        old = self._nodes.get(hello.name)
+        live = old is not None and old.outbox is not None and old.status is NodeStatus.READY
+        same_daemon = old is not None and old.record.session == hello.session
+        if live and not same_daemon:
+            raise NodeNameTaken(
+                f"node name {hello.name!r} is held by another live daemon (address {old.record.address}, "
+                f"last heard {self._clock() - old.last_heartbeat:.1f} s ago); stop it or give this daemon "
+                "another --name")
+        record = self._nodes.record_for(hello, self._clock())
+        self._store.put_node(record)
+        if live:
+            self._streams.close(old)  # the same daemon's newer connection replaces this stream
+        session = self._nodes.connect(record, hello, outbox, self._clock())
+        outbox(convert.registered_message(hello.name, self.heartbeat_interval, session.record.last_seq))
+        log.info("node.registered", node=hello.name, slots=hello.slots, running=len(hello.running))
+        try:
+            with self._guard.consistent():
+                self._reconcile(session, hello.running, replays=same_daemon)
+        except StoreError as exc:  # the session stands; the jobs it concerns are re-checked by tick
+            log.warning("node.reconcile_store_failed", node=hello.name, error=str(exc))
+        self._schedule()
+        return session
+
+    def _reconcile(self, session: NodeSession, running: Iterable[RunningJob], *, replays: bool) -> None:
+        """Note our jobs the node did not list (checked by ``_verify``, at once unless the same daemon may
+        still replay their exits); cancel the ones we do not run; stops, drains and moves it concerns."""
+        name = session.name
+        listed = {(r.job_id, r.attempt) for r in running}
+        for job in self._stops.node_back(name, listed):  # the first Cancel may never have reached the node
+            self._outgoing.send(name, convert.cancel_message(job.id, job.attempt, "the attempt is stopping"))
+        for job in self._book.active():
+            if not job.runs_on(name) or job.state is S.RESTARTING:
+                continue
+            if (job.id, job.attempt) in listed:
+                self._book.event(job, "node", f"node {name} reconnected")
+            else:
+                session.unverified.add((job.id, job.attempt))
+        for r in running:
+            job = self._book.jobs.get(r.job_id)
+            if job is None or not is_active(job.state) or job.attempt != r.attempt:
+                state = job.state.value if job is not None else "unknown"
+                self._outgoing.send(name, convert.cancel_message(r.job_id, r.attempt, f"job is {state}"))
+        if not replays:  # a new daemon instance has no buffered reports to replay
+            self._verify(session)
+        self._drains.resend(name)
+        if name in self._nodes.draining:  # drained while the coordinator was down: move its jobs
+            self._restarts.drain_node(name)
+        self._restarts.check_stops()
+
+    def _verify(self, session: NodeSession) -> None:
+        """Fail the unlisted jobs whose ranks on this node did not all exit (after the replay)."""
+        for job_id, attempt in sorted(set(session.unverified)):
+            job = self._book.jobs[job_id]
+            if is_active(job.state) and job.attempt == attempt:
+                ranks = self._book.ranks(job.id)
+                missing = [r for r in job.ranks_on(session.name) if not (r in ranks and ranks[r].exited)]
+                if missing:
+                    self._restarts.node_back_without(job, session.name, missing)
+            session.unverified.discard((job_id, attempt))
+
+    def disconnect(self, session: NodeSession, detail: str = "stream closed") -> None:
+        """The session's stream ended: the node is LOST unless a newer session replaced it."""
+        if self._shutting_down() or not self._nodes.is_current(session) or session.status is not NodeStatus.READY:
+            return
+        self._node_lost(session, detail)
+
+    def heartbeat(self, session: NodeSession, free_ports: Sequence[int] = ()) -> None:
+        """Note a heartbeat; a new free-port list may let a waiting job start."""
+        if not self._nodes.is_current(session) or session.status is not NodeStatus.READY:
+            return
+        session.last_heartbeat = session.record.last_seen = self._clock()
+        if session.unverified and self._flush():  # the replay came before this heartbeat: stored first
+            with self._guard.consistent():
+                self._verify(session)
+        if free_ports and tuple(free_ports) != session.free_ports:
+            session.free_ports = tuple(free_ports)
+            self._schedule()
+
+    def stalled(self, loop_lag: float) -> None:
+        """The event loop was stalled ``loop_lag`` seconds: that time is not held against any node."""
+        for s in self._nodes.sessions.values():
+            s.last_heartbeat += loop_lag
+        self.started_at += loop_lag
+
+    def check_liveness(self) -> None:
+        """LOST: a READY node silent for the heartbeat timeout, or a known one that did not reconnect in time."""
+        now, timeout = self._clock(), self.heartbeat_timeout
+        grace = max(timeout, RECONNECT_GRACE_S)
+        for s in self._nodes.sessions.values():
+            if s.status is NodeStatus.READY and now - s.last_heartbeat > timeout:
+                self._node_lost(s, f"no heartbeat for {timeout:.1f} s")
+            elif s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > grace:
+                since = "of the coordinator start" if s.since == 0 else "of being asked to reconnect"
+                self._node_lost(s, f"did not reconnect within {grace:.1f} s {since}")
+
+    def settle(self) -> None:
+        """Retry failing the jobs of lost nodes where the store refused it."""
+        for s in [s for s in self._nodes.sessions.values() if s.owes_failures]:
+            if s.status is NodeStatus.LOST:
+                self._fail_jobs_of(s)
+
+    def _node_lost(self, session: NodeSession, detail: str) -> None:
+        session.status, session.detail = NodeStatus.LOST, detail
+        self._streams.close(session)
+        log.warning("node.lost", node=session.name, detail=detail)
+        session.owes_failures = True
+        self._fail_jobs_of(session)
+
+    def _fail_jobs_of(self, session: NodeSession) -> None:
+        """FAILED for every active job with ranks on a lost node (retried by tick if the store refuses)."""
+        try:
+            with self._guard.consistent():
+                self._restarts.node_lost(session.name, session.detail)
+            session.owes_failures = False
+        except StoreError as exc:
+            log.warning("node.lost_store_failed", node=session.name, error=str(exc))
