@@ -217,71 +217,21 @@ def _where(rec: RankRecord | None, ev: Evidence | None, rank: int) -> str:
             f"{doing}; stack: {compact_stack(rec.stack)}")
 
 
+BLOCKED_SEEN = '"in":true'   # in a rank's evidence: it waits in a group (a substring test, no parse)
+
+
 def hang_reason(ranks: Mapping[int, RankRecord], summary: Any, idle: float, timeout: float) -> str:
     """The failure reason of a hung attempt (see the module docstring); ``summary`` is the job's
     ``JobSummary`` (``min_step``, ``stragglers``)."""
     parts = [f"hang: no rank advanced for {idle:.0f} s (restart.hang_timeout={timeout:g})"]
-    stopped_recs = sorted((r for r in ranks.values() if r.process == "stopped" and not r.exited), key=lambda r: r.rank)
-    stopped = {r.rank for r in stopped_recs}
-    if stopped_recs:
-        nodes = sorted({r.node for r in stopped_recs})
-        parts.append(f"{span(stopped)} stopped (SIGSTOP or a debugger) on {', '.join(nodes[:8])}"
-                     f"{' …' if len(nodes) > 8 else ''}")
-    # one pass over the records: who sent evidence, and (a substring test, no parse) who waits in a group
-    blocked_seen = '"in":true'
-    sent = [r for r in ranks.values() if r.collectives and not r.exited]
+    sent = [r for r in ranks.values() if r.collectives and not r.exited]   # one pass: who sent evidence
     evidence = _Evidences(ranks)
-    # stalled outside any collective, process running: spinning, or blocked outside torch.distributed
-    spinning = sorted(r.rank for r in sent if blocked_seen not in r.collectives and r.rank not in stopped
-                      and evidence.get(r.rank) is not None)
-    if spinning:
-        parts.append(f"{span(spinning)} in no collective while no rank advanced (process running)")
-    roots = sorted(stopped)[:SPAN_RANKS] + spinning[:SPAN_RANKS]
+    stopped, roots, lines = _roots(ranks, sent, evidence)
+    parts += lines
+    waiting, head = _waiting_groups(roots, sent, evidence)
     named: list[int] = list(roots)
-
-    # groups someone waits in: first those a stopped or spinning rank belongs to (seen through its own
-    # groups' members), then those of the other waiting ranks in rank order, GROUPS_COMPARED at most
-    waiting: dict[tuple, Waiting] = {}
-    head: set[tuple] = set()
-    for r in roots[:16]:
-        ev = evidence.get(r)
-        for g in ev.groups if ev is not None else ():
-            for m in (g.get("members") or [])[:MEMBERS_SHOWN]:
-                other = evidence.get(m)
-                if other is not None and other.waits_in is not None and group_key(other.waits_in) == group_key(g):
-                    waiting.setdefault(group_key(g), _waiting(other))
-                    head.add(group_key(g))
-                    break
-    for r in sorted(r.rank for r in sent if blocked_seen in r.collectives):
-        if len(waiting) >= GROUPS_COMPARED:
-            break
-        ev = evidence.get(r)
-        if ev is not None and ev.waits_in is not None and group_key(ev.waits_in) not in waiting:
-            waiting[group_key(ev.waits_in)] = _waiting(ev)
-    order = list(waiting)
-    root_lines: list[str] = []   # groups a stopped or spinning rank is missing from (or stopped in)
-    other_lines: list[str] = []
-    more = 0
-    root_set = set(roots)
-    for k in order:
-        w = waiting[k]
-        missing, silent = _compare(w, evidence, stopped)
-        stopped_in = [r for r in w.ranks if r in stopped]
-        if not (missing or silent or stopped_in):
-            continue
-        lines = root_lines if k in head or root_set.intersection(missing, silent, stopped_in) else other_lines
-        if len(lines) >= GROUP_LINES:
-            more += 1
-            continue
-        notes = ([f"{span(missing)} {'not in it' if w.p2p else 'never entered it'}"] if missing else []) + \
-                ([f"{span(silent)} sent no counters"] if silent else []) + \
-                ([f"{span(stopped_in)} stopped inside it"] if stopped_in else [])
-        lines.append(f"{primary(w.kind)} group {members_text(w.members, w.size)} waits in {w.op} #{w.seq} "
-                     f"({span(w.ranks)} {'in it' if w.p2p else 'entered it'}): {', '.join(notes)}")
-        named += [r for r in missing + silent if r not in named][:8]
-    shown = (root_lines + other_lines)[:GROUP_LINES]
+    shown, more = _group_lines(waiting, head, set(roots), evidence, stopped, named)
     parts += shown
-    more += len(root_lines) + len(other_lines) - len(shown)
     if more:
         parts.append(f"{more} more group(s) waiting")
     if not waiting and not roots:
@@ -297,3 +247,72 @@ def hang_reason(ranks: Mapping[int, RankRecord], summary: Any, idle: float, time
         parts.append(_where(ranks.get(r), evidence.get(r), r))
     text = "; ".join(parts)
     return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
+
+
+def _roots(ranks: Mapping[int, RankRecord], sent: list[RankRecord], evidence: _Evidences
+           ) -> tuple[set[int], list[int], list[str]]:
+    """(stopped ranks, the ranks a hang is likeliest rooted in, the lines naming them): stopped ones, and
+    ones stalled outside any collective with their process running (spinning, or blocked outside
+    torch.distributed)."""
+    lines = []
+    stopped_recs = sorted((r for r in ranks.values() if r.process == "stopped" and not r.exited), key=lambda r: r.rank)
+    stopped = {r.rank for r in stopped_recs}
+    if stopped_recs:
+        nodes = sorted({r.node for r in stopped_recs})
+        lines.append(f"{span(stopped)} stopped (SIGSTOP or a debugger) on {', '.join(nodes[:8])}"
+                     f"{' …' if len(nodes) > 8 else ''}")
+    spinning = sorted(r.rank for r in sent if BLOCKED_SEEN not in r.collectives and r.rank not in stopped
+                      and evidence.get(r.rank) is not None)
+    if spinning:
+        lines.append(f"{span(spinning)} in no collective while no rank advanced (process running)")
+    return stopped, sorted(stopped)[:SPAN_RANKS] + spinning[:SPAN_RANKS], lines
+
+
+def _waiting_groups(roots: list[int], sent: list[RankRecord], evidence: _Evidences
+                    ) -> tuple[dict[tuple, Waiting], set[tuple]]:
+    """Groups someone waits in, and the keys of those a root rank belongs to: first those (seen through the
+    roots' own groups' members), then those of the other waiting ranks in rank order, GROUPS_COMPARED at most."""
+    waiting: dict[tuple, Waiting] = {}
+    head: set[tuple] = set()
+    for r in roots[:16]:
+        ev = evidence.get(r)
+        for g in ev.groups if ev is not None else ():
+            for m in (g.get("members") or [])[:MEMBERS_SHOWN]:
+                other = evidence.get(m)
+                if other is not None and other.waits_in is not None and group_key(other.waits_in) == group_key(g):
+                    waiting.setdefault(group_key(g), _waiting(other))
+                    head.add(group_key(g))
+                    break
+    for r in sorted(r.rank for r in sent if BLOCKED_SEEN in r.collectives):
+        if len(waiting) >= GROUPS_COMPARED:
+            break
+        ev = evidence.get(r)
+        if ev is not None and ev.waits_in is not None and group_key(ev.waits_in) not in waiting:
+            waiting[group_key(ev.waits_in)] = _waiting(ev)
+    return waiting, head
+
+
+def _group_lines(waiting: dict[tuple, Waiting], head: set[tuple], roots: set[int], evidence: _Evidences,
+                 stopped: set[int], named: list[int]) -> tuple[list[str], int]:
+    """(the lines shown, how many more groups wait) for the groups some member is missing from; those of a
+    root rank first. The members named go on ``named``."""
+    root_lines: list[str] = []   # groups a stopped or spinning rank is missing from (or stopped in)
+    other_lines: list[str] = []
+    more = 0
+    for k, w in waiting.items():
+        missing, silent = _compare(w, evidence, stopped)
+        stopped_in = [r for r in w.ranks if r in stopped]
+        if not (missing or silent or stopped_in):
+            continue
+        lines = root_lines if k in head or roots.intersection(missing, silent, stopped_in) else other_lines
+        if len(lines) >= GROUP_LINES:
+            more += 1
+            continue
+        notes = ([f"{span(missing)} {'not in it' if w.p2p else 'never entered it'}"] if missing else []) + \
+                ([f"{span(silent)} sent no counters"] if silent else []) + \
+                ([f"{span(stopped_in)} stopped inside it"] if stopped_in else [])
+        lines.append(f"{primary(w.kind)} group {members_text(w.members, w.size)} waits in {w.op} #{w.seq} "
+                     f"({span(w.ranks)} {'in it' if w.p2p else 'entered it'}): {', '.join(notes)}")
+        named += [r for r in missing + silent if r not in named][:8]
+    shown = (root_lines + other_lines)[:GROUP_LINES]
+    return shown, more + len(root_lines) + len(other_lines) - len(shown)

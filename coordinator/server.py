@@ -170,23 +170,14 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     call authorized by its client certificate (``coordinator.auth``); CertError when it is unusable.
     ``http_listen``: also serve the dashboard and ``/metrics`` (per-rank series with ``metrics_per_rank``) there,
     HTTPS under ``tls_dir`` (``coordinator.web``); the bound address goes to ``state_dir/http_address``."""
-    from rankctl.security.tls import load_identity_dir, peer_identity, server_credentials
+    from rankctl.security.tls import load_identity_dir, server_credentials
 
     identity = load_identity_dir(tls_dir) if tls_dir else None  # before anything is locked or bound
     store = Store(state_dir)
     extra = {} if head_wait is None else {"head_wait": head_wait}
     core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout, **extra)
     blobs = BlobStore(state_dir, quota_bytes=blob_quota_bytes, retention_s=blob_retention_s)  # after the store's lock
-    server = grpc.aio.server(options=SERVER_OPTIONS,
-                             interceptors=[Authorizer(
-                                 peer_identity, enabled=identity is not None,
-                                 revocations=identity.revocations if identity is not None else None)])
-    rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core, blobs), server)
-    rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core, blobs), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    # server reflection, v1 and v1alpha (grpcurl, Postman, Evans): the services' descriptors, no .proto needed
-    reflection.enable((*SERVICES[1:], health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+    server, health = _grpc_server(core, blobs, identity)
     try:
         port = (server.add_secure_port(listen, server_credentials(identity)) if identity is not None
                 else server.add_insecure_port(listen))
@@ -205,6 +196,25 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     log.info("coordinator.started", address=coord.address, state_dir=str(state_dir), jobs=len(core.list()),
              tls=identity is not None, dashboard=coord.http_url)
     return coord
+
+
+def _grpc_server(core: Coordinator, blobs: BlobStore,
+                 identity) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:  # noqa: ANN001 - tls.Identity | None
+    """The server with its services (client, node, health, reflection), every call through the Authorizer
+    (enabled with an ``identity``); not bound yet."""
+    from rankctl.security.tls import peer_identity
+
+    server = grpc.aio.server(options=SERVER_OPTIONS,
+                             interceptors=[Authorizer(
+                                 peer_identity, enabled=identity is not None,
+                                 revocations=identity.revocations if identity is not None else None)])
+    rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core, blobs), server)
+    rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core, blobs), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    # server reflection, v1 and v1alpha (grpcurl, Postman, Evans): the services' descriptors, no .proto needed
+    reflection.enable((*SERVICES[1:], health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+    return server, health
 
 
 async def _start_dashboard(coord: CoordinatorServer, listen: str, identity, metrics_per_rank: bool,  # noqa: ANN001
