@@ -2,7 +2,8 @@
 
 PENDING -> PLACED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED.
 Every transition carries a non-empty reason; anything not in ``TRANSITIONS`` raises.
-RESTARTING is reserved for fault tolerance (restart.max_restarts) and not entered yet.
+A failed or drained attempt of a STARTING or RUNNING job enters RESTARTING while its ranks stop,
+then the job is PENDING again as its next attempt (``coordinator.restarts``).
 """
 
 from __future__ import annotations

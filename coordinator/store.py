@@ -1,11 +1,12 @@
 """SQLite (WAL) persistence of the coordinator: nodes, jobs, attempts, events, ranks.
 
-Rank logs are not stored here: they stay on the nodes (``coordinator.logfetch``). The ``logs``
-table of schema version 1 is left in place, unused. Schema version 2 adds the events'
-``data_json`` (a ``step`` event's step and metrics). Schema version 3 (issue 13) adds the
-``drains`` and ``exclusions`` tables (``ctl drain``; nodes not placed for a job again) and the
-attempts' ``cause`` (``failure`` or ``drain``: a drain is no failure) and ``blamed`` (the node a
-failure is attributed to). An older database is upgraded in place.
+Rank logs are not stored here: they stay on the nodes (``coordinator.logfetch``); nothing creates,
+reads or writes a ``logs`` table (a version-1 database keeps its old one, unused). Schema version 2
+adds the events' ``data_json`` (a ``step`` event's step and metrics). Schema version 3 (issue 13)
+adds the ``drains`` and ``exclusions`` tables (``ctl drain``; nodes not placed for a job again) and
+the attempts' ``cause`` (``failure`` or ``drain``: a drain is no failure) and ``blamed`` (the node a
+failure is attributed to). Schema version 4 adds the jobs' ``submitted_by`` (the submitter's
+identity). An older database is upgraded in place.
 
 One connection, owned by the coordinator and used from the event loop thread. Writes
 happen inside ``transaction()``; the outermost block commits before it returns, so a
