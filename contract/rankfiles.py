@@ -1,18 +1,10 @@
-"""The files a rank process and its node's daemon share (the rank writes, the daemon tails).
+"""The files a rank process and its node's daemon share, under the run directory the daemon made.
 
-A rank appends one JSON object per line to ``{run_dir}/rank-{rank}.status.jsonl``::
-
-    {"ts": 1712.3, "rank": 3, "phase": "running", "step": 12, "metrics": {"loss": 2.1},
-     "error": null, "result": null}
-
-Phases, in order: ``rendezvous``, ``groups``, ``running``, then ``done`` (with ``result``)
-or ``failed`` (with ``error`` and ``traceback``). Each line is flushed as it is written, so
-a reader never sees a torn record except for the line being written, which it keeps
-pending until the newline arrives. The rank's stdout and stderr go to
-``{run_dir}/rank-{rank}.log``, with rankctl's own records among them, each marked (``contract.logrecords``). Writer: ``runtime.status``; readers: ``worker.status``.
-
-The other way, the daemon writes requests for a rank to ``{run_dir}/rank-{rank}.control.json``
-(replaced whole by a rename; the rank polls its mtime once per step)::
+``rank-R.status.jsonl``: the rank appends one flushed line per status record (``contract.rankstatus``
+holds the record and its line); the daemon tails it, keeping a partial last line pending until its newline.
+``rank-R.log``: the rank's stdout and stderr, with rankctl's own records among them, each marked
+(``contract.logrecords``). ``rank-R.control.json``: the daemon's requests to the rank, replaced whole by a
+rename; the rank polls its mtime once per step::
 
     {"checkpoint_at": 17}      # save a checkpoint at the end of step 17 (ctl drain)
 """
@@ -24,7 +16,6 @@ import os
 import re
 from typing import Any
 
-PHASES = ("rendezvous", "groups", "running", "done", "failed")
 STATUS_RE = re.compile(r"^rank-(\d+)\.status\.jsonl$")
 
 

@@ -1,13 +1,13 @@
-"""The rank side of the status file (``contract.rankfiles``): one flushed JSON line per record."""
+"""The rank side of the status file: each ``RankStatusRecord`` (``contract.rankstatus``) one flushed line."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from rankctl.contract.rankfiles import PHASES, status_path
+from rankctl.contract.rankfiles import status_path
+from rankctl.contract.rankstatus import PHASES, RankStatusRecord
 
 
 class StatusWriter:
@@ -36,24 +36,23 @@ class StatusWriter:
         metrics: dict[str, float] | None = None,
         error: str | None = None,
         result: dict[str, Any] | None = None,
-        **extra: Any,
-    ) -> dict[str, Any]:
+        traceback: Sequence[str] = (),
+    ) -> RankStatusRecord:
         """Append one record and flush it; returns the record."""
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(PHASES)}")
         now = self._clock()
-        record = {
-            "ts": now, "rank": self.rank, "phase": phase, "step": step,
-            "metrics": metrics or {}, "error": error, "result": result, **extra,
-        }
+        wait_s = compute_s = None
         if phase == "running" and self.counters is not None:
             waited = self.counters.wait_total
             if step is not None and self._since is not None:
-                wait_s = max(0.0, waited - self._since[1])
-                record["wait_s"] = round(wait_s, 6)
-                record["compute_s"] = round(max(0.0, now - self._since[0] - wait_s), 6)
+                waited_s = max(0.0, waited - self._since[1])
+                wait_s, compute_s = round(waited_s, 6), round(max(0.0, now - self._since[0] - waited_s), 6)
             self._since = (now, waited)
-        self._file.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        record = RankStatusRecord(rank=self.rank, phase=phase, ts=now, step=step, metrics=dict(metrics or {}),
+                                  error=error, result=result, traceback=tuple(traceback), wait_s=wait_s,
+                                  compute_s=compute_s)
+        self._file.write(record.to_line() + "\n")
         self._file.flush()
         return record
 

@@ -175,13 +175,13 @@ def test_comm_check_on_8_ranks(loop, launcher, tmp_path) -> None:
     assert sorted(started) == list(range(8))
     assert {r: e["exit_code"] for r, e in exited.items()} == {r: 0 for r in range(8)}, exited
     final = {r: read_status(str(tmp_path), r)[-1] for r in range(8)}
-    assert all(f["phase"] == "done" for f in final.values())
-    rounds = {f["result"]["rounds"] for f in final.values()}
+    assert all(f.phase == "done" for f in final.values())
+    rounds = {f.result["rounds"] for f in final.values()}
     assert len(rounds) == 1 and rounds.pop() >= 1  # rank 0's clock decides for everyone
-    rows = {row["kind"]: row for row in comm_check_result({r: f["result"] for r, f in final.items()})["comm"]}
+    rows = {row["kind"]: row for row in comm_check_result({r: f.result for r, f in final.items()})["comm"]}
     assert {k: (rows[k]["groups"], rows[k]["size"]) for k in ("tp", "pp", "dp", "mp", "world")} == {
         "tp": (4, 2), "pp": (4, 2), "dp": (4, 2), "mp": (2, 4), "world": (1, 8)}
-    phases = [rec["phase"] for rec in StatusTailer(str(tmp_path)).poll() if rec["rank"] == 5]
+    phases = [rec.phase for rec in StatusTailer(str(tmp_path)).poll() if rec.rank == 5]
     assert phases[:3] == ["rendezvous", "groups", "running"] and phases[-1] == "done"
     assert set(phases[3:-1]) <= {"running"}  # one more per extra soak round (load decides how many)
 
@@ -192,13 +192,13 @@ def test_failing_rank_reports_exit_code_and_log_tail(loop, launcher, tmp_path) -
     assert exited["exit_code"] == 1 and exited["signal"] is None
     assert any("unknown job kind 'no-such-kind'" in line for line in exited["log_tail"]), exited["log_tail"]
     status = read_status(str(tmp_path), 0)[-1]
-    assert status["phase"] == "failed" and "unknown job kind" in status["error"]
+    assert status.phase == "failed" and "unknown job kind" in status.error
 
 
 def _child_pids(run_dir: str, world: int) -> list[int]:
     out = []
     for r in range(world):
-        out += [rec["metrics"]["child_pid"] for rec in read_status(run_dir, r) if rec["metrics"].get("child_pid")]
+        out += [rec.metrics["child_pid"] for rec in read_status(run_dir, r) if rec.metrics.get("child_pid")]
     return out
 
 
@@ -288,12 +288,12 @@ def test_status_tailer_returns_only_complete_new_lines(tmp_path) -> None:
     with open(status_path(str(tmp_path), 2), "a") as f:
         f.write('{"rank": 2, "phase": "do')  # a line still being written
     (rec,) = tailer.poll()
-    assert (rec["phase"], rec["step"], rec["metrics"], rec["ts"]) == ("running", 3, {"loss": 2.5}, 1.0)
+    assert (rec.phase, rec.step, rec.metrics, rec.ts) == ("running", 3, {"loss": 2.5}, 1.0)
     assert tailer.poll() == []
     with open(status_path(str(tmp_path), 2), "a") as f:
         f.write('ne", "result": {"ok": 1}}\nnot json\n')
     done, junk = tailer.poll()
-    assert done["result"] == {"ok": 1} and junk["phase"] is None and "not json" in junk["error"]
+    assert done.result == {"ok": 1} and junk.phase is None and "not json" in junk.error
     with pytest.raises(ValueError, match="unknown phase"):
         writer.write("dancing")
 

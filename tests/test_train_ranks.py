@@ -93,9 +93,9 @@ def launch(ranks: list[RankAssignment], crash_at: int | None = None) -> list[int
 def result(a: RankAssignment) -> dict[str, Any]:
     """The rank's result, plus the per-step gradient norms of its status records."""
     records = read_status(a.run_dir, a.rank)
-    assert records[-1]["phase"] == "done", records[-1]
-    norms = [r["metrics"]["grad_norm"] for r in records if r["phase"] == "running" and r["step"] is not None]
-    return {**records[-1]["result"], "grad_norms": norms}
+    assert records[-1].phase == "done", records[-1]
+    norms = [r.metrics["grad_norm"] for r in records if r.phase == "running" and r.step is not None]
+    return {**records[-1].result, "grad_norms": norms}
 
 
 def train(state: Path, name: str, *, tp: int = 1, dp: int = 1, sp: bool = False) -> tuple[dict, dict]:

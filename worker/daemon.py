@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
@@ -47,6 +46,7 @@ from rankctl.worker.hangwatch import HangWatch
 from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.contract.collfiles import read_counters
 from rankctl.contract.rankfiles import log_path, write_control
+from rankctl.contract.rankstatus import RankStatusRecord
 from rankctl.worker.logship import answer_fetch
 from rankctl.worker import shm
 from rankctl.worker.rankio import GENERATION_BYTES
@@ -56,7 +56,7 @@ from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
 from rankctl.worker.reportbuf import ReportBuffer
 from rankctl.worker.sandbox import allowed_roots, assignment_problem
 from rankctl.worker.reporting import (
-    exit_code, free_ports, hardware_pb, launcher_status, process_state, stamp_update, step_figures,
+    exit_code, free_ports, hardware_pb, how_launcher_ended, process_state, to_wire,
 )
 from rankctl.worker.status import StatusTailer
 from rankctl.worker.usage import UsageSampler
@@ -134,7 +134,7 @@ class RunState:
     run_dir: str
     ranks: set[int]
     alive: set[int] = field(default_factory=set)
-    status: StatusTailer | None = None
+    tailer: StatusTailer | None = None                   # reads the ranks' status lines
     phase: dict[int, str] = field(default_factory=dict)  # rank -> phase of its last report
     pids: dict[int, int] = field(default_factory=dict)   # rank -> pid, from the launcher's "started"
     job_name: str = ""                                   # the spec's name: its checkpoints' directory
@@ -206,10 +206,9 @@ class WorkerDaemon:
         self._stacks = asyncio.Semaphore(4)              # stack dumps of stalled ranks at once
 
     # -- reports -----------------------------------------------------------------------------
-    def _report(self, job_id: str, attempt: int, status: pb.RankStatus, result: Any = None, *,
+    def _report(self, job_id: str, attempt: int, status: pb.RankStatus, result_json: str = "", *,
                 step_only: bool = False) -> None:
-        self.reports.add(job_id, attempt, status, json.dumps(result) if result is not None else "",
-                         step_only=step_only)
+        self.reports.add(job_id, attempt, status, result_json, step_only=step_only)
         self._wake.set()
         if not step_only:
             self._hurry.set()  # a phase change, exit or error: the writer stops waiting for the tick
@@ -219,25 +218,14 @@ class WorkerDaemon:
             self._control.append(msg)
             self._wake.set()
 
-    def _status_record(self, run: RunState, rec: dict[str, Any]) -> None:
-        status = pb.RankStatus(
-            rank=int(rec.get("rank", -1)), node=self.cfg.name, phase=str(rec.get("phase") or "unknown"),
-            step=int(rec.get("step") or 0), metrics_json=json.dumps(rec.get("metrics") or {}),
-            error=str(rec.get("error") or ""),
-        )
-        stamp_update(status, rec.get("ts"))
-        if rec.get("traceback"):
-            status.error = f"{status.error}\n{rec['traceback']}".strip()
-        step_figures(status, rec.get("metrics"))
-        for name in ("compute_s", "wait_s"):  # the step's split (runtime.status); unset: not reported
-            if isinstance(rec.get(name), (int, float)):
-                setattr(status, name, float(rec[name]))
+    def _report_record(self, run: RunState, rec: RankStatusRecord) -> None:
+        status, result_json = to_wire(rec, self.cfg.name)
         previous = run.phase.get(status.rank)
         run.phase[status.rank] = status.phase
         if run.hangs is not None:
             run.hangs.touch(status.rank)
-        step_only = (status.phase == previous == "running" and not status.error and rec.get("result") is None)
-        self._report(run.job_id, run.attempt, status, rec.get("result"), step_only=step_only)
+        step_only = status.phase == previous == "running" and not status.error and not result_json
+        self._report(run.job_id, run.attempt, status, result_json, step_only=step_only)
 
     # -- launcher events ---------------------------------------------------------------------
     async def _on_launcher_event(self, ev: dict[str, Any]) -> None:
@@ -253,7 +241,7 @@ class WorkerDaemon:
         if ev.get("event") != "exited":
             return
         run.alive.discard(rank)
-        self._drain(run)  # status lines written before the exit go first
+        self._read_status_lines(run)  # status lines written before the exit go first
         code = exit_code(ev)
         leftovers = int(ev.get("leftovers_killed") or 0)
         notes = ["\n".join(ev.get("log_tail") or [])] if code != 0 else []
@@ -323,13 +311,13 @@ class WorkerDaemon:
         if proc is not None:  # its exit status, once reaped
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(proc.wait(), 2.0)
-        why = (f"the launcher on node {self.cfg.name} died ({launcher_status(self.launcher)}); "
+        why = (f"the launcher on node {self.cfg.name} died ({how_launcher_ended(self.launcher)}); "
                "every rank it had forked was killed with it")
-        self._log.error("launcher died; restarting it", status=launcher_status(self.launcher),
+        self._log.error("launcher died; restarting it", status=how_launcher_ended(self.launcher),
                         jobs=sorted({r.job_id for r in self.runs.values() if r.alive}))
         await asyncio.to_thread(_unmount_shm, [r.run_dir for r in self.runs.values() if r.alive])
         for run in list(self.runs.values()):
-            self._drain(run)
+            self._read_status_lines(run)
             for rank in sorted(run.alive):
                 self._report(run.job_id, run.attempt, pb.RankStatus(
                     rank=rank, node=self.cfg.name, phase="exited", exited=True, exit_code=-signal.SIGKILL, error=why))
@@ -357,17 +345,18 @@ class WorkerDaemon:
         raise LauncherLost(f"the launcher died and did not restart after {self.cfg.launcher_restarts} tries: {error}")
 
     # -- polling files -----------------------------------------------------------------------
-    def _drain(self, run: RunState) -> None:
-        if run.status is not None:
-            for rec in run.status.poll():
-                self._status_record(run, rec)
+    def _read_status_lines(self, run: RunState) -> None:
+        """Report every status record the run's ranks wrote since the last read."""
+        if run.tailer is not None:
+            for rec in run.tailer.poll():
+                self._report_record(run, rec)
 
     async def _poll_files(self) -> None:
         loop = asyncio.get_running_loop()
         turns, next_turn = 0, 0.0  # turns of poll_interval (a fast poll at start-up adds none)
         while not self._stopping.is_set():
             for key, run in list(self.runs.items()):
-                self._drain(run)
+                self._read_status_lines(run)
                 if not run.alive:
                     self.runs.pop(key, None)  # every exit reported (the buffer keeps them until stored)
                     if run.workdir_blob:
@@ -501,7 +490,7 @@ class WorkerDaemon:
             await self._restore(msg.restore_peer, name, sorted(ranks))
         spec = assignments[0].spec if assignments else None
         run = RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
-                       status=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer,
+                       tailer=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer,
                        hangs=HangWatch(hangwatch.stall_after(spec)),
                        workdir_blob=(blobs_of(spec)[:1] or [""])[0] if spec and assignments[0].workdir else "")
         run.alive |= ranks  # counted alive from the launch on; exits remove them

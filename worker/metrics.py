@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from rankctl.contract.rankfiles import PHASES
+from rankctl.contract.rankstatus import PHASES
 
 if TYPE_CHECKING:
     from aiohttp import web

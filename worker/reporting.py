@@ -1,11 +1,14 @@
-"""What the daemon says about its node and its processes: free ports, hardware, exit statuses."""
+"""What the daemon says about its node and its ranks, as the wire carries it: free ports, hardware, exit
+statuses, and ``to_wire``, the one conversion of a rank's status record to a ``RankStatus``."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 from typing import Any
 
+from rankctl.contract.rankstatus import RankStatusRecord
 from rankctl.proto import rankctl_pb2 as pb
 
 
@@ -28,6 +31,27 @@ def free_ports(host: str, count: int) -> list[int]:
 
 FIGURES = (("loss", ("loss",)), ("val_loss", ("val_loss",)), ("tokens_per_s", ("tokens_per_s",)),
            ("step_time_s", ("step_time_s", "step_time")))
+
+
+def to_wire(rec: RankStatusRecord, node: str) -> tuple[pb.RankStatus, str]:
+    """A rank's status record as its report carries it: the ``RankStatus`` and its result as JSON ("": none)."""
+    error = rec.error or ""
+    if rec.traceback:
+        error = "\n".join((error, *rec.traceback)).strip()
+    status = pb.RankStatus(rank=rec.rank, node=node, phase=rec.phase or "unknown", step=rec.step or 0,
+                           metrics_json=json.dumps(rec.metrics), error=error)
+    stamp_update(status, rec.ts)
+    step_figures(status, rec.metrics)
+    if rec.compute_s is not None:  # the step's split (runtime.status); unset: not reported
+        status.compute_s = rec.compute_s
+    if rec.wait_s is not None:
+        status.wait_s = rec.wait_s
+    return status, json.dumps(rec.result) if rec.result is not None else ""
+
+
+def exit_status(rank: int, node: str, code: int, error: str) -> pb.RankStatus:
+    """A rank that ended (or never started: the Assign was refused), as the daemon saw it."""
+    return pb.RankStatus(rank=rank, node=node, phase="exited", exited=True, exit_code=code, error=error)
 
 
 def step_figures(status: pb.RankStatus, metrics: Any) -> None:
@@ -75,7 +99,7 @@ def hardware_pb(facts: dict[str, Any]) -> pb.Hardware:
                        memory_bytes=int(facts.get("memory_bytes", 0)), gpus=gpus)
 
 
-def launcher_status(launcher: Any) -> str:
+def how_launcher_ended(launcher: Any) -> str:
     """How a dead launcher ended, in words (``killed by SIGKILL``, ``exit 1``)."""
     rc = getattr(getattr(launcher, "proc", None), "returncode", None)
     if rc is None:

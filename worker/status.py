@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 from rankctl.contract.logrecords import is_record
 from rankctl.contract.rankfiles import STATUS_RE, status_path
+from rankctl.contract.rankstatus import RankStatusRecord
 
 
 @dataclass
@@ -63,8 +62,8 @@ class FileTailer:
 class StatusTailer:
     """Polls every ``rank-*.status.jsonl`` under one run directory for new records.
 
-    ``poll()`` returns new records in file order per rank; a line that is not JSON
-    becomes a record with phase ``None`` and the raw text under ``error``.
+    ``poll()`` returns new records in file order per rank; a line that is not a record
+    becomes one with phase ``None`` and the raw text under ``error``.
     """
 
     def __init__(self, run_dir: str) -> None:
@@ -81,28 +80,15 @@ class StatusTailer:
             if m and int(m.group(1)) not in self._tailers:
                 self._tailers[int(m.group(1))] = FileTailer(os.path.join(self.run_dir, name))
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[RankStatusRecord]:
         self._discover()
-        out: list[dict[str, Any]] = []
-        for rank in sorted(self._tailers):
-            for line in self._tailers[rank].read_lines():
-                out.append(_parse(rank, line))
-        return out
+        return [RankStatusRecord.from_line(line, rank)
+                for rank in sorted(self._tailers) for line in self._tailers[rank].read_lines()]
 
 
-def _parse(rank: int, line: str) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-        if isinstance(record, dict):
-            return record
-    except json.JSONDecodeError:
-        pass
-    return {"rank": rank, "phase": None, "error": f"unparseable status line: {line[:200]}"}
-
-
-def read_status(run_dir: str, rank: int) -> list[dict[str, Any]]:
+def read_status(run_dir: str, rank: int) -> list[RankStatusRecord]:
     """Every record one rank has written so far."""
-    return [_parse(rank, line) for line in FileTailer(status_path(run_dir, rank)).read_lines()]
+    return [RankStatusRecord.from_line(line, rank) for line in FileTailer(status_path(run_dir, rank)).read_lines()]
 
 
 def tail_lines(path: str, n: int = 20, *, max_line: int = 500, block: int = 8192) -> list[str]:
