@@ -3,48 +3,15 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from rankctl.cli.completion import complete_job_ids
 from rankctl.cli.context import Ctx, pass_ctx
-from rankctl.cli.errors import CtlError
 from rankctl.cli.follow import SHOWN_RANKS, exit_for, follow_job
 from rankctl.cli.options import example, json_flag, json_option, output_format, output_option, print_document
 
-if TYPE_CHECKING:
-    from rankctl.contract.spec import JobSpec
-
 job_id_argument = click.argument("job_id", shell_complete=complete_job_ids)
-
-
-def read_job_file(path: str, overrides: tuple[str, ...]) -> tuple[str, list[str], "JobSpec"]:
-    """Read and validate locally, once (same rules as the coordinator): fail fast, no round trip.
-
-    Returns the text, the overrides to send and the typed spec. The kind may add overrides
-    (``JobKind.client_overrides``: e.g. ``train`` makes a relative data path absolute, since
-    daemons do not share our working directory); the spec is then rebuilt from the same document.
-    """
-    from rankctl.contract.jobfile import SpecError, load_yaml_text, read_job_text
-    from rankctl.kinds import registry
-    from rankctl.kinds.spec import build_spec, check_job
-
-    sets = list(overrides)
-    try:
-        text = read_job_text(path)
-        doc = load_yaml_text(text, path)
-        spec = build_spec(doc, sets)
-        extra_fn = registry.get(spec.kind).resolve("client_overrides")
-        extra = extra_fn(spec, Path(path).resolve().parent) if extra_fn else []
-        if extra:
-            sets += extra
-            spec = build_spec(doc, sets)
-        check_job(spec)
-    except SpecError as exc:
-        raise CtlError(str(exc)) from None
-    return text, sets, spec
 
 
 @click.command("submit", epilog=example("ctl submit examples/comm-check.yaml --set resources.nodes=2 --wait"))
@@ -64,12 +31,13 @@ def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wa
     final status (as `ctl status --json`) once the job ends."""
     from rankctl.cli.console import print_json
     from rankctl.cli.render import job_to_dict, state_name
+    from rankctl.cli.jobread import read_job_file
     from rankctl.cli.workdir import pack_workdir, ship
 
-    text, sets, spec = read_job_file(job_file, overrides)
-    packed = pack_workdir(spec)  # before connecting: an oversize workdir is refused here
+    read = read_job_file(job_file, overrides)
+    packed = pack_workdir(read.spec)  # before connecting: an oversize workdir is refused here
     with ctx.client() as client:
-        job = client.submit(text, sets + ship(client, packed), job_file, queue_anyway=queue_anyway)
+        job = client.submit(read.text, read.sets + ship(client, packed), job_file, queue_anyway=queue_anyway)
     if not as_json:
         click.echo(job.id)
         sys.stdout.flush()

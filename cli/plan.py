@@ -28,10 +28,10 @@ def _config_from_flags(opts: dict) -> "ParallelConfig":
 
 
 def _config_from_file(path: str, overrides: tuple[str, ...]) -> tuple["ParallelConfig", int]:
-    from rankctl.kinds.spec import check_job, load_spec
+    from rankctl.cli.jobread import read_job_file
 
-    spec = load_spec(path, list(overrides))
-    return check_job(spec), spec.resources.slots_per_node
+    read = read_job_file(path, overrides)  # as submit reads it: the kind's overrides included
+    return read.layout, read.spec.resources.slots_per_node
 
 
 def _communicators(layout: "RankLayout", rank: int) -> int:

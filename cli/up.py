@@ -51,7 +51,7 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
        state_dir: Path | None, as_json: bool, log_level: str, log_format: str) -> None:
     """Start a coordinator and worker daemons here, run JOB_FILE to its end, print the result."""
     from rankctl.cli.follow import exit_for, follow_job
-    from rankctl.cli.jobs import read_job_file
+    from rankctl.cli.jobread import read_job_file
     from rankctl.cli.local import LocalCluster
     from rankctl.cli.workdir import pack_workdir, ship
     from rankctl.worker.procutil import configure_logging
@@ -59,9 +59,9 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     from rankctl.cli.render import job_to_dict, job_view
 
     configure_logging(level=log_level, fmt=log_format)
-    text, sets, spec = read_job_file(job_file, overrides)
-    n, s = _cluster_shape(spec, nodes, slots)
-    packed = pack_workdir(spec)  # shipped as ctl submit ships it: the ranks run in the nodes' copies
+    read = read_job_file(job_file, overrides)
+    n, s = _cluster_shape(read.spec, nodes, slots)
+    packed = pack_workdir(read.spec)  # shipped as ctl submit ships it: the ranks run in the nodes' copies
     tmp = state_dir is None
     root = Path(tempfile.mkdtemp(prefix="rankctl-up-")) if tmp else state_dir
     click.echo(f"starting a coordinator and {n} worker daemon(s) x {s} slot(s) under {root}", err=True)
@@ -69,7 +69,7 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
         with LocalCluster(n, s, root) as cluster:
             ctx = Ctx(coordinator=cluster.address)
             with ctx.client() as client:
-                job = client.submit(text, sets + ship(client, packed), job_file)
+                job = client.submit(read.text, read.sets + ship(client, packed), job_file)
             click.echo(f"submitted {job.id}", err=True)
             # progress on stderr; one final status: on a terminal that shows stdout too, the live view is
             # erased and the status printed on stdout replaces it (--json: stdout holds the JSON alone)

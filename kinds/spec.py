@@ -8,12 +8,13 @@ a typed ``JobSpec`` with ``parse_spec`` (``model_validate``; no re-check). Pure:
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError, create_model, field_validator
 
-from rankctl.contract.jobfile import SpecError, apply_overrides, load_yaml_text, read_job_text, spec_errors
+from rankctl.contract.jobfile import (
+    SpecError, apply_overrides, parse_override, spec_errors,
+)
 from rankctl.contract.spec import JobSpec
 from rankctl.kinds import registry
 from rankctl.parallel.layout import LayoutError, ParallelConfig
@@ -62,8 +63,18 @@ def build_spec(doc: dict[str, Any], overrides: list[str] = ()) -> JobSpec:
     return parse_spec(apply_overrides(copy.deepcopy(doc), list(overrides)))
 
 
-def load_spec(path: str | Path, overrides: list[str] = ()) -> JobSpec:
-    return build_spec(load_yaml_text(read_job_text(path), str(path)), overrides)
+def with_overrides(spec: JobSpec, overrides: list[str]) -> JobSpec:
+    """``spec`` with ``key=value`` overrides that a kind's own hook derived from its valid fields (e.g. a path
+    made absolute): set on the typed spec, not validated again."""
+    for item in overrides:
+        path, value = parse_override(item)
+        spec = _replaced(spec, path, value)
+    return spec
+
+
+def _replaced(model: Any, path: list[str], value: Any) -> Any:
+    inner = value if len(path) == 1 else _replaced(getattr(model, path[0]), path[1:], value)
+    return model.model_copy(update={path[0]: inner})
 
 
 def parallel_config(spec: JobSpec) -> ParallelConfig:

@@ -118,3 +118,18 @@ def test_cli_never_imports_torch(argv: list[str]) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_plan_and_submit_read_a_job_file_through_one_function_with_the_kinds_overrides(tmp_path, monkeypatch) -> None:
+    """ctl plan read the file without the kind's overrides that submit applies; both now call read_job_file,
+    which validates once and applies the kind's overrides to the typed spec."""
+    from rankctl.cli.jobread import read_job_file
+
+    (tmp_path / "job.yaml").write_text("name: rel\nkind: train\ntrain: {data: corpus.txt, steps: 2}\n")
+    monkeypatch.chdir(tmp_path)
+    read = read_job_file(str(tmp_path / "job.yaml"), ("train.steps=3",))
+    assert read.spec.train.data == str(tmp_path / "corpus.txt") and read.spec.train.steps == 3
+    assert read.sets == ["train.steps=3", f"train.data={tmp_path / 'corpus.txt'}"]
+    assert read.layout.world_size == 1
+    out = run("plan", str(tmp_path / "job.yaml"), "--json")
+    assert out.exit_code == 0, out.output
