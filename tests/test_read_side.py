@@ -392,16 +392,15 @@ def test_ctl_status_shows_a_summary_and_pages_of_a_large_job(served: ThreadedCoo
     assert served.calls["GetJob"] == 3 + 2
 
 
-@pytest.mark.parametrize("served", [True, False], indirect=True, ids=["batches", "old-coordinator"])
 def test_ctl_watch_reads_the_job_once_then_follows_events(served: ThreadedCoordinator) -> None:
-    """GetJob at the start and at the end only, whatever the events; WatchJob when batches are unknown."""
-    c, fallback = served.cluster, int(not served.batches)
+    """GetJob at the start and at the end only, whatever the events; one WatchJobBatches stream between."""
+    c = served.cluster
     served.do(c.connect, 2, 4)
     job = served.do(c.core.submit, job_yaml(2, 4))
 
     async def drive() -> None:  # once ctl watches (or after a bounded wait: then the counts fail): 30 steps, the end
         for _ in range(1000):
-            if served.calls["WatchJob"] + served.calls["WatchJobBatches"] == (2 if fallback else 1):
+            if served.calls["WatchJobBatches"] == 1:
                 break
             await asyncio.sleep(0.01)
         c.report(job.id, range(8))
@@ -413,8 +412,18 @@ def test_ctl_watch_reads_the_job_once_then_follows_events(served: ThreadedCoordi
     assert out.exit_code == 0, out.output
     doc = json_doc(out)
     assert doc["state"] == "SUCCEEDED" and doc["summary"]["min_step"] == 30 and len(doc["ranks"]) == 8
-    assert served.calls["GetJob"] == 2 and served.calls["WatchJobBatches"] == 1
-    assert served.calls["WatchJob"] == fallback
+    assert served.calls["GetJob"] == 2 and served.calls["WatchJobBatches"] == 1 and served.calls["WatchJob"] == 0
+
+
+@pytest.mark.parametrize("served", [False], indirect=True, ids=["no-batches"])
+def test_ctl_watch_says_so_when_the_coordinator_lacks_a_call(served: ThreadedCoordinator) -> None:
+    """No fallback to WatchJob (no coordinator without batches ever shipped): a clear error, no traceback."""
+    c = served.cluster
+    served.do(c.connect, 2, 4)
+    job = served.do(c.core.submit, job_yaml(2, 4))
+    out = ctl(served, "watch", job.id)
+    assert out.exit_code == 1 and "does not implement this call" in out.output, out.output
+    assert "Traceback" not in out.output and served.calls["WatchJob"] == 0
 
 
 # -- what ctl makes of the messages (no server) -------------------------------------------
