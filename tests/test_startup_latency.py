@@ -62,19 +62,19 @@ def test_the_daemon_sends_a_phase_change_at_once_and_holds_step_reports_for_the_
     async def main() -> None:
         cfg = DaemonConfig(coordinator="127.0.0.1:1", name="n0", slots=2, state_dir=tmp_path, report_interval=HOUR)
         daemon, call = WorkerDaemon(cfg, launcher=None), Call()
-        daemon._heartbeat_interval = HOUR
-        writer = asyncio.create_task(daemon._write(call))
+        daemon.session.heartbeat_interval = HOUR
+        writer = asyncio.create_task(daemon.session._write(call))
         try:
-            daemon._report("j", 1, pb.RankStatus(rank=0, phase="groups"))
+            daemon.outbox.report("j", 1, pb.RankStatus(rank=0, phase="groups"))
             await _until(lambda: len(call.batches) == 1, "the first batch")
-            daemon._report("j", 1, pb.RankStatus(rank=0, phase="running"))
+            daemon.outbox.report("j", 1, pb.RankStatus(rank=0, phase="running"))
             await _until(lambda: len(call.batches) == 2, "a phase change within the tick")
             for step in (1, 2, 3):
-                daemon._report("j", 1, pb.RankStatus(rank=0, phase="running", step=step), step_only=True)
+                daemon.outbox.report("j", 1, pb.RankStatus(rank=0, phase="running", step=step), step_only=True)
             for _ in range(200):
                 await asyncio.sleep(0)
             assert len(call.batches) == 2  # step reports wait for the tick (an hour here)
-            daemon._report("j", 1, pb.RankStatus(rank=0, phase="done", step=3))
+            daemon.outbox.report("j", 1, pb.RankStatus(rank=0, phase="done", step=3))
             await _until(lambda: len(call.batches) == 3, "an exit within the tick")
             assert [(r.status.phase, r.status.step) for r in call.batches[2]] == [("running", 3), ("done", 3)]
         finally:
@@ -138,7 +138,7 @@ def test_a_jobs_end_is_sent_at_once_whatever_min_interval(tmp_path: Path) -> Non
 
 
 def test_a_run_counts_as_starting_until_every_rank_runs_or_ended_and_at_most_fast_poll_s() -> None:
-    from rankctl.worker.daemon import FAST_POLL_S, RunState
+    from rankctl.worker.runstate import FAST_POLL_S, RunState
 
     run = RunState(job_id="j", attempt=1, run_dir="", ranks={0, 1, 2}, alive={0, 1, 2})
     run.phase.update({0: "running", 1: "groups"})

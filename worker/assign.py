@@ -1,23 +1,39 @@
-"""A node's part of a job, from the coordinator's compact Assign to one ``RankAssignment`` per rank.
+"""Assign admission: a node's part of a job, from the coordinator's compact Assign to launched ranks.
 
-The Assign names the node's rank range, the rendezvous and the spec (serialised once); each
-rank's coordinates and groups are computed here from the spec's parallel config
-(``RankLayout.rank_groups``: cost independent of the world size), so that what crosses the
-network per node does not grow with the job. Everything is checked before any rank starts:
-a bad Assign raises ``Refused`` with the reason, and its ranks are reported as never started.
+The Assign names the node's rank range, the rendezvous and the spec (serialised once); each rank's
+coordinates and groups are computed here (``RankLayout.rank_groups``: cost independent of the world
+size), so that what crosses the network per node does not grow with the job. Ids, paths and the shipped
+workdir are checked before any rank starts; a bad Assign is refused and its ranks reported never started.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
 
 from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.limits import MAX_SLOTS_PER_NODE, MAX_WORLD_SIZE
+from rankctl.kinds.registry import blob_limit_of, blobs_of
 from rankctl.kinds.spec import parallel_config, parse_spec
 from rankctl.parallel.layout import RankLayout
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.paths import Refused, check_assignment
+from rankctl.worker import hangwatch
+from rankctl.worker.blobs import FetchFailed, WorkdirCache
+from rankctl.worker.config import DaemonConfig
+from rankctl.worker.hangwatch import HangWatch
+from rankctl.worker.launcher_client import LauncherError
+from rankctl.worker.outbox import Outbox
+from rankctl.worker.paths import Refused, check_assignment, run_dir_for
+from rankctl.worker.rankio import GENERATION_BYTES
+from rankctl.worker.replication import Replication
+from rankctl.worker.reporting import exit_status
+from rankctl.worker.runs import Runs
+from rankctl.worker.runstate import RunState
+from rankctl.worker.sandbox import assignment_problem
+from rankctl.worker.status import StatusTailer
+from rankctl.worker.supervisor import LauncherSupervisor
 
 
 def claimed_ranks(msg: pb.Assign) -> list[int]:
@@ -57,3 +73,94 @@ def _compact(msg: pb.Assign, node: str, gpus: int) -> list[RankAssignment]:
         backend=msg.backend, kind=msg.kind, spec=spec_doc, device=(rank - first) if gpus else None,
         restart=msg.restart,
     ) for rank in range(first, first + count)]
+
+
+class Admission:
+    """Admits the coordinator's Assign messages: a run of ``runs`` launched by ``launcher``, or a refusal.
+
+    ``roots`` are where a job's node paths may lie (``worker.sandbox``); ``fetch_blob`` streams a shipped
+    workdir from the coordinator into ``workdirs``.
+    """
+
+    def __init__(self, cfg: DaemonConfig, *, runs: Runs, launcher: LauncherSupervisor, replication: Replication,
+                 workdirs: WorkdirCache, roots: list[str], fetch_blob: Callable[[str], AsyncIterator[bytes]],
+                 outbox: Outbox, log: Any) -> None:
+        self.cfg = cfg
+        self._runs = runs
+        self._launcher = launcher
+        self._replication = replication
+        self._workdirs = workdirs
+        self._roots = roots
+        self._fetch_blob = fetch_blob
+        self._outbox = outbox
+        self._log = log
+        self.refused = 0  # Assign messages refused
+
+    async def admit(self, msg: pb.Assign) -> None:
+        try:
+            run_dir, assignments = self._expanded(msg)
+            assignments = await self._with_workdir(assignments)
+            self._check_paths(assignments)
+        except Refused as exc:
+            self._refuse(msg, str(exc))
+            return
+        run = await self._new_run(msg, run_dir, assignments)
+        self._runs.add(run)
+        self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(run.ranks))
+        try:
+            custom = self.cfg.log_cap_bytes != GENERATION_BYTES  # the launcher's default otherwise
+            await self._launcher.launch(assignments, **({"log_bytes": self.cfg.log_cap_bytes} if custom else {}))
+        except LauncherError as exc:  # it just died: its death reports these ranks
+            self._log.warning("launch failed", job=msg.job_id, error=str(exc))
+
+    def _expanded(self, msg: pb.Assign) -> tuple[Path, list[RankAssignment]]:
+        """The run dir and assignments of an Assign whose every id is safe as a path."""
+        run_dir = run_dir_for(self.cfg.state_dir, msg.job_id, msg.attempt)
+        gpus = len(self._launcher.hardware.get("gpus") or [])
+        return run_dir, expand(msg, self.cfg.name, str(run_dir), gpus, self.cfg.advertise_address)
+
+    async def _with_workdir(self, assignments: list[RankAssignment]) -> list[RankAssignment]:
+        """Each rank's ``workdir``: this node's extracted copy of the job's shipped workdir, fetched once."""
+        digests = blobs_of(assignments[0].spec) if assignments else []
+        if not digests:
+            return assignments
+        try:
+            path = await self._workdirs.path(digests[0], self._fetch_blob, blob_limit_of(assignments[0].spec),
+                                             pin=True)  # unpinned when the run ends (or is refused)
+        except (FetchFailed, OSError) as exc:
+            raise Refused(f"cannot fetch the job's workdir {digests[0]}: {exc}") from None
+        return [replace(a, workdir=str(path)) for a in assignments]
+
+    def _check_paths(self, assignments: list[RankAssignment]) -> None:
+        """Refused when a node path of the spec lies outside the roots (the workdir it pinned is let go)."""
+        first = assignments[0] if assignments else None
+        problem = first and assignment_problem(first.spec, self._roots, workdir=first.workdir)
+        if problem:
+            for digest in blobs_of(first.spec)[:1] if first.workdir else []:
+                self._workdirs.unpin(digest)
+            raise Refused(problem)
+
+    async def _new_run(self, msg: pb.Assign, run_dir: Path, assignments: list[RankAssignment]) -> RunState:
+        """The run of admitted ``assignments``, its directory made and a replaced node's checkpoints fetched."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ranks = {a.rank for a in assignments}
+        spec = assignments[0].spec if assignments else None
+        name = str((spec or {}).get("name", ""))
+        if name:
+            self._replication.revive(name)
+        if msg.restore_peer and name:
+            await self._replication.restore(msg.restore_peer, name, sorted(ranks))
+        workdir = (blobs_of(spec)[:1] or [""])[0] if spec and assignments[0].workdir else ""
+        return RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
+                        alive=set(ranks),  # counted alive from the launch on; exits remove them
+                        tailer=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer,
+                        hangs=HangWatch(hangwatch.stall_after(spec)), workdir_blob=workdir)
+
+    def _refuse(self, msg: pb.Assign, why: str) -> None:
+        """Count and log a refused Assign; its ranks are reported as never started."""
+        self.refused += 1
+        self._log.error("assignment refused", job=msg.job_id[:80], attempt=msg.attempt, error=why,
+                        refused=self.refused)
+        for rank in claimed_ranks(msg):
+            self._outbox.report(msg.job_id, msg.attempt, exit_status(
+                rank, self.cfg.name, 1, f"node {self.cfg.name} refused the assignment: {why}"))

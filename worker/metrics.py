@@ -1,20 +1,16 @@
 """Prometheus metrics of one worker daemon (``ctl worker --metrics-listen HOST:PORT``; off by default).
 
-``DaemonStats`` holds the counters the daemon keeps for them; ``WorkerMetrics`` is a registry of
-its own per daemon (tests run several daemons in one process) whose collector reads the daemon
-when scraped. ``serve_metrics`` answers ``GET /metrics`` with aiohttp on the daemon's event
-loop, so that a scrape reads the daemon's state on the thread that changes it; with the node's TLS
-identity it serves HTTPS and requires a client certificate of the cluster's CA (as the coordinator's
-/metrics does). Every series carries ``node`` (the daemon's name), so that the series of several
-daemons stay apart whatever target labels a scraper adds. Per scrape the work is O(ranks on this
-node). Series: docs/metrics.md.
+``WorkerMetrics`` is a registry of its own per daemon (tests run several daemons in one process) whose
+collector asks the daemon for its ``DaemonFigures`` when scraped, on the daemon's event loop (aiohttp,
+``serve_metrics``; HTTPS with a client certificate of the cluster's CA given the node's identity). Every
+series carries ``node``. Series: docs/metrics.md.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,7 +21,6 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from rankctl.security.tls import IdentityDir
-    from rankctl.worker.daemon import WorkerDaemon
 
 STARTING = "starting"   # a launched rank that has not written a phase yet
 OTHER = "other"         # a phase outside the contract's (a rank writes its own): one label value for all
@@ -43,25 +38,37 @@ class DaemonStats:
     launcher_restarts: int = 0   # replacement launchers started
 
 
+@dataclass(frozen=True, kw_only=True)
+class DaemonFigures:
+    """One daemon's state at a scrape."""
+
+    node: str
+    slots: int
+    stats: DaemonStats
+    online: bool                 # a session with the coordinator is registered
+    launcher_alive: bool
+    refused: int                 # Assign messages refused
+    buffered: int                # reports kept until the coordinator has stored them
+    dropped: int                 # reports dropped because the buffer was full
+    live_phases: Counter[str | None]  # live ranks by the phase of their last report (None: none yet)
+
+
+class Observed(Protocol):
+    """What the metrics read of a daemon (``worker.daemon.WorkerDaemon``)."""
+
+    def figures(self) -> DaemonFigures: ...
+
+
 class _Collector:
-    def __init__(self, daemon: WorkerDaemon) -> None:
+    def __init__(self, daemon: Observed) -> None:
         self.daemon = daemon
 
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, doc, labels=["node"])
-        family.add_metric([self.daemon.cfg.name], value)
-        return family
-
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, doc, labels=["node"])
-        family.add_metric([self.daemon.cfg.name], value)
-        return family
-
     def collect(self) -> Iterator[Metric]:
-        d, stats = self.daemon, self.daemon.stats
-        _counter, _gauge = self._counter, self._gauge
+        f = self.daemon.figures()
+        stats = f.stats
+        _counter, _gauge = _series(CounterMetricFamily, f.node), _series(GaugeMetricFamily, f.node)
         yield _gauge("rankctl_worker_connected", "1 while a session with the coordinator is registered.",
-                     int(d.online))
+                     int(f.online))
         yield _counter("rankctl_worker_registrations", "Sessions the coordinator acknowledged.", stats.registrations)
         yield _counter("rankctl_worker_reconnects", "Registrations after the first one.",
                        max(0, stats.registrations - 1))
@@ -70,35 +77,43 @@ class _Collector:
         yield _counter("rankctl_worker_reports_sent", "Rank reports sent to the coordinator (replays included).",
                        stats.reports_sent)
         yield _gauge("rankctl_worker_reports_buffered", "Reports kept until the coordinator has stored them.",
-                     len(d.reports))
+                     f.buffered)
         yield _counter("rankctl_worker_reports_dropped", "Reports dropped because the buffer was full.",
-                       d.reports.dropped)
+                       f.dropped)
         yield _counter("rankctl_worker_log_lines_shipped", "Rank log lines sent to the coordinator.",
                        stats.log_lines_shipped)
-        yield _gauge("rankctl_worker_slots", "Rank slots this node offers.", d.cfg.slots)
-        yield _gauge("rankctl_worker_launcher_alive", "1 while the warm launcher runs.", int(d.launcher_alive))
+        yield _gauge("rankctl_worker_slots", "Rank slots this node offers.", f.slots)
+        yield _gauge("rankctl_worker_launcher_alive", "1 while the warm launcher runs.", int(f.launcher_alive))
         yield _counter("rankctl_worker_launcher_restarts", "Replacement launchers started.", stats.launcher_restarts)
         yield _counter("rankctl_worker_assignments_refused", "Assignments refused (bad ids, paths outside the roots).",
-                       d.refused)
-        yield self._ranks()
+                       f.refused)
+        yield _ranks(f)
 
-    def _ranks(self) -> GaugeMetricFamily:
-        ranks = GaugeMetricFamily("rankctl_worker_ranks", "Live ranks on this node, by phase.",
-                                  labels=["node", "phase"])
-        counts: Counter[str] = Counter()
-        for run in self.daemon.runs.values():
-            for rank in run.alive:
-                phase = run.phase.get(rank, STARTING)
-                counts[phase if phase in RANK_PHASES else OTHER] += 1
-        for phase in RANK_PHASES:
-            ranks.add_metric([self.daemon.cfg.name, phase], counts.get(phase, 0))
-        return ranks
+
+def _series(family_type: type, node: str) -> Callable[[str, str, float], Metric]:
+    """A maker of one-sample families of ``family_type`` labelled with ``node``."""
+    def make(name: str, doc: str, value: float) -> Metric:
+        family = family_type(name, doc, labels=["node"])
+        family.add_metric([node], value)
+        return family
+    return make
+
+
+def _ranks(f: DaemonFigures) -> GaugeMetricFamily:
+    ranks = GaugeMetricFamily("rankctl_worker_ranks", "Live ranks on this node, by phase.", labels=["node", "phase"])
+    counts: Counter[str] = Counter()
+    for phase, n in f.live_phases.items():
+        phase = STARTING if phase is None else phase
+        counts[phase if phase in RANK_PHASES else OTHER] += n
+    for phase in RANK_PHASES:
+        ranks.add_metric([f.node, phase], counts.get(phase, 0))
+    return ranks
 
 
 class WorkerMetrics:
     """One daemon's /metrics: a registry of its own with one collector bound to ``daemon``."""
 
-    def __init__(self, daemon: WorkerDaemon) -> None:
+    def __init__(self, daemon: Observed) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(daemon))
 

@@ -1,0 +1,36 @@
+"""A worker daemon's settings (``ctl worker``'s options), read by the daemon and each of its parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rankctl.worker.rankio import GENERATION_BYTES
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    coordinator: str
+    name: str
+    slots: int
+    state_dir: Path
+    advertise_address: str = "127.0.0.1"
+    health_listen: str = "127.0.0.1:0"
+    poll_interval: float = 0.1
+    start_poll_interval: float = 0.02  # ... while a run's ranks are starting (their phase changes are the start-up)
+    report_interval: float = 0.2  # at most one ReportBatch this often (reports in between coalesce)
+    log_cap_bytes: int = GENERATION_BYTES  # the launcher rotates a rank log at this size as bytes arrive
+    peer_port: int = 0            # where this node's PeerService listens (on advertise_address); 0: none
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0      # retries at least this often (the coordinator's RECONNECT_GRACE_S counts on it)
+    free_ports: int = 8
+    launcher_restarts: int = 4  # tries to start a new launcher before the daemon gives up
+    launcher_backoff: float = 1.0  # seconds before the second try; doubles each time
+    launcher_stable_s: float = 30.0  # a launcher that dies sooner than this counts towards giving up
+    py_spy: str | None = None  # py-spy for a stalled rank's stack; None: on PATH or beside python; "": never
+    tls_dir: str | None = None  # this node's identity directory: mutual TLS to the coordinator and to peers
+    data_roots: tuple[str, ...] = ()  # where a job's data and other node paths may lie (besides the state dir)
+    metrics_listen: str = ""      # HOST:PORT of the Prometheus /metrics endpoint (worker.metrics); "": none
+    workdir_cache_mb: int = 20480  # the node's cache of extracted workdirs; least recently used evicted past it
+    snapshot_memory_mb: int | None = None  # bound on rankctl's snapshot memory (worker.snapmem); None: a quarter
+                                           # of the node's memory, 0: none of rankctl's own

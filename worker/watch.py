@@ -1,0 +1,80 @@
+"""What the daemon sees of its live ranks' processes: one that is stopped (SIGSTOP, a debugger), and one
+whose collective counters stopped moving (``worker.hangwatch``), reported with its counters and stack so
+that the coordinator's hang detector can name the laggard. Per live rank and look: one read of
+``/proc/PID/stat`` and one of its counter file."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Mapping
+
+from rankctl.contract.collfiles import read_counters
+from rankctl.contract.rankfiles import log_path
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.worker import hangwatch
+from rankctl.worker.outbox import Outbox
+from rankctl.worker.reporting import process_state
+from rankctl.worker.runstate import RunState
+from rankctl.worker.tasks import Background
+
+STACKS_AT_ONCE = 4  # stack dumps of stalled ranks at once
+
+
+class ProcessWatch:
+    def __init__(self, *, node: str, outbox: Outbox, background: Background, py_spy: str | None, log: Any) -> None:
+        self._node = node
+        self._outbox = outbox
+        self._background = background
+        self._py_spy = py_spy
+        self._log = log
+        self._stacks = asyncio.Semaphore(STACKS_AT_ONCE)
+
+    def look(self, runs: Mapping[tuple[str, int], RunState]) -> None:
+        """Report process state changes of every live rank, and the evidence of a running rank that stalled
+        (``runs``: the daemon's runs by (job, attempt); evidence for a run replaced meanwhile is dropped)."""
+        for run in runs.values():
+            for rank in run.alive:
+                pid = run.pids.get(rank)
+                state = process_state(pid) if pid else ""
+                if state != run.process.get(rank, ""):
+                    run.process[rank] = state
+                    self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state))
+                    self._log.warning("rank process state", job=run.job_id, rank=rank, pid=pid,
+                                      state=state or "running")
+                if run.hangs is None or run.phase.get(rank) != "running" or not pid:
+                    continue
+                seen = run.hangs.observe(rank, hangwatch.signature(run.run_dir, rank))
+                if seen == hangwatch.STALLED:
+                    self._stalled(runs, run, rank, pid, state)
+                elif seen == hangwatch.MOVED:  # withdraw the evidence: the rank went on
+                    self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state,
+                                                    collectives=hangwatch.MOVED_JSON))
+
+    def _report(self, run: RunState, status: pb.RankStatus) -> None:
+        self._outbox.report(run.job_id, run.attempt, status)
+
+    def _stalled(self, runs: Mapping[tuple[str, int], RunState], run: RunState, rank: int, pid: int,
+                 state: str) -> None:
+        """A rank's counters stopped moving: its counters now (read here), its stack off the loop, one report."""
+        still = run.hangs.still_for(rank) if run.hangs is not None else 0.0
+        evidence = hangwatch.evidence_json(read_counters(run.run_dir, rank), still)
+        self._log.warning("rank stalled", job=run.job_id, rank=rank, pid=pid, still_s=round(still, 1),
+                          state=state or "running")
+        current = lambda: runs.get((run.job_id, run.attempt)) is run  # noqa: E731
+        self._background.spawn(self._send_evidence(run, rank, pid, state, evidence, current))
+
+    async def _send_evidence(self, run: RunState, rank: int, pid: int, state: str, evidence: str,
+                             current: Callable[[], bool]) -> None:
+        token = run.hangs.stalled(rank) if run.hangs is not None else None
+        try:
+            async with self._stacks:
+                stack = await hangwatch.stack_of(pid, state == "stopped", log_path(run.run_dir, rank), self._py_spy)
+        except OSError as exc:
+            stack = f"no stack: {exc}"
+        if rank not in run.alive or run.hangs is None or run.hangs.stalled(rank) != token or token is None \
+                or not current():
+            return  # it exited, or moved again meanwhile: this evidence no longer holds
+        state = process_state(pid)
+        run.process[rank] = state  # the report carries the process state the coordinator keeps
+        self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state, collectives=evidence,
+                                        stack=stack))
