@@ -13,7 +13,6 @@ from typing import Callable
 
 import structlog
 
-from rankctl.contract.spec import DEFAULT_HANG_TIMEOUT_S
 from rankctl.coordinator.commit import StoreGuard
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.progress import failure_reason
@@ -94,7 +93,7 @@ class Advancer:
             progress = self._book.progress(job)
             if loop_lag > 0:
                 progress.advanced_at += loop_lag
-            timeout = float((job.spec.get("restart") or {}).get("hang_timeout", DEFAULT_HANG_TIMEOUT_S))
+            timeout = job.spec.restart.hang_timeout
             idle = now - progress.advanced_at
             # armed once a rank reported a step: a script that never reports one cannot be told from a hang
             if progress.advanced_at and progress.max_step > 0 and idle > timeout:

@@ -149,7 +149,7 @@ class Coordinator:
         if short is not None and not queue_anyway:
             raise CapacityError(f"{short}; submit with --queue-anyway to wait for more nodes")
         job = JobRecord(
-            id=self._new_id(spec.name), name=spec.name, kind=spec.kind, spec=spec.to_dict(), state=S.PENDING,
+            id=self._new_id(spec.name), name=spec.name, kind=spec.kind, spec=spec, state=S.PENDING,
             reason="queued" if short is None else f"queued for nodes: {short}", world_size=spec.world_size,
             slots_per_node=res.slots_per_node, created_at=self.clock(), submitted_by=submitted_by,
         )

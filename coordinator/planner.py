@@ -9,7 +9,7 @@ import json
 from typing import Iterable
 
 from rankctl.coordinator.records import JobRecord
-from rankctl.kinds.spec import parallel_config, parse_spec
+from rankctl.kinds.spec import parallel_config
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.parallel.placement import layout_document, ranks_of_node
 from rankctl.proto import rankctl_pb2 as pb
@@ -30,9 +30,9 @@ def assign_messages(job: JobRecord, nodes: list[str], rendezvous: str, peers: li
     node k's PeerService address: node k's checkpoint steps are copied to node k+1 (its replica peer);
     ``restores[k]`` names where node k fetches its ranks' checkpoints from before they start.
     """
-    spec = parse_spec(job.spec)
+    spec = job.spec
     RankLayout(parallel_config(spec)).rank_groups(0)
-    spec_json = json.dumps(job.spec, separators=(",", ":"))
+    spec_json = json.dumps(spec.to_dict(), separators=(",", ":"))
     s, n = job.slots_per_node, len(nodes)
     peers = peers or [""] * n
     restores = restores or [""] * n

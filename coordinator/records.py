@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rankctl.contract.spec import JobSpec
 from rankctl.coordinator.states import JobState
 from rankctl.parallel.placement import ranks_of_node
 
@@ -21,7 +22,7 @@ class JobRecord:
     id: str
     name: str
     kind: str
-    spec: dict[str, Any]
+    spec: JobSpec  # typed: parsed once at submit, or once when read back from the store
     state: JobState
     reason: str
     world_size: int

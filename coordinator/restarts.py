@@ -41,7 +41,7 @@ def _gone(ranks: list[int]) -> str:
 
 
 def max_restarts(job: JobRecord) -> int:
-    return int((job.spec.get("restart") or {}).get("max_restarts", 0))
+    return job.spec.restart.max_restarts
 
 
 class Restarts:

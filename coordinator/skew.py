@@ -61,10 +61,9 @@ def pipeline_peers(job: JobRecord) -> tuple[int, int]:
     the spec has no pipeline (or no layout the coordinator can read: then all ranks are peers)."""
     from rankctl.parallel.layout import LayoutError, ParallelConfig
 
-    p = (job.spec or {}).get("parallel") or {}
+    p = job.spec.parallel
     try:
-        cfg = ParallelConfig(world_size=job.world_size, tp=p.get("tp", 1), pp=p.get("pp", 1), cp=p.get("cp", 1),
-                             ep=p.get("ep", 1), etp=p.get("etp"), **({"order": p["order"]} if p.get("order") else {}))
+        cfg = ParallelConfig(world_size=job.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, order=p.order)
         grid = cfg.dense_grid
         return (grid.strides[grid.tokens.index("pp")], cfg.pp) if cfg.pp > 1 else (1, 1)
     except (LayoutError, TypeError, ValueError, AttributeError):

@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator
 
+from rankctl.kinds.spec import stored_spec
 from rankctl.coordinator.errors import CoordinatorError
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeRecord, RankRecord
 from rankctl.coordinator.states import JobState
@@ -127,7 +128,7 @@ def _store_error(exc: sqlite3.Error, what: str) -> StoreError:
 def _job_from_row(row: tuple) -> JobRecord:
     (seqno, jid, name, kind, spec, state, reason, attempt, world, spn, created, finished, nodes, rdv, res, by) = row
     return JobRecord(
-        id=jid, name=name, kind=kind, spec=json.loads(spec), state=JobState(state), reason=reason,
+        id=jid, name=name, kind=kind, spec=stored_spec(json.loads(spec), name, kind), state=JobState(state), reason=reason,
         world_size=world, slots_per_node=spn, created_at=created, attempt=attempt, finished_at=finished,
         nodes=json.loads(nodes), rendezvous=rdv, result=json.loads(res) if res else None, seqno=seqno,
         submitted_by=by,
@@ -264,7 +265,7 @@ class Store:
     @staticmethod
     def _job_args(job: JobRecord) -> tuple:
         return (
-            job.id, job.name, job.kind, json.dumps(job.spec), job.state.value, job.reason, job.attempt,
+            job.id, job.name, job.kind, json.dumps(job.spec.to_dict()), job.state.value, job.reason, job.attempt,
             job.world_size, job.slots_per_node, job.created_at, job.finished_at, json.dumps(job.nodes),
             job.rendezvous, json.dumps(job.result) if job.result is not None else None, job.submitted_by,
         )

@@ -58,6 +58,21 @@ def parse_spec(doc: dict[str, Any]) -> JobSpec:
         raise SpecError(spec_errors(exc)) from None
 
 
+def stored_spec(doc: dict[str, Any], name: str, kind: str) -> JobSpec:
+    """A spec read back from a store row (``name``/``kind``: the row's columns): ``parse_spec``, or, for a job
+    whose kind this process no longer knows (a plug-in removed), its common sections alone, so the job stays
+    readable (its placement then fails naming the kind)."""
+    doc = {"name": name, "kind": kind, **doc}
+    try:
+        return parse_spec(doc)
+    except SpecError:
+        common = {k: v for k, v in doc.items() if k in JobSpec.model_fields}
+        try:
+            return JobSpec.model_validate(common)
+        except ValidationError:
+            return JobSpec.model_construct(name=name, kind=kind)
+
+
 def build_spec(doc: dict[str, Any], overrides: list[str] = ()) -> JobSpec:
     """Validate a job document after applying ``--set`` overrides (schema only; see ``check_job``)."""
     return parse_spec(apply_overrides(copy.deepcopy(doc), list(overrides)))

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from rankctl.coordinator.blobs import BlobRefused, BlobStore, referenced
+from rankctl.kinds.spec import build_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,7 +84,8 @@ def test_gc_deletes_only_old_blobs_no_live_or_recent_job_references(tmp_path: Pa
         os.utime(store.path(digest), (now - 500, now - 500))
 
     def job(digest: str, finished_at: float) -> SimpleNamespace:
-        return SimpleNamespace(spec={"kind": "python", "python": {"workdir_blob": digest}}, finished_at=finished_at)
+        spec = build_spec({"name": "p", "kind": "python", "python": {"entrypoint": "x.py", "workdir_blob": digest}})
+        return SimpleNamespace(spec=spec, finished_at=finished_at)
 
     jobs = [job(old, now - 200), job(live, 0.0), job(recent, now - 50)]
     refs = referenced(jobs, now, store.retention_s)
@@ -135,7 +137,8 @@ def test_the_collect_loop_collects_at_start_off_the_loop(tmp_path: Path) -> None
     old, kept = put(store, b"old"), put(store, b"kept")
     os.utime(store.path(old), (1.0, 1.0))
     os.utime(store.path(kept), (1.0, 1.0))
-    jobs = [SimpleNamespace(spec={"kind": "python", "python": {"workdir_blob": kept}}, finished_at=0.0)]
+    spec = build_spec({"name": "p", "kind": "python", "python": {"entrypoint": "x.py", "workdir_blob": kept}})
+    jobs = [SimpleNamespace(spec=spec, finished_at=0.0)]
 
     async def main() -> None:
         task = asyncio.create_task(collect_loop(store, lambda: jobs, period_s=3600))

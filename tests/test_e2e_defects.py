@@ -166,7 +166,7 @@ def test_nine_thousand_jobs_list_in_pages_and_errors_stay_short(tmp_path: Path) 
     from rankctl.coordinator.states import JobState
     from rankctl.coordinator.store import Store
 
-    spec = build_spec({"name": "same", "kind": "comm-check", "resources": {"nodes": 2, "slots_per_node": 4}}).to_dict()
+    spec = build_spec({"name": "same", "kind": "comm-check", "resources": {"nodes": 2, "slots_per_node": 4}})
     store = Store(tmp_path / "coord")
     with store.transaction():
         for i in range(9000):

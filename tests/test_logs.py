@@ -20,9 +20,10 @@ from rankctl.coordinator.errors import InvalidRequest, JobNotFound
 from rankctl.coordinator.logfetch import LogFetcher, LogsUnavailable, get_logs
 from rankctl.coordinator.records import JobRecord, RankRecord
 from rankctl.coordinator.states import JobState
+from rankctl.kinds.spec import build_spec
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker import rankio
-from rankctl.worker.logship import MAX_CHUNK_BYTES, MAX_LINE_BYTES, RankLog, answer_fetch
+from rankctl.worker.logship import MAX_CHUNK_BYTES, MAX_LINE_BYTES, answer_fetch
 
 JOB = "train-0a1b2c"
 CUT = f" [rankctl: line cut at {MAX_LINE_BYTES} bytes]"
@@ -207,11 +208,6 @@ def test_rotation_follows_no_symlink(tmp_path: Path) -> None:
     assert not path.is_symlink() and not Path(f"{path}.1").is_symlink()
 
 
-def test_the_deprecated_shipper_ships_nothing() -> None:
-    shim = RankLog("/nonexistent/rank-0.log", "n0")
-    assert shim.read() == [] and shim.drained()
-
-
 # -- what the program printed, and rankctl's records -------------------------------------------
 def record(**fields: Any) -> bytes:
     return (RECORD_MARK + json.dumps(fields)).encode() + b"\n"
@@ -389,7 +385,7 @@ def cluster(tmp_path: Path, lost: set[str] = frozenset(),
             state: JobState = JobState.RUNNING) -> tuple[FakeCore, FakeNodes]:
     """A 4-rank job on nodes n0 (ranks 0, 1) and n1 (ranks 2, 3); each rank wrote 'rank R line i'."""
     nodes = FakeNodes(tmp_path, ["n0", "n1"], lost)
-    job = JobRecord(id=JOB, name="train", kind="train", spec={}, state=state, reason="", world_size=4,
+    job = JobRecord(id=JOB, name="train", kind="train", spec=build_spec({"name": "train"}), state=state, reason="", world_size=4,
                     slots_per_node=2, created_at=0.0, nodes=["n0", "n1"])
     for r in range(4):
         log_file(nodes.dirs[job.nodes[r // 2]], r).write_text("".join(f"rank {r} line {i}\n" for i in range(3)))

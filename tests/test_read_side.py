@@ -468,7 +468,10 @@ def test_ctl_json_keeps_its_shape_with_times_from_the_timestamps_and_the_result_
     from rankctl.coordinator.states import JobState
 
     result = {"comm": [{"kind": "tp", "groups": 2, "mean_us": 12.5}], "losses": [{"step": 1, "loss": 2.25}]}
-    record = JobRecord(id="cc-1", name="cc", kind="comm-check", spec={"name": "cc", "train": {"steps": 40}},
+    from rankctl.kinds.spec import build_spec
+
+    spec = build_spec({"name": "cc", "kind": "comm-check", "resources": {"nodes": 1, "slots_per_node": 2}})
+    record = JobRecord(id="cc-1", name="cc", kind="comm-check", spec=spec,
                        state=JobState.RUNNING, reason="", world_size=2, slots_per_node=2, created_at=1_700_000_000.25,
                        result=result)
     running = job_to_dict(pb.Job.FromString(convert.job_to_pb(record).SerializeToString()))

@@ -248,7 +248,7 @@ def store_finished_jobs(state_dir: Path, count: int) -> None:
     from rankctl.coordinator.store import Store
     from rankctl.kinds.spec import build_spec
 
-    spec = build_spec({"name": "cc", "kind": "comm-check", "resources": {"nodes": 1, "slots_per_node": 2}}).to_dict()
+    spec = build_spec({"name": "cc", "kind": "comm-check", "resources": {"nodes": 1, "slots_per_node": 2}})
     store = Store(state_dir)
     with store.transaction():
         for i in range(count):

@@ -7,10 +7,12 @@ import pytest
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeRecord, RankRecord
 from rankctl.coordinator.states import JobState
 from rankctl.coordinator.store import Store
+from rankctl.kinds.spec import build_spec
 
 
 def _job(job_id: str = "a-000001", **kw) -> JobRecord:
-    base = dict(id=job_id, name="a", kind="comm-check", spec={"name": "a"}, state=JobState.PENDING,
+    base = dict(id=job_id, name="a", kind="comm-check", spec=build_spec({"name": "a", "kind": "comm-check"}),
+                state=JobState.PENDING,
                 reason="queued", world_size=4, slots_per_node=2, created_at=100.0)
     return JobRecord(**{**base, **kw})
 

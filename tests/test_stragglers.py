@@ -125,9 +125,16 @@ def test_unflagged_only_after_three_normal_judgements_and_not_between_the_margin
     assert run(skew, steps_of(SLOW3)) == [[(3, True)]]
 
 
+def _spec(world: int, parallel: dict):
+    from rankctl.kinds.spec import build_spec
+
+    return build_spec({"name": "j", "kind": "comm-check", "resources": {"nodes": 1, "slots_per_node": world},
+                       "parallel": parallel})
+
+
 def test_peers_are_the_ranks_of_the_same_pipeline_stage() -> None:
     # tp2 pp2 over 8 ranks (dp2): stage = rank // 4; the last stage computes the loss and is slower
-    job = JobRecord(id="j", name="j", kind="train", spec={"parallel": {"tp": 2, "pp": 2}}, state=JobState.RUNNING,
+    job = JobRecord(id="j", name="j", kind="train", spec=_spec(8, {"tp": 2, "pp": 2}), state=JobState.RUNNING,
                     reason="", world_size=8, slots_per_node=4, created_at=0.0, nodes=["n0", "n1"])
     assert pipeline_peers(job) == (4, 2)
     skew = ComputeSkew(8, *pipeline_peers(job))
@@ -141,12 +148,11 @@ def test_peers_are_the_ranks_of_the_same_pipeline_stage() -> None:
 
 def test_no_pipeline_or_an_unreadable_layout_makes_all_ranks_peers() -> None:
     def job(parallel) -> JobRecord:
-        return JobRecord(id="j", name="j", kind="train", spec={"parallel": parallel}, state=JobState.RUNNING,
+        return JobRecord(id="j", name="j", kind="train", spec=_spec(4, parallel), state=JobState.RUNNING,
                          reason="", world_size=4, slots_per_node=2, created_at=0.0)
 
     assert pipeline_peers(job({"tp": 2})) == (1, 1)
-    assert pipeline_peers(job({"tp": 3, "pp": 2})) == (1, 1)
-    assert pipeline_peers(job("nonsense")) == (1, 1)
+    assert pipeline_peers(job({"tp": 3, "pp": 2})) == (1, 1)  # 4 ranks do not lay out as tp3 pp2
 
 
 def test_judgements_cost_in_proportion_to_the_reports_at_4096_ranks() -> None:

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from typing import Any
+from collections import OrderedDict
 
 from rankctl.contract.jobfile import SpecError
-from rankctl.kinds.spec import parallel_config, parse_spec
+from rankctl.contract.spec import JobSpec
+from rankctl.kinds.spec import parallel_config
 from rankctl.parallel.layout import LayoutError, ParallelConfig
 
 JOBS_CACHED = 1024
 
 
-def layout_of(spec: dict[str, Any]) -> ParallelConfig | None:
-    """The layout a stored spec declares (None when it no longer parses: the dashboard shows it without)."""
+def layout_of(spec: JobSpec) -> ParallelConfig | None:
+    """The layout a job's spec declares (None when it does not lay out: the dashboard shows it without)."""
     try:
-        return parallel_config(parse_spec(spec))
+        return parallel_config(spec)
     except (SpecError, LayoutError, KeyError, TypeError, ValueError):
         return None
 
