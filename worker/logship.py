@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -173,18 +172,3 @@ def read_from(f, offset: int, max_lines: int, records: bool = True) -> tuple[lis
         pos = nl + 1
     lines, pos = _lines(data, pos, max_lines, _everything if records else _program_output)
     return lines, offset + pos
-
-
-# Deprecated: the daemon no longer ships log lines; kept importable until worker/daemon.py drops it.
-@dataclass
-class RankLog:
-    """Deprecated shipping shim: ships nothing (``read`` is empty, ``drained`` is always true)."""
-
-    path: str
-    node: str
-
-    def read(self) -> list[str]:
-        return []
-
-    def drained(self) -> bool:
-        return True
