@@ -20,6 +20,7 @@ from rankctl.coordinator.errors import InvalidRequest, JobNotFound
 from rankctl.coordinator.logfetch import LogFetcher, LogsUnavailable, get_logs
 from rankctl.coordinator.records import JobRecord, RankRecord
 from rankctl.coordinator.states import JobState
+from rankctl.kinds.spec import build_spec
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker import rankio
 from rankctl.worker.logship import MAX_CHUNK_BYTES, MAX_LINE_BYTES, answer_fetch
@@ -384,7 +385,7 @@ def cluster(tmp_path: Path, lost: set[str] = frozenset(),
             state: JobState = JobState.RUNNING) -> tuple[FakeCore, FakeNodes]:
     """A 4-rank job on nodes n0 (ranks 0, 1) and n1 (ranks 2, 3); each rank wrote 'rank R line i'."""
     nodes = FakeNodes(tmp_path, ["n0", "n1"], lost)
-    job = JobRecord(id=JOB, name="train", kind="train", spec={}, state=state, reason="", world_size=4,
+    job = JobRecord(id=JOB, name="train", kind="train", spec=build_spec({"name": "train"}), state=state, reason="", world_size=4,
                     slots_per_node=2, created_at=0.0, nodes=["n0", "n1"])
     for r in range(4):
         log_file(nodes.dirs[job.nodes[r // 2]], r).write_text("".join(f"rank {r} line {i}\n" for i in range(3)))
