@@ -84,7 +84,7 @@ def assignment(spec: dict[str, Any], world: int, rank: int, run_dir: str) -> Ran
     lay = RankLayout(ParallelConfig(world_size=world, **{k: par[k] for k in ("tp", "cp", "pp", "vpp") if par.get(k)}))
     return RankAssignment(job_id="drift", attempt=0, rank=rank, world_size=world, local_rank=rank, node="n0",
                           coords=lay.coords(rank), groups=lay.rank_groups(rank), rendezvous="filestore:0",
-                          backend="gloo", kind="train", spec=spec, run_dir=run_dir)
+                          backend="gloo", kind="train", spec=parse_spec(spec), run_dir=run_dir)
 
 
 def record_adam(trace: list[dict[str, Any]], perturb: tuple[str, float] | None = None) -> None:
@@ -118,7 +118,7 @@ def record_adam(trace: list[dict[str, Any]], perturb: tuple[str, float] | None =
 
 def rank_main(a: RankAssignment, store_path: str, perturb: tuple[str, float] | None, threads: int | None) -> None:
     timeout = timedelta(seconds=120)
-    spec = parse_spec(a.spec)
+    spec = a.spec
     if threads:  # train.setup gives each rank os.cpu_count() // slots threads
         os.cpu_count = lambda: threads * spec.resources.slots_per_node
     dist.init_process_group("gloo", store=dist.FileStore(store_path, a.world_size), rank=a.rank,

@@ -45,7 +45,7 @@ def main() -> int:
         job_id=JOB_ID, attempt=restarts + 1, rank=rank, world_size=world, local_rank=int(os.environ["LOCAL_RANK"]),
         node=f"agent-{os.environ.get('GROUP_RANK', '0')}", coords=layout.coords(rank),
         groups=layout.rank_groups(rank), rendezvous=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        backend="gloo", kind=spec.kind, spec=spec.to_dict(),
+        backend="gloo", kind=spec.kind, spec=spec,
         run_dir=os.path.join(shared, "jobs", "torchrun", f"{restarts}-{os.getpid()}"),
     )
     return run_rank(assignment, timeout_s=seconds)

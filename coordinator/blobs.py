@@ -205,7 +205,7 @@ def referenced(jobs: Iterable[Any], now: float, retention_s: float) -> set[str]:
     out: set[str] = set()
     for job in jobs:
         if not job.finished_at or now - job.finished_at < retention_s:
-            out.update(registry.blobs_of(job.spec.to_dict()))
+            out.update(registry.blobs_of(job.spec))
     return out
 
 

@@ -192,7 +192,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         try:
             spec = await _off_loop(self.core.validate, request.spec_yaml, list(request.overrides),
                                    request.source or "job file")
-            missing = self.blobs.missing(registry.blobs_of(spec.to_dict()))
+            missing = self.blobs.missing(registry.blobs_of(spec))
             if missing:
                 raise BlobMissing(f"the job references {missing[0]}, which the coordinator does not hold: "
                                   "upload it first (ctl submit packs and uploads python.workdir)")

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from rankctl.contract.spec import JobSpec
+
 ENTRY_POINT_GROUP = "rankctl.kinds"
 ENV_VAR = "RANKCTL_KINDS"
 
@@ -168,18 +170,18 @@ def version() -> int:
     return _version
 
 
-def blobs_of(spec: Mapping[str, Any]) -> list[str]:
-    """The blobs a job spec (as a dict) references, by its kind's ``blobs`` hook: e.g. a packed workdir.
+def blobs_of(spec: "JobSpec") -> list[str]:
+    """The blobs a typed job spec references, by its kind's ``blobs`` hook: e.g. a packed workdir.
     A kind unknown here references none (a daemon may not load the kinds its launcher loads)."""
-    kind = kinds().get(str(spec.get("kind", "")))
+    kind = kinds().get(spec.kind)
     hook = kind.resolve("blobs") if kind else None
     return list(hook(spec)) if hook else []
 
 
-def blob_limit_of(spec: Mapping[str, Any]) -> int | None:
+def blob_limit_of(spec: "JobSpec") -> int | None:
     """The bytes a node may unpack of the spec's blobs, by its kind's ``blob_limit`` hook; None: no limit
     of the spec's own (the node's cap applies)."""
-    kind = kinds().get(str(spec.get("kind", "")))
+    kind = kinds().get(spec.kind)
     hook = kind.resolve("blob_limit") if kind else None
     return int(hook(spec)) if hook else None
 

@@ -24,9 +24,7 @@ import structlog
 
 from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.logrecords import RECORD_MARK
-from rankctl.contract.spec import RestartSpec
 from rankctl.kinds import registry
-from rankctl.kinds.spec import parse_spec
 from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.context import RankContext, set_current
 from rankctl.runtime.rendezvous import is_collective_timeout, victim_line
@@ -84,15 +82,14 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
     status = StatusWriter(run_dir, a.rank)
     structlog.contextvars.bind_contextvars(job=a.job_id, attempt=a.attempt, node=a.node, rank=a.rank)
     log = record_logger(sys.stderr, "rankctl.rank", RECORD_MARK)  # apart from what the program prints
-    seconds = timeout_s or RestartSpec().collective_timeout  # until the spec is read
+    seconds = timeout_s or a.spec.restart.collective_timeout
     phase = "starting"
     counters = CollectiveCounters(run_dir, a.rank, a.world_size, a.groups)
     uncount = install(counters)  # hang attribution and wait time (the daemon reads the counters)
     status.counters = counters
     dumps = _stack_on_sigusr1()
     try:
-        spec = parse_spec(a.spec)
-        seconds = timeout_s or spec.restart.collective_timeout
+        spec = a.spec  # typed: validated once by the launcher this rank was forked from
         timeout = timedelta(seconds=seconds)
         kind = registry.get(a.kind)
         job = resolve_kind(a.kind)

@@ -1,8 +1,10 @@
 """Who may import whom (docs/architecture.md, Packages), checked from the source with ``ast``.
 
 Every ``import rankctl.X...`` / ``from rankctl.X... import`` counts, at module level or inside a
-function (a lazy import is still a dependency between packages); ``TYPE_CHECKING`` blocks do not.
-Rules about import *time* (no torch when ``ctl`` or a kind's declaration loads) look at module level only.
+function (a lazy import is still a dependency between packages). ``TYPE_CHECKING`` blocks count for
+cycles (a cycle hidden behind them is still one design knot) and not for the rules about what may run
+where. Rules about import *time* (no torch when ``ctl`` or a kind's declaration loads) look at module
+level only.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ def _type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
-def _imports(tree: ast.AST, lazy: bool = True) -> set[str]:
+def _imports(tree: ast.AST, lazy: bool = True, type_checking: bool = False) -> set[str]:
     out: set[str] = set()
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _type_checking(node):
+        if isinstance(node, ast.If) and _type_checking(node) and not type_checking:
             stack.extend(node.orelse)
             continue
         if not lazy and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -42,9 +44,10 @@ def _imports(tree: ast.AST, lazy: bool = True) -> set[str]:
     return {m for m in out if m.startswith("rankctl.") or m.split(".")[0] in ("torch", "grpc")}
 
 
-def package_imports(package: str, lazy: bool = True) -> dict[str, set[str]]:
-    """module file -> the rankctl modules (and torch/grpc) it imports (``lazy=False``: at import time)."""
-    return {str(p.relative_to(ROOT)): _imports(ast.parse(p.read_text(), str(p)), lazy)
+def package_imports(package: str, lazy: bool = True, type_checking: bool = False) -> dict[str, set[str]]:
+    """module file -> the rankctl modules (and torch/grpc) it imports (``lazy=False``: at import time;
+    ``type_checking``: ``TYPE_CHECKING`` imports too)."""
+    return {str(p.relative_to(ROOT)): _imports(ast.parse(p.read_text(), str(p)), lazy, type_checking)
             for p in sorted((ROOT / package).rglob("*.py"))}
 
 
@@ -95,7 +98,7 @@ def test_cli_never_imports_the_rank_side_at_import_time() -> None:
 def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for package in PACKAGES:
-        deps = {_top(m) for mods in package_imports(package).values() for m in mods}
+        deps = {_top(m) for mods in package_imports(package, type_checking=True).values() for m in mods}
         graph[package] = {d for d in deps if d in PACKAGES and d != package}
     return graph
 
@@ -113,6 +116,65 @@ def test_no_import_cycles_between_packages() -> None:
     for start in sorted(graph):
         visit(start, [start])
     assert cycles == []
+
+
+def _module_name(path: str) -> str:
+    parts = list(Path(path).with_suffix("").parts)
+    return "rankctl." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the rankctl modules it imports, ``TYPE_CHECKING`` and lazy imports included (``from P import
+    m`` counts as importing module ``P.m`` when that is a module, else ``P``)."""
+    files = {_module_name(f): mods for package in PACKAGES
+             for f, mods in package_imports(package, type_checking=True).items() if "_pb2" not in f}
+    return {m: {d for d in deps if d in files and d != m} for m, deps in files.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_no_import_cycles_between_modules() -> None:
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_hidden_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 @pytest.mark.parametrize("package", sorted(PACKAGES))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -15,6 +17,9 @@ import pytest
 
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.contract.assignment import RankAssignment
+from rankctl.contract.spec import JobSpec
+from rankctl.kinds import registry
+from rankctl.kinds.spec import parse_spec
 from rankctl.kinds.comm_check.results import comm_check_result
 from rankctl.worker import shm
 from rankctl.worker.launcher import Launcher
@@ -107,6 +112,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _typed(doc: dict[str, Any]) -> JobSpec:
+    """The typed spec; a kind only the launcher loads (rankctl_test_kinds) gets the common sections here
+    (the launcher validates it with the kind's own, as it does every assignment)."""
+    return parse_spec(doc) if doc["kind"] in registry.kinds() else JobSpec.model_validate(doc)
+
+
 def assignments(job: str, kind: str, run_dir: str, *, world: int = 1, tp: int = 1, pp: int = 1,
                 spec: dict[str, Any] | None = None) -> list[RankAssignment]:
     lay = RankLayout(ParallelConfig(world_size=world, tp=tp, pp=pp))
@@ -114,7 +125,7 @@ def assignments(job: str, kind: str, run_dir: str, *, world: int = 1, tp: int = 
     return [
         RankAssignment(job_id=job, attempt=0, rank=r, world_size=world, local_rank=r, node="n0",
                        coords=lay.coords(r), groups=lay.rank_groups(r), rendezvous=f"127.0.0.1:{port}",
-                       backend="gloo", kind=kind, spec={"name": job, "kind": kind, **(spec or {})},
+                       backend="gloo", kind=kind, spec=_typed({"name": job, "kind": kind, **(spec or {})}),
                        run_dir=run_dir)
         for r in range(world)
     ]
@@ -187,12 +198,26 @@ def test_comm_check_on_8_ranks(loop, launcher, tmp_path) -> None:
 
 
 def test_failing_rank_reports_exit_code_and_log_tail(loop, launcher, tmp_path) -> None:
-    loop.run_until_complete(launcher.launch(assignments("bad", "no-such-kind", str(tmp_path))))
+    bad = [dataclasses.replace(a, kind="no-such-kind") for a in assignments("bad", "comm-check", str(tmp_path))]
+    loop.run_until_complete(launcher.launch(bad))
     (exited,) = [e for e in wait_events(loop, launcher, "bad", "exited", 1) if e["event"] == "exited"]
     assert exited["exit_code"] == 1 and exited["signal"] is None
     assert any("unknown job kind 'no-such-kind'" in line for line in exited["log_tail"]), exited["log_tail"]
     status = read_status(str(tmp_path), 0)[-1]
     assert status.phase == "failed" and "unknown job kind" in status.error
+
+
+def test_an_assignment_whose_spec_does_not_parse_here_ends_as_that_ranks_launch_failure(loop, launcher) -> None:
+    """The launcher validates each assignment's spec once; one it cannot read is that rank's end, not a lost command."""
+    doc = assignments("unread", "comm-check", "/tmp/never")[0].to_doc()
+    doc["spec"]["kind"] = "no-such-kind"
+
+    async def send() -> None:
+        launcher.proc.stdin.write((json.dumps({"cmd": "launch", "assignments": [doc]}) + "\n").encode())
+        await launcher.proc.stdin.drain()
+    loop.run_until_complete(send())
+    (exited,) = wait_events(loop, launcher, "unread", "exited", 1)
+    assert exited["pid"] is None and exited["rank"] == 0 and "unknown job kind 'no-such-kind'" in exited["error"]
 
 
 def _child_pids(run_dir: str, world: int) -> list[int]:

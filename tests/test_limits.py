@@ -12,8 +12,8 @@ from rankctl.worker.limits import Controller, Limits, RankLimits, Unenforceable
 
 
 def test_limits_come_from_the_spec_and_default_to_none() -> None:
-    assert RankLimits.of({}) == RankLimits() == RankLimits.of({"resources": Resources().model_dump()})
-    assert RankLimits.of({"resources": {"memory_mb": 512, "pids_max": 100}}).files() == {
+    assert RankLimits.of(Resources()) == RankLimits()
+    assert RankLimits.of(Resources(memory_mb=512, pids_max=100)).files() == {
         "memory": ("memory.max", "memory.limit_in_bytes", str(512 << 20)),
         "pids": ("pids.max", "pids.max", "100"),
     }

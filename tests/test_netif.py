@@ -90,11 +90,15 @@ def test_a_loopback_store_with_a_remote_node_fails_naming_both_addresses() -> No
 
 
 def test_the_assignment_carries_the_node_address_over_the_wire() -> None:
-    a = RankAssignment(job_id="j-000000", attempt=1, rank=0, world_size=1, local_rank=0, node="n0", coords={},
-                       groups={}, rendezvous="10.9.0.3:5000", backend="gloo", kind="train", node_address="10.9.0.4")
     import json
+
+    from rankctl.kinds.spec import parse_spec
+
+    a = RankAssignment(job_id="j-000000", attempt=1, rank=0, world_size=1, local_rank=0, node="n0", coords={},
+                       groups={}, rendezvous="10.9.0.3:5000", backend="gloo", kind="train", node_address="10.9.0.4",
+                       spec=parse_spec({"name": "j"}))
     assert json.loads(a.to_json())["node_address"] == "10.9.0.4"
-    assert RankAssignment(**json.loads(a.to_json())) == a
+    assert RankAssignment.from_doc(json.loads(a.to_json()), parse_spec) == a
 
 
 def test_the_daemon_s_expansion_hands_each_rank_its_node_address() -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from rankctl.contract.assignment import RankAssignment
+from rankctl.kinds.spec import parse_spec
 from rankctl.runtime.rendezvous import listen_on, open_store
 
 # the store's server thread stays in this process: run after the tests that fork ranks (tests/conftest.py)
@@ -34,7 +35,8 @@ def loopback_aliases() -> None:
 
 def assignment(host: str, port: int, rank: int = 0) -> RankAssignment:
     return RankAssignment(job_id="j-000000", attempt=1, rank=rank, world_size=1, local_rank=0, node="n0",
-                          coords={}, groups={}, rendezvous=f"{host}:{port}", backend="gloo", kind="train")
+                          coords={}, groups={}, rendezvous=f"{host}:{port}", backend="gloo", kind="train",
+                          spec=parse_spec({"name": "j"}))
 
 
 @pytest.mark.parametrize(("host", "other"), [("127.0.0.1", "127.0.0.2"), ("127.0.0.2", "127.0.0.1")])

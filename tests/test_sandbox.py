@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from rankctl.contract.assignment import RankAssignment
+from rankctl.contract.jobfile import SpecError
 from rankctl.contract.names import job_id_problem, job_name_problem
+from rankctl.contract.spec import JobSpec
+from rankctl.kinds.spec import build_spec
 from rankctl.kinds.python import run as python_run
 from rankctl.kinds.python.checks import node_paths as python_paths
 from rankctl.kinds.train.checks import node_paths as train_paths
@@ -32,12 +35,12 @@ def tree(tmp_path: Path) -> dict[str, Path]:
     return t
 
 
-def train(data: str) -> dict:
-    return {"name": "j", "kind": "train", "train": {"data": data}}
+def train(data: str):
+    return build_spec({"name": "j", "kind": "train", "train": {"data": data}})
 
 
-def python(entrypoint: str, workdir: str | None = None, **extra) -> dict:
-    return {"name": "j", "kind": "python", "python": {"entrypoint": entrypoint, "workdir": workdir, **extra}}
+def python(entrypoint: str, workdir: str | None = None, **extra):
+    return build_spec({"name": "j", "kind": "python", "python": {"entrypoint": entrypoint, "workdir": workdir, **extra}})
 
 
 def test_roots_are_the_state_dir_by_default_then_the_data_roots_as_real_paths(tmp_path: Path) -> None:
@@ -91,7 +94,7 @@ def test_unusable_values_are_refused_without_echoing_them_whole(tree) -> None:
 def test_builtin_data_names_no_file_wherever_the_ranks_run(tree, tmp_path: Path) -> None:
     assert train_paths(train("builtin:pydoc"), "", "/") == []
     assert assignment_problem(train("builtin:pydoc"), tree["roots"], cwd="/") is None
-    assert assignment_problem({"name": "c", "kind": "comm-check"}, tree["roots"], cwd="/") is None
+    assert assignment_problem(build_spec({"name": "c", "kind": "comm-check"}), tree["roots"], cwd="/") is None
 
 
 def test_relative_data_is_resolved_against_the_ranks_directory(tree, monkeypatch) -> None:
@@ -154,9 +157,12 @@ def test_python_node_paths_are_the_files_the_rank_runs(tree, monkeypatch, entryp
     assert os.path.realpath(checked["python.entrypoint"]) == os.path.realpath(ran)
 
 
-def test_unvalidated_specs_are_refused_not_crashed_on(tree) -> None:
-    assert assignment_problem(train(5), tree["roots"]) == "train.data: 5 is not a path"
-    assert assignment_problem(python(["x"], 3), tree["roots"]) == "python.workdir: 3 is not a path"
+def test_a_node_path_that_is_not_a_string_never_reaches_the_sandbox() -> None:
+    """The daemon validates the spec once when it expands the Assign: a typed spec holds only strings there."""
+    with pytest.raises(SpecError, match="train.data"):
+        train(5)
+    with pytest.raises(SpecError, match="python.workdir"):
+        python("x.py", 3)
 
 
 # -- paths formed from ids ------------------------------------------------------------------------
@@ -165,7 +171,8 @@ def test_unvalidated_specs_are_refused_not_crashed_on(tree) -> None:
 def test_hostile_names_are_refused_by_the_name_rules(bad) -> None:
     assert job_name_problem(bad) is not None and job_id_problem(bad) is not None
     a = RankAssignment(job_id="j-000000", attempt=1, rank=0, world_size=1, local_rank=0, node="n", coords={},
-                       groups={}, rendezvous="127.0.0.1:1", backend="gloo", kind="train", spec={"name": bad})
+                       groups={}, rendezvous="127.0.0.1:1", backend="gloo", kind="train",
+                       spec=JobSpec.model_construct(name=bad))  # as if validation were bypassed
     with pytest.raises(paths.Refused, match="job name"):  # the daemon's check of every expanded assignment
         paths.check_assignment(a, "j-000000", 1)
 

@@ -26,8 +26,8 @@ def test_a_daemon_that_starts_unmounts_what_a_killed_launcher_left(tmp_path: Pat
 def test_shm_mb_comes_from_the_spec_with_its_documented_default() -> None:
     from rankctl.contract.spec import DEFAULT_SHM_MB, Resources
 
-    assert shm.shm_mb({"resources": {"shm_mb": 64}}) == 64
-    assert shm.shm_mb({}) == DEFAULT_SHM_MB == Resources().shm_mb
+    assert Resources(shm_mb=64).shm_mb == 64
+    assert Resources().shm_mb == DEFAULT_SHM_MB
     with pytest.raises(ValueError, match="shm_mb"):
         Resources(shm_mb=0)
 

@@ -49,7 +49,7 @@ def assignments(state: Path, name: str, job_id: str, *, tp: int, dp: int, sp: bo
     world = tp * dp
     spec = build_spec({"name": name, "resources": {"nodes": 1, "slots_per_node": world},
                        "parallel": {"tp": tp, "sequence_parallel": sp}, "model": MODEL,
-                       "train": {**TRAIN, "resume": resume}}).to_dict()
+                       "train": {**TRAIN, "resume": resume}})
     lay = RankLayout(ParallelConfig(world_size=world, tp=tp))
     port = free_port() if world > 1 else 0
     run_dir = str(state / "jobs" / job_id / "0")

@@ -216,9 +216,9 @@ def test_the_unpacked_limit_defaults_to_four_times_the_packed_cap_and_is_checked
     from rankctl.kinds.spec import SpecError
 
     spec = build_spec({"name": "j", "kind": "python", "python": {"entrypoint": "t.py", "workdir_max_mb": 3}})
-    assert blob_limit_of(spec.to_dict()) == 12 << 20
+    assert blob_limit_of(spec) == 12 << 20
     spec = build_spec({"name": "j", "kind": "python", "python": {"entrypoint": "t.py", "workdir_max_unpacked_mb": 5}})
-    assert blob_limit_of(spec.to_dict()) == 5 << 20
+    assert blob_limit_of(spec) == 5 << 20
     with pytest.raises(SpecError, match="workdir_max_unpacked_mb"):
         build_spec({"name": "j", "kind": "python", "python": {"entrypoint": "t.py", "workdir_max_unpacked_mb": 0}})
 

@@ -60,8 +60,7 @@ def _compact(msg: pb.Assign, node: str, gpus: int) -> list[RankAssignment]:
     if not 1 <= count <= MAX_SLOTS_PER_NODE or first < 0 or first + count > world:
         raise Refused(f"ranks {first}..{first + count - 1} (rank_count={count}) do not lie in a world of {world}")
     try:
-        spec_doc = json.loads(msg.spec_json)
-        spec = parse_spec(spec_doc)
+        spec = parse_spec(json.loads(msg.spec_json))  # the daemon's one validation of the job's spec
         layout = RankLayout(parallel_config(spec))
     except Exception as exc:  # noqa: BLE001 - any defect of the spec refuses the Assign
         raise Refused(f"unreadable job spec: {str(exc)[:300]}") from None
@@ -70,7 +69,7 @@ def _compact(msg: pb.Assign, node: str, gpus: int) -> list[RankAssignment]:
     return [RankAssignment(
         job_id=msg.job_id, attempt=msg.attempt, rank=rank, world_size=world, local_rank=rank - first, node=node,
         coords=layout.coords(rank), groups=layout.rank_groups(rank), rendezvous=msg.rendezvous,
-        backend=msg.backend, kind=msg.kind, spec=spec_doc, device=(rank - first) if gpus else None,
+        backend=msg.backend, kind=msg.kind, spec=spec, device=(rank - first) if gpus else None,
         restart=msg.restart,
     ) for rank in range(first, first + count)]
 
@@ -145,7 +144,7 @@ class Admission:
         run_dir.mkdir(parents=True, exist_ok=True)
         ranks = {a.rank for a in assignments}
         spec = assignments[0].spec if assignments else None
-        name = str((spec or {}).get("name", ""))
+        name = spec.name if spec else ""
         if name:
             self._replication.revive(name)
         if msg.restore_peer and name:
@@ -154,7 +153,8 @@ class Admission:
         return RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
                         alive=set(ranks),  # counted alive from the launch on; exits remove them
                         tailer=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer,
-                        hangs=HangWatch(hangwatch.stall_after(spec)), workdir_blob=workdir)
+                        hangs=HangWatch(hangwatch.stall_after(spec.restart.hang_timeout if spec else None)),
+                        workdir_blob=workdir)
 
     def _refuse(self, msg: pb.Assign, why: str) -> None:
         """Count and log a refused Assign; its ranks are reported as never started."""

@@ -26,6 +26,7 @@ import structlog
 
 from rankctl.contract import checkpoints
 from rankctl.contract.assignment import RankAssignment
+from rankctl.kinds.spec import parse_spec
 from rankctl.worker import contain, shm
 from rankctl.worker.limits import RankLimits, Unenforceable, find_controllers
 from rankctl.worker.shmtrack import SCAN_S, ShmTracker
@@ -128,7 +129,7 @@ class Forker:
             cmd = json.loads(line)
             name = cmd.get("cmd")
             if name == "launch":
-                self.launch([RankAssignment(**a) for a in cmd["assignments"]],
+                self.launch([a for doc in cmd["assignments"] if (a := self._read_assignment(doc)) is not None],
                             timeout_s=cmd.get("timeout_s"), threads=cmd.get("threads"),
                             log_bytes=cmd.get("log_bytes"))
             elif name == "kill":
@@ -141,6 +142,16 @@ class Forker:
         except Exception as exc:  # noqa: BLE001 - a bad command must not stop the launcher
             self.emit({"event": "error", "message": f"{type(exc).__name__}: {exc}",
                        "command": line[:500].decode("utf-8", "replace")})
+
+    def _read_assignment(self, doc: dict[str, Any]) -> RankAssignment | None:
+        """The launcher's one validation of an assignment's spec; one it cannot read is that rank's end."""
+        try:
+            return RankAssignment.from_doc(doc, parse_spec)
+        except Exception as exc:  # noqa: BLE001 - reported against the rank, the others still start
+            self.emit({"event": "exited", "job_id": doc.get("job_id"), "attempt": doc.get("attempt"),
+                       "rank": doc.get("rank"), "pid": None, "exit_code": None, "signal": None, "log_tail": [],
+                       "error": f"launch failed: the assignment does not parse here: {str(exc)[:500]}"})
+            return None
 
     # -- commands -------------------------------------------------------------
     def launch(self, assignments: list[RankAssignment], *, timeout_s: float | None = None,
@@ -174,12 +185,12 @@ class Forker:
         key = f"{a.job_id}.{a.attempt}.{a.rank}"
         self.contain.prepare(key)
         try:
-            limit_dirs = self.limits.prepare(key, RankLimits.of(a.spec))
+            limit_dirs = self.limits.prepare(key, RankLimits.of(a.spec.resources))
         except OSError:
             self.limits.release(key)
             self.contain.release(key)
             raise
-        private = self.private_shm and bool(shm.mount_job_shm(run_dir, shm.shm_mb(a.spec)))
+        private = self.private_shm and bool(shm.mount_job_shm(run_dir, a.spec.resources.shm_mb))
         if self.shm_track is not None:
             self.shm_track.started((a.job_id, a.attempt))
         read_fd, write_fd = output_pipe(f"{log}.out")
@@ -319,7 +330,7 @@ class Forker:
         kills = self.limits.oom_kills(proc.key)
         if not kills:
             return []
-        limit = RankLimits.of(proc.assignment.spec)
+        limit = RankLimits.of(proc.assignment.spec.resources)
         return [f"the kernel's OOM killer ended {kills} process(es) of rank {proc.assignment.rank} "
                 f"at its memory limit ({limit.describe('memory')})"]
 

@@ -39,13 +39,10 @@ MOVED_JSON = '{"moved":true}'  # the rank moved again: the evidence sent for its
 STALLED, MOVED = "stalled", "moved"
 
 
-def stall_after(spec: dict[str, Any] | None) -> float:
-    """Seconds without movement after which a rank's evidence is sent: min(hang_timeout / 2, 30)."""
-    restart = (spec or {}).get("restart") or {}
-    try:
-        timeout = float(restart.get("hang_timeout", DEFAULT_HANG_TIMEOUT_S))
-    except (TypeError, ValueError):
-        timeout = DEFAULT_HANG_TIMEOUT_S
+def stall_after(hang_timeout: float | None) -> float:
+    """Seconds without movement after which a rank's evidence is sent: min(restart.hang_timeout / 2, 30)
+    (its default when the job has no spec here)."""
+    timeout = DEFAULT_HANG_TIMEOUT_S if hang_timeout is None else hang_timeout
     return max(0.5, min(timeout / 2, STALL_MAX_S))
 
 

@@ -109,7 +109,7 @@ class Launcher:
                      threads: int | None = None, log_bytes: int | None = None) -> None:
         """Fork one rank per assignment; ``started``/``exited`` events follow. ``log_bytes``: the
         rotation size of each rank's log (``rankio.GENERATION_BYTES`` when None)."""
-        cmd: dict[str, Any] = {"cmd": "launch", "assignments": [json.loads(a.to_json()) for a in assignments]}
+        cmd: dict[str, Any] = {"cmd": "launch", "assignments": [a.to_doc() for a in assignments]}
         if timeout_s is not None:
             cmd["timeout_s"] = timeout_s
         if threads is not None:

@@ -16,6 +16,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+from rankctl.contract.spec import Resources
 from rankctl.worker.contain import BASE_PREFIX, CgroupContainment, signal_all, subdirs, wait_empty
 
 V1_ROOT = "/sys/fs/cgroup"
@@ -29,10 +30,9 @@ class RankLimits:
     pids_max: int | None = None
 
     @classmethod
-    def of(cls, spec: dict) -> "RankLimits":
-        """From a validated spec's ``resources`` (absent fields: no limit)."""
-        res = spec.get("resources") or {}
-        return cls(memory_mb=res.get("memory_mb"), pids_max=res.get("pids_max"))
+    def of(cls, resources: Resources) -> "RankLimits":
+        """From a typed spec's ``resources`` (None: no limit)."""
+        return cls(memory_mb=resources.memory_mb, pids_max=resources.pids_max)
 
     def files(self) -> dict[str, tuple[str, str, str]]:
         """controller -> (v2 file, v1 file, value) of each limit set."""

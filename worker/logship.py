@@ -11,7 +11,6 @@ must be regular files: the rank, which owns its run dir, cannot point the daemon
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 from pathlib import Path

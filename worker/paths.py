@@ -47,7 +47,7 @@ def check_assignment(a: Any, job_id: str, attempt: int) -> None:
         raise Refused(f"rank assignment for {shown(a.job_id)} attempt {shown(a.attempt)} "
                       f"inside the Assign of {job_id} attempt {attempt}")
     problem = (_index_problem(a.rank, "rank") or _index_problem(a.world_size, "world size")
-               or job_name_problem((a.spec or {}).get("name"), "job name (spec.name)"))
+               or job_name_problem(a.spec.name, "job name (spec.name)"))
     if problem:
         raise Refused(problem)
     if a.rank >= a.world_size:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from rankctl.contract import rankfiles
 from rankctl.contract.names import job_name_problem, shown
+from rankctl.contract.spec import JobSpec
 from rankctl.kinds import registry
 from rankctl.worker.paths import Refused, _index_problem, run_dir_for
 from rankctl.worker.replicas import KINDS, ShardStore
@@ -75,12 +76,12 @@ def path_problem(field: str, value: str, roots: Sequence[str], *, path: str | No
             "paths under its --data-root directories and its state dir")
 
 
-def assignment_problem(spec: dict[str, Any], roots: Sequence[str], *, workdir: str = "",
+def assignment_problem(spec: JobSpec, roots: Sequence[str], *, workdir: str = "",
                        cwd: str | None = None) -> str | None:
-    """The first node path ``spec`` (an assignment's canonical spec dict) names that lies outside ``roots``, as a
+    """The first node path ``spec`` (an assignment's typed spec) names that lies outside ``roots``, as a
     one-line reason, or None. ``workdir``: the daemon's copy of a shipped workdir (``RankAssignment.workdir``);
     ``cwd``: the ranks' working directory (default: this process's, which the launcher and its ranks inherit)."""
-    kind = registry.kinds().get(str(spec.get("kind", "")))
+    kind = registry.kinds().get(spec.kind)
     node_paths = kind.resolve("node_paths") if kind else None
     if node_paths is None:
         return None

@@ -18,7 +18,6 @@ import ctypes
 import os
 
 from rankctl.contract import checkpoints
-from rankctl.contract.spec import DEFAULT_SHM_MB
 
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 4096, 16384, 1 << 19
@@ -44,11 +43,6 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
 
 def job_shm_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "shm")
-
-
-def shm_mb(spec: dict) -> int:
-    """``resources.shm_mb`` of a validated spec (its default when absent)."""
-    return int((spec.get("resources") or {}).get("shm_mb") or DEFAULT_SHM_MB)
 
 
 def mount_job_shm(run_dir: str, size_mb: int) -> str:

@@ -53,30 +53,29 @@ def shipment(spec: JobSpec) -> Shipment | None:
                     source="python.workdir", cap="python.workdir_max_mb")
 
 
-def blobs(spec: dict) -> list[str]:
+def blobs(spec: JobSpec) -> list[str]:
     """``JobKind.blobs``: the packed workdir ``ctl`` uploaded (``python.workdir_blob``), if any."""
-    digest = (spec.get("python") or {}).get("workdir_blob")
-    return [digest] if digest else []
+    cfg: PythonSpec | None = getattr(spec, "python", None)
+    return [cfg.workdir_blob] if cfg is not None and cfg.workdir_blob else []
 
 
-def unpacked_limit(spec: dict) -> int:
-    """``JobKind.blob_limit``: the bytes a node may extract of the spec's workdir blob (the spec as a dict)."""
-    return PythonSpec.model_validate(spec.get("python") or {}).unpacked_limit_mb() << 20
+def unpacked_limit(spec: JobSpec) -> int:
+    """``JobKind.blob_limit``: the bytes a node may extract of the spec's workdir blob."""
+    cfg: PythonSpec = getattr(spec, "python", None) or PythonSpec()
+    return cfg.unpacked_limit_mb() << 20
 
 
-def node_paths(spec: dict[str, Any], workdir: str, cwd: str) -> list[tuple[str, Any, Any]]:
+def node_paths(spec: JobSpec, workdir: str, cwd: str) -> list[tuple[str, Any, Any]]:
     """``(field, value, path)`` of each node path a python rank uses, resolved as ``run.run`` resolves them:
     the workdir (the daemon's copy of a shipped one, ``workdir``, else ``python.workdir``) relative to the
     rank's working directory ``cwd``, and a script entry point relative to the workdir. A function entry
-    point (``package.module:function``) names no file. Non-string values are passed on for the sandbox to refuse.
+    point (``package.module:function``) names no file.
     """
-    cfg = spec.get("python") or {}
-    wd, entry = workdir or cfg.get("workdir") or "", cfg.get("entrypoint") or ""
-    if not isinstance(wd, str) or not isinstance(entry, str):
-        return [("python.workdir", wd, wd), ("python.entrypoint", entry, entry)]
+    cfg: PythonSpec = getattr(spec, "python", None) or PythonSpec()
+    wd, entry = workdir or cfg.workdir or "", cfg.entrypoint or ""
     out = [("python.workdir", wd, os.path.join(cwd, wd))] if wd else []
     if entry and not is_function(entry):
-        out.append(("python.entrypoint", entry, script_path(entry, wd, cwd, cfg.get("env") or {})))
+        out.append(("python.entrypoint", entry, script_path(entry, wd, cwd, dict(cfg.env))))
     return out
 
 

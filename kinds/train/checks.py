@@ -106,11 +106,8 @@ def absolute_data(spec: JobSpec, job_dir: Path | None = None) -> list[str]:
     return [f"train.data={Path(data).resolve()}"]
 
 
-def node_paths(spec: dict[str, Any], workdir: str, cwd: str) -> list[tuple[str, Any, Any]]:
+def node_paths(spec: JobSpec, workdir: str, cwd: str) -> list[tuple[str, Any, Any]]:
     """The node files a train rank opens, as ``(field, value, path)``: ``train.data`` unless builtin, the path
-    joined to the rank's working directory ``cwd`` as its ``open`` does (``workdir`` is not used). A value that
-    is not a string (a spec no one validated) is passed on as it is, for the sandbox to refuse."""
-    data = (spec.get("train") or {}).get("data", "builtin:")
-    if not isinstance(data, str):
-        return [("train.data", data, data)]
+    joined to the rank's working directory ``cwd`` as its ``open`` does (``workdir`` is not used)."""
+    data = spec.train.data if getattr(spec, "train", None) else "builtin:"
     return [] if data.startswith("builtin:") else [("train.data", data, os.path.join(cwd, data))]

@@ -23,8 +23,7 @@ def check(spec, cfg) -> list[str]:
 
 
 def node_paths(spec, workdir: str, cwd: str) -> list:
-    toy = spec["toy"] if isinstance(spec, dict) else spec.toy.model_dump()
-    return [("toy.path", toy["path"], toy["path"])] if toy.get("path") else []
+    return [("toy.path", spec.toy.path, spec.toy.path)] if spec.toy.path else []
 
 
 KIND = JobKind(
