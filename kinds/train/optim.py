@@ -32,7 +32,8 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
+import torch._dynamo  # noqa: F401 - AdamW's constructor imports it (~2.5 s of CPU); imported with this module,
+import torch.distributed as dist  # the warm launcher pays that once, not every rank it forks
 from torch import nn
 
 WEIGHT_DECAY = 0.1

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rankctl.contract.names import job_id_problem, job_name_problem
+from rankctl.contract.names import job_name_problem
 from rankctl.contract.rankfiles import control_path, read_control
 from rankctl.kinds.train import checkpoint as ckpt
 
@@ -74,9 +74,8 @@ def _layout(t: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _job_name(t: Trainer) -> str:
     """The directory name of the job's files: its name (one safe path component)."""
-    a = t.ctx.assignment
-    name = a.spec.get("name", a.job_id)
-    problem = job_name_problem(name) if "name" in a.spec else job_id_problem(name)
+    name = t.ctx.spec.name
+    problem = job_name_problem(name)
     if problem:
         raise ValueError(f"no checkpoint directory: {problem}")
     return name
