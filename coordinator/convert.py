@@ -11,9 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.progress import SHOWN
-from rankctl.coordinator.records import (
-    EventRecord, JobRecord, LogRecord, NodeHello, RankRecord, RankUpdate, RunningJob,
-)
+from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob
 from rankctl.coordinator.states import JobState
 from rankctl.kinds import registry
 from rankctl.kinds.spec import spec_model
@@ -165,10 +163,6 @@ def _job_schema(model: type) -> tuple[str, str]:
     return text, "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def log_to_pb(rec: LogRecord) -> pb.LogLine:
-    return pb.LogLine(rank=rec.rank, line=rec.line, attempt=rec.attempt)
-
-
 def hardware_to_pb(hw: dict[str, Any]) -> pb.Hardware:
     return pb.Hardware(
         hostname=hw.get("hostname", ""), cpu_count=hw.get("cpu_count", 0), memory_bytes=hw.get("memory_bytes", 0),
@@ -225,9 +219,3 @@ def rank_from_pb(st: pb.RankStatus) -> RankRecord:
         exit_code=st.exit_code, exited=st.exited, updated_at=_seconds(st.update_time),
     )
 
-
-def update_from_pb(rep: pb.RankReport) -> RankUpdate:
-    return RankUpdate(
-        job_id=rep.job_id, attempt=rep.attempt, status=rank_from_pb(rep.status), result_json=rep.result_json,
-        seq=rep.seq,
-    )

@@ -118,14 +118,6 @@ class EventRecord:
 
 
 @dataclass(frozen=True)
-class LogRecord:
-    id: int                # increasing across the store; the follow cursor
-    rank: int
-    attempt: int
-    line: str
-
-
-@dataclass(frozen=True)
 class RunningJob:
     job_id: str
     attempt: int

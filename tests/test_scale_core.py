@@ -197,7 +197,6 @@ def test_a_coordinator_killed_between_group_commits_loses_nothing_it_acknowledge
     from rankctl.coordinator.core import Coordinator
     from rankctl.coordinator.records import NodeHello
     from rankctl.coordinator.store import Store
-    from rankctl.coordinator import convert
 
     w = make_world(tmp_path)
     job, names = start(w, 2)
@@ -213,7 +212,7 @@ def test_a_coordinator_killed_between_group_commits_loses_nothing_it_acknowledge
 
     def deliver(core, sessions) -> None:
         for n in names:
-            core.rank_reports(sessions[n], [convert.update_from_pb(rep) for rep in bufs[n].take(1000)])
+            core.rank_reports(sessions[n], bufs[n].take(1000))  # the wire's RankReports, as node_service passes them
 
     sessions = {n: w.nodes[n].session for n in names}
     for step in range(0, 4):
