@@ -136,9 +136,9 @@ def test_a_snapshot_that_never_fits_names_the_bound_and_leaves_nothing_partial(
 
 def test_a_failed_snapshot_is_logged_and_training_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            shm) -> None:  # noqa: F811
-    assignment = SimpleNamespace(rank=0, job_id="j-1", run_dir=str(tmp_path / "node" / "jobs" / "j-1" / "1"),
-                                 spec={"name": "gpt"})
-    t = SimpleNamespace(ctx=SimpleNamespace(assignment=assignment, log=structlog.get_logger("test")))
+    assignment = SimpleNamespace(rank=0, job_id="j-1", run_dir=str(tmp_path / "node" / "jobs" / "j-1" / "1"))
+    t = SimpleNamespace(ctx=SimpleNamespace(assignment=assignment, spec=SimpleNamespace(name="gpt"),
+                                            log=structlog.get_logger("test")))
     snaps = Snapshots(t, 0)
     room_for(monkeypatch, 0)
     snaps._write(5, {"step": 5})

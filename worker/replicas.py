@@ -2,14 +2,14 @@
 
 A train rank writes each checkpoint step under its node's ``{state}/checkpoints/{job name}``, and
 each in-memory snapshot (``train.snapshot_every``) under the node's tmpfs snapshot root
-(``contract.checkpoints``). Two kinds of files (``KINDS``; the wire's ``root``: ``""`` checkpoints,
-``"snapshots"``), handled alike: each daemon pushes the newest complete step of each of its ranks,
-of each kind, to the job's *replica peer* (``Assign.replica_peer``: the next node of the job), which
+(``contract.checkpoints``). Two areas of files (``AREAS``; the wire's ``root``: ``""`` checkpoints,
+``"snapshots"``; "kind" is kept for job kinds), handled alike: each daemon pushes the newest complete step of each of its ranks,
+of each area, to the job's *replica peer* (``Assign.replica_peer``: the next node of the job), which
 keeps checkpoints under ``{state}/replicas/{job name}`` and snapshots in its own memory
 (``contract.checkpoints.snapshot_replica_root``), the newest ``KEEP_STEPS`` steps of each rank; a
 step that arrives drops the rank's newer steps there (they belong to an earlier run or attempt).
 When a node replaces a lost one, its Assign names a ``restore_peer`` that holds those ranks' files
-(the lost node's peer, or a node that ran them before), and the daemon fetches, of each kind, the
+(the lost node's peer, or a node that ran them before), and the daemon fetches, of each area, the
 newest step complete for all of its ranks into its own roots before they start; they then resume
 (a restart's ranks agree on the newest step every rank holds in either root). A node without
 them starts over.
@@ -47,7 +47,7 @@ KEEP_STEPS = layout.KEEP_STEPS
 FILES = ("pt", "done")
 MAX_RANK = 1 << 20
 SNAPSHOTS = "snapshots"
-KINDS = (SNAPSHOTS, "")  # the wire's ``root``; snapshots first, the newer state of the two
+AREAS = (SNAPSHOTS, "")  # the wire's ``root``; snapshots first, the newer state of the two
 
 
 class BadShard(ValueError):
@@ -58,14 +58,14 @@ class NoRoom(OSError):
     """A pushed file does not fit (the snapshot memory bound, ``worker.snapmem``, or no space): a failed write."""
 
 
-def _check(name: str, step: int, rank: int, file: str, kind: str = "") -> None:
+def _check(name: str, step: int, rank: int, file: str, area: str = "") -> None:
     problem = job_name_problem(name, "job_name")
     if problem:
         raise BadShard(problem)
     if not 0 <= step < 10 ** 8 or not 0 <= rank < MAX_RANK or file not in FILES:
         raise BadShard(f"step={step}, rank={rank}, file={file!r}: not a checkpoint file")
-    if kind not in KINDS:
-        raise BadShard(f"root={kind[:40]!r}: not one of {KINDS}")
+    if area not in AREAS:
+        raise BadShard(f"root={area[:40]!r}: not one of {AREAS}")
 
 
 def _path(root: str, step: int, rank: int, file: str) -> str:
@@ -73,25 +73,25 @@ def _path(root: str, step: int, rank: int, file: str) -> str:
 
 
 class ShardStore:
-    """This node's complete checkpoint and snapshot steps (``kind``: ``""`` or ``"snapshots"``): its own
+    """This node's complete checkpoint and snapshot steps (``area``: ``""`` or ``"snapshots"``): its own
     ranks' and the copies it keeps for peers."""
 
     def __init__(self, state_dir: Path | str) -> None:
         self.state_dir = str(state_dir)
 
-    def own_root(self, name: str, kind: str = "") -> str:
-        if kind == SNAPSHOTS:
+    def own_root(self, name: str, area: str = "") -> str:
+        if area == SNAPSHOTS:
             return layout.snapshot_root(self.state_dir, name)
         return layout.root_in(self.state_dir, name)
 
-    def replica_root(self, name: str, kind: str = "") -> str:
-        if kind == SNAPSHOTS:
+    def replica_root(self, name: str, area: str = "") -> str:
+        if area == SNAPSHOTS:
             return layout.snapshot_replica_root(self.state_dir, name)
         return os.path.join(self.state_dir, "replicas", name)
 
-    def newest(self, name: str, ranks: list[int], kind: str = "") -> tuple[int, dict[int, str]] | None:
+    def newest(self, name: str, ranks: list[int], area: str = "") -> tuple[int, dict[int, str]] | None:
         """The newest step complete for every rank in either root, and the root of each rank's files."""
-        roots = (self.own_root(name, kind), self.replica_root(name, kind))
+        roots = (self.own_root(name, area), self.replica_root(name, area))
         steps = set()
         for root in roots:
             steps.update(layout.list_steps(root))
@@ -133,10 +133,10 @@ class ShardStore:
                 os.rmdir(root)   # only when empty (another run of the name may still write)
         return removed
 
-    def prune(self, name: str, kind: str = "", arrived: dict[int, int] | None = None) -> None:
+    def prune(self, name: str, area: str = "", arrived: dict[int, int] | None = None) -> None:
         """Keep the newest KEEP_STEPS steps of each rank among the copies kept for peers; a rank's
         step that just ``arrived`` (rank -> step) first drops that rank's newer steps."""
-        root = self.replica_root(name, kind)
+        root = self.replica_root(name, area)
         for rank, step in (arrived or {}).items():
             for newer in layout.list_steps(root):
                 if newer > step:
@@ -164,7 +164,7 @@ class _Writer:
 
     def __init__(self, root_of, dropped=lambda name: False, bound: Bound | None = None) -> None:  # noqa: ANN001
         self.root_of, self.dropped, self.f, self.tmp, self.final, self.files = root_of, dropped, None, "", "", 0
-        self.markers: dict[tuple[str, str], dict[int, int]] = {}  # (name, kind) -> rank -> step of a marker
+        self.markers: dict[tuple[str, str], dict[int, int]] = {}  # (name, area) -> rank -> step of a marker
         self.written: set[tuple[str, int, int]] = set()   # (root, step, rank) of every file written
         self.bound, self.in_use, self.incoming = bound, -1, 0  # in_use: counted at the first snapshot chunk
 
@@ -223,14 +223,14 @@ class _Writer:
                 os.rmdir(os.path.dirname(self.tmp))  # a step directory this stream made for nothing else
 
 
-def _chunks(name: str, step: int, rank: int, root: str, kind: str = "") -> Iterable[pb.ShardChunk]:
+def _chunks(name: str, step: int, rank: int, root: str, area: str = "") -> Iterable[pb.ShardChunk]:
     for file in FILES:
         with open(_path(root, step, rank, file), "rb") as f:
             data = f.read(CHUNK)
             while True:
                 nxt = f.read(CHUNK)
                 yield pb.ShardChunk(job_name=name, step=step, rank=rank, file=file, data=data, last=not nxt,
-                                    root=kind)
+                                    root=area)
                 if not nxt:
                     break
                 data = nxt
@@ -284,23 +284,23 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
             writer.abort()
         else:
             writer.drop_incomplete()
-        for (name, kind), arrived in writer.markers.items():
-            self.store.prune(name, kind, arrived)
+        for (name, area), arrived in writer.markers.items():
+            self.store.prune(name, area, arrived)
 
     async def GetShards(self, request, context):  # noqa: ANN001, ANN201, N802 - gRPC
         await self._admit(context)
-        ranks, kind = list(request.ranks), request.root
+        ranks, area = list(request.ranks), request.root
         try:
             for r in ranks or [-1]:
-                _check(request.job_name, 0, r, "pt", kind)
+                _check(request.job_name, 0, r, "pt", area)
         except BadShard as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        found = await asyncio.to_thread(self.store.newest, request.job_name, ranks, kind)
+        found = await asyncio.to_thread(self.store.newest, request.job_name, ranks, area)
         if found is None:
             return
         step, where = found
         for r in ranks:
-            async for chunk in _threaded(_chunks(request.job_name, step, r, where[r], kind)):
+            async for chunk in _threaded(_chunks(request.job_name, step, r, where[r], area)):
                 yield chunk
 
 
@@ -321,22 +321,22 @@ class Replicator:
 
     def __init__(self, store: ShardStore, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.store, self.credentials = store, credentials
-        self._pushed: dict[tuple[str, str, str, int], int] = {}  # (peer, job name, kind, rank) -> newest step pushed
+        self._pushed: dict[tuple[str, str, str, int], int] = {}  # (peer, job name, area, rank) -> newest step pushed
         self._refused: dict[tuple[str, str, str, int], int] = {}  # ... -> newest step the peer had no room for
         self._busy: set[str] = set()                             # peers with a push in flight
 
     def due(self, peer: str, name: str, ranks: Iterable[int]) -> list[tuple[str, int, int]]:
-        """(kind, rank, step) whose newest complete step has not reached ``peer`` (blocking: a thread).
+        """(area, rank, step) whose newest complete step has not reached ``peer`` (blocking: a thread).
         A newest step below the one pushed last is pushed too: a new run under the name started over. A step
         the peer had no room for is not pushed again; a newer one is."""
         out, ranks = [], list(ranks)
-        for kind in KINDS:
-            root = self.store.own_root(name, kind)
+        for area in AREAS:
+            root = self.store.own_root(name, area)
             for r in ranks:
                 steps = layout.complete_for(root, [r])
-                key = (peer, name, kind, r)
+                key = (peer, name, area, r)
                 if steps and steps[-1] not in (self._pushed.get(key), self._refused.get(key)):
-                    out.append((kind, r, steps[-1]))
+                    out.append((area, r, steps[-1]))
         return out
 
     async def push(self, peer: str, name: str, ranks: list[int]) -> None:
@@ -350,16 +350,16 @@ class Replicator:
                 return
 
             def all_chunks() -> Iterable[pb.ShardChunk]:
-                for kind, r, step in due:
-                    yield from _chunks(name, step, r, self.store.own_root(name, kind), kind)
+                for area, r, step in due:
+                    yield from _chunks(name, step, r, self.store.own_root(name, area), area)
 
             async with peer_channel(peer, self.credentials) as channel:
                 await pb_grpc.PeerServiceStub(channel).PutShards(_threaded(all_chunks()), timeout=300)
-            for kind, r, step in due:
-                self._pushed[(peer, name, kind, r)] = step
+            for area, r, step in due:
+                self._pushed[(peer, name, area, r)] = step
             log.info("checkpoint replicated", peer=peer, job_name=name,
-                     steps={kind or "checkpoints": sorted({s for k, _, s in due if k == kind}) for kind in KINDS
-                            if any(k == kind for k, _, _ in due)})
+                     steps={area or "checkpoints": sorted({s for k, _, s in due if k == area}) for area in AREAS
+                            if any(k == area for k, _, _ in due)})
         except (grpc.aio.AioRpcError, OSError) as exc:
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._refuse(peer, name, due)
@@ -371,9 +371,9 @@ class Replicator:
     def _refuse(self, peer: str, name: str, due: list[tuple[str, int, int]]) -> None:
         """The peer had no room for this push: its snapshot steps (the stream's first files), or its checkpoint
         steps when it had none, are not pushed again, so the next round sends the rest alone."""
-        kind = SNAPSHOTS if any(k == SNAPSHOTS for k, _, _ in due) else ""
+        area = SNAPSHOTS if any(k == SNAPSHOTS for k, _, _ in due) else ""
         for k, r, step in due:
-            if k == kind:
+            if k == area:
                 self._refused[(peer, name, k, r)] = step
 
 
@@ -386,11 +386,11 @@ async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], tim
     try:
         async with peer_channel(peer, credentials) as channel:
             stub = pb_grpc.PeerServiceStub(channel)
-            for kind in KINDS:
-                call = stub.GetShards(pb.GetShardsRequest(job_name=name, ranks=ranks, root=kind), timeout=timeout)
+            for area in AREAS:
+                call = stub.GetShards(pb.GetShardsRequest(job_name=name, ranks=ranks, root=area), timeout=timeout)
                 async for chunk in call:
-                    if chunk.root != kind:
-                        raise BadShard(f"asked for root={kind!r}, got a chunk of root={chunk.root[:40]!r}")
+                    if chunk.root != area:
+                        raise BadShard(f"asked for root={area!r}, got a chunk of root={chunk.root[:40]!r}")
                     await asyncio.to_thread(writer.feed, chunk)
                     steps.append(chunk.step)
     except BaseException:

@@ -29,7 +29,7 @@ from rankctl.contract.names import job_name_problem, shown
 from rankctl.contract.spec import JobSpec
 from rankctl.kinds import registry
 from rankctl.worker.paths import Refused, _index_problem, run_dir_for
-from rankctl.worker.replicas import KINDS, ShardStore
+from rankctl.worker.replicas import AREAS, ShardStore
 
 MAX_PATH = 4096  # characters of a path a job names (Linux's PATH_MAX)
 SHOWN_PATH = 200  # characters of a refused path quoted back
@@ -110,8 +110,8 @@ def derived_problem(state_dir: str, job_id: object, attempt: object, job_name: o
     pairs = [(os.path.join(store.state_dir, "jobs", str(job_id)), run_dir),
              *((run_dir, f(run_dir, r)) for r in ranks
                for f in (rankfiles.status_path, rankfiles.log_path, rankfiles.control_path)),
-             *((os.path.dirname(root), root) for kind in KINDS
-               for root in (store.own_root(name, kind), store.replica_root(name, kind)))]
+             *((os.path.dirname(root), root) for area in AREAS
+               for root in (store.own_root(name, area), store.replica_root(name, area)))]
     bad = next((path for parent, path in pairs if not _one_entry(parent, path)), None)
     return f"{shown(bad, SHOWN_PATH)} is not one entry in its directory" if bad else None
 

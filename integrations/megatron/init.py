@@ -11,7 +11,7 @@ import itertools
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from rankctl.parallel.layout import KINDS
+from rankctl.parallel.layout import GROUP_NAMES
 
 from .protocol import RankContext
 from .state import GLOO_KINDS, megatron_globals
@@ -67,9 +67,9 @@ def _values(
     import torch.distributed as dist
 
     own = ctx.layout.rank_groups(ctx.rank)
-    # KINDS order, then gloo copies by member list: a fixed order on every rank, so a
+    # GROUP_NAMES order, then gloo copies by member list: a fixed order on every rank, so a
     # context that creates groups lazily cannot deadlock (see parallel/groups.py).
-    groups = {kind: ctx.group(kind) for kind in KINDS if kind in own}
+    groups = {name: ctx.group(name) for name in GROUP_NAMES if name in own}
     ranks = {kind: ctx.ranks(kind) for kind in groups}
     gloo = _gloo_groups(ranks, timeout, next(_generation)) if with_gloo else {}
     gloo_by_kind = {kind: gloo[tuple(sorted(ranks[kind]))] for kind in GLOO_KINDS} if with_gloo else {}

@@ -21,7 +21,7 @@ class RankContext(Protocol):
     ``group(kind)`` returns a real process group for every kind this rank belongs to, a
     one-member group included (Megatron asks ``group.size()`` and ``group.rank()`` of it);
     each kind's group is created once. ``ranks(kind)`` lists the members, ascending.
-    Kinds are ``rankctl.parallel.layout.KINDS``; a rank lacks ``embd`` / ``pos_embd``
+    Group names are ``rankctl.parallel.layout.GROUP_NAMES``; a rank lacks ``embd`` / ``pos_embd``
     when it is not a member, and asking for them then raises ``KeyError``.
     """
 
