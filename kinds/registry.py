@@ -54,6 +54,8 @@ class JobKind:
     for it, then restarts the job without the node); otherwise a drain restarts it at once.
     ``own_rendezvous``: the rank's code creates its default process group itself (torchrun-style scripts);
     the runtime creates no group before the entry runs.
+    ``warm() -> None``: imports too heavy for the launcher's start-up that every rank would pay; the launcher
+    calls it once, before it first forks ranks of this kind, so its forks inherit them.
     """
 
     name: str
@@ -71,6 +73,7 @@ class JobKind:
     node_paths: Any = None
     drain_checkpoint: bool = False
     own_rendezvous: bool = False
+    warm: Any = None
 
     def resolve(self, attr: str) -> Callable[..., Any] | None:
         """The hook ``attr`` as a callable; a ``"module:function"`` string is imported now."""

@@ -48,6 +48,13 @@ def resolve_kind(name: str) -> JobFn:
     return entry
 
 
+def warm_kind(name: str) -> None:
+    """The kind's ``warm`` hook, once per process (the launcher calls it before it forks the kind's ranks)."""
+    hook = registry.get(name).resolve("warm")
+    if hook is not None:
+        hook()
+
+
 def preload_kinds() -> None:
     """Import every registered kind's rank entry now (the launcher does this so forks start warm)."""
     for name in registry.kinds():

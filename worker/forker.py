@@ -73,6 +73,7 @@ class Forker:
         self.containment += "; /dev/shm: " + how
         self._next_scan = 0.0
         self._sel: selectors.BaseSelector | None = None
+        self._warmed: set[str] = set()  # kinds whose warm hook ran (JobKind.warm)
 
     # -- events ---------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -129,7 +130,7 @@ class Forker:
             cmd = json.loads(line)
             name = cmd.get("cmd")
             if name == "launch":
-                self.launch([a for doc in cmd["assignments"] if (a := self._read_assignment(doc)) is not None],
+                self.launch([a for doc in cmd["assignments"] if (a := read_assignment(doc, self.emit)) is not None],
                             timeout_s=cmd.get("timeout_s"), threads=cmd.get("threads"),
                             log_bytes=cmd.get("log_bytes"))
             elif name == "kill":
@@ -143,20 +144,13 @@ class Forker:
             self.emit({"event": "error", "message": f"{type(exc).__name__}: {exc}",
                        "command": line[:500].decode("utf-8", "replace")})
 
-    def _read_assignment(self, doc: dict[str, Any]) -> RankAssignment | None:
-        """The launcher's one validation of an assignment's spec; one it cannot read is that rank's end."""
-        try:
-            return RankAssignment.from_doc(doc, parse_spec)
-        except Exception as exc:  # noqa: BLE001 - reported against the rank, the others still start
-            self.emit({"event": "exited", "job_id": doc.get("job_id"), "attempt": doc.get("attempt"),
-                       "rank": doc.get("rank"), "pid": None, "exit_code": None, "signal": None, "log_tail": [],
-                       "error": f"launch failed: the assignment does not parse here: {str(exc)[:500]}"})
-            return None
-
     # -- commands -------------------------------------------------------------
     def launch(self, assignments: list[RankAssignment], *, timeout_s: float | None = None,
                threads: int | None = None, log_bytes: int | None = None) -> None:
         """Fork one rank process per assignment and report ``started`` for each."""
+        for kind in {a.kind for a in assignments} - self._warmed:
+            self._warmed.add(kind)
+            warm(kind)
         threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(assignments)))
         generation = generation_bytes(len(assignments), **({"cap": log_bytes} if log_bytes else {}))
         running = {(p.assignment.job_id, p.assignment.attempt, p.assignment.rank) for p in self.procs.values()}
@@ -350,6 +344,27 @@ class Forker:
             _, pid = heapq.heappop(self._deadlines)
             if pid in self.procs:
                 _killpg(pid, signal.SIGKILL)
+
+
+def read_assignment(doc: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> RankAssignment | None:
+    """The launcher's one validation of an assignment's spec; one it cannot read is that rank's end (``emit``)."""
+    try:
+        return RankAssignment.from_doc(doc, parse_spec)
+    except Exception as exc:  # noqa: BLE001 - reported against the rank, the others still start
+        emit({"event": "exited", "job_id": doc.get("job_id"), "attempt": doc.get("attempt"), "rank": doc.get("rank"),
+              "pid": None, "exit_code": None, "signal": None, "log_tail": [],
+              "error": f"launch failed: the assignment does not parse here: {str(exc)[:500]}"})
+        return None
+
+
+def warm(kind: str) -> None:
+    """The kind's heavy imports, before its first ranks fork here (``JobKind.warm``), so its forks inherit them."""
+    try:
+        from rankctl.runtime.rank import warm_kind
+
+        warm_kind(kind)
+    except Exception as exc:  # noqa: BLE001 - a rank reports a broken kind itself; forks stay possible
+        log.warning("kind not warmed", kind=kind, error=f"{type(exc).__name__}: {exc}")
 
 
 def _shm_mode(mode: str) -> tuple[bool, ShmTracker | None, str]:

@@ -23,4 +23,5 @@ KIND = JobKind(
     shipment="rankctl.kinds.python.checks:shipment",
     node_paths="rankctl.kinds.python.checks:node_paths",
     own_rendezvous=True,
+    warm="rankctl.kinds.train.optim:warm",  # users' scripts build torch optimisers too
 )

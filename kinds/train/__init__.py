@@ -20,4 +20,5 @@ KIND = JobKind(
     client_overrides="rankctl.kinds.train.checks:absolute_data",
     node_paths="rankctl.kinds.train.checks:node_paths",
     drain_checkpoint=True,
+    warm="rankctl.kinds.train.optim:warm",
 )

@@ -32,14 +32,19 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch._dynamo  # noqa: F401 - AdamW's constructor imports it (~2.5 s of CPU); imported with this module,
-import torch.distributed as dist  # the warm launcher pays that once, not every rank it forks
+import torch.distributed as dist
 from torch import nn
 
 WEIGHT_DECAY = 0.1
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 MIN_LR_RATIO = 0.1
+
+
+def warm() -> None:
+    """``JobKind.warm``: AdamW's constructor imports ``torch._dynamo`` (~2.5 s of CPU); the launcher imports it
+    once before it first forks ranks of a kind that builds optimisers, not every rank it forks."""
+    import torch._dynamo  # noqa: F401 - importing it is the point
 
 
 def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float = WEIGHT_DECAY) -> list[dict]:
