@@ -142,6 +142,8 @@ class JobProgress:
     val_loss: float | None = None                                # the latest step's that had one
     step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))  # completed steps' durations
     _last_time: float | None = None   # the last duration observed (fills a jump that knows none)
+    _owed: int = 0                    # completed steps with no duration known yet (observed with the first one)
+    step_times_seen_start: bool = True  # False for a progress rebuilt after a restart: its old steps are not owed
     first_step: int = 1 << 62  # the lowest step a rank first reported in this attempt (> 1 after a resume)
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
     advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
@@ -266,10 +268,13 @@ class JobProgress:
         known = [a.time_max for s, a in zip(done, accs) if s > before and a.time_max is not None]
         for dt in known:
             self.step_times.observe(dt)
-        missing = self.min_step - before - len(known)
+        missing = self.min_step - before - len(known) + self._owed
         fill = sum(known) / len(known) if known else self._last_time
+        self._owed = 0
         if missing > 0 and fill is not None:
             self.step_times.observe(fill, missing)
+        elif missing > 0 and self._last_time is None and self.step_times_seen_start:
+            self._owed = missing  # no duration known yet: observed with the first one that arrives
         self._last_time = known[-1] if known else self._last_time
         for acc in accs:
             if acc.val_loss is not None:
