@@ -143,7 +143,6 @@ class JobProgress:
     step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))  # completed steps' durations
     _last_time: float | None = None   # the last duration observed (fills a jump that knows none)
     _owed: int = 0                    # completed steps with no duration known yet (observed with the first one)
-    step_times_seen_start: bool = True  # False for a progress rebuilt after a restart: its old steps are not owed
     first_step: int = 1 << 62  # the lowest step a rank first reported in this attempt (> 1 after a resume)
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
     advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
@@ -259,8 +258,8 @@ class JobProgress:
         """Steps ``before + 1 .. min_step`` are complete: each one's duration into ``step_times`` once, the
         slowest step's figures and the newest validation loss kept, their aggregates dropped. A step with
         no duration (every rank's report of it coalesced away by its daemon) is observed with the mean of
-        the durations known in this jump, or the last one observed; none at all when the attempt has observed none yet (a
-        rebuild after a coordinator restart). Steps before the attempt's first reported one (a resume)
+        the durations known in this jump, or the last one observed; steps that arrive before any duration is known
+        are owed and observed with the first one. Steps before the attempt's first reported one (a resume)
         are not its own. O(steps of metrics kept)."""
         before = max(before, self.first_step - 1)   # an attempt that resumed ran no step before its first
         done = sorted(s for s in self._acc if s <= self.min_step)
@@ -273,7 +272,7 @@ class JobProgress:
         self._owed = 0
         if missing > 0 and fill is not None:
             self.step_times.observe(fill, missing)
-        elif missing > 0 and self._last_time is None and self.step_times_seen_start:
+        elif missing > 0:
             self._owed = missing  # no duration known yet: observed with the first one that arrives
         self._last_time = known[-1] if known else self._last_time
         for acc in accs:
