@@ -165,18 +165,19 @@ def _descendants(roots) -> list[int]:  # noqa: ANN001 - an iterable of pids
 
 
 def end_stale(parent: str, wait_s: float = 5.0) -> list[str]:
-    """Rank directories of launchers that died (SIGKILL, OOM) beside ours: what still runs in them (a
-    rank's setsid children) is killed, and the directories go. The directories ended."""
+    """Rank directories of launchers that died (SIGKILL, OOM) beside ours, cgroup v2 or a v1 controller's:
+    what still runs in them (a rank's setsid children) is killed (``cgroup.kill``, or SIGKILL of each member
+    where there is none), and the directories go. The directories ended."""
     ended = []
     with contextlib.suppress(OSError):
         for name in os.listdir(parent):
             pid = name.removeprefix(BASE_PREFIX)
             if name.startswith(BASE_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 base = os.path.join(parent, name)
-                for key in subdirs(base):
+                for key in _subdirs(base):
                     rank = CgroupContainment(base)
                     rank.kill(key, rank.members(key))
-                    wait_empty(lambda k=key, r=rank: r.members(k), wait_s)
+                    _wait_empty(lambda k=key, r=rank: r.members(k), wait_s)
                     rank.release(key)
                 with contextlib.suppress(OSError):
                     os.rmdir(base)
@@ -184,13 +185,13 @@ def end_stale(parent: str, wait_s: float = 5.0) -> list[str]:
     return ended
 
 
-def subdirs(path: str) -> list[str]:
+def _subdirs(path: str) -> list[str]:
     with contextlib.suppress(OSError):
         return [e.name for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
     return []
 
 
-def wait_empty(members, wait_s: float) -> None:  # noqa: ANN001 - () -> list of pids
+def _wait_empty(members, wait_s: float) -> None:  # noqa: ANN001 - () -> list of pids
     end = time.monotonic() + wait_s
     while members() and time.monotonic() < end:
         time.sleep(0.02)

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from dataclasses import dataclass
 
 from rankctl.contract.spec import Resources
-from rankctl.worker.contain import BASE_PREFIX, CgroupContainment, signal_all, subdirs, wait_empty
+from rankctl.worker.contain import BASE_PREFIX, end_stale
 
 V1_ROOT = "/sys/fs/cgroup"
 CONTROLLERS = ("memory", "pids")
@@ -159,27 +158,13 @@ def _v1_base(name: str, launcher_pid: int) -> str | None:
     if own is None or not os.path.exists(os.path.join(root, "cgroup.procs")):
         return None
     parent = os.path.join(root, own.lstrip("/"))
-    for stale in _stale(parent):  # a dead launcher's: what still runs there is killed (v1 has no cgroup.kill)
-        for key in subdirs(stale):
-            rank = CgroupContainment(stale)
-            signal_all(rank.members(key), signal.SIGKILL)
-            wait_empty(lambda k=key, r=rank: r.members(k), 5.0)
-            rank.release(key)
-        with contextlib.suppress(OSError):
-            os.rmdir(stale)
+    end_stale(parent)  # a dead launcher's directories: what still runs there is killed (SIGKILL in v1)
     base = os.path.join(parent, f"{BASE_PREFIX}{launcher_pid}")
     try:
         os.makedirs(base, exist_ok=True)
     except OSError:
         return None
     return base
-
-
-def _stale(parent: str) -> list[str]:
-    with contextlib.suppress(OSError):
-        return [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(BASE_PREFIX)
-                and n.removeprefix(BASE_PREFIX).isdigit() and not os.path.exists(f"/proc/{n.removeprefix(BASE_PREFIX)}")]
-    return []
 
 
 def find_controllers(launcher_pid: int, v2_base: str | None) -> Limits:
