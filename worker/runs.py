@@ -95,7 +95,13 @@ class Runs:
         run.phase[status.rank] = status.phase
         if run.hangs is not None:
             run.hangs.touch(status.rank)
-        step_only = status.phase == previous == "running" and not status.error and not result_json
+        # a rank's first step is where the coordinator learns the attempt's first step (after a resume, too):
+        # it is never replaced by the next one
+        first_step = status.step > 0 and status.rank not in run.stepped
+        if status.step > 0:
+            run.stepped.add(status.rank)
+        step_only = (status.phase == previous == "running" and not status.error and not result_json
+                     and not first_step)
         self._outbox.report(run.job_id, run.attempt, status, result_json, step_only=step_only)
 
     # -- the launcher's events ---------------------------------------------------------------

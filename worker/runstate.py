@@ -30,6 +30,7 @@ class RunState:
     process: dict[int, str] = field(default_factory=dict)  # rank -> last reported process state
     hangs: HangWatch | None = None                       # whose collective counters stopped moving
     succeeded: set[int] = field(default_factory=set)     # ranks that exited 0
+    stepped: set[int] = field(default_factory=set)       # ranks that reported a step (their first is never coalesced)
     started: bool = False                                # every rank reported running (or ended)
     workdir_blob: str = ""                               # the shipped workdir its ranks run in (pinned in the cache)
     assigned_at: float = field(default_factory=time.monotonic)
