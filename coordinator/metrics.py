@@ -211,14 +211,14 @@ class JobFamilies:
         self.stragglers.add_metric([job.id], len(p.skew.slow) if p.skew is not None else 0)
         lagging = len(p.at_step.get(p.min_step, ())) if p.max_step > p.min_step else 0
         self.lagging.add_metric([job.id], lagging)
-        if p.val_loss is not None:
-            self.val_loss.add_metric([job.id], p.val_loss)
+        if p.latest.get("val_loss") is not None:   # the kind's figures of these names (train, python)
+            self.val_loss.add_metric([job.id], p.latest["val_loss"])
         if p.step_times.count:
             self.step_duration.add_metric([job.id], p.step_times.buckets(), p.step_times.total)
         acc = p.last_step
         if acc is None:
             return
-        for family, value in ((self.loss, acc.loss), (self.tokens, acc.tokens_per_s)):
+        for family, value in ((self.loss, acc.figures.get("loss")), (self.tokens, acc.figures.get("tokens_per_s"))):
             if value is not None:
                 family.add_metric([job.id], value)
         for stat, value in (("min", acc.time_min), ("mean", acc.time_mean), ("max", acc.time_max)):

@@ -3,7 +3,7 @@
 ``JobProgress`` is updated by the core on every applied rank report (``moved``) and answers
 what used to need a scan of every rank: are all ranks running, have all exited 0, which is
 the lowest failed rank, what is the slowest rank's step, which ranks lag. Step metrics are
-aggregated per step (loss, tokens/s, step-time spread) so that one job-level ``step`` event
+aggregated per step (the figures the job's kind names, ``JobKind.figures``, and the step-time spread) so that one job-level ``step`` event
 can be written when the slowest rank finishes a step, and every completed step's duration
 goes into a histogram once. Stragglers by compute time: ``coordinator.skew``. Pure: no store, no clock.
 """
@@ -11,15 +11,16 @@ goes into a histogram once. Stragglers by compute time: ``coordinator.skew``. Pu
 from __future__ import annotations
 
 import heapq
-import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from rankctl.coordinator.histogram import Histogram, exponential_bounds
 from rankctl.coordinator.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
 from rankctl.coordinator.skew import SHOWN, ComputeSkew, SlowRank, pipeline_peers
+from rankctl.kinds import registry
 from rankctl.parallel.placement import node_of_rank
+from rankctl.proto import rankctl_pb2 as pb
 
 STEP_TIME_BUCKETS = exponential_bounds(0.001, 600.0, per_doubling=3)   # seconds: 1 ms .. ~10 min, ~26% wide
 STEP_WINDOW = 256     # steps of metrics kept ahead of the slowest rank
@@ -53,10 +54,6 @@ def is_failed(r: RankRecord) -> bool:
     return r.exited and (r.exit_code != 0 or r.phase == "failed")
 
 
-def _number(v: Any) -> float | None:
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
 def _passed_running(phase: str, exited: bool) -> bool:
     return exited or PHASE_INDEX.get(phase, -1) >= RUNNING_INDEX
 
@@ -80,28 +77,24 @@ class JobSummary:
 
 @dataclass
 class _StepAcc:
-    """Metrics of one step, folded over the ranks that reported it."""
+    """The figures of one step, folded over the ranks that reported it (``JobKind.figures``)."""
 
-    loss: float | None = None
-    val_loss: float | None = None
-    tokens_per_s: float | None = None
+    figures: dict[str, float] = field(default_factory=dict)
     time_min: float | None = None
     time_max: float | None = None
     time_sum: float = 0.0     # of the ranks' step times, for their mean (metrics)
     time_n: int = 0
 
-    def add(self, m: dict[str, Any]) -> None:
-        """Fold a metrics dict (numbers only; ``step_time_s`` or ``step_time``)."""
-        self.fold(*(_number(m.get(k)) for k in ("loss", "val_loss", "tokens_per_s")),
-                  _number(m.get("step_time_s", m.get("step_time"))))
-
-    def fold(self, loss: float | None, val: float | None, tps: float | None, dt: float | None) -> None:
-        if self.loss is None and loss is not None:
-            self.loss = float(loss)
-        if self.val_loss is None and val is not None:
-            self.val_loss = float(val)
-        if tps is not None:
-            self.tokens_per_s = tps if self.tokens_per_s is None else min(self.tokens_per_s, tps)
+    def fold(self, figures: Mapping[str, float], folds: Mapping[str, str], dt: float | None) -> None:
+        """One rank's figures (those its kind folds, each by its rule) and step time."""
+        mine = self.figures
+        for name, how in folds.items():
+            v = figures.get(name)
+            if v is None:
+                continue
+            old = mine.get(name)
+            if old is None or (how == "min" and v < old) or (how == "max" and v > old):
+                mine[name] = v
         if dt is not None:
             self.time_min = dt if self.time_min is None or dt < self.time_min else self.time_min
             self.time_max = dt if self.time_max is None or dt > self.time_max else self.time_max
@@ -113,10 +106,7 @@ class _StepAcc:
         return self.time_sum / self.time_n if self.time_n else None
 
     def as_dict(self) -> dict[str, Any]:
-        out = {"loss": self.loss, "tokens_per_s": self.tokens_per_s,
-               "step_time_min": self.time_min, "step_time_max": self.time_max}
-        if self.val_loss is not None:
-            out["val_loss"] = self.val_loss
+        out = {**self.figures, "step_time_min": self.time_min, "step_time_max": self.time_max}
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -139,7 +129,8 @@ class JobProgress:
     _acc: dict[int, _StepAcc] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)        # of the last job-level step event
     last_step: _StepAcc | None = None                            # the figures behind ``metrics``
-    val_loss: float | None = None                                # the latest step's that had one
+    latest: dict[str, float] = field(default_factory=dict)       # each figure's newest value (val_loss: not every step)
+    folds: Mapping[str, str] = field(default_factory=dict)       # the job's kind's figures (``JobKind.figures``)
     step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))  # completed steps' durations
     _last_time: float | None = None   # the last duration observed (fills a jump that knows none)
     _owed: int = 0                    # completed steps with no duration known yet (observed with the first one)
@@ -155,13 +146,15 @@ class JobProgress:
 
     # -- updates --------------------------------------------------------------
     def bind(self, job: JobRecord) -> None:
-        """Learn the job's pipeline stages and rank -> node (once per attempt; the report path calls it
-        for every run of reports, so it returns at once after the first)."""
+        """Learn the job's pipeline stages, rank -> node and its kind's figures (once per attempt; the report
+        path calls it for every run of reports, so it returns at once after the first)."""
         if self.peers is None:
             stride, pp = pipeline_peers(job)
             nodes, slots = list(job.nodes), job.slots_per_node
             self.peers = (stride, pp, lambda r: nodes[node_of_rank(r, slots)]
                           if slots and node_of_rank(r, slots) < len(nodes) else "")
+            kind = registry.kinds().get(job.spec.kind)
+            self.folds = dict(kind.figures) if kind is not None else {}
 
     def compute_sample(self, rank: int, compute_s: float) -> None:
         """One rank's compute time of its latest step (``RankStatus.compute_s``)."""
@@ -197,40 +190,24 @@ class JobProgress:
             return self.moved_step(new.rank, o_step, new.step)
         return None
 
-    def step_figures(self, step: int, st: Any) -> None:
+    def step_figures(self, step: int, st: pb.RankStatus | RankRecord) -> None:
         """Fold one rank's figures of ``step`` into that step's aggregate (kept for a window of steps).
 
-        ``st`` is a wire ``RankStatus`` (typed ``loss``/``val_loss``/``tokens_per_s``/``step_time_s``,
-        set by the daemon) or anything with a ``metrics_json`` (parsed only then).
+        ``st`` is a wire ``RankStatus``: its ``figures`` map and ``step_time_s``/``compute_s``, set by the
+        daemon (``worker.reporting.step_figures``); a ``RankRecord`` (in-process reports) carries none.
         """
-        has = getattr(st, "HasField", None)
-        if has is not None and has("compute_s"):
+        if isinstance(st, RankRecord):
+            return
+        if st.HasField("compute_s"):
             self.compute_sample(st.rank, st.compute_s)
         if step < self.min_step or step > self.min_step + STEP_WINDOW:
             return
-        if has is not None and (has("step_time_s") or has("tokens_per_s") or has("loss")):
+        has_time = st.HasField("step_time_s")
+        if has_time or st.figures:
             acc = self._acc.get(step)
             if acc is None:
                 acc = self._acc[step] = _StepAcc()
-            acc.fold(st.loss if has("loss") else None, st.val_loss if has("val_loss") else None,
-                     st.tokens_per_s if has("tokens_per_s") else None,
-                     st.step_time_s if has("step_time_s") else None)
-            return
-        self.step_metrics(step, st.metrics_json)
-
-    def step_metrics(self, step: int, metrics_json: str) -> None:
-        """Fold one rank's metrics (JSON text) of ``step`` into that step's aggregate."""
-        if step < self.min_step or step > self.min_step + STEP_WINDOW or len(metrics_json) < 3:
-            return
-        try:
-            m = json.loads(metrics_json)
-        except ValueError:
-            return
-        if isinstance(m, dict):
-            acc = self._acc.get(step)
-            if acc is None:
-                acc = self._acc[step] = _StepAcc()
-            acc.add(m)
+            acc.fold(st.figures, self.folds, st.step_time_s if has_time else None)
 
     def moved_step(self, rank: int, old: int, new: int) -> int | None:
         """A rank's latest step went from ``old`` to ``new``; the new slowest step when it advanced."""
@@ -276,8 +253,7 @@ class JobProgress:
             self._owed = missing  # no duration known yet: observed with the first one that arrives
         self._last_time = known[-1] if known else self._last_time
         for acc in accs:
-            if acc.val_loss is not None:
-                self.val_loss = acc.val_loss
+            self.latest.update(acc.figures)
         acc = self.last_step = accs[-1] if done and done[-1] == self.min_step else None
         self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}
 

@@ -19,7 +19,7 @@ import pkgutil
 import threading
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -30,6 +30,7 @@ ENTRY_POINT_GROUP = "rankctl.kinds"
 ENV_VAR = "RANKCTL_KINDS"
 
 Ref = "str | Callable[..., Any] | None"  # "module:function", a callable, or nothing
+Fold = Literal["first", "min", "max"]      # how a step's figure is folded over the ranks that report it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,9 @@ class JobKind:
     for it, then restarts the job without the node); otherwise a drain restarts it at once.
     ``own_rendezvous``: the rank's code creates its default process group itself (torchrun-style scripts);
     the runtime creates no group before the entry runs.
+    ``figures``: the per-step numbers the coordinator folds over a job's ranks into its step event, ``ctl``,
+    the dashboard and the metrics (name -> ``Fold``: ``first`` a value every reporting rank agrees on, such as
+    a loss; ``min``/``max`` the slowest or largest rank's). Other numbers a rank reports stay in its metrics.
     ``warm() -> None``: imports too heavy for the launcher's start-up that every rank would pay; the launcher
     calls it once, before it first forks ranks of this kind, so its forks inherit them.
     """
@@ -73,6 +77,7 @@ class JobKind:
     node_paths: Any = None
     drain_checkpoint: bool = False
     own_rendezvous: bool = False
+    figures: Mapping[str, "Fold"] = field(default_factory=dict)
     warm: Any = None
 
     def resolve(self, attr: str) -> Callable[..., Any] | None:

@@ -12,7 +12,7 @@ argument and the bound are in ``tests/compare.py``; the tests at the end of this
 the check still fails for errors a layout can make.
 
 The job's losses must come from the lowest rank of the last pipeline stage: the other stages
-report ``loss: null`` (``coordinator.results.train_result`` takes the first rank whose losses
+report ``loss: null`` (``kinds.common.losses_result`` takes the first rank whose losses
 are all set). One embedded local cluster (2 nodes x 4 slots) serves the module.
 """
 

@@ -17,6 +17,7 @@ from rankctl.coordinator.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.daemon import WorkerDaemon
 from rankctl.worker.metrics import WorkerMetrics, serve_metrics
+from figured import FIGURED, figured_kind  # noqa: F401 - the module's autouse fixture
 from test_core import World, make_world
 from test_defects_worker import FakeCoordinator, RecordingLauncher, config, serve, until
 
@@ -24,8 +25,9 @@ S = JobState
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def job_yaml(name: str = "tr", nodes: int = 2, slots: int = 2, tp: int = 2, restarts: int = 0) -> str:
-    return (f"name: {name}\nkind: comm-check\nresources: {{nodes: {nodes}, slots_per_node: {slots}}}\n"
+def job_yaml(name: str = "tr", nodes: int = 2, slots: int = 2, tp: int = 2, restarts: int = 0,
+             kind: str = "comm-check") -> str:
+    return (f"name: {name}\nkind: {kind}\nresources: {{nodes: {nodes}, slots_per_node: {slots}}}\n"
             f"parallel: {{tp: {tp}}}\nrestart: {{max_restarts: {restarts}}}\n")
 
 
@@ -76,13 +78,14 @@ def training(world: World, nodes: int = 2, slots: int = 2, steps: int = 2, slow_
     """A RUNNING job that finished ``steps`` steps; rank ``slow_rank`` computes 5x slower than its peers."""
     for i in range(nodes):
         world.connect(f"n{i}", slots=slots)
-    job = world.core.submit(job_yaml(nodes=nodes, slots=slots, tp=min(slots, 8)))
+    job = world.core.submit(job_yaml(nodes=nodes, slots=slots, tp=min(slots, 8), kind=FIGURED.name))
     send(world, job, "running")
     assert job.state is S.RUNNING
     for step in range(1, steps + 1):
         send(world, job, "running", step, lambda r, step=step: {
-            "loss": 3.0 - step / 10, "tokens_per_s": 1000.0 + r, "step_time_s": 0.5 + r / 100,
-            "compute_s": 0.5 if r == slow_rank else 0.1, **({"val_loss": 2.5} if step == 1 else {})})
+            "figures": {"loss": 3.0 - step / 10, "tokens_per_s": 1000.0 + r, "lr": 0.1,
+                        **({"val_loss": 2.5} if step == 1 else {})},
+            "step_time_s": 0.5 + r / 100, "compute_s": 0.5 if r == slow_rank else 0.1})
     return job
 
 
@@ -102,7 +105,7 @@ def test_coordinator_series_describe_jobs_queue_nodes_and_a_running_job(world: W
     assert get(s, "rankctl_slots", state="total") == 4 and get(s, "rankctl_slots", state="free") == 0
     assert get(s, "rankctl_rank_reports_total") == 4 * 3                # running + 2 steps, 4 ranks
     assert get(s, "rankctl_job_restarts_total", cause="failure") == 0
-    assert get(s, "rankctl_job_info", job_id=job.id, job_name="tr", kind="comm-check", state="RUNNING") == 1
+    assert get(s, "rankctl_job_info", job_id=job.id, job_name="tr", kind="figured", state="RUNNING") == 1
     assert get(s, "rankctl_job_ranks", job_id=job.id, phase="running") == 4
     assert get(s, "rankctl_job_step", job_id=job.id) == 2 and get(s, "rankctl_job_attempt", job_id=job.id) == 1
     assert get(s, "rankctl_job_loss", job_id=job.id) == pytest.approx(2.8)
@@ -191,9 +194,9 @@ def test_every_completed_step_is_observed_once_when_a_daemon_coalesces_step_repo
 
 def test_a_jump_observes_known_durations_and_fills_the_unknown_ones() -> None:
     p = JobProgress(1)
-    p.step_metrics(1, '{"step_time_s": 0.1}')
+    p.step_figures(1, pb.RankStatus(rank=0, step=1, step_time_s=0.1))
     assert p.moved_step(0, 0, 1) == 1 and p.step_times.count == 1
-    p.step_metrics(5, '{"step_time_s": 0.3}')
+    p.step_figures(5, pb.RankStatus(rank=0, step=5, step_time_s=0.3))
     assert p.moved_step(0, 1, 5) == 5                       # steps 2-4 never reported: 0.3 each
     assert p.step_times.count == 5 and p.step_times.total == pytest.approx(0.1 + 4 * 0.3)
     assert p.moved_step(0, 5, 8) == 8                       # nothing known in the jump: the last duration
@@ -203,7 +206,7 @@ def test_a_jump_observes_known_durations_and_fills_the_unknown_ones() -> None:
 def test_a_resumed_attempt_or_a_rebuild_observes_only_the_steps_it_saw() -> None:
     resumed = JobProgress(2)
     for rank in range(2):
-        resumed.step_metrics(41, '{"step_time_s": 0.2}')
+        resumed.step_figures(41, pb.RankStatus(rank=rank, step=41, step_time_s=0.2))
         resumed.moved_step(rank, 0, 41)                     # the attempt resumed from step 40's checkpoint
     assert resumed.min_step == 41 and resumed.step_times.count == 1
     rebuilt = JobProgress(2)
@@ -235,7 +238,7 @@ def test_an_ended_jobs_last_series_stay_for_a_while_and_are_bounded(world: World
         world.report(job.id, r, "exited", code=0)
     assert job.state is S.SUCCEEDED
     s = parse(metrics.render()[0])
-    assert get(s, "rankctl_job_info", job_id=job.id, job_name="tr", kind="comm-check", state="SUCCEEDED") == 1
+    assert get(s, "rankctl_job_info", job_id=job.id, job_name="tr", kind="figured", state="SUCCEEDED") == 1
     assert get(s, "rankctl_job_step", job_id=job.id) == 4
     assert get(s, "rankctl_job_step_duration_seconds_count", job_id=job.id) == 4
     world.clock.t += FINISHED_KEPT_S + 1

@@ -53,7 +53,8 @@ def test_removed_fields_are_reserved_by_number_and_name() -> None:
                 for m in file.message_type if m.reserved_name}
     assert reserved["Job"] == ({"created_at", "finished_at", "spec_json", "result_json"}, {7, 8, 11, 12})
     assert reserved["Attempt"] == ({"started_at", "finished_at"}, {4, 5})
-    assert reserved["Node"] == ({"last_seen"}, {7}) and reserved["RankStatus"] == ({"updated_at"}, {9})
+    assert reserved["Node"] == ({"last_seen"}, {7}) and reserved["RankStatus"] == (
+        {"updated_at", "loss", "val_loss", "tokens_per_s"}, {9, 10, 11, 12})
     assert reserved["JobEvent"] == ({"ts", "metrics_json"}, {3, 9})
     assert reserved["NodeMessage"] == ({"report", "logs"}, {3, 4}) and reserved["Assign"] == ({"ranks"}, {3})
     assert reserved["ListJobsRequest"] == ({"limit"}, {1}) and reserved["ReportBatch"] == ({"logs"}, {2})

@@ -23,17 +23,19 @@ import pytest
 from rankctl.coordinator import servicer
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.nodes import NodeSession
-from rankctl.coordinator.records import NodeHello, RankRecord, RankUpdate
+from rankctl.coordinator.records import NodeHello
 from rankctl.coordinator.server import CoordinatorServer, start_coordinator
 from rankctl.coordinator.servicer import ClientServiceServicer
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
+from rankctl.worker.reporting import step_figures
+from figured import FIGURED, figured_kind  # noqa: F401 - the module's autouse fixture
 
 pytestmark = pytest.mark.grpc_in_process
 
 
 def job_yaml(nodes: int, slots: int, name: str = "cc") -> str:
-    return f"name: {name}\nkind: comm-check\nresources: {{nodes: {nodes}, slots_per_node: {slots}}}\n"
+    return f"name: {name}\nkind: {FIGURED.name}\nresources: {{nodes: {nodes}, slots_per_node: {slots}}}\n"
 
 
 @dataclass
@@ -60,12 +62,14 @@ class Cluster:
                result: dict | None = None) -> None:
         """One report per rank from the node that runs it, stored in one group commit."""
         job = self.core.get(job_id)
-        by_node: dict[str, list[RankUpdate]] = defaultdict(list)
+        by_node: dict[str, list[pb.RankReport]] = defaultdict(list)
         for r in ranks:
             node = job.nodes[r // job.slots_per_node]
-            status = RankRecord(r, node, phase, step=step, metrics_json=json.dumps(metrics) if metrics else "",
-                                exited=code is not None, exit_code=code or 0, error=error)
-            by_node[node].append(RankUpdate(job_id, job.attempt, status, json.dumps(result) if result else ""))
+            status = pb.RankStatus(rank=r, node=node, phase=phase, step=step, exited=code is not None,
+                                   exit_code=code or 0, error=error, metrics_json=json.dumps(metrics) if metrics else "")
+            step_figures(status, metrics)   # as the daemon sends it
+            by_node[node].append(pb.RankReport(job_id=job_id, attempt=job.attempt, status=status,
+                                               result_json=json.dumps(result) if result else ""))
         for node, updates in by_node.items():
             self.core.rank_reports(self.sessions[node], updates)
         self.core.flush()
@@ -445,9 +449,9 @@ def test_a_followed_job_takes_ranks_steps_and_summary_from_events_and_batches() 
     assert {r.phase for r in job.ranks if r.rank != 300} == {"starting"} and len(job.ranks) == 64
 
 
-def test_progress_comes_from_the_summary_and_from_the_ranks_of_an_older_coordinator() -> None:
+def test_progress_comes_from_the_summary_and_before_any_step_is_finished_by_all_from_the_ranks() -> None:
     from rankctl.kinds.python import render as python_render
-    from rankctl.kinds.train.render import latest_metrics
+    from rankctl.kinds.common import latest_metrics
 
     ranks = [pb.RankStatus(rank=1, step=4, metrics_json=json.dumps({"loss": 3.0})),
              pb.RankStatus(rank=0, step=4, metrics_json=json.dumps({"lr": 0.1}))]

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from rankctl.coordinator.progress import JobProgress, is_failed
-from rankctl.coordinator.records import RankRecord, RankUpdate, RunningJob
+from rankctl.coordinator.records import RankRecord, RunningJob
 from rankctl.coordinator.nodes import NodeStatus
 from rankctl.coordinator.states import JobState
+from rankctl.kinds.common import TRAINING_FIGURES
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.worker.reportbuf import ReportBuffer
+from rankctl.worker.reporting import step_figures
 from rankctl.proto import rankctl_pb2 as pb
 from test_core import World, make_world
 
@@ -66,8 +68,9 @@ def batch(world: World, job, node: str, phase: str, step: int = 0, metrics: dict
     updates = []
     for r in range(k * 8, k * 8 + 8):
         fake.seq += 1
-        m = json.dumps(metrics if metrics is not None else {})
-        updates.append(RankUpdate(job.id, job.attempt, RankRecord(r, node, phase, step, m, **status), "", fake.seq))
+        st = pb.RankStatus(rank=r, node=node, phase=phase, step=step, metrics_json=json.dumps(metrics or {}), **status)
+        step_figures(st, metrics)     # as the daemon sends it
+        updates.append(pb.RankReport(job_id=job.id, attempt=job.attempt, status=st, seq=fake.seq))
     return world.core.rank_reports(fake.session, updates)
 
 
@@ -101,8 +104,7 @@ def test_batched_reports_commit_once_per_flush_and_write_one_event_per_step(worl
     assert proxy.commits == 3                        # one transaction per flush, whatever the rank count
     new = world.core.events(job.id)[before:]
     assert [(e.kind, e.step) for e in new] == [("step", 1), ("step", 2), ("step", 3)]
-    assert new[-1].metrics == {"step": 3, "loss": 0.0, "tokens_per_s": 103.0, "step_time_min": 0.5,
-                               "step_time_max": 0.5}
+    assert new[-1].metrics == {"step": 3, "step_time_min": 0.5, "step_time_max": 0.5}  # comm-check folds no loss
     summary = world.core.summary(job.id)
     assert summary.min_step == summary.max_step == 3 and summary.phases == {"running": 1024}
     assert summary.stragglers == [] and summary.failed == 0
@@ -242,22 +244,24 @@ def test_a_coordinator_killed_between_group_commits_loses_nothing_it_acknowledge
     store.close()
 
 
-def test_the_daemons_typed_step_figures_aggregate_as_the_metrics_json_does() -> None:
-    """The daemon copies loss/tokens/step time into typed fields (worker.reporting.step_figures); the
-    coordinator's aggregate of a step must not depend on which of the two it read."""
-    from rankctl.worker.reporting import step_figures
+def test_a_steps_figures_are_the_numbers_the_daemon_copied_folded_by_the_kinds_rules() -> None:
+    """The daemon copies the numbers of a rank's metrics into ``figures`` (worker.reporting.step_figures); the
+    coordinator folds those the job's kind names, each by its rule (train: loss first, tokens/s min), and the
+    step time's spread; what the kind does not name (lr) and what is not a number stay out."""
+    from rankctl.worker.reporting import MAX_FIGURES
 
     rows = [{"loss": None, "tokens_per_s": 900.0, "step_time_s": 0.52},
             {"loss": 2.25, "val_loss": 2.5, "tokens_per_s": 1000, "step_time_s": 0.5},
-            {"tokens_per_s": 950.0, "step_time": 0.61, "lr": 1e-3},
-            {"loss": True, "tokens_per_s": "fast"}]          # not numbers: ignored by both
-    typed, parsed = JobProgress(len(rows)), JobProgress(len(rows))
+            {"loss": 2.5, "tokens_per_s": 950.0, "step_time": 0.61, "lr": 1e-3},
+            {"loss": True, "tokens_per_s": "fast"}]          # not numbers: not copied
+    progress = JobProgress(len(rows), folds=TRAINING_FIGURES)
     for rank, m in enumerate(rows):
         status = pb.RankStatus(rank=rank, phase="running", step=1, metrics_json=json.dumps(m))
         step_figures(status, m)
-        typed.step_figures(1, status)
-        parsed.step_figures(1, RankRecord(rank, "n", "running", 1, json.dumps(m)))
-        for p in (typed, parsed):
-            p.moved_step(rank, 0, 1)
-    assert typed.metrics == parsed.metrics == {"step": 1, "loss": 2.25, "val_loss": 2.5, "tokens_per_s": 900.0,
-                                               "step_time_min": 0.5, "step_time_max": 0.61}
+        progress.step_figures(1, status)
+        progress.moved_step(rank, 0, 1)
+    assert progress.metrics == {"step": 1, "loss": 2.25, "val_loss": 2.5, "tokens_per_s": 900.0,
+                                "step_time_min": 0.5, "step_time_max": 0.61}
+    many = pb.RankStatus()
+    step_figures(many, {"step": 3, "note": "x", **{f"m{i}": float(i) for i in range(40)}, "x" * 65: 1.0})
+    assert dict(many.figures) == {f"m{i}": float(i) for i in range(MAX_FIGURES)}   # bounded, in the rank's order

@@ -18,6 +18,7 @@ from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 from rankctl.worker.reportbuf import ReportBuffer
 from test_core import job_yaml, make_world
 from test_read_side import Cluster, read_all, run
+from figured import figured_kind  # noqa: F401 - the module's autouse fixture (its jobs fold a loss)
 
 HOUR = 3600.0
 

@@ -29,8 +29,10 @@ def free_ports(host: str, count: int) -> list[int]:
     return ports
 
 
-FIGURES = (("loss", ("loss",)), ("val_loss", ("val_loss",)), ("tokens_per_s", ("tokens_per_s",)),
-           ("step_time_s", ("step_time_s", "step_time")))
+MAX_FIGURES = 16          # numbers of a rank's metrics copied into ``RankStatus.figures`` (the first ones)
+MAX_NAME = 64            # longer names stay in metrics_json only
+STEP_TIME = ("step_time_s", "step_time")   # the typed ``step_time_s``, not a figure
+NOT_FIGURES = frozenset(("step", *STEP_TIME))
 
 
 def to_wire(rec: RankStatusRecord, node: str) -> tuple[pb.RankStatus, str]:
@@ -55,16 +57,25 @@ def exit_status(rank: int, node: str, code: int, error: str) -> pb.RankStatus:
 
 
 def step_figures(status: pb.RankStatus, metrics: Any) -> None:
-    """Copy the figures the coordinator aggregates per step out of a rank's metrics into the
-    typed fields of its status (so that the coordinator never parses JSON per rank-step)."""
+    """Copy the numbers among a rank's metrics into its status (``figures``, at most ``MAX_FIGURES``; the step
+    time into ``step_time_s``) so that the coordinator never parses JSON per rank-step: it folds the figures
+    its job's kind names (``JobKind.figures``). Not numbers (text, booleans, lists) stay in ``metrics_json``."""
     if not isinstance(metrics, dict):
         return
-    for field, keys in FIGURES:
-        for key in keys:
-            v = metrics.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                setattr(status, field, float(v))
-                break
+    for key in STEP_TIME:
+        v = metrics.get(key)
+        if _number(v):
+            status.step_time_s = float(v)
+            break
+    n = 0
+    for key, v in metrics.items():
+        if n < MAX_FIGURES and _number(v) and isinstance(key, str) and len(key) <= MAX_NAME and key not in NOT_FIGURES:
+            status.figures[key] = float(v)
+            n += 1
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def stamp_update(status: pb.RankStatus, ts: Any) -> None:

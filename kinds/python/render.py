@@ -1,11 +1,11 @@
-"""How ``ctl`` shows a ``python`` job: ``train``'s losses in ``--json`` and tables, plus the last metrics,
-and a progress line (step, loss, metrics) from the job summary (or, from an older coordinator, the ranks)."""
+"""How ``ctl`` shows a ``python`` job: the losses in ``--json`` and tables (``kinds.common``, as ``train``), the
+last metrics, and a progress line (step, loss, metrics) from the job summary (before that, the ranks)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rankctl.kinds.train import render as train_render
+from rankctl.kinds.common import latest_metrics, losses_summary
 
 SHOWN_METRICS = 4
 
@@ -13,12 +13,12 @@ SHOWN_METRICS = 4
 def summary(result: Any) -> dict[str, Any]:
     """Extra top-level fields of ``ctl status --json``: ``losses`` (as ``train``) and ``metrics``."""
     metrics = result.get("metrics", {}) if isinstance(result, dict) else {}
-    return {**train_render.summary(result), "metrics": metrics if isinstance(metrics, dict) else {}}
+    return {**losses_summary(result), "metrics": metrics if isinstance(metrics, dict) else {}}
 
 
 def progress(job: Any):
-    """``step N  loss X  name value ...`` (``train_render.latest_metrics``); None before any loss is reported."""
-    latest = train_render.latest_metrics(job)
+    """``step N  loss X  name value ...`` (``latest_metrics``); None before any loss is reported."""
+    latest = latest_metrics(job)
     if latest is None:
         return None
     step, m = latest

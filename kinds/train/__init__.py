@@ -2,9 +2,11 @@
 
 Declared here once (``KIND``); the modules: ``spec`` (``model``, ``train`` sections), ``checks``
 (cross-field rules), ``data`` (token data, numpy), ``loop`` (the rank's training loop), ``optim``,
-``checkpoint``, ``train_state`` (torch), ``results`` (the job result), ``render`` (``ctl``'s view).
+``checkpoint``, ``train_state`` (torch), ``render`` (``ctl``'s view); the job's losses, their figures and
+tables, and the optimiser warm-up are ``kinds.common``'s, shared with ``python``.
 """
 
+from rankctl.kinds.common import TRAINING_FIGURES
 from rankctl.kinds.registry import JobKind
 from rankctl.kinds.train.spec import ModelSpec, TrainSpec
 
@@ -13,12 +15,13 @@ KIND = JobKind(
     sections={"model": ModelSpec, "train": TrainSpec},
     check="rankctl.kinds.train.checks:errors",
     entry="rankctl.kinds.train.loop:run",
-    aggregate="rankctl.kinds.train.results:train_result",
-    summary="rankctl.kinds.train.render:summary",
+    aggregate="rankctl.kinds.common:losses_result",
+    summary="rankctl.kinds.common:losses_summary",
     tables="rankctl.kinds.train.render:tables",
     progress="rankctl.kinds.train.render:progress",
     client_overrides="rankctl.kinds.train.checks:absolute_data",
     node_paths="rankctl.kinds.train.checks:node_paths",
     drain_checkpoint=True,
-    warm="rankctl.kinds.train.optim:warm",
+    figures=TRAINING_FIGURES,
+    warm="rankctl.kinds.common:warm",
 )

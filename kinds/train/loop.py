@@ -23,7 +23,7 @@ attention over the ``cp`` group.
 Loss. ``step_fn`` returns the local loss sum, or None on a stage without the head; the
 global loss is the sum over ``dp_cp`` of the local sums divided by the global token count.
 Stages without the head report ``loss: null`` (metrics and result), so the coordinator takes
-the job's losses from a last-stage rank (``kinds.train.results.train_result``).
+the job's losses from a last-stage rank (``kinds.common.losses_result``).
 
 Mixture of experts (``model.moe``, ``models.moe``). Every chunk is built with the MoE config
 and ``ExpertGroups.from_pgs``; each chunk's ``MoETracker.loss_scale`` is the loss sum's scale

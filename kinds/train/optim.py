@@ -41,12 +41,6 @@ EPS = 1e-8
 MIN_LR_RATIO = 0.1
 
 
-def warm() -> None:
-    """``JobKind.warm``: AdamW's constructor imports ``torch._dynamo`` (~2.5 s of CPU); the launcher imports it
-    once before it first forks ranks of a kind that builds optimisers, not every rank it forks."""
-    import torch._dynamo  # noqa: F401 - importing it is the point
-
-
 def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float = WEIGHT_DECAY) -> list[dict]:
     """Two AdamW groups: decayed (dim >= 2) and not decayed (dim < 2), registration order kept."""
     decay, no_decay = [], []

@@ -1,0 +1,77 @@
+"""What kinds that train a model with a loss share (``train``, and ``python`` through ``ctx.report``): their
+step figures, the job's losses from its ranks' results, how ``ctl`` shows them, and the optimiser warm-up.
+
+Pure (no torch at import): the coordinator aggregates results and ``ctl`` renders with it. Hooks take
+``rows_table`` (``ctl``'s table builder) so that no kind imports ``cli``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping
+
+from rankctl.kinds.registry import Fold
+
+# The per-step figures the coordinator folds into a step event (``JobKind.figures``): the loss every rank
+# that holds it agrees on (the dp-reduced loss of a last pipeline stage), and the slowest rank's tokens/s.
+TRAINING_FIGURES: Mapping[str, Fold] = {"loss": "first", "val_loss": "first", "tokens_per_s": "min"}
+SAMPLED_ROWS = 12
+
+
+def losses_result(results: Mapping[int, Any]) -> dict[str, Any]:
+    """The job's losses as the lowest rank holding them reports (a last pipeline stage; every DP rank of it
+    holds the same dp-reduced loss): ``{"losses", "val_losses", "final", "resumed_from", "reported_by"}``."""
+    for rank in sorted(results):
+        r = results[rank]
+        if isinstance(r, Mapping) and r.get("losses") and all(x.get("loss") is not None for x in r["losses"]):
+            return {"losses": r["losses"], "val_losses": r.get("val_losses", []), "final": r.get("final", {}),
+                    "resumed_from": r.get("resumed_from"), "reported_by": rank}
+    return {"losses": [], "val_losses": [], "final": {}, "reported_by": None}
+
+
+def losses_summary(result: Any) -> dict[str, Any]:
+    """Extra top-level fields of ``ctl status --json``: the job's losses."""
+    return {"losses": result.get("losses", []) if isinstance(result, dict) else []}
+
+
+def loss_tables(result: dict[str, Any], rows_table: Callable) -> list[tuple[str | None, Any]]:
+    """(result key, table) pairs: the losses and validation losses, sampled to ``SAMPLED_ROWS`` rows."""
+    out: list[tuple[str | None, Any]] = []
+    for key in ("losses", "val_losses"):
+        value = result.get(key)
+        if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+            out.append((key, rows_table(f"{key.replace('_', ' ')} ({len(value)} steps)", sample(value, SAMPLED_ROWS))))
+    return out
+
+
+def sample(rows: list, n: int) -> list:
+    """At most ``n`` rows spread evenly, always keeping the first and the last."""
+    if len(rows) <= n:
+        return rows
+    idx = sorted({round(i * (len(rows) - 1) / (n - 1)) for i in range(n)})
+    return [rows[i] for i in idx]
+
+
+def number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def latest_metrics(job: Any) -> tuple[int, dict] | None:
+    """(step, metrics) with a loss: the job summary's (the last step every rank finished), else, before any
+    step is finished by every rank, those of the lowest rank in the job's page that reports a loss."""
+    summary = job.summary if job.HasField("summary") else None
+    m = dict(summary.metrics) if summary is not None else {}
+    if number(m.get("loss")):
+        step = m.get("step")
+        return (int(step) if number(step) else summary.min_step), m
+    for r in sorted(job.ranks, key=lambda r: r.rank):
+        m = json.loads(r.metrics_json) if r.metrics_json else {}
+        if isinstance(m, dict) and number(m.get("loss")):
+            return r.step, m
+    return None
+
+
+def warm() -> None:
+    """``JobKind.warm``: AdamW's constructor imports ``torch._dynamo`` (~2.5 s of CPU); the launcher imports it
+    once before it first forks ranks of a kind that builds optimisers, not every rank it forks."""
+    import torch._dynamo  # noqa: F401 - importing it is the point
