@@ -18,6 +18,7 @@ from rankctl.cli.errors import CtlError
 from rankctl.kinds.python.checks import absolute_workdir
 from rankctl.kinds.spec import build_spec
 from rankctl.parallel.layout import ParallelConfig, RankLayout
+from rankctl.worker.config import cpu_share
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -39,6 +40,10 @@ FUNCTION = """import os, sys, rankctl
 def main():
     ctx = rankctl.context()
     ctx.report(1, loss=float(sys.argv[1]) + ctx.rank, flag=float(os.environ["MY_FLAG"]))
+def threads():
+    import torch
+    rankctl.context().report(1, loss=0.0, threads=float(torch.get_num_threads()),
+                             omp=float(os.environ["OMP_NUM_THREADS"]))
 """
 OWN_GROUP = """import torch, torch.distributed as dist, rankctl
 dist.init_process_group("gloo")
@@ -88,6 +93,8 @@ def jobs(runner, tmp_path_factory) -> dict[str, dict]:
                             ["parallel.tp=2"]),
         "function": submit(runner, SCRIPT.format(name="function", entry="user_mod:main", workdir=scripts),
                            ["python.args=['2.5']", "python.env={MY_FLAG: '7'}"]),
+        "threads": submit(runner, SCRIPT.format(name="threads", entry="user_mod:threads", workdir=scripts),
+                          ["resources.nodes=1", "resources.slots_per_node=1"]),
         "missing": submit(runner, SCRIPT.format(name="missing", entry="no_such_script.py", workdir=scripts)),
         "context": submit(runner, example("python-context.yaml"), [WORKDIR]),
         "megatron": submit(runner, example("megatron-core.yaml"),  # tp2 x dp2: 4 ranks import megatron-core
@@ -134,6 +141,15 @@ def test_a_function_entry_point_is_imported_and_called_with_args_and_env(jobs) -
     job = jobs["function"]
     assert job["state"] == "SUCCEEDED", job["reason"]
     assert job["losses"] == [{"step": 1, "loss": 2.5}] and job["metrics"] == {"loss": 2.5, "flag": 7.0}
+
+
+def test_a_rank_takes_its_share_of_the_nodes_cores_whatever_the_jobs_size(jobs) -> None:
+    """A 1-rank job on a 4-slot node runs with the node's cores over its 4 slots (as every rank there does), not
+    every core: ranks of jobs that share a node each took them all, and two 1-rank jobs on 2 cores ran 60x slower."""
+    job = jobs["threads"]
+    assert job["state"] == "SUCCEEDED", job["reason"]
+    share = cpu_share(4)
+    assert (job["metrics"]["threads"], job["metrics"]["omp"]) == (share, share), (job["metrics"], share)
 
 
 def test_ctl_makes_a_relative_workdir_absolute_against_the_job_files_directory(tmp_path, monkeypatch) -> None:

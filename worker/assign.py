@@ -108,7 +108,8 @@ class Admission:
         self._log.info("assigned", job=msg.job_id, attempt=msg.attempt, ranks=sorted(run.ranks))
         try:
             custom = self.cfg.log_cap_bytes != GENERATION_BYTES  # the launcher's default otherwise
-            await self._launcher.launch(assignments, **({"log_bytes": self.cfg.log_cap_bytes} if custom else {}))
+            await self._launcher.launch(assignments, threads=self.cfg.rank_threads,
+                                        **({"log_bytes": self.cfg.log_cap_bytes} if custom else {}))
         except LauncherError as exc:  # it just died: its death reports these ranks
             self._log.warning("launch failed", job=msg.job_id, error=str(exc))
 

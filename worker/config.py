@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,3 +35,16 @@ class DaemonConfig:
     workdir_cache_mb: int = 20480  # the node's cache of extracted workdirs; least recently used evicted past it
     snapshot_memory_mb: int | None = None  # bound on rankctl's snapshot memory (worker.snapmem); None: a quarter
                                            # of the node's memory, 0: none of rankctl's own
+
+    @property
+    def rank_threads(self) -> int:
+        """Intra-op threads of each rank: the node's cores over its slots (a rank's share of the node, whatever
+        else runs beside it). Ranks of jobs that share a node would otherwise each take every core, and
+        OpenMP's spinning barriers then slow all of them many times over (two 1-rank jobs on 2 cores: 60x)."""
+        return cpu_share(self.slots)
+
+
+def cpu_share(slots: int) -> int:
+    """The cores this process may run on (its affinity, as a container or ``taskset`` sets it) over ``slots``."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, slots))
+

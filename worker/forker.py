@@ -28,6 +28,7 @@ from rankctl.contract import checkpoints
 from rankctl.contract.assignment import RankAssignment
 from rankctl.kinds.spec import parse_spec
 from rankctl.worker import contain, shm
+from rankctl.worker.config import cpu_share
 from rankctl.worker.limits import RankLimits, Unenforceable, find_controllers
 from rankctl.worker.shmtrack import SCAN_S, ShmTracker
 from rankctl.worker.procutil import configure_logging, parse_signal, set_parent_death_signal, signal_name
@@ -151,7 +152,7 @@ class Forker:
         for kind in {a.kind for a in assignments} - self._warmed:
             self._warmed.add(kind)
             warm(kind)
-        threads = threads or max(1, (os.cpu_count() or 1) // max(1, len(assignments)))
+        threads = threads or cpu_share(len(assignments))   # the daemon says its node's share per slot
         generation = generation_bytes(len(assignments), **({"cap": log_bytes} if log_bytes else {}))
         running = {(p.assignment.job_id, p.assignment.attempt, p.assignment.rank) for p in self.procs.values()}
         for a in assignments:

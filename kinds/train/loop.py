@@ -42,7 +42,6 @@ result's ``final`` holds the last step's). ``val_loss`` stays the plain cross-en
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 from typing import Any
@@ -100,8 +99,6 @@ def setup(ctx: RankContext) -> Trainer:
     cfg = spec.train
     moe = MoEConfig.from_spec(spec.model.moe) if spec.model.moe is not None else None
     model_cfg = GPTConfig.from_spec(spec.model.model_copy(update={"moe": None}))
-    if ctx.device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.resources.slots_per_node))
     torch.manual_seed(cfg.seed)
     layout = Layout.of(spec.parallel, ctx.groups)
     sp = spec.parallel.sequence_parallel
