@@ -206,7 +206,7 @@ def test_cancel_after_a_restart_leaves_no_rank_of_any_attempt(three: ProcCluster
     wait_for(lambda: not rank_pids(job), 30, "every rank of every attempt to exit")
 
 
-HANG_TIMEOUT = 20
+HANG_TIMEOUT = 10
 HUNG = f"""
 name: hung
 kind: train
@@ -214,7 +214,7 @@ resources: {{nodes: 2, slots_per_node: 2}}
 parallel: {{tp: 2, pp: 2}}
 restart: {{max_restarts: 1, hang_timeout: {HANG_TIMEOUT}}}
 model: {{layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 256}}
-train: {{steps: 300, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 5, checkpoint_every: 20,
+train: {{steps: 120, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 5, checkpoint_every: 20,
         data: builtin:pydoc}}
 """
 VICTIM = 3  # the last pipeline stage's second tp rank: its tp peer is rank 2, its pp peer rank 1
