@@ -86,6 +86,11 @@ def messages(descriptor, depth: int = 0, ids: list[str] = ()):  # noqa: ANN001, 
     def build(draw):  # noqa: ANN001, ANN202
         msg = cls()
         for f in draw(st.lists(st.sampled_from(fields), max_size=min(len(fields), 6), unique=True)):
+            if f.type == F.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:   # e.g. RankStatus.figures
+                key, value = (field_values(e, depth, list(ids)) for e in f.message_type.fields)
+                entries = draw(st.dictionaries(key, value, max_size=3))
+                _try(lambda: getattr(msg, f.name).update(entries))
+                continue
             values = field_values(f, depth, list(ids))
             if f.is_repeated:
                 items = [v for v in draw(st.lists(values, max_size=3)) if v is not None]
