@@ -27,22 +27,26 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-def _snapshot_mounts() -> set[str]:
+def _snapshot_mounts(base: str) -> set[str]:
     with open("/proc/self/mounts") as f:
         return {fields[1] for fields in (line.split() for line in f)
-                if len(fields) > 2 and fields[2] == "tmpfs" and fields[1].startswith("/dev/shm/rankctl-")}
+                if len(fields) > 2 and fields[2] == "tmpfs" and fields[1].startswith(("/dev/shm/rankctl-", base))}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _unmount_snapshot_memory_left_by_killed_daemons():
-    before = _snapshot_mounts()
+def _unmount_snapshot_memory_left_by_killed_daemons(tmp_path_factory: pytest.TempPathFactory):
+    """Snapshot memory (``/dev/shm/rankctl-*``) and jobs' ``/dev/shm`` (a tmpfs in the job's run dir) that daemons
+    killed by a test (SIGKILL, or Slurm ending a step) left mounted."""
+    base = str(tmp_path_factory.getbasetemp())
+    before = _snapshot_mounts(base)
     yield
     from rankctl.worker import shm
 
-    for point in sorted(_snapshot_mounts() - before):
+    for point in sorted(_snapshot_mounts(base) - before, reverse=True):
         shm.libc().umount2(point.encode(), shm.MNT_DETACH)
-        with contextlib.suppress(OSError):
-            shutil.rmtree(point)
+        if point.startswith("/dev/shm/"):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(point)
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook
