@@ -104,10 +104,11 @@ class Client:
         self.close()
 
     # -- calls -----------------------------------------------------------------------------
-    def submit(self, spec_yaml: str, overrides: list[str], source: str, queue_anyway: bool = False) -> pb.Job:
+    def submit(self, spec_yaml: str, overrides: list[str], source: str, queue_anyway: bool = False,
+               allocation: pb.AllocationRequest | None = None) -> pb.Job:
         with rpc_errors(self.address):
             req = pb.SubmitJobRequest(spec_yaml=spec_yaml, overrides=overrides, source=source,
-                                      queue_anyway=queue_anyway)
+                                      queue_anyway=queue_anyway, allocation=allocation)
             return self.stub.SubmitJob(req).job
 
     def get(self, job_id: str, rank_offset: int = 0, rank_limit: int = 0, summary_only: bool = False) -> pb.Job:

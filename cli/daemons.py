@@ -185,14 +185,17 @@ def _check_node_identity(tls_dir: str, node: str) -> None:
 @click.option("--data-root", "data_roots", multiple=True, metavar="DIR",
               help="A directory under which jobs may name data and other paths on this node (repeatable; "
                    "default: only builtin data and the state dir).")
+@click.option("--pool", default="", metavar="NAME",
+              help="Serve only the job of this allocation, and exit when it ends (ctl slurm's batch script sets "
+                   "it; default: the general pool).")
 @with_tls
 @log_level
 @log_format
 @pass_ctx
 def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: str | None,
            advertise_address: str | None, state_dir: Path, health_listen: str, metrics_listen: str | None,
-           workdir_cache_mb: int, snapshot_memory_mb: int | None, data_roots: tuple[str, ...], tls_dir: str | None,
-           insecure: bool, log_level: str, log_format: str) -> None:
+           workdir_cache_mb: int, snapshot_memory_mb: int | None, data_roots: tuple[str, ...], pool: str,
+           tls_dir: str | None, insecure: bool, log_level: str, log_format: str) -> None:
     """Run the worker daemon for this node until SIGTERM/SIGINT."""
     from rankctl.worker.procutil import configure_logging
     from rankctl.worker.daemon import DaemonConfig, LauncherLost, NodeNameTaken
@@ -203,6 +206,11 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
     if slots is not None and slots < 1:
         raise CtlError(f"--slots={slots} must be at least 1")
     node = node_name(name)
+    if pool:
+        from rankctl.contract.names import node_name_problem
+
+        if (problem := node_name_problem(pool, "--pool")) is not None:
+            raise CtlError(problem)
     from rankctl.worker.sandbox import allowed_roots
 
     try:
@@ -238,6 +246,7 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         metrics_listen=metrics_listen or "",
         workdir_cache_mb=workdir_cache_mb,
         snapshot_memory_mb=snapshot_memory_mb,
+        pool=pool,
     )
     try:
         asyncio.run(run_worker(cfg))

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "undrain": ("rankctl.cli.nodes", "undrain", "Put a drained node back in service (clears its exclusions)."),
     "coordinator": ("rankctl.cli.daemons", "coordinator", "Run the coordinator service."),
     "worker": ("rankctl.cli.daemons", "worker", "Run a worker daemon for this node."),
+    "slurm": ("rankctl.cli.slurm", "slurm", "Run jobs on Slurm allocations (submit from the login node)."),
     "up": ("rankctl.cli.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
     "checkpoint": ("rankctl.cli.checkpoint", "checkpoint", "Work with training checkpoints (export)."),
     "certs": ("rankctl.cli.certs", "certs", "Create a CA and issue node and user certificates (mutual TLS)."),

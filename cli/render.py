@@ -59,6 +59,7 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
                       "started_at": seconds(a.start_time) or 0.0, "finished_at": seconds(a.finish_time)}
                      for a in job.attempts],
         "result": from_struct(job.result) if job.HasField("result") else None,
+        "allocation": allocation_to_dict(job.allocation) if job.HasField("allocation") else None,
     }
     if len(job.ranks) < job.world_size:
         first = job.rank_offset
@@ -68,6 +69,12 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
     if summary is not None:
         out.update(summary(out["result"]))
     return out
+
+
+def allocation_to_dict(a: pb.Allocation) -> dict[str, Any]:
+    """The allocation a job is pinned to (``ctl slurm submit``): the scheduler's job id, state and nodes."""
+    return {"scheduler": a.request.scheduler, "id": a.id or None, "state": a.state, "nodes": list(a.nodes),
+            "pool": a.pool, "number": a.number, "spares": a.request.spares, "output": a.output or None}
 
 
 def rank_to_dict(r: pb.RankStatus) -> dict[str, Any]:
@@ -192,6 +199,15 @@ def result_tables(result: Any, kind: str = "") -> list:
     return tables
 
 
+def _allocation_line(a: dict[str, Any] | None) -> str:
+    if a is None:
+        return ""
+    nodes = f" on {_nodes_text(a['nodes'])}" if a["nodes"] else ""
+    output = f"; batch output {a['output']}" if a["output"] else ""
+    return (f"allocation: {a['scheduler']} job {a['id'] or '(not submitted yet)'} ({a['state']}){nodes}, "
+            f"{a['spares']} spare(s){output}\n")
+
+
 def job_view(job: pb.Job, max_ranks: int = 64):
     """Head, summary, progress, per-rank table (at most ``max_ranks``) and result tables, as one renderable."""
     from rich.console import Group
@@ -202,6 +218,7 @@ def job_view(job: pb.Job, max_ranks: int = 64):
         (f"{d['id']}  ", "bold"), (d["state"], _state_style(d["state"])),
         f"  attempt {d['attempt']}  world {d['world_size']}  nodes {_nodes_text(d['nodes'])}\n",
         f"submitted by: {d['submitted_by']}\n" if d["submitted_by"] else "",
+        _allocation_line(d["allocation"]),
         f"reason: {d['reason'] or '-'}",
     )
     parts: list[Any] = [head]

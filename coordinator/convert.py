@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from rankctl.coordinator.allocation import Allocation, AllocationRequest
 from rankctl.coordinator.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.progress import SHOWN
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 SUMMARY_ERROR_CHARS = 2000  # a failing rank's error in a summary: its tail (the summary goes out with every batch)
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 REDACTED = "<redacted>"  # what clients see of a python.env value: only the Assign to the job's nodes carries it
+NODES_SHOWN = 1024  # an allocation's node names in a Job message (ctl status shows them; the count is the request's)
 TIMESTAMP_END_S = 253_402_300_800  # 10000-01-01T00:00:00Z: past google.protobuf.Timestamp's range
 
 _NODE_STATE = {
@@ -112,7 +114,28 @@ def job_summary_pb(job: JobRecord) -> pb.Job:
                  world_size=job.world_size, kind=job.kind, spec=to_struct(public_spec(job.spec.to_dict())))
     stamp(msg.create_time, job.created_at)
     stamp(msg.finish_time, job.finished_at)
+    if job.allocation is not None:
+        msg.allocation.CopyFrom(allocation_to_pb(job.allocation))
     return msg
+
+
+def allocation_request_to_pb(r: AllocationRequest) -> pb.AllocationRequest:
+    return pb.AllocationRequest(scheduler=r.scheduler, spares=r.spares, partition=r.partition, time=r.time,
+                                account=r.account, qos=r.qos, extra_args=r.extra_args,
+                                worker_state_dir=r.worker_state_dir, ctl=r.ctl, gpus_per_node=r.gpus_per_node,
+                                worker_args=r.worker_args)
+
+
+def allocation_request_from_pb(m: pb.AllocationRequest) -> AllocationRequest:
+    return AllocationRequest(scheduler=m.scheduler, spares=m.spares, partition=m.partition, time=m.time,
+                             account=m.account, qos=m.qos, extra_args=tuple(m.extra_args),
+                             worker_state_dir=m.worker_state_dir, ctl=m.ctl, gpus_per_node=m.gpus_per_node,
+                             worker_args=tuple(m.worker_args))
+
+
+def allocation_to_pb(a: Allocation) -> pb.Allocation:
+    return pb.Allocation(request=allocation_request_to_pb(a.request), pool=a.pool, id=a.id, state=a.state,
+                         nodes=a.nodes[:NODES_SHOWN], output=a.output, number=a.number)
 
 
 def _numbers(metrics: dict[str, Any] | None) -> dict[str, float]:
@@ -177,7 +200,7 @@ def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0,
     msg = pb.Node(
         name=r.name, address=r.address, slots=r.slots, free_slots=free_slots, state=_NODE_STATE[session.status],
         hardware=hardware_to_pb(r.hardware), rejected_reports=rejected_reports,
-        draining=draining, excluded_for=excluded_for, usage=session.usage,
+        draining=draining, excluded_for=excluded_for, usage=session.usage, pool=session.pool,
     )
     stamp(msg.last_seen_time, r.last_seen)
     return msg
@@ -209,7 +232,7 @@ def hello_from_pb(reg: pb.Register) -> NodeHello:
     return NodeHello(
         name=reg.name, address=reg.address, slots=reg.slots, hardware=hardware_from_pb(reg.hardware),
         free_ports=tuple(reg.free_ports), session=reg.session, peer_port=reg.peer_port,
-        running=tuple(RunningJob(r.job_id, r.attempt, tuple(r.ranks)) for r in reg.running),
+        running=tuple(RunningJob(r.job_id, r.attempt, tuple(r.ranks)) for r in reg.running), pool=reg.pool,
     )
 
 

@@ -28,6 +28,8 @@ from rankctl.contract.names import node_name_problem
 from rankctl.contract.spec import JobSpec
 from rankctl.coordinator import capacity
 from rankctl.coordinator.advance import Advancer
+from rankctl.coordinator.allocation import AllocationRequest
+from rankctl.coordinator.allocations import Allocations
 from rankctl.coordinator.commit import Outgoing, StoreGuard
 from rankctl.coordinator.drains import Drains
 from rankctl.coordinator.errors import CapacityError, InvalidRequest
@@ -58,7 +60,8 @@ class Coordinator:
     """Jobs and nodes of one coordinator, assembled from its collaborators (see the module docstring).
 
     ``book`` (jobs, ranks, events), ``nodes`` (sessions, drains, exclusions), ``stats`` (counters for the
-    metrics), ``signals`` (watchers) and ``logfetch`` are read by the servicers and the dashboard.
+    metrics), ``signals`` (watchers) and ``logfetch`` are read by the servicers and the dashboard; ``allocations``
+    by the server's allocation loop.
     """
 
     def __init__(self, store: Store, *, clock: Callable[[], float] = time.time,
@@ -80,6 +83,8 @@ class Coordinator:
         self._restarts = Restarts(self.book, self.nodes, store, clock, self._outgoing, self._stops, self._drains,
                                   self._scheduler, self.stats)
         self._advancer = Advancer(self.book, store, clock, self._guard, self._restarts, self._stops)
+        self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self.schedule)
+        self._restarts.hold_loss, self._scheduler.gathering = self.allocations.hold_loss, self.allocations.gathering
         self._assemble_node_side(heartbeat_timeout)
         for job in self.book.active():  # restarts under way before the coordinator stopped: confirm them again
             if job.state is S.RESTARTING:
@@ -138,14 +143,18 @@ class Coordinator:
         """Validate and submit (see ``submit_spec``)."""
         return self.submit_spec(self.validate(spec_yaml, overrides, source), queue_anyway=queue_anyway)
 
-    def submit_spec(self, spec: JobSpec, *, queue_anyway: bool = False, submitted_by: str = "") -> JobRecord:
+    def submit_spec(self, spec: JobSpec, *, queue_anyway: bool = False, submitted_by: str = "",
+                    allocation: AllocationRequest | None = None) -> JobRecord:
         """Store a validated job PENDING and run a schedule pass.
 
         A job larger than every node the cluster knows could hold is refused (CapacityError,
         nothing stored) unless ``queue_anyway``: then it waits for nodes and holds no one back.
+        With an ``allocation`` the job runs on the nodes the coordinator asks a scheduler for (``allocations``).
         """
         res = spec.resources
-        short = capacity.shortfall(list(self.nodes), res.nodes, res.slots_per_node)
+        if allocation is not None and (problems := allocation.problems()):
+            raise InvalidRequest("; ".join(problems))
+        short = None if allocation is not None else capacity.shortfall(list(self.nodes), res.nodes, res.slots_per_node)
         if short is not None and not queue_anyway:
             raise CapacityError(f"{short}; submit with --queue-anyway to wait for more nodes")
         job = JobRecord(
@@ -153,8 +162,11 @@ class Coordinator:
             reason="queued" if short is None else f"queued for nodes: {short}", world_size=spec.world_size,
             slots_per_node=res.slots_per_node, created_at=self.clock(), submitted_by=submitted_by,
         )
+        if allocation is not None:
+            self.allocations.attach(job, allocation)
         with self._guard.consistent():
             self.book.add(job)
+        self.allocations.added(job)
         self.schedule()
         return job
 
@@ -262,8 +274,11 @@ class Coordinator:
 
     # -- what nodes say --------------------------------------------------------
     def register(self, hello: NodeHello, outbox: Outbox) -> NodeSession:
-        """Open a node session (``sessions``): Registered, the jobs it runs reconciled, a schedule pass."""
-        return self._sessions.register(hello, outbox)
+        """Open a node session (``sessions``): Registered, the jobs it runs reconciled, a schedule pass; a worker
+        of an allocation no active job owns is told to exit (``allocations``)."""
+        session = self._sessions.register(hello, outbox)
+        self.allocations.registered(session)
+        return session
 
     def heartbeat(self, session: NodeSession, free_ports: Sequence[int] = ()) -> None:
         self._sessions.heartbeat(session, free_ports)

@@ -48,6 +48,7 @@ class NodeSession:
     acked_at: float = 0.0          # when the last Ack was sent
     peer_port: int = 0             # its PeerService port (checkpoint replication); 0: none
     usage: pb.NodeUsage | None = None  # the newest usage its heartbeats carried (None: none yet)
+    pool: str = ""                 # the allocation it was started for ("": the general pool; from its Register)
 
     @property
     def peer(self) -> str:
@@ -120,7 +121,7 @@ class NodeTable:
     def connect(self, record: NodeRecord, hello: NodeHello, outbox: Outbox, now: float) -> NodeSession:
         """Open a new session (``record`` from ``record_for``, already stored)."""
         session = NodeSession(record, NodeStatus.READY, outbox, tuple(hello.free_ports), now,
-                              peer_port=hello.peer_port)
+                              peer_port=hello.peer_port, pool=hello.pool)
         self.sessions[hello.name] = session
         return session
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankctl.contract.spec import JobSpec
+from rankctl.coordinator.allocation import Allocation
 from rankctl.coordinator.states import JobState
 from rankctl.parallel.placement import ranks_of_node
 
@@ -35,6 +36,12 @@ class JobRecord:
     result: dict[str, Any] | None = None
     seqno: int = 0                                   # submission order, set by the store
     submitted_by: str = ""                           # the submitter's identity ("user alice (submitter)"; "" without TLS)
+    allocation: Allocation | None = None             # the allocation it is pinned to (None: the general pool)
+
+    @property
+    def pool(self) -> str:
+        """The pool of nodes it runs in: its allocation's, or "" (the general pool)."""
+        return self.allocation.pool if self.allocation is not None else ""
 
     @property
     def nodes_needed(self) -> int:
@@ -136,6 +143,7 @@ class NodeHello:
     running: tuple[RunningJob, ...] = ()
     session: str = ""
     peer_port: int = 0         # the daemon's PeerService (checkpoint replication); 0: none
+    pool: str = ""             # the allocation it was started for ("": the general pool)
 
 
 @dataclass(frozen=True)

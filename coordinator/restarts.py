@@ -53,6 +53,9 @@ class Restarts:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
         self._outgoing, self._stops, self._drains, self._scheduler = outgoing, stops, drains, scheduler
         self._stats = stats
+        # ``allocations``' say over a lost node of an allocation's job (True: it fails the attempt itself, once it
+        # knows whether the whole allocation ended); set by the core after both exist
+        self.hold_loss: Callable[[JobRecord, str, str], bool] | None = None
 
     # -- failures ---------------------------------------------------------------------------
     def fail_attempt(self, job: JobRecord, reason: str, *, node: str = "") -> None:
@@ -168,7 +171,8 @@ class Restarts:
             gone = _gone(job.ranks_on(name))
             if name in self._nodes.draining:  # drained, then taken away: still no failure
                 self.drain_restart(job, [name], f"then lost ({detail}); {gone}")
-            else:
+            elif not (job.pool and self.hold_loss is not None and self.hold_loss(job, name, f"node {name} lost "
+                                                                                       f"({detail}); {gone}")):
                 self.fail_attempt(job, f"node {name} lost ({detail}); {gone}", node=name)
         self.check_stops()
 

@@ -1,6 +1,7 @@
 """The scheduler: pending jobs placed in queue order and started on their nodes.
 
-A pass walks the PENDING jobs in submission order; the first that cannot start holds the ones behind it
+A job pinned to an allocation (``coordinator.allocation``) is placed on its pool's nodes only, and no other job
+on them; it neither holds back nor waits behind the general queue. A pass walks the other PENDING jobs in submission order; the first that cannot start holds the ones behind it
 back for ``head_wait`` seconds unless they fit beside it (``capacity.may_pass``). A job is placed on the
 free slots of READY nodes that are neither draining nor excluded for it; a restarted attempt keeps the
 nodes of its previous one where it can and has its moved ranks fetch their checkpoints from a node that
@@ -54,6 +55,8 @@ class Scheduler:
         self._head_since: dict[str, float] = {}          # job id -> when it first could not start
         self._owed = False                               # a pass failed to store or was postponed
         self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes (cache)
+        # ``allocations``: why a job of an allocation waits for more of its workers (set by the core)
+        self.gathering: Callable[[JobRecord, int], str | None] = lambda job, ready: None
 
     def schedule(self) -> None:
         """Start pending jobs in queue order (see ``capacity``); a pass that cannot store is owed to ``catch_up``."""
@@ -93,6 +96,11 @@ class Scheduler:
         for job in self._book.pending():
             if job.state is not S.PENDING:
                 continue
+            if job.pool:  # its own nodes: it neither holds back nor waits behind the general queue
+                why = self._try_start(job)
+                if why is not None:
+                    self._book.set_waiting(job, why)
+                continue
             if head is not None and not capacity.may_pass(head, sessions, now - self._head_since[head.id],
                                                           self.head_wait):
                 self._book.set_waiting(job, f"queued behind {head.id}")
@@ -117,11 +125,17 @@ class Scheduler:
 
         Draining nodes and the nodes excluded for this job are not placed; the reason names them."""
         blocked = self._nodes.blocked(job.id)
-        slots = [NodeSlots(name, n) for name, n in self.free_slots().items() if name not in blocked]
+        slots = [NodeSlots(name, n) for name, n in self.free_slots().items()
+                 if name not in blocked and self._nodes.get(name).pool == job.pool]
+        if job.pool and (why := self.gathering(job, sum(1 for s in slots if s.free >= job.slots_per_node))):
+            return why
         try:
             names = capacity.place_keeping(self._prev_attempt_nodes(job), job.nodes_needed, job.slots_per_node,
                                            slots)
         except PlacementError as exc:
+            if job.allocation is not None:
+                return (f"waiting for the workers of its allocation, {job.allocation.describe()}: "
+                        f"{len(slots)} of {job.nodes_needed} node(s) ready")
             shown = "; ".join(f"{name} {why}" for name, why in sorted(blocked.items())[:8])
             more = f" and {len(blocked) - 8} more" if len(blocked) > 8 else ""
             return f"waiting for capacity: {exc}" + (f"; not placed: {shown}{more}" if blocked else "")

@@ -22,6 +22,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from rankctl.coordinator.allocation_loop import allocation_loop
 from rankctl.coordinator.auth import Authorizer
 from rankctl.coordinator.blobs import QUOTA_BYTES, RETENTION_S, BlobStore, collect_loop
 from rankctl.coordinator.core import Coordinator
@@ -29,6 +30,7 @@ from rankctl.coordinator import reflection
 from rankctl.coordinator.node_service import NodeServiceServicer
 from rankctl.coordinator.intake import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
+from rankctl.coordinator.slurm import SlurmAllocator
 from rankctl.coordinator.store import Store
 from rankctl.proto import rankctl_pb2_grpc
 
@@ -59,6 +61,7 @@ class CoordinatorServer:
     port: int
     monitor: asyncio.Task | None = field(default=None, repr=False)
     blob_gc: asyncio.Task | None = field(default=None, repr=False)  # unreferenced blobs collected (coordinator.blobs)
+    allocating: asyncio.Task | None = field(default=None, repr=False)  # allocations asked for and watched
     http: "HttpServer | None" = field(default=None, repr=False)   # the dashboard (``--http-listen``)
     http_host: str = ""
 
@@ -87,7 +90,7 @@ class CoordinatorServer:
         self.core.shutdown()
         if self.http is not None:
             await self.http.stop()
-        for task in (self.monitor, self.blob_gc):
+        for task in (self.monitor, self.blob_gc, self.allocating):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -190,6 +193,8 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     coord = CoordinatorServer(server, core, store, health, _split_listen(listen), port)
     coord.monitor = asyncio.create_task(_monitor(core, period=max(0.05, min(0.5, heartbeat_timeout / 4))))
     coord.blob_gc = asyncio.create_task(collect_loop(blobs, core.list, clock=clock))
+    core.allocations.address = coord.address
+    coord.allocating = asyncio.create_task(allocation_loop(core.allocations, SlurmAllocator(Path(state_dir))))
     if http_listen is not None:
         await _start_dashboard(coord, http_listen, identity, metrics_per_rank, Path(state_dir))
     core.schedule()

@@ -197,7 +197,10 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
                 raise BlobMissing(f"the job references {missing[0]}, which the coordinator does not hold: "
                                   "upload it first (ctl submit packs and uploads python.workdir)")
             who = caller()
-            job = self.core.submit_spec(spec, queue_anyway=request.queue_anyway, submitted_by=who.name if who else "")
+            allocation = convert.allocation_request_from_pb(request.allocation) \
+                if request.HasField("allocation") else None
+            job = self.core.submit_spec(spec, queue_anyway=request.queue_anyway, submitted_by=who.name if who else "",
+                                        allocation=allocation)
             return pb.SubmitJobResponse(job=self._job(job.id))
         except Exception as exc:
             await _abort(context, exc)

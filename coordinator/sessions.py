@@ -61,6 +61,9 @@ def check_hello(hello: NodeHello) -> None:
         raise ProtocolError(f"Register: {problem}")
     if not 1 <= hello.slots <= MAX_SLOTS_PER_NODE:
         raise ProtocolError(f"Register: slots={hello.slots} must be between 1 and {MAX_SLOTS_PER_NODE}")
+    problem = node_name_problem(hello.pool, "pool") if hello.pool else None
+    if problem is not None:
+        raise ProtocolError(f"Register: {problem}")
 
 
 class Sessions:

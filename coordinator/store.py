@@ -6,7 +6,8 @@ adds the events' ``data_json`` (a ``step`` event's step and metrics). Schema ver
 adds the ``drains`` and ``exclusions`` tables (``ctl drain``; nodes not placed for a job again) and
 the attempts' ``cause`` (``failure`` or ``drain``: a drain is no failure) and ``blamed`` (the node a
 failure is attributed to). Schema version 4 adds the jobs' ``submitted_by`` (the submitter's
-identity). An older database is upgraded in place.
+identity). Schema version 5 (issue 26) adds the jobs' ``allocation_json`` (the allocation a job is pinned to,
+``coordinator.allocation``). An older database is upgraded in place.
 
 One connection, owned by the coordinator and used from the event loop thread. Writes
 happen inside ``transaction()``; the outermost block commits before it returns, so a
@@ -33,13 +34,14 @@ from pathlib import Path
 from typing import Iterator
 
 from rankctl.kinds.spec import stored_spec
+from rankctl.coordinator.allocation import Allocation
 from rankctl.coordinator.errors import CoordinatorError
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeRecord, RankRecord
 from rankctl.coordinator.states import JobState
 
 DB_NAME = "coordinator.db"
 LOCK_NAME = "coordinator.lock"
-SCHEMA_VERSION = 4  # PRAGMA user_version of a database this code writes
+SCHEMA_VERSION = 5  # PRAGMA user_version of a database this code writes
 WAL_CHECKPOINT_PAGES = 128  # checkpoint the WAL into the database every ~512 KiB
 WAL_SIZE_LIMIT = 1 << 20    # and truncate it back to 1 MiB after a checkpoint
 
@@ -76,11 +78,12 @@ ADDED_COLUMNS = (
     ("attempts", "cause", "TEXT NOT NULL DEFAULT ''"),       # version 3
     ("attempts", "blamed", "TEXT NOT NULL DEFAULT ''"),      # version 3
     ("jobs", "submitted_by", "TEXT NOT NULL DEFAULT ''"),    # version 4
+    ("jobs", "allocation_json", "TEXT NOT NULL DEFAULT ''"), # version 5
 )
 
 _JOB_COLS = (
     "seqno, id, name, kind, spec_json, state, reason, attempt, world_size, slots_per_node, "
-    "created_at, finished_at, nodes_json, rendezvous, result_json, submitted_by"
+    "created_at, finished_at, nodes_json, rendezvous, result_json, submitted_by, allocation_json"
 )
 _RANK_COLS = "rank, node, phase, step, metrics_json, error, exit_code, exited, updated_at, result_json"
 
@@ -126,12 +129,13 @@ def _store_error(exc: sqlite3.Error, what: str) -> StoreError:
 
 
 def _job_from_row(row: tuple) -> JobRecord:
-    (seqno, jid, name, kind, spec, state, reason, attempt, world, spn, created, finished, nodes, rdv, res, by) = row
+    (seqno, jid, name, kind, spec, state, reason, attempt, world, spn, created, finished, nodes, rdv, res, by,
+     alloc) = row
     return JobRecord(
         id=jid, name=name, kind=kind, spec=stored_spec(json.loads(spec), name, kind), state=JobState(state), reason=reason,
         world_size=world, slots_per_node=spn, created_at=created, attempt=attempt, finished_at=finished,
         nodes=json.loads(nodes), rendezvous=rdv, result=json.loads(res) if res else None, seqno=seqno,
-        submitted_by=by,
+        submitted_by=by, allocation=Allocation.from_dict(json.loads(alloc)) if alloc else None,
     )
 
 
@@ -252,7 +256,7 @@ class Store:
     def insert_job(self, job: JobRecord) -> None:
         """Store a new job; sets ``job.seqno`` (submission order)."""
         cur = self._write(
-            f"INSERT INTO jobs ({_JOB_COLS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._job_args(job)
+            f"INSERT INTO jobs ({_JOB_COLS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._job_args(job)
         )
         job.seqno = cur.lastrowid
 
@@ -268,6 +272,7 @@ class Store:
             job.id, job.name, job.kind, json.dumps(job.spec.to_dict()), job.state.value, job.reason, job.attempt,
             job.world_size, job.slots_per_node, job.created_at, job.finished_at, json.dumps(job.nodes),
             job.rendezvous, json.dumps(job.result) if job.result is not None else None, job.submitted_by,
+            json.dumps(job.allocation.to_dict()) if job.allocation is not None else "",
         )
 
     def load_jobs(self) -> list[JobRecord]:

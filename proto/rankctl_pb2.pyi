@@ -92,7 +92,7 @@ class NodeUsage(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ..., sample_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "rejected_reports", "draining", "excluded_for", "last_seen_time", "usage")
+    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "rejected_reports", "draining", "excluded_for", "last_seen_time", "usage", "pool")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class Node(_message.Message):
     EXCLUDED_FOR_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_TIME_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -115,7 +116,8 @@ class Node(_message.Message):
     excluded_for: _containers.RepeatedScalarFieldContainer[str]
     last_seen_time: _timestamp_pb2.Timestamp
     usage: NodeUsage
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ...) -> None: ...
+    pool: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time", "figures")
@@ -244,7 +246,7 @@ class SlowRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ..., median_s: _Optional[float] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "nodes", "ranks", "kind", "summary", "rank_offset", "next_rank_offset", "attempts", "stopping", "submitted_by", "create_time", "finish_time", "spec", "result")
+    __slots__ = ("id", "name", "state", "reason", "attempt", "world_size", "nodes", "ranks", "kind", "summary", "rank_offset", "next_rank_offset", "attempts", "stopping", "submitted_by", "create_time", "finish_time", "spec", "result", "allocation")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +266,7 @@ class Job(_message.Message):
     FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     state: JobState
@@ -283,7 +286,52 @@ class Job(_message.Message):
     finish_time: _timestamp_pb2.Timestamp
     spec: _struct_pb2.Struct
     result: _struct_pb2.Struct
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ..., submitted_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., result: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    allocation: Allocation
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ..., submitted_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., result: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ...) -> None: ...
+
+class AllocationRequest(_message.Message):
+    __slots__ = ("scheduler", "spares", "partition", "time", "account", "qos", "extra_args", "worker_state_dir", "ctl", "gpus_per_node", "worker_args")
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_ARGS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STATE_DIR_FIELD_NUMBER: _ClassVar[int]
+    CTL_FIELD_NUMBER: _ClassVar[int]
+    GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ARGS_FIELD_NUMBER: _ClassVar[int]
+    scheduler: str
+    spares: int
+    partition: str
+    time: str
+    account: str
+    qos: str
+    extra_args: _containers.RepeatedScalarFieldContainer[str]
+    worker_state_dir: str
+    ctl: str
+    gpus_per_node: int
+    worker_args: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, scheduler: _Optional[str] = ..., spares: _Optional[int] = ..., partition: _Optional[str] = ..., time: _Optional[str] = ..., account: _Optional[str] = ..., qos: _Optional[str] = ..., extra_args: _Optional[_Iterable[str]] = ..., worker_state_dir: _Optional[str] = ..., ctl: _Optional[str] = ..., gpus_per_node: _Optional[int] = ..., worker_args: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Allocation(_message.Message):
+    __slots__ = ("request", "pool", "id", "state", "nodes", "output", "number")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    request: AllocationRequest
+    pool: str
+    id: str
+    state: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    output: str
+    number: int
+    def __init__(self, request: _Optional[_Union[AllocationRequest, _Mapping]] = ..., pool: _Optional[str] = ..., id: _Optional[str] = ..., state: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., output: _Optional[str] = ..., number: _Optional[int] = ...) -> None: ...
 
 class Attempt(_message.Message):
     __slots__ = ("attempt", "state", "reason", "start_time", "finish_time")
@@ -364,7 +412,7 @@ class Cancel(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port")
+    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port", "pool")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +421,7 @@ class Register(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PEER_PORT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -381,7 +430,8 @@ class Register(_message.Message):
     running: _containers.RepeatedCompositeFieldContainer[RunningJob]
     session: str
     peer_port: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ...) -> None: ...
+    pool: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class RunningJob(_message.Message):
     __slots__ = ("job_id", "attempt", "ranks")
@@ -458,20 +508,28 @@ class Registered(_message.Message):
     def __init__(self, node: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("registered", "assign", "cancel", "ack", "fetch_logs", "checkpoint")
+    __slots__ = ("registered", "assign", "cancel", "ack", "fetch_logs", "checkpoint", "release")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     FETCH_LOGS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     assign: Assign
     cancel: Cancel
     ack: Ack
     fetch_logs: FetchLogs
     checkpoint: CheckpointNow
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., fetch_logs: _Optional[_Union[FetchLogs, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointNow, _Mapping]] = ...) -> None: ...
+    release: Release
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., fetch_logs: _Optional[_Union[FetchLogs, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointNow, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointNow(_message.Message):
     __slots__ = ("job_id", "attempt", "step")
@@ -500,16 +558,18 @@ class FetchBlobRequest(_message.Message):
     def __init__(self, digest: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec_yaml", "overrides", "source", "queue_anyway")
+    __slots__ = ("spec_yaml", "overrides", "source", "queue_anyway", "allocation")
     SPEC_YAML_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_ANYWAY_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
     spec_yaml: str
     overrides: _containers.RepeatedScalarFieldContainer[str]
     source: str
     queue_anyway: bool
-    def __init__(self, spec_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., queue_anyway: _Optional[bool] = ...) -> None: ...
+    allocation: AllocationRequest
+    def __init__(self, spec_yaml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., queue_anyway: _Optional[bool] = ..., allocation: _Optional[_Union[AllocationRequest, _Mapping]] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job",)

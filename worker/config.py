@@ -33,6 +33,7 @@ class DaemonConfig:
     data_roots: tuple[str, ...] = ()  # where a job's data and other node paths may lie (besides the state dir)
     metrics_listen: str = ""      # HOST:PORT of the Prometheus /metrics endpoint (worker.metrics); "": none
     workdir_cache_mb: int = 20480  # the node's cache of extracted workdirs; least recently used evicted past it
+    pool: str = ""                # the allocation this daemon serves (ctl slurm's batch script); "": the general pool
     snapshot_memory_mb: int | None = None  # bound on rankctl's snapshot memory (worker.snapmem); None: a quarter
                                            # of the node's memory, 0: none of rankctl's own
 

@@ -57,6 +57,7 @@ class WorkerDaemon:
         self.stats = DaemonStats()
         self._set_serving = set_serving
         self._healthy: bool | None = None  # what set_serving was last told
+        self.released = ""  # why the coordinator released this daemon (its allocation ended); "": not released
         self._stopping = asyncio.Event()
         self._log = node_log = log.bind(node=cfg.name)
         credentials = _credentials(cfg.tls_dir)
@@ -122,6 +123,13 @@ class WorkerDaemon:
 
     def checkpoint(self, msg: pb.CheckpointNow) -> None:
         self.runs.request_checkpoint(msg)
+
+    def release(self, msg: pb.Release) -> None:
+        """This daemon's allocation ended (``--pool``): stop, ranks and launcher with it, and exit 0, so that the
+        scheduler's job (a Slurm job step) completes."""
+        self._log.info("released", pool=self.cfg.pool, reason=msg.reason)
+        self.released = msg.reason
+        self.stop()
 
     # -- life --------------------------------------------------------------------------------
     async def _update_health(self) -> None:

@@ -42,6 +42,7 @@ class Inbound(Protocol):
     async def assign(self, msg: pb.Assign) -> None: ...
     async def cancel(self, msg: pb.Cancel) -> None: ...
     def checkpoint(self, msg: pb.CheckpointNow) -> None: ...
+    def release(self, msg: pb.Release) -> None: ...
 
 
 def reconnect_delay(previous: float, initial: float, cap: float, rng: random.Random) -> float:
@@ -137,7 +138,7 @@ class CoordinatorSession:
         cfg = self.cfg
         return pb.NodeMessage(register=pb.Register(
             name=cfg.name, address=cfg.advertise_address, slots=cfg.slots, hardware=hardware_pb(self._hardware()),
-            running=self._running(), session=self._session_id, peer_port=cfg.peer_port,
+            running=self._running(), session=self._session_id, peer_port=cfg.peer_port, pool=cfg.pool,
             free_ports=free_ports(cfg.advertise_address, cfg.free_ports),
         ))
 
@@ -200,6 +201,8 @@ class CoordinatorSession:
                 self._outbox.buffer.acked(msg.ack.last_seq)
             elif body == "checkpoint":
                 self._inbound.checkpoint(msg.checkpoint)
+            elif body == "release":
+                self._inbound.release(msg.release)
             elif body == "fetch_logs":
                 task = asyncio.create_task(self._answer_fetch(msg.fetch_logs))
                 self._fetches.add(task)

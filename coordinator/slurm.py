@@ -1,0 +1,138 @@
+"""The Slurm adapter of ``coordinator.allocation.Allocator``: one batch job per allocation.
+
+The batch script (``batch_script``, printed by ``ctl slurm submit --dry-run``) starts one ``ctl worker`` per node
+with ``srun --ntasks-per-node=1``, each named by its Slurm node name and registered with the allocation's pool,
+so that it serves that rankctl job only. ``--no-kill`` keeps the allocation when a node is lost (the job restarts
+on a spare of the same allocation). When the rankctl job ends the coordinator tells the workers to exit, the
+step ends and the Slurm job completes; ``release`` (``scancel``) is the fallback.
+
+Every call runs ``sbatch``, ``squeue``, ``scontrol`` or ``scancel`` as a subprocess with a timeout: the server
+calls them on a worker thread, never on the event loop. They read the environment the coordinator runs in
+(``SLURM_CONF`` and the like), as any Slurm client on a login node does.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from rankctl.coordinator.allocation import Allocation, AllocationRefused, Ask, Seen
+
+CALL_TIMEOUT_S = 30.0
+DEFAULT_STATE_DIR = "${TMPDIR:-/tmp}/rankctl-worker-{jobid}-{node}"
+
+
+def ctl_command(request_ctl: str) -> list[str]:
+    """The ``ctl`` the workers run: the request's, else the executable beside this interpreter, else
+    ``python -m rankctl.cli.main`` of this interpreter (nodes share the login node's software, as Slurm
+    clusters do)."""
+    if request_ctl:
+        return [request_ctl]
+    beside = Path(sys.executable).with_name("ctl")
+    if beside.exists():
+        return [str(beside)]
+    return [sys.executable, "-m", "rankctl.cli.main"]
+
+
+def _expand(template: str) -> str:
+    """A state-dir template for the task's shell, double-quoted: ``{node}`` and ``{jobid}`` become Slurm's
+    variables, and the node's own environment expands (``$TMPDIR``, ``$HOME``), as in any batch script."""
+    escaped = template.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`")
+    return '"' + escaped.replace("{node}", "${SLURMD_NODENAME}").replace("{jobid}", "${SLURM_JOB_ID}") + '"'
+
+
+
+def worker_command(ask: Ask) -> str:
+    """The shell command each task runs (expanded on its node: its name and state dir are its own)."""
+    req = ask.allocation.request
+    ctl = " ".join(shlex.quote(c) for c in ctl_command(req.ctl))
+    state = _expand(req.worker_state_dir or DEFAULT_STATE_DIR)
+    extra = " ".join(shlex.quote(a) for a in req.worker_args)
+    return (f'mkdir -p {state} && exec {ctl} worker --coordinator {shlex.quote(ask.coordinator)} '
+            f'--name "$SLURMD_NODENAME" --slots {ask.slots} --pool {shlex.quote(ask.allocation.pool)} '
+            f'--state-dir {state}' + (f" {extra}" if extra else ""))
+
+
+def sbatch_options(ask: Ask, output: str) -> list[str]:
+    """The ``#SBATCH`` options: the rankctl job id as the Slurm job's name, nodes, one task each, no kill."""
+    req = ask.allocation.request
+    opts = [f"--job-name={ask.job_id}", f"--nodes={ask.nodes}", "--ntasks-per-node=1", "--no-kill",
+            f"--output={output}", "--open-mode=append"]
+    for name in ("partition", "time", "account", "qos"):
+        if getattr(req, name):
+            opts.append(f"--{name}={getattr(req, name)}")
+    if req.gpus_per_node:
+        opts.append(f"--gres=gpu:{req.gpus_per_node}")
+    return opts + list(req.extra_args)
+
+
+def batch_script(ask: Ask, output: str) -> str:
+    """The batch script, for people as much as for sbatch."""
+    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch_options(ask, output)), "",
+             f"# rankctl job {ask.job_id} ({ask.job_name}), allocation {ask.allocation.pool}: one `ctl worker` per node,",
+             f"# {ask.nodes} nodes ({ask.allocation.request.spares} of them spares). The workers serve this job only and exit",
+             "# when it ends (the coordinator tells them), which ends this Slurm job. --no-kill: a lost node does",
+             "# not end the allocation; the job restarts on a spare.",
+             "set -u",
+             "exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill bash -c "
+             + shlex.quote(worker_command(ask)), ""]
+    return "\n".join(lines)
+
+
+def default_output(state_dir: Path, pool: str) -> str:
+    return str(state_dir / "slurm" / f"{pool}.out")
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=CALL_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL, env=os.environ.copy())
+
+
+class SlurmAllocator:
+    """``Allocator`` over the Slurm client commands on this host (the login node)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = Path(state_dir)
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("sbatch") is not None
+
+    def request(self, ask: Ask) -> tuple[str, str]:
+        output = ask.allocation.output or default_output(self.state_dir, ask.allocation.pool)
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        script = batch_script(ask, output)
+        try:
+            done = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True,
+                                  timeout=CALL_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise AllocationRefused(f"sbatch could not run: {exc}") from None
+        if done.returncode != 0:
+            raise AllocationRefused(f"sbatch exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        return done.stdout.strip().split(";")[0], output
+
+    def state(self, allocation: Allocation) -> Seen:
+        """``scontrol show job`` (it knows ended jobs for ``MinJobAge``); a job it no longer knows is GONE."""
+        done = _run(["scontrol", "show", "job", "-o", allocation.id])
+        if done.returncode != 0:
+            text = (done.stderr or done.stdout).strip()
+            if "Invalid job id" in text:
+                return Seen("GONE", detail="Slurm no longer knows the job")
+            raise OSError(f"scontrol show job {allocation.id}: {text[-300:]}")
+        fields = dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
+        nodes = fields.get("NodeList", "")
+        names = tuple(_hostnames(nodes)) if nodes and nodes != "(null)" else ()
+        return Seen(fields.get("JobState", "UNKNOWN"), names, fields.get("Reason", ""))
+
+    def release(self, allocation: Allocation) -> None:
+        if allocation.id:
+            _run(["scancel", allocation.id])
+
+
+def _hostnames(nodelist: str) -> list[str]:
+    done = _run(["scontrol", "show", "hostnames", nodelist])
+    return done.stdout.split() if done.returncode == 0 else [nodelist]

@@ -1,0 +1,178 @@
+"""End to end on a real Slurm cluster on this machine (``slurmcluster.py``: munged, slurmctld, three slurmd):
+``ctl slurm submit`` through the real coordinator, which runs sbatch, places the job on the allocation's
+workers only, releases the allocation when the job ends and reacts when Slurm ends it first."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster import CTL, Proc, _written_status_files, ctl, rank_pids, status, wait_for, wait_state
+from slurmcluster import SlurmCluster, slurm_problem
+
+pytestmark = [pytest.mark.skipif(slurm_problem() is not None, reason=f"no local Slurm: {slurm_problem()}"),
+              pytest.mark.timeout(300)]
+EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "gpt-tp-dp.yaml")
+# the example, shortened: 40 steps, a checkpoint every 5 (the reference for the restarts below)
+RUN = ("--set", "train.steps=40", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=5")
+RESTARTABLE = (*RUN, "--set", "restart.max_restarts=1", "--spares", "1")
+LONG = ("--set", "train.steps=100000", "--set", "train.eval_every=0")
+REFERENCE: dict[str, list[float]] = {}   # the uninterrupted run's losses
+
+
+class Site:
+    """A Slurm cluster and a coordinator that can use it (``SLURM_CONF`` in its environment)."""
+
+    def __init__(self, root: Path) -> None:
+        self.slurm = SlurmCluster(root / "slurm", nodes=3).__enter__()
+        self.state = root / "coord"
+        self.state.mkdir()
+        self.coord = Proc(["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(self.state),
+                           "--heartbeat-timeout", "3"], root / "coord.log", env={"SLURM_CONF": str(self.slurm.conf)})
+        addr = self.state / "address"
+        self.address = wait_for(lambda: addr.exists() and addr.read_text().strip(), 30, "coordinator address")
+        self.workers = root / "workers"
+
+    def submit(self, *args: str) -> str:
+        out = ctl(self.address, "slurm", "submit", EXAMPLE, "--worker-state-dir", f"{self.workers}/{{node}}", *args)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.split()[-1]
+
+    def queue_empty(self) -> bool:
+        return not self.slurm.squeue()
+
+    def close(self) -> None:
+        self.coord.stop()
+        self.slurm.stop()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory):
+    s = Site(tmp_path_factory.mktemp("slurm-site"))
+    yield s
+    s.close()
+
+
+def running(site: Site, job: str, step: int = 1) -> dict:
+    return wait_for(lambda: (s := status(site.address, job))["state"] == "RUNNING"
+                    and (s["summary"] or {}).get("min_step", 0) >= step and s, 120, f"{job} running step {step}")
+
+
+def test_dry_run_prints_the_batch_script_and_submits_nothing(site: Site) -> None:
+    out = ctl(site.address, "slurm", "submit", EXAMPLE, "--spares", "1", "--partition", "debug", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill", "#SBATCH --partition=debug",
+                 "exec srun --ntasks-per-node=1"):
+        assert line in text, text
+    assert '--name "$SLURMD_NODENAME" --slots 2 --pool gpt-tp-dp-XXXXXX-a1' in text, text
+    assert site.queue_empty() and json.loads(ctl(site.address, "jobs", "--json").stdout) == []
+
+
+def test_a_job_runs_on_two_nodes_of_its_allocation_which_ends_with_it(site: Site) -> None:
+    out = ctl(site.address, "slurm", "submit", EXAMPLE, "--spares", "1", "--wait",
+              "--worker-state-dir", f"{site.workers}/{{node}}", *RUN)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = out.stdout.split()[-1]
+    ended = time.monotonic()
+    s = status(site.address, job)
+    alloc = s["allocation"]
+    assert s["state"] == "SUCCEEDED" and len(s["nodes"]) == 2 and set(s["nodes"]) <= set(alloc["nodes"]), s
+    assert alloc["scheduler"] == "slurm" and alloc["id"] and len(alloc["nodes"]) == 3 and alloc["spares"] == 1, alloc
+    wait_for(site.queue_empty, 30, "the Slurm queue to empty after the job ended")
+    print(f"\nslurm job {alloc['id']} left squeue {time.monotonic() - ended:.1f} s after rankctl job {job} ended")
+    text = ctl(site.address, "status", job).stdout
+    assert f"allocation: slurm job {alloc['id']}" in text, text
+    REFERENCE["losses"] = [x["loss"] for x in s["losses"]]
+    assert len(REFERENCE["losses"]) == 40
+
+
+def same_losses(s: dict) -> None:
+    losses = [x["loss"] for x in s["losses"]]
+    ref = REFERENCE.get("losses")
+    assert ref, "the uninterrupted run (the test before) did not finish"
+    bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(losses, ref)) if abs(a - b) > 1e-5 * max(abs(a), abs(b))]
+    assert len(losses) == len(ref) and not bad, bad
+
+
+def node_processes(site: Site, node: str, job: str) -> list[int]:
+    """The worker daemon of Slurm node ``node`` and its job's rank processes there."""
+    state = f"{site.workers}/{node}"
+    ranks = [p for p in rank_pids(job) if any(f"{state}/jobs/" in t for t in _written_status_files(str(p)))]
+    daemons = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"worker" in cmd and state.encode() in cmd:
+            daemons.append(int(entry))
+    return daemons + ranks
+
+
+def test_a_killed_worker_is_replaced_by_the_allocations_spare_and_the_losses_equal(site: Site) -> None:
+    job = site.submit(*RESTARTABLE)
+    s = running(site, job, step=12)
+    victim = s["nodes"][1]
+    spare = next(n for n in s["allocation"]["nodes"] if n not in s["nodes"])
+    pids = node_processes(site, victim, job)
+    assert len(pids) == 3, pids                    # the daemon and its 2 ranks
+    t0 = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    # the attempt number moves at the requeue, the counters at the placement: RUNNING first, then a step
+    wait_for(lambda: (x := status(site.address, job))["attempt"] == 2 and x["state"] == "RUNNING"
+             and (x["summary"] or {}).get("min_step", 0) > 0, 120, "attempt 2's first completed step", interval=0.05)
+    print(f"\nworker {victim} and its ranks SIGKILLed: attempt 2 completed a step {time.monotonic() - t0:.1f} s later")
+    s = wait_state(site.address, job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 240)
+    assert s["state"] == "SUCCEEDED" and s["attempt"] == 2, s["reason"]
+    assert spare in s["nodes"] and s["allocation"]["number"] == 1, (s["nodes"], s["allocation"])  # same allocation
+    same_losses(s)
+    wait_for(site.queue_empty, 30, "the queue to empty")
+
+
+def test_ctl_cancel_ends_the_allocation(site: Site) -> None:
+    job = site.submit(*LONG)
+    alloc_id = running(site, job)["allocation"]["id"]
+    assert [j["name"] for j in site.slurm.squeue()] == [job]            # squeue names the rankctl job
+    assert ctl(site.address, "cancel", job).returncode == 0
+    wait_for(site.queue_empty, 30, f"slurm job {alloc_id} to end after ctl cancel")
+    assert status(site.address, job)["state"] == "CANCELLED"
+
+
+def test_scancel_with_no_restart_left_fails_the_job_naming_the_slurm_job(site: Site) -> None:
+    job = site.submit(*LONG)
+    alloc_id = running(site, job)["allocation"]["id"]
+    site.slurm.run("scancel", alloc_id)
+    s = wait_state(site.address, job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 60)
+    assert s["state"] == "FAILED" and f"slurm job {alloc_id} (CANCELLED)" in s["reason"], s["reason"]
+    wait_for(site.queue_empty, 30, "the queue to empty")
+
+
+def test_scancel_with_a_restart_left_asks_for_a_new_allocation_and_resumes(site: Site) -> None:
+    job = site.submit(*RESTARTABLE)
+    first = running(site, job, step=12)["allocation"]["id"]
+    site.slurm.run("scancel", first)
+    s = wait_state(site.address, job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 240)
+    alloc = s["allocation"]
+    assert s["state"] == "SUCCEEDED" and s["attempt"] == 2, s["reason"]
+    assert alloc["number"] == 2 and alloc["id"] != first, alloc
+    assert f"slurm job {first} (CANCELLED)" in s["attempts"][0]["reason"], s["attempts"]
+    assert s["result"]["resumed_from"] >= 10, s["result"].get("resumed_from")   # the checkpoints kept on its nodes
+    same_losses(s)
+    wait_for(site.queue_empty, 30, "the queue to empty")
+    print(f"\nslurm job {first} cancelled; allocation 2 (slurm job {alloc['id']}) resumed from step "
+          f"{s['result']['resumed_from']}")
+
+
+def test_ctl_is_what_the_batch_script_runs() -> None:
+    """The batch script runs this interpreter's ctl (the login node's software, as on a Slurm cluster)."""
+    from rankctl.coordinator.slurm import ctl_command
+
+    assert ctl_command("") in ([str(Path(CTL[0]).with_name("ctl"))], CTL[:1] + ["-m", "rankctl.cli.main"])
+    assert ctl_command("/opt/ctl") == ["/opt/ctl"]
