@@ -13,7 +13,7 @@ from pathlib import Path
 CTL = [sys.executable, "-m", "rankctl.cli.main"]
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
