@@ -58,9 +58,11 @@ def worker_command(ask: Ask) -> str:
 
 
 def sbatch_options(ask: Ask, output: str) -> list[str]:
-    """The ``#SBATCH`` options: the rankctl job id as the Slurm job's name, nodes, one task each, no kill."""
+    """The ``#SBATCH`` options: the rankctl job id as the Slurm job's name, nodes, one task each, whole nodes
+    (``--exclusive``: one worker serves all of a node's slots, and two allocations on one node would give two
+    workers one node name), no kill."""
     req = ask.allocation.request
-    opts = [f"--job-name={ask.job_id}", f"--nodes={ask.nodes}", "--ntasks-per-node=1", "--no-kill",
+    opts = [f"--job-name={ask.job_id}", f"--nodes={ask.nodes}", "--ntasks-per-node=1", "--exclusive", "--no-kill",
             f"--output={output}", "--open-mode=append"]
     for name in ("partition", "time", "account", "qos"):
         if getattr(req, name):

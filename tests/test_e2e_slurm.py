@@ -18,10 +18,11 @@ from slurmcluster import SlurmCluster, slurm_problem
 pytestmark = [pytest.mark.skipif(slurm_problem() is not None, reason=f"no local Slurm: {slurm_problem()}"),
               pytest.mark.timeout(300)]
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "gpt-tp-dp.yaml")
-# the example, shortened: 40 steps, a checkpoint every 5 (the reference for the restarts below)
-RUN = ("--set", "train.steps=40", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=5")
+# the example, made small (a narrower model, 24 steps, a checkpoint every 4): the reference for the restarts below
+SMALL = ("--set", "model.hidden=32", "--set", "model.seq_len=32", "--set", "train.eval_every=0")
+RUN = (*SMALL, "--set", "train.steps=24", "--set", "train.checkpoint_every=4")
 RESTARTABLE = (*RUN, "--set", "restart.max_restarts=1", "--spares", "1")
-LONG = ("--set", "train.steps=100000", "--set", "train.eval_every=0")
+LONG = (*SMALL, "--set", "train.steps=100000", "--set", "resources.nodes=1")   # one node each: two run at once
 REFERENCE: dict[str, list[float]] = {}   # the uninterrupted run's losses
 
 
@@ -67,7 +68,7 @@ def test_dry_run_prints_the_batch_script_and_submits_nothing(site: Site) -> None
     out = ctl(site.address, "slurm", "submit", EXAMPLE, "--spares", "1", "--partition", "debug", "--dry-run")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --no-kill", "#SBATCH --partition=debug",
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --no-kill", "#SBATCH --partition=debug",
                  "exec srun --ntasks-per-node=1"):
         assert line in text, text
     assert '--name "$SLURMD_NODENAME" --slots 2 --pool gpt-tp-dp-XXXXXX-a1' in text, text
@@ -89,7 +90,7 @@ def test_a_job_runs_on_two_nodes_of_its_allocation_which_ends_with_it(site: Site
     text = ctl(site.address, "status", job).stdout
     assert f"allocation: slurm job {alloc['id']}" in text, text
     REFERENCE["losses"] = [x["loss"] for x in s["losses"]]
-    assert len(REFERENCE["losses"]) == 40
+    assert len(REFERENCE["losses"]) == 24
 
 
 def same_losses(s: dict) -> None:
@@ -117,7 +118,7 @@ def node_processes(site: Site, node: str, job: str) -> list[int]:
 
 def test_a_killed_worker_is_replaced_by_the_allocations_spare_and_the_losses_equal(site: Site) -> None:
     job = site.submit(*RESTARTABLE)
-    s = running(site, job, step=12)
+    s = running(site, job, step=8)
     victim = s["nodes"][1]
     spare = next(n for n in s["allocation"]["nodes"] if n not in s["nodes"])
     pids = node_processes(site, victim, job)
@@ -136,34 +137,30 @@ def test_a_killed_worker_is_replaced_by_the_allocations_spare_and_the_losses_equ
     wait_for(site.queue_empty, 30, "the queue to empty")
 
 
-def test_ctl_cancel_ends_the_allocation(site: Site) -> None:
-    job = site.submit(*LONG)
-    alloc_id = running(site, job)["allocation"]["id"]
-    assert [j["name"] for j in site.slurm.squeue()] == [job]            # squeue names the rankctl job
-    assert ctl(site.address, "cancel", job).returncode == 0
-    wait_for(site.queue_empty, 30, f"slurm job {alloc_id} to end after ctl cancel")
-    assert status(site.address, job)["state"] == "CANCELLED"
-
-
-def test_scancel_with_no_restart_left_fails_the_job_naming_the_slurm_job(site: Site) -> None:
-    job = site.submit(*LONG)
-    alloc_id = running(site, job)["allocation"]["id"]
-    site.slurm.run("scancel", alloc_id)
-    s = wait_state(site.address, job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 60)
-    assert s["state"] == "FAILED" and f"slurm job {alloc_id} (CANCELLED)" in s["reason"], s["reason"]
-    wait_for(site.queue_empty, 30, "the queue to empty")
+def test_ctl_cancel_ends_the_allocation_and_scancel_fails_the_job_naming_the_slurm_job(site: Site) -> None:
+    """Two one-node jobs at once: ``ctl cancel`` of one ends its allocation; ``scancel`` of the other's allocation
+    (no restart left) fails it with a reason naming the Slurm job and its state."""
+    cancelled, scancelled = site.submit(*LONG), site.submit(*LONG)
+    ids = {job: running(site, job)["allocation"]["id"] for job in (cancelled, scancelled)}
+    assert sorted(j["name"] for j in site.slurm.squeue()) == sorted(ids)     # squeue names the rankctl jobs
+    assert ctl(site.address, "cancel", cancelled).returncode == 0
+    site.slurm.run("scancel", ids[scancelled])
+    s = wait_state(site.address, scancelled, {"FAILED", "SUCCEEDED", "CANCELLED"}, 60)
+    assert s["state"] == "FAILED" and f"slurm job {ids[scancelled]} (CANCELLED)" in s["reason"], s["reason"]
+    assert status(site.address, cancelled)["state"] == "CANCELLED"
+    wait_for(site.queue_empty, 30, f"slurm jobs {sorted(ids.values())} to end")
 
 
 def test_scancel_with_a_restart_left_asks_for_a_new_allocation_and_resumes(site: Site) -> None:
     job = site.submit(*RESTARTABLE)
-    first = running(site, job, step=12)["allocation"]["id"]
+    first = running(site, job, step=8)["allocation"]["id"]
     site.slurm.run("scancel", first)
     s = wait_state(site.address, job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 240)
     alloc = s["allocation"]
     assert s["state"] == "SUCCEEDED" and s["attempt"] == 2, s["reason"]
     assert alloc["number"] == 2 and alloc["id"] != first, alloc
     assert f"slurm job {first} (CANCELLED)" in s["attempts"][0]["reason"], s["attempts"]
-    assert s["result"]["resumed_from"] >= 10, s["result"].get("resumed_from")   # the checkpoints kept on its nodes
+    assert s["result"]["resumed_from"] >= 8, s["result"].get("resumed_from")   # the checkpoints kept on its nodes
     same_losses(s)
     wait_for(site.queue_empty, 30, "the queue to empty")
     print(f"\nslurm job {first} cancelled; allocation 2 (slurm job {alloc['id']}) resumed from step "
