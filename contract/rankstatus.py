@@ -58,14 +58,16 @@ class RankStatusRecord:
         phase, error, tb = doc.get("phase"), doc.get("error"), doc.get("traceback")
         metrics = doc.get("metrics")
         return cls(
-            rank=rank, phase=None if phase is None else str(phase), ts=_number(doc.get("ts")),
+            rank=rank, phase=None if phase is None else str(phase), ts=as_number(doc.get("ts")),
             step=_step(doc.get("step")), metrics=metrics if isinstance(metrics, dict) else {},
             error=None if error is None else str(error), result=doc.get("result"), traceback=_lines(tb),
-            wait_s=_number(doc.get("wait_s")), compute_s=_number(doc.get("compute_s")),
+            wait_s=as_number(doc.get("wait_s")), compute_s=as_number(doc.get("compute_s")),
         )
 
 
-def _number(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
+    """``value`` as a float when it is a JSON number that fits one (None: not a number, a bool, or an integer past
+    float's range)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     try:

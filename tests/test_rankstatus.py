@@ -66,3 +66,7 @@ def test_the_one_conversion_to_the_wire() -> None:
     done, result = to_wire(RankStatusRecord(rank=1, phase="done", result={"ok": 1}), "n0")
     assert json.loads(result) == {"ok": 1} and not done.HasField("compute_s")
     assert to_wire(RankStatusRecord.from_line("junk", 4), "n0")[0].phase == "unknown"
+    huge = RankStatusRecord.from_line('{"phase": "running", "step": 2, "metrics": {"loss": 1.5, "big": 1%s, '
+                                      '"step_time": 1%s}}' % ("0" * 400, "0" * 400), 3)
+    status, _ = to_wire(huge, "n0")     # an integer past float's range is no figure (it raised OverflowError)
+    assert dict(status.figures) == {"loss": 1.5} and not status.HasField("step_time_s")

@@ -8,7 +8,7 @@ import signal
 import socket
 from typing import Any
 
-from rankctl.contract.rankstatus import RankStatusRecord
+from rankctl.contract.rankstatus import RankStatusRecord, as_number
 from rankctl.proto import rankctl_pb2 as pb
 
 
@@ -63,19 +63,16 @@ def step_figures(status: pb.RankStatus, metrics: Any) -> None:
     if not isinstance(metrics, dict):
         return
     for key in STEP_TIME:
-        v = metrics.get(key)
-        if _number(v):
-            status.step_time_s = float(v)
+        if (v := as_number(metrics.get(key))) is not None:
+            status.step_time_s = v
             break
     n = 0
-    for key, v in metrics.items():
-        if n < MAX_FIGURES and _number(v) and isinstance(key, str) and len(key) <= MAX_NAME and key not in NOT_FIGURES:
-            status.figures[key] = float(v)
+    for key, value in metrics.items():
+        v = as_number(value)
+        if n < MAX_FIGURES and v is not None and isinstance(key, str) and len(key) <= MAX_NAME \
+                and key not in NOT_FIGURES:
+            status.figures[key] = v
             n += 1
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def stamp_update(status: pb.RankStatus, ts: Any) -> None:
