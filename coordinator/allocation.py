@@ -18,11 +18,11 @@ from typing import Any, Protocol
 SCHEDULERS = ("slurm",)
 MAX_SPARES = 1024
 # the scheduler's states in which an allocation's workers run no more (Slurm's names; GONE: it forgot the job)
-ENDED = frozenset(("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL",
-                   "DEADLINE", "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT", "GONE",
-                   "NOT_SUBMITTED"))   # NOT_SUBMITTED: the job ended before it was asked for
 REQUESTING = "REQUESTING"   # asked for, no answer from the scheduler yet
 UNAVAILABLE = "UNAVAILABLE"  # the scheduler refused it (sbatch failed): the job fails with its words
+NOT_SUBMITTED = "NOT_SUBMITTED"  # the job ended before the allocation was asked for
+ENDED = frozenset(("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL",
+                   "DEADLINE", "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT", "GONE", UNAVAILABLE, NOT_SUBMITTED))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +98,7 @@ class Allocation:
 
     @property
     def ended(self) -> bool:
-        return self.state in ENDED or self.state == UNAVAILABLE
+        return self.state in ENDED
 
     def describe(self) -> str:
         """``slurm job 1234 (RUNNING)``."""

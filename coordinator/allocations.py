@@ -25,8 +25,8 @@ from typing import Callable
 
 import structlog
 
-from rankctl.coordinator.allocation import (REQUESTING, UNAVAILABLE, Allocation, AllocationRequest, Ask, Seen,
-                                            pool_name)
+from rankctl.coordinator.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
+                                            Ask, Seen, pool_name)
 from rankctl.coordinator.commit import StoreGuard
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeTable
@@ -70,6 +70,7 @@ class Allocations:
         self.address = address   # where the workers dial this coordinator (the server sets it)
         self._open: dict[str, JobRecord] = {j.id: j for j in book.jobs.values()
                                             if j.allocation is not None and not _finished(j)}
+        self._pools: dict[str, str] = {j.allocation.pool: j.id for j in self._open.values()}  # pool -> its job
         self._in_flight: set[tuple[str, int, str]] = set()
         self._watched: dict[tuple[str, int], float] = {}
         self._released_at: dict[tuple[str, int], float] = {}
@@ -89,6 +90,7 @@ class Allocations:
     def added(self, job: JobRecord) -> None:
         if job.allocation is not None:
             self._open[job.id] = job
+            self._pools[job.allocation.pool] = job.id
 
     @staticmethod
     def nodes_of(job: JobRecord) -> int:
@@ -108,7 +110,7 @@ class Allocations:
                 self._schedule()   # its gathering time is over: placed on the workers that came
             if a.state == REQUESTING and not a.id:
                 if is_terminal(job.state):
-                    self._set(job, replace(a, state="NOT_SUBMITTED"))
+                    self._set(job, replace(a, state=NOT_SUBMITTED))
                     continue
                 work = Work("request", job.id, a, Ask(job.id, job.name, a, self.nodes_of(job),
                                                      job.slots_per_node, self.address))
@@ -196,16 +198,15 @@ class Allocations:
 
     def released(self, work: Work) -> None:
         key = (work.job_id, work.allocation.number)
-        self._in_flight.discard((*key, "release"))
+        self._answered(work)
         self._released_at[key] = float("inf")   # released once; the watch sees it end
         self._watched.pop(key, None)
 
     def failed_call(self, work: Work, error: str) -> None:
         """A call that could not be made (the scheduler did not answer): tried again at the next ``due``."""
-        self._in_flight.discard((work.job_id, work.allocation.number, work.action))
         self._watched[(work.job_id, work.allocation.number)] = self._clock()
         log.warning("allocation.call_failed", job=work.job_id, action=work.action, error=error)
-        job = self._current(work)
+        job = self._answered(work)
         if job is not None and work.action == "watch":
             self._fail_held(job)   # the scheduler did not answer: a lost node is a lost node
 
@@ -226,7 +227,7 @@ class Allocations:
         if not session.pool:
             return
         self._first_worker.setdefault(session.pool, self._clock())
-        owner = next((j for j in self._open.values() if j.allocation.pool == session.pool), None)
+        owner = self._open.get(self._pools.get(session.pool, ""))
         if owner is None or is_terminal(owner.state) or owner.allocation.released:
             why = f"no active job owns pool {session.pool}" if owner is None else f"job {owner.id} has ended"
             self._nodes.send(session.name, release_message(why))
@@ -273,12 +274,15 @@ class Allocations:
         fresh = Allocation(request=old.request, pool=pool_name(job.id, old.number + 1), number=old.number + 1,
                            attempt=job.attempt)
         self._set(job, fresh)
+        self._pools.pop(old.pool, None)
+        self._pools[fresh.pool] = job.id
         self._book.set_waiting(job, f"waiting for a new allocation (the last one ended: {old.describe()})")
         self._book.event(job, "allocation", f"allocation {old.number} ended ({old.describe()}); asking for a new one")
         log.warning("allocation.renewed", job=job.id, old=old.id, pool=fresh.pool)
 
     def _forget(self, job: JobRecord) -> None:
         self._open.pop(job.id, None)
+        self._pools.pop(job.allocation.pool, None)
         self._forget_keys(job.id, job.allocation.number)
 
     def _forget_keys(self, job_id: str, number: int) -> None:

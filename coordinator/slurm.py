@@ -13,7 +13,7 @@ calls them on a worker thread, never on the event loop. They read the environmen
 
 from __future__ import annotations
 
-import os
+import functools
 import shlex
 import shutil
 import subprocess
@@ -43,7 +43,6 @@ def _expand(template: str) -> str:
     variables, and the node's own environment expands (``$TMPDIR``, ``$HOME``), as in any batch script."""
     escaped = template.replace("\\", "\\\\").replace('"', '\\"').replace("`", "\\`")
     return '"' + escaped.replace("{node}", "${SLURMD_NODENAME}").replace("{jobid}", "${SLURM_JOB_ID}") + '"'
-
 
 
 def worker_command(ask: Ask) -> str:
@@ -89,9 +88,10 @@ def default_output(state_dir: Path, pool: str) -> str:
     return str(state_dir / "slurm" / f"{pool}.out")
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=CALL_TIMEOUT_S,
-                          stdin=subprocess.DEVNULL, env=os.environ.copy())
+def _run(args: list[str], script: str | None = None) -> subprocess.CompletedProcess:
+    """A Slurm client command (``script`` on its stdin, else none), in the coordinator's environment."""
+    return subprocess.run(args, input=script, capture_output=True, text=True, timeout=CALL_TIMEOUT_S,
+                          **({} if script is not None else {"stdin": subprocess.DEVNULL}))
 
 
 class SlurmAllocator:
@@ -109,8 +109,7 @@ class SlurmAllocator:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         script = batch_script(ask, output)
         try:
-            done = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True,
-                                  timeout=CALL_TIMEOUT_S)
+            done = _run(["sbatch", "--parsable"], script)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise AllocationRefused(f"sbatch could not run: {exc}") from None
         if done.returncode != 0:
@@ -127,7 +126,7 @@ class SlurmAllocator:
             raise OSError(f"scontrol show job {allocation.id}: {text[-300:]}")
         fields = dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
         nodes = fields.get("NodeList", "")
-        names = tuple(_hostnames(nodes)) if nodes and nodes != "(null)" else ()
+        names = _hostnames(nodes) if nodes and nodes != "(null)" else ()
         return Seen(fields.get("JobState", "UNKNOWN"), names, fields.get("Reason", ""))
 
     def release(self, allocation: Allocation) -> None:
@@ -135,6 +134,9 @@ class SlurmAllocator:
             _run(["scancel", allocation.id])
 
 
-def _hostnames(nodelist: str) -> list[str]:
+@functools.lru_cache(maxsize=256)   # a watch asks every 5 s; an allocation's node list does not change
+def _hostnames(nodelist: str) -> tuple[str, ...]:
     done = _run(["scontrol", "show", "hostnames", nodelist])
-    return done.stdout.split() if done.returncode == 0 else [nodelist]
+    if done.returncode != 0:   # not cached: the watch fails and is tried again
+        raise OSError(f"scontrol show hostnames {nodelist}: {(done.stderr or done.stdout).strip()[-300:]}")
+    return tuple(done.stdout.split())
