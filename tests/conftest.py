@@ -22,6 +22,21 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def _pin_xdist_worker() -> None:
+    """Under pytest-xdist (the README's ``-n 2``) each worker and everything it starts (coordinators, daemons,
+    ranks, Slurm) runs on a CPU of its own: timing checks (stragglers, hang timeouts, heartbeats) then see the
+    same machine whatever the other worker runs, instead of sharing every core with it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    cpus = sorted(os.sched_getaffinity(0))
+    if worker.startswith("gw") and count.isdigit() and 1 < int(count) <= len(cpus):
+        share = len(cpus) // int(count)
+        index = int(worker[2:]) % int(count)
+        os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
+
+
+_pin_xdist_worker()
+
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -40,9 +55,15 @@ def _unmount_snapshot_memory_left_by_killed_daemons(tmp_path_factory: pytest.Tem
     base = str(tmp_path_factory.getbasetemp())
     before = _snapshot_mounts(base)
     yield
+    from rankctl.contract.checkpoints import memory_base
     from rankctl.worker import shm
 
+    # Another pytest-xdist worker's daemons may be running: only the snapshot memory of state dirs under this
+    # worker's own base temp directory is its to unmount.
+    own = {memory_base(os.path.join(top, d)) for top, dirs, _ in os.walk(base) for d in dirs}
     for point in sorted(_snapshot_mounts(base) - before, reverse=True):
+        if point.startswith("/dev/shm/") and point not in own:
+            continue
         shm.libc().umount2(point.encode(), shm.MNT_DETACH)
         if point.startswith("/dev/shm/"):
             with contextlib.suppress(OSError):
