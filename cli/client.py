@@ -161,6 +161,19 @@ class Client:
         with rpc_errors(self.address):
             return self.stub.DrainNode(pb.DrainNodeRequest(node=node, reason=reason, undrain=undrain))
 
+    def start_workers(self, allocation: pb.AllocationRequest, nodes: int, slots: int) -> pb.WorkerPool:
+        with rpc_errors(self.address):
+            req = pb.StartWorkersRequest(allocation=allocation, nodes=nodes, slots=slots)
+            return self.stub.StartWorkers(req).pool
+
+    def release_workers(self, pool_id: str, reason: str = "") -> pb.WorkerPool:
+        with rpc_errors(self.address):
+            return self.stub.ReleaseWorkers(pb.ReleaseWorkersRequest(id=pool_id, reason=reason)).pool
+
+    def worker_pools(self) -> list[pb.WorkerPool]:
+        with rpc_errors(self.address):
+            return list(self.stub.ListWorkerPools(pb.ListWorkerPoolsRequest()).pools)
+
     def watch(self, job_id: str, after_seq: int = 0) -> Iterator[pb.JobEvent]:
         with rpc_errors(self.address):
             yield from self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id, after_seq=after_seq))

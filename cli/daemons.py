@@ -59,7 +59,7 @@ def plain_text_problem(addresses: dict[str, str], tls_dir: str | None, insecure:
 
 
 async def _serve_coordinator(listen: str, state_dir: Path, tls_dir: str | None, **options: object) -> None:
-    """Serve until SIGTERM/SIGINT; ``options``: start_coordinator's keyword arguments (heartbeat_timeout,
+    """Serve until SIGTERM/SIGINT; ``options``: start_coordinator's keyword arguments (advertise, heartbeat_timeout,
     head_wait, http_listen, metrics_per_rank, blob_quota_bytes, blob_retention_s)."""
     import structlog
 
@@ -84,6 +84,9 @@ async def _serve_coordinator(listen: str, state_dir: Path, tls_dir: str | None, 
               help="Address to serve on (port 0 picks a free port and logs it).")
 @click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory for the durable store (SQLite, WAL).")
+@click.option("--advertise-address", default=None, metavar="HOST",
+              help="The host workers the coordinator starts (ctl slurm) dial it on (default: the --listen host, or "
+                   "this host's name when that is 0.0.0.0 or [::]).")
 @click.option("--heartbeat-timeout", default=10.0, show_default=True, type=float,
               help="Seconds without a heartbeat before a node is lost.")
 @click.option("--head-wait", default=60.0, show_default=True, type=float,
@@ -99,7 +102,7 @@ async def _serve_coordinator(listen: str, state_dir: Path, tls_dir: str | None, 
 @with_tls
 @log_level
 @log_format
-def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wait: float, http_listen: str | None,
+def coordinator(listen: str, state_dir: Path, advertise_address: str | None, heartbeat_timeout: float, head_wait: float, http_listen: str | None,
                 metrics_per_rank: bool, blob_quota_mb: int, blob_retention_hours: float, tls_dir: str | None, insecure: bool, log_level: str, log_format: str) -> None:
     """Run the coordinator service (gRPC) until SIGTERM/SIGINT."""
     from rankctl.coordinator.store import StateDirInUse, StoreUnusable
@@ -124,7 +127,8 @@ def coordinator(listen: str, state_dir: Path, heartbeat_timeout: float, head_wai
 
     tune_gc()
     try:
-        asyncio.run(_serve_coordinator(listen, state_dir, tls_dir, heartbeat_timeout=heartbeat_timeout,
+        asyncio.run(_serve_coordinator(listen, state_dir, tls_dir, advertise=advertise_address,
+                                       heartbeat_timeout=heartbeat_timeout,
                                        head_wait=head_wait, http_listen=http_listen,
                                        metrics_per_rank=metrics_per_rank, blob_quota_bytes=blob_quota_mb << 20,
                                        blob_retention_s=blob_retention_hours * 3600))

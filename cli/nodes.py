@@ -76,6 +76,9 @@ def nodes(ctx: Ctx, output: str | None, as_json: bool) -> None:
         for row, n in zip(rows, found):
             row["hostname"] = n["hostname"] or "-"
             row["per gpu"] = " ".join(f"{g['index']}:{g['utilization']:.0f}%" for g in (n["usage"] or {}).get("gpus", [])) or "-"
+    if any(n["pool"] for n in found):
+        for row, n in zip(rows, found):
+            row["pool"] = n["pool"] or "-"
     if any(_flags(n) for n in found):
         for row, n in zip(rows, found):
             row["service"] = _flags(n) or "-"

@@ -143,6 +143,7 @@ def node_to_dict(node: pb.Node) -> dict[str, Any]:
         "excluded_for": list(node.excluded_for),
         "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in hw.gpus],
         "hostname": hw.hostname,
+        "pool": node.pool,     # the allocation or worker pool it was started for ("": none)
     }
 
 

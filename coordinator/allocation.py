@@ -40,6 +40,7 @@ class AllocationRequest:
     ctl: str = ""                   # the ctl executable the workers run ("": the coordinator's own)
     gpus_per_node: int = 0
     worker_args: tuple[str, ...] = ()   # added to each ``ctl worker`` as they are (``--data-root DIR``)
+    worker_tls_dir: str = ""        # each worker's identity directory ({node} expands): the coordinator serves TLS
 
     def problems(self) -> list[str]:
         """Each field that breaks a rule, named with its value and the rule (empty: valid)."""
@@ -60,14 +61,24 @@ class AllocationRequest:
                     out.append(f"{option} (got {arg[:40]!r}): at most 1000 characters on one line")
             if len(args) > 64:
                 out.append(f"{option} (got {len(args)} of them): at most 64")
-        for name in ("worker_state_dir", "ctl"):
+        for name in ("worker_state_dir", "ctl", "worker_tls_dir"):
             value = getattr(self, name)
             if len(value) > 4096 or any(c in value for c in "\n\r\0"):
                 out.append(f"--{name.replace('_', '-')} (got {value[:40]!r}): at most 4096 characters on one line")
-        if "`" in self.worker_state_dir or "$(" in self.worker_state_dir:
-            out.append(f"--worker-state-dir (got {self.worker_state_dir[:40]!r}): no command substitution "
-                       "(`...` or $(...)); {node}, {jobid} and $VARIABLES expand")
+        for name in ("worker_state_dir", "worker_tls_dir"):
+            value = getattr(self, name)
+            if "`" in value or "$(" in value:
+                out.append(f"--{name.replace('_', '-')} (got {value[:40]!r}): no command substitution "
+                           "(`...` or $(...)); {node}, {jobid} and $VARIABLES expand")
         return out
+
+    def tls_problem(self, coordinator_tls: bool) -> str | None:
+        """A coordinator that serves mutual TLS admits a worker only with a node identity of its own name."""
+        if coordinator_tls and not self.worker_tls_dir:
+            return ("--worker-tls-dir (got none): the coordinator serves mutual TLS, so each worker needs a node "
+                    "identity directory; give a path template where {node} expands to the Slurm node name (issue "
+                    "one per node: ctl certs issue CA --node NAME --out DIR)")
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -130,6 +141,8 @@ class Ask:
     nodes: int                      # the job's nodes plus the spares
     slots: int                      # resources.slots_per_node: each worker's --slots
     coordinator: str                # the address the workers dial
+    tls: bool = False               # the coordinator serves mutual TLS (the workers pass --tls-dir)
+    general: bool = False           # a worker pool for the general queue (``ctl slurm workers``), not one job's
 
 
 @dataclass(frozen=True)

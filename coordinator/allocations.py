@@ -6,8 +6,9 @@ the event loop thread. Rules:
 
 - A job's allocation is asked for as soon as the job is stored; its workers register with its pool and the
   scheduler places the job on them only (``Scheduler``).
-- The job ends (any state): the workers of its pool are told to exit (``Release``), so the scheduler's job
-  completes; one still alive ``RELEASE_GRACE_S`` later is released by the adapter (``scancel``).
+- The job ends (any state): its ranks' logs are kept by the coordinator (``logarchive``, bounded in time), then
+  the workers of its pool are told to exit (``Release``), so the scheduler's job completes; one still alive
+  ``RELEASE_GRACE_S`` later is released by the adapter (``scancel``).
 - The allocation ends first (``scancel``, its time limit, preemption): the attempt fails naming the allocation
   and its state (``Restarts.fail_attempt``); a job that may restart is queued again and gets a new allocation
   (a new pool, ``number`` + 1) once the old one has ended, then resumes from its newest checkpoint.
@@ -48,7 +49,8 @@ LOSS_GRACE_S = 3.0       # how long a lost node's failure waits for the schedule
 
 @dataclass(frozen=True)
 class Work:
-    """One call an ``Allocator`` must make: ``request`` (``ask``), ``watch`` or ``release``."""
+    """One call to make: an ``Allocator``'s ``request`` (``ask``), ``watch`` or ``release``, or ``archive`` (the
+    ended job's rank logs, before its workers are released)."""
 
     action: str
     job_id: str
@@ -68,6 +70,7 @@ class Allocations:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
         self._guard, self._restarts, self._schedule = guard, restarts, schedule
         self.address = address   # where the workers dial this coordinator (the server sets it)
+        self.tls = False         # whether it serves mutual TLS (the server sets it): workers need an identity
         self._open: dict[str, JobRecord] = {j.id: j for j in book.jobs.values()
                                             if j.allocation is not None and not _finished(j)}
         self._pools: dict[str, str] = {j.allocation.pool: j.id for j in self._open.values()}  # pool -> its job
@@ -77,6 +80,7 @@ class Allocations:
         self._losses: dict[str, list[tuple[str, str]]] = {}   # job id -> (node, reason) held for an answer
         self._held_since: dict[str, float] = {}                 # job id -> when its first loss was held
         self._first_worker: dict[str, float] = {}               # pool -> when its first worker registered
+        self._archived: set[str] = set()                         # ended jobs whose rank logs were kept
 
     def __bool__(self) -> bool:
         return bool(self._open)
@@ -92,6 +96,11 @@ class Allocations:
             self._open[job.id] = job
             self._pools[job.allocation.pool] = job.id
 
+    def problems(self, request: AllocationRequest) -> list[str]:
+        """The request's broken rules, and a missing worker identity when this coordinator serves TLS."""
+        why = request.tls_problem(self.tls)
+        return request.problems() + ([why] if why else [])
+
     @staticmethod
     def nodes_of(job: JobRecord) -> int:
         return job.nodes_needed + (job.allocation.request.spares if job.allocation is not None else 0)
@@ -104,7 +113,12 @@ class Allocations:
             a = job.allocation
             key = (job.id, a.number)
             if is_terminal(job.state) and not a.released:
-                self._release_workers(job, f"job {job.id} is {job.state.value}")
+                if self._archive_due(job):   # its ranks' logs first: node-local state dirs go with the nodes
+                    if (job.id, a.number, "archive") not in self._in_flight:
+                        self._in_flight.add((job.id, a.number, "archive"))
+                        out.append(Work("archive", job.id, a))
+                else:
+                    self._release_workers(job, f"job {job.id} is {job.state.value}")
             if job.state is S.PENDING and a.pool in self._first_worker \
                     and GATHER_S <= now - self._first_worker[a.pool] < GATHER_S + 2:
                 self._schedule()   # its gathering time is over: placed on the workers that came
@@ -113,7 +127,7 @@ class Allocations:
                     self._set(job, replace(a, state=NOT_SUBMITTED))
                     continue
                 work = Work("request", job.id, a, Ask(job.id, job.name, a, self.nodes_of(job),
-                                                     job.slots_per_node, self.address))
+                                                     job.slots_per_node, self.address, tls=self.tls))
             elif a.ended:
                 self._ended(job)
                 continue
@@ -195,6 +209,14 @@ class Allocations:
                     break   # the first one ended the attempt
                 if job.runs_on(node):
                     self._restarts.fail_attempt(job, reason, node=node)
+
+    def _archive_due(self, job: JobRecord) -> bool:
+        return bool(job.nodes) and job.id not in self._archived and not job.allocation.ended
+
+    def archived(self, work: Work) -> None:
+        """The job's rank logs are kept (``logarchive``): its workers may go."""
+        self._answered(work)
+        self._archived.add(work.job_id)
 
     def released(self, work: Work) -> None:
         key = (work.job_id, work.allocation.number)
@@ -282,6 +304,7 @@ class Allocations:
 
     def _forget(self, job: JobRecord) -> None:
         self._open.pop(job.id, None)
+        self._archived.discard(job.id)
         self._pools.pop(job.allocation.pool, None)
         self._forget_keys(job.id, job.allocation.number)
 

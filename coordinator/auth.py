@@ -40,9 +40,9 @@ CLIENT_ROLES = {
     "GetJob": VIEWER, "ListJobs": VIEWER, "ListNodes": VIEWER, "WatchJob": VIEWER, "WatchJobBatches": VIEWER,
     "GetLogs": VIEWER, "PlanJob": VIEWER, "StatBlob": VIEWER, "GetJobSchema": VIEWER,
     "SubmitJob": SUBMITTER, "UploadBlob": SUBMITTER, "CancelJob": SUBMITTER,
-    "DrainNode": ADMIN,
+    "DrainNode": ADMIN, "StartWorkers": ADMIN, "ReleaseWorkers": ADMIN, "ListWorkerPools": VIEWER,
 }
-MUTATING = {"SubmitJob", "UploadBlob", "CancelJob", "DrainNode"}
+MUTATING = {"SubmitJob", "UploadBlob", "CancelJob", "DrainNode", "StartWorkers", "ReleaseWorkers"}
 
 
 def caller() -> Identity | None:

@@ -123,14 +123,14 @@ def allocation_request_to_pb(r: AllocationRequest) -> pb.AllocationRequest:
     return pb.AllocationRequest(scheduler=r.scheduler, spares=r.spares, partition=r.partition, time=r.time,
                                 account=r.account, qos=r.qos, extra_args=r.extra_args,
                                 worker_state_dir=r.worker_state_dir, ctl=r.ctl, gpus_per_node=r.gpus_per_node,
-                                worker_args=r.worker_args)
+                                worker_args=r.worker_args, worker_tls_dir=r.worker_tls_dir)
 
 
 def allocation_request_from_pb(m: pb.AllocationRequest) -> AllocationRequest:
     return AllocationRequest(scheduler=m.scheduler, spares=m.spares, partition=m.partition, time=m.time,
                              account=m.account, qos=m.qos, extra_args=tuple(m.extra_args),
                              worker_state_dir=m.worker_state_dir, ctl=m.ctl, gpus_per_node=m.gpus_per_node,
-                             worker_args=tuple(m.worker_args))
+                             worker_args=tuple(m.worker_args), worker_tls_dir=m.worker_tls_dir)
 
 
 def allocation_to_pb(a: Allocation) -> pb.Allocation:

@@ -35,9 +35,11 @@ from rankctl.coordinator.drains import Drains
 from rankctl.coordinator.errors import CapacityError, InvalidRequest
 from rankctl.coordinator.intake import ReportIntake
 from rankctl.coordinator.jobs import JobBook
+from rankctl.coordinator.logarchive import LogArchive
 from rankctl.coordinator.logfetch import LogFetcher
 from rankctl.coordinator.nodes import NodeSession, NodeTable, Outbox
 from rankctl.coordinator.planner import plan_layout
+from rankctl.coordinator.pools import WorkerPools
 from rankctl.coordinator.progress import JobSummary
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankRecord
 from rankctl.coordinator.reports import Report, ReportApplier
@@ -73,6 +75,7 @@ class Coordinator:
         self.nodes = NodeTable.from_records(store.load_nodes(), store.load_drains(), store.load_exclusions())
         self.stats = CoordinatorStats()
         self.logfetch = LogFetcher(self.nodes.send)
+        self.logarchive = LogArchive(store.path.parent)   # logs of ranks whose allocation's nodes left
         self.shutting_down = False
         self._guard, self._outgoing = StoreGuard(store, self.book, self.nodes), Outgoing(self.nodes)
         self._stops = Stops(self.book, self.nodes, clock)
@@ -85,6 +88,8 @@ class Coordinator:
         self._advancer = Advancer(self.book, store, clock, self._guard, self._restarts, self._stops)
         self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self.schedule)
         self._restarts.hold_loss, self._scheduler.gathering = self.allocations.hold_loss, self.allocations.gathering
+        self.pools = WorkerPools(self.nodes, store, clock, self.drain, self.undrain, self._scheduler.free_slots)
+        self._scheduler.general = self.pools.general
         self._assemble_node_side(heartbeat_timeout)
         for job in self.book.active():  # restarts under way before the coordinator stopped: confirm them again
             if job.state is S.RESTARTING:
@@ -152,7 +157,7 @@ class Coordinator:
         With an ``allocation`` the job runs on the nodes the coordinator asks a scheduler for (``allocations``).
         """
         res = spec.resources
-        if allocation is not None and (problems := allocation.problems()):
+        if allocation is not None and (problems := self.allocations.problems(allocation)):
             raise InvalidRequest("; ".join(problems))
         short = None if allocation is not None else capacity.shortfall(list(self.nodes), res.nodes, res.slots_per_node)
         if short is not None and not queue_anyway:
@@ -277,7 +282,8 @@ class Coordinator:
         """Open a node session (``sessions``): Registered, the jobs it runs reconciled, a schedule pass; a worker
         of an allocation no active job owns is told to exit (``allocations``)."""
         session = self._sessions.register(hello, outbox)
-        self.allocations.registered(session)
+        if not self.pools.registered(session):
+            self.allocations.registered(session)
         return session
 
     def heartbeat(self, session: NodeSession, free_ports: Sequence[int] = ()) -> None:

@@ -16,6 +16,10 @@ class JobNotFound(CoordinatorError):
     """No job has this id or name (NOT_FOUND)."""
 
 
+class PoolNotFound(CoordinatorError):
+    """No worker pool has this id (NOT_FOUND)."""
+
+
 class AmbiguousJob(CoordinatorError):
     """Several jobs share the name given (INVALID_ARGUMENT)."""
 

@@ -133,13 +133,21 @@ class _Reading:
     async def _fetch(self, rank: int, offset: int, tail: int) -> pb.LogChunk | LogsUnavailable:
         node = self.node_of(rank)
         if node in self.down:
-            return self.down[node]
+            return await self._archived(rank, offset, tail) or self.down[node]
         try:
             return await self.core.logfetch.fetch(node, self.job.id, self.job.attempt, rank, offset=offset,
                                                   tail=tail, max_lines=MAX_LINES, records=self.records)
         except LogsUnavailable as exc:
             self.down.setdefault(node, exc)
-            return exc
+            return await self._archived(rank, offset, tail) or exc
+
+    async def _archived(self, rank: int, offset: int, tail: int) -> pb.LogChunk | None:
+        """What the coordinator kept of the rank's log before its node left (``logarchive``), or None."""
+        archive = getattr(self.core, "logarchive", None)
+        if archive is None:
+            return None
+        return await asyncio.to_thread(archive.chunk, self.job.id, self.job.attempt, rank, offset, tail,
+                                       self.records)
 
     async def lines(self, rank: int, first: pb.LogChunk | LogsUnavailable,
                     max_chunks: int) -> AsyncIterator[pb.LogLine]:

@@ -57,6 +57,12 @@ class Scheduler:
         self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes (cache)
         # ``allocations``: why a job of an allocation waits for more of its workers (set by the core)
         self.gathering: Callable[[JobRecord, int], str | None] = lambda job, ready: None
+        # ``pools``: whether a worker's pool is a worker pool of the general queue (ctl slurm workers)
+        self.general: Callable[[str], bool] = lambda pool: False
+
+    def _placement_pool(self, pool: str) -> str:
+        """The pool a node serves: its allocation's, or "" (the general queue) for a worker pool's and unpooled."""
+        return "" if pool and self.general(pool) else pool
 
     def schedule(self) -> None:
         """Start pending jobs in queue order (see ``capacity``); a pass that cannot store is owed to ``catch_up``."""
@@ -126,7 +132,7 @@ class Scheduler:
         Draining nodes and the nodes excluded for this job are not placed; the reason names them."""
         blocked = self._nodes.blocked(job.id)
         slots = [NodeSlots(name, n) for name, n in self.free_slots().items()
-                 if name not in blocked and self._nodes.get(name).pool == job.pool]
+                 if name not in blocked and self._placement_pool(self._nodes.get(name).pool) == job.pool]
         if job.pool and (why := self.gathering(job, sum(1 for s in slots if s.free >= job.slots_per_node))):
             return why
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import gc
 import socket
 import time
@@ -161,14 +162,32 @@ def _split_listen(listen: str) -> str:
     return host.strip("[]") if host not in ("", "0.0.0.0", "[::]") else "127.0.0.1"
 
 
+async def _archive_logs(core: Coordinator, job_id: str) -> int:
+    """Keep the rank logs of an ended job whose allocation's nodes are about to leave (``logarchive``)."""
+    job = core.book.jobs.get(job_id)
+    return 0 if job is None else await core.logarchive.take(core.logfetch, job, core.clock)
+
+
+def dial_address(listen: str, port: int, advertise: str | None = None) -> str:
+    """Where workers on other hosts dial this coordinator: ``advertise``, else the listen host, else (a wildcard
+    listen) this host's fully qualified name; with the bound port."""
+    host = listen.rsplit(":", 1)[0].strip("[]") if ":" in listen else listen
+    if advertise:
+        host = advertise
+    elif host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: float = 10.0, *,
                             clock: Callable[[], float] = time.time, head_wait: float | None = None,
                             tls_dir: str | Path | None = None, http_listen: str | None = None,
                             metrics_per_rank: bool = False, blob_quota_bytes: int = QUOTA_BYTES,
-                            blob_retention_s: float = RETENTION_S) -> CoordinatorServer:
+                            blob_retention_s: float = RETENTION_S, advertise: str | None = None) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
     ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
 
+    ``advertise``: the host the workers a scheduler starts dial (``dial_address``).
     ``tls_dir``: the coordinator's identity directory (``ctl certs init``): serve mutual TLS only, every
     call authorized by its client certificate (``coordinator.auth``); CertError when it is unusable.
     ``http_listen``: also serve the dashboard and ``/metrics`` (per-rank series with ``metrics_per_rank``) there,
@@ -193,8 +212,11 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     coord = CoordinatorServer(server, core, store, health, _split_listen(listen), port)
     coord.monitor = asyncio.create_task(_monitor(core, period=max(0.05, min(0.5, heartbeat_timeout / 4))))
     coord.blob_gc = asyncio.create_task(collect_loop(blobs, core.list, clock=clock))
-    core.allocations.address = coord.address
-    coord.allocating = asyncio.create_task(allocation_loop(core.allocations, SlurmAllocator(Path(state_dir))))
+    for source in (core.allocations, core.pools):   # what the workers a scheduler starts dial, and how
+        source.address, source.tls = dial_address(listen, port, advertise), identity is not None
+    coord.allocating = asyncio.create_task(allocation_loop((core.allocations, core.pools),
+                                                           SlurmAllocator(Path(state_dir)),
+                                                           functools.partial(_archive_logs, core)))
     if http_listen is not None:
         await _start_dashboard(coord, http_listen, identity, metrics_per_rank, Path(state_dir))
     core.schedule()

@@ -27,11 +27,12 @@ from rankctl.coordinator.auth import ADMIN, caller
 from rankctl.coordinator.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import (
-    AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, ProtocolError, os_status,
+    AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, PoolNotFound, ProtocolError, os_status,
 )
 from rankctl.coordinator.jobs import MAX_PAGE
 from rankctl.coordinator.logfetch import get_logs
 from rankctl.coordinator.nodes import NodeNotFound, NodeSession
+from rankctl.coordinator.pools import pool_to_pb
 from rankctl.coordinator.records import EventRecord, JobRecord
 from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.states import is_terminal
@@ -60,6 +61,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (JobNotFound, grpc.StatusCode.NOT_FOUND),
     (NodeNotFound, grpc.StatusCode.NOT_FOUND),
+    (PoolNotFound, grpc.StatusCode.NOT_FOUND),
     (ProtocolError, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.FAILED_PRECONDITION),
     (BlobMissing, grpc.StatusCode.FAILED_PRECONDITION),
@@ -253,6 +255,33 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         try:
             excluded = self.core.nodes.exclusions_by_node()
             return pb.ListNodesResponse(nodes=[self._node(s, free, excluded) for s, free in self.core.node_views()])
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def StartWorkers(self, request: pb.StartWorkersRequest,
+                           context: grpc.aio.ServicerContext) -> pb.StartWorkersResponse:
+        """A worker pool for the general queue on a new allocation (``ctl slurm workers``)."""
+        try:
+            who = caller()
+            pool = self.core.pools.start(convert.allocation_request_from_pb(request.allocation), request.nodes,
+                                         request.slots, requested_by=who.name if who else "")
+            return pb.StartWorkersResponse(pool=pool_to_pb(pool))
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def ReleaseWorkers(self, request: pb.ReleaseWorkersRequest,
+                             context: grpc.aio.ServicerContext) -> pb.ReleaseWorkersResponse:
+        """Drain a worker pool's nodes, then let its workers go (``ctl slurm release``)."""
+        try:
+            return pb.ReleaseWorkersResponse(pool=pool_to_pb(self.core.pools.release(request.id,
+                                                                                             request.reason)))
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def ListWorkerPools(self, request: pb.ListWorkerPoolsRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ListWorkerPoolsResponse:
+        try:
+            return pb.ListWorkerPoolsResponse(pools=[pool_to_pb(p) for p in self.core.pools.listing()])
         except Exception as exc:
             await _abort(context, exc)
 

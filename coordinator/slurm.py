@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from rankctl.coordinator.allocation import Allocation, AllocationRefused, Ask, Seen
+from rankctl.security.tls import is_loopback
 
 CALL_TIMEOUT_S = 30.0
 DEFAULT_STATE_DIR = "${TMPDIR:-/tmp}/rankctl-worker-{jobid}-{node}"
@@ -51,9 +52,13 @@ def worker_command(ask: Ask) -> str:
     ctl = " ".join(shlex.quote(c) for c in ctl_command(req.ctl))
     state = _expand(req.worker_state_dir or DEFAULT_STATE_DIR)
     extra = " ".join(shlex.quote(a) for a in req.worker_args)
+    if ask.tls:
+        security = f" --tls-dir {_expand(req.worker_tls_dir)}"
+    else:   # a coordinator that serves plain text off loopback was started --insecure: its workers follow it
+        security = "" if is_loopback(ask.coordinator) else " --insecure"
     return (f'mkdir -p {state} && exec {ctl} worker --coordinator {shlex.quote(ask.coordinator)} '
             f'--name "$SLURMD_NODENAME" --slots {ask.slots} --pool {shlex.quote(ask.allocation.pool)} '
-            f'--state-dir {state}' + (f" {extra}" if extra else ""))
+            f'--state-dir {state}{security}' + (f" {extra}" if extra else ""))
 
 
 def sbatch_options(ask: Ask, output: str) -> list[str]:
@@ -73,11 +78,18 @@ def sbatch_options(ask: Ask, output: str) -> list[str]:
 
 def batch_script(ask: Ask, output: str) -> str:
     """The batch script, for people as much as for sbatch."""
-    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch_options(ask, output)), "",
-             f"# rankctl job {ask.job_id} ({ask.job_name}), allocation {ask.allocation.pool}: one `ctl worker` per node,",
-             f"# {ask.nodes} nodes ({ask.allocation.request.spares} of them spares). The workers serve this job only and exit",
-             "# when it ends (the coordinator tells them), which ends this Slurm job. --no-kill: a lost node does",
-             "# not end the allocation; the job restarts on a spare.",
+    if ask.general:
+        about = [f"# rankctl worker pool {ask.job_id}: one `ctl worker` per node, {ask.nodes} nodes, joining the",
+                 "# coordinator's general queue (any `ctl submit` job may run there). `ctl slurm release` drains them",
+                 "# and tells them to exit, which ends this Slurm job; so does its time limit. --no-kill: a lost",
+                 "# node does not end the others."]
+    else:
+        about = [f"# rankctl job {ask.job_id} ({ask.job_name}), allocation {ask.allocation.pool}: one `ctl worker` "
+                 f"per node,", f"# {ask.nodes} nodes ({ask.allocation.request.spares} of them spares). The workers "
+                 "serve this job only and exit",
+                 "# when it ends (the coordinator tells them), which ends this Slurm job. --no-kill: a lost node does",
+                 "# not end the allocation; the job restarts on a spare."]
+    lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in sbatch_options(ask, output)), "", *about,
              "set -u",
              "exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill bash -c "
              + shlex.quote(worker_command(ask)), ""]

@@ -41,7 +41,7 @@ from rankctl.coordinator.states import JobState
 
 DB_NAME = "coordinator.db"
 LOCK_NAME = "coordinator.lock"
-SCHEMA_VERSION = 5  # PRAGMA user_version of a database this code writes
+SCHEMA_VERSION = 6  # PRAGMA user_version of a database this code writes
 WAL_CHECKPOINT_PAGES = 128  # checkpoint the WAL into the database every ~512 KiB
 WAL_SIZE_LIMIT = 1 << 20    # and truncate it back to 1 MiB after a checkpoint
 
@@ -69,6 +69,7 @@ CREATE TABLE IF NOT EXISTS ranks (
   metrics_json TEXT NOT NULL, error TEXT NOT NULL, exit_code INTEGER NOT NULL, exited INTEGER NOT NULL,
   updated_at REAL NOT NULL, result_json TEXT NOT NULL, PRIMARY KEY (job_id, rank));
 CREATE TABLE IF NOT EXISTS drains (node TEXT PRIMARY KEY, reason TEXT NOT NULL, since REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS worker_pools (id TEXT PRIMARY KEY, created_at REAL NOT NULL, body_json TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS exclusions (
   job_id TEXT NOT NULL, node TEXT NOT NULL, reason TEXT NOT NULL, since REAL NOT NULL, PRIMARY KEY (job_id, node));
 """
@@ -418,6 +419,13 @@ class Store:
     def load_drains(self) -> dict[str, str]:
         """node -> the reason it was drained."""
         return dict(self._db.execute("SELECT node, reason FROM drains ORDER BY node").fetchall())
+
+    # -- worker pools (ctl slurm workers) ----------------------------------------
+    def save_pool(self, pool_id: str, created_at: float, body: dict) -> None:
+        self._write("INSERT OR REPLACE INTO worker_pools VALUES (?,?,?)", (pool_id, created_at, json.dumps(body)))
+
+    def load_pools(self) -> list[dict]:
+        return [json.loads(b) for (b,) in self._db.execute("SELECT body_json FROM worker_pools ORDER BY created_at")]
 
     def add_exclusion(self, job_id: str, node: str, reason: str, since: float) -> None:
         self._write("INSERT OR REPLACE INTO exclusions VALUES (?,?,?,?)", (job_id, node, reason, since))

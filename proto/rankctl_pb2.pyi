@@ -290,7 +290,7 @@ class Job(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., kind: _Optional[str] = ..., summary: _Optional[_Union[JobSummary, _Mapping]] = ..., rank_offset: _Optional[int] = ..., next_rank_offset: _Optional[int] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., stopping: _Optional[int] = ..., submitted_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., spec: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., result: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ...) -> None: ...
 
 class AllocationRequest(_message.Message):
-    __slots__ = ("scheduler", "spares", "partition", "time", "account", "qos", "extra_args", "worker_state_dir", "ctl", "gpus_per_node", "worker_args")
+    __slots__ = ("scheduler", "spares", "partition", "time", "account", "qos", "extra_args", "worker_state_dir", "ctl", "gpus_per_node", "worker_args", "worker_tls_dir")
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     SPARES_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class AllocationRequest(_message.Message):
     CTL_FIELD_NUMBER: _ClassVar[int]
     GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ARGS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_TLS_DIR_FIELD_NUMBER: _ClassVar[int]
     scheduler: str
     spares: int
     partition: str
@@ -313,7 +314,8 @@ class AllocationRequest(_message.Message):
     ctl: str
     gpus_per_node: int
     worker_args: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, scheduler: _Optional[str] = ..., spares: _Optional[int] = ..., partition: _Optional[str] = ..., time: _Optional[str] = ..., account: _Optional[str] = ..., qos: _Optional[str] = ..., extra_args: _Optional[_Iterable[str]] = ..., worker_state_dir: _Optional[str] = ..., ctl: _Optional[str] = ..., gpus_per_node: _Optional[int] = ..., worker_args: _Optional[_Iterable[str]] = ...) -> None: ...
+    worker_tls_dir: str
+    def __init__(self, scheduler: _Optional[str] = ..., spares: _Optional[int] = ..., partition: _Optional[str] = ..., time: _Optional[str] = ..., account: _Optional[str] = ..., qos: _Optional[str] = ..., extra_args: _Optional[_Iterable[str]] = ..., worker_state_dir: _Optional[str] = ..., ctl: _Optional[str] = ..., gpus_per_node: _Optional[int] = ..., worker_args: _Optional[_Iterable[str]] = ..., worker_tls_dir: _Optional[str] = ...) -> None: ...
 
 class Allocation(_message.Message):
     __slots__ = ("request", "pool", "id", "state", "nodes", "output", "number")
@@ -332,6 +334,66 @@ class Allocation(_message.Message):
     output: str
     number: int
     def __init__(self, request: _Optional[_Union[AllocationRequest, _Mapping]] = ..., pool: _Optional[str] = ..., id: _Optional[str] = ..., state: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., output: _Optional[str] = ..., number: _Optional[int] = ...) -> None: ...
+
+class WorkerPool(_message.Message):
+    __slots__ = ("id", "allocation", "nodes", "slots", "state", "reason", "create_time", "requested_by")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    allocation: Allocation
+    nodes: int
+    slots: int
+    state: str
+    reason: str
+    create_time: _timestamp_pb2.Timestamp
+    requested_by: str
+    def __init__(self, id: _Optional[str] = ..., allocation: _Optional[_Union[Allocation, _Mapping]] = ..., nodes: _Optional[int] = ..., slots: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., requested_by: _Optional[str] = ...) -> None: ...
+
+class StartWorkersRequest(_message.Message):
+    __slots__ = ("allocation", "nodes", "slots")
+    ALLOCATION_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    allocation: AllocationRequest
+    nodes: int
+    slots: int
+    def __init__(self, allocation: _Optional[_Union[AllocationRequest, _Mapping]] = ..., nodes: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
+
+class StartWorkersResponse(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: WorkerPool
+    def __init__(self, pool: _Optional[_Union[WorkerPool, _Mapping]] = ...) -> None: ...
+
+class ReleaseWorkersRequest(_message.Message):
+    __slots__ = ("id", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    reason: str
+    def __init__(self, id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseWorkersResponse(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: WorkerPool
+    def __init__(self, pool: _Optional[_Union[WorkerPool, _Mapping]] = ...) -> None: ...
+
+class ListWorkerPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkerPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[WorkerPool]
+    def __init__(self, pools: _Optional[_Iterable[_Union[WorkerPool, _Mapping]]] = ...) -> None: ...
 
 class Attempt(_message.Message):
     __slots__ = ("attempt", "state", "reason", "start_time", "finish_time")

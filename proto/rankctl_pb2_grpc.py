@@ -224,6 +224,21 @@ class ClientServiceStub:
                 request_serializer=rankctl_dot_v1_dot_rankctl__pb2.GetJobSchemaRequest.SerializeToString,
                 response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.GetJobSchemaResponse.FromString,
                 _registered_method=True)
+        self.StartWorkers = channel.unary_unary(
+                '/rankctl.v1.ClientService/StartWorkers',
+                request_serializer=rankctl_dot_v1_dot_rankctl__pb2.StartWorkersRequest.SerializeToString,
+                response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.StartWorkersResponse.FromString,
+                _registered_method=True)
+        self.ReleaseWorkers = channel.unary_unary(
+                '/rankctl.v1.ClientService/ReleaseWorkers',
+                request_serializer=rankctl_dot_v1_dot_rankctl__pb2.ReleaseWorkersRequest.SerializeToString,
+                response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ReleaseWorkersResponse.FromString,
+                _registered_method=True)
+        self.ListWorkerPools = channel.unary_unary(
+                '/rankctl.v1.ClientService/ListWorkerPools',
+                request_serializer=rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsRequest.SerializeToString,
+                response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsResponse.FromString,
+                _registered_method=True)
 
 
 class ClientServiceServicer:
@@ -326,6 +341,25 @@ class ClientServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartWorkers(self, request, context):
+        """Workers for the general pool on a new allocation (ctl slurm workers), and their release (drained first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkerPools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClientServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -393,6 +427,21 @@ def add_ClientServiceServicer_to_server(servicer, server):
                     servicer.GetJobSchema,
                     request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.GetJobSchemaRequest.FromString,
                     response_serializer=rankctl_dot_v1_dot_rankctl__pb2.GetJobSchemaResponse.SerializeToString,
+            ),
+            'StartWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartWorkers,
+                    request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.StartWorkersRequest.FromString,
+                    response_serializer=rankctl_dot_v1_dot_rankctl__pb2.StartWorkersResponse.SerializeToString,
+            ),
+            'ReleaseWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseWorkers,
+                    request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ReleaseWorkersRequest.FromString,
+                    response_serializer=rankctl_dot_v1_dot_rankctl__pb2.ReleaseWorkersResponse.SerializeToString,
+            ),
+            'ListWorkerPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkerPools,
+                    request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsRequest.FromString,
+                    response_serializer=rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -747,6 +796,87 @@ class ClientService:
             '/rankctl.v1.ClientService/GetJobSchema',
             rankctl_dot_v1_dot_rankctl__pb2.GetJobSchemaRequest.SerializeToString,
             rankctl_dot_v1_dot_rankctl__pb2.GetJobSchemaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankctl.v1.ClientService/StartWorkers',
+            rankctl_dot_v1_dot_rankctl__pb2.StartWorkersRequest.SerializeToString,
+            rankctl_dot_v1_dot_rankctl__pb2.StartWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankctl.v1.ClientService/ReleaseWorkers',
+            rankctl_dot_v1_dot_rankctl__pb2.ReleaseWorkersRequest.SerializeToString,
+            rankctl_dot_v1_dot_rankctl__pb2.ReleaseWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkerPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankctl.v1.ClientService/ListWorkerPools',
+            rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsRequest.SerializeToString,
+            rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

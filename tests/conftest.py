@@ -15,6 +15,7 @@ one a fault test SIGKILLs leaves it mounted, so the session unmounts what it add
 """
 
 import contextlib
+import fcntl
 import os
 import shutil
 
@@ -23,19 +24,6 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def _pin_xdist_worker() -> None:
-    """Under pytest-xdist (the README's ``-n 2``) each worker and everything it starts (coordinators, daemons,
-    ranks, Slurm) runs on a CPU of its own: timing checks (stragglers, hang timeouts, heartbeats) then see the
-    same machine whatever the other worker runs, instead of sharing every core with it."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    cpus = sorted(os.sched_getaffinity(0))
-    if worker.startswith("gw") and count.isdigit() and 1 < int(count) <= len(cpus):
-        share = len(cpus) // int(count)
-        index = int(worker[2:]) % int(count)
-        os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
-
-
-_pin_xdist_worker()
 
 import torch  # noqa: E402
 
@@ -68,6 +56,32 @@ def _unmount_snapshot_memory_left_by_killed_daemons(tmp_path_factory: pytest.Tem
         if point.startswith("/dev/shm/"):
             with contextlib.suppress(OSError):
                 shutil.rmtree(point)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under pytest-xdist (the README's ``-n 2``) two test modules run at once. A test marked ``alone`` measures
+    time on the machine (a straggler against its peers, a hang timeout): it runs while no other worker runs a test.
+
+    Every test holds a shared lock through its setup, call and teardown (module fixtures included: they start with
+    a module's first test and stop with its last), an ``alone`` test the exclusive one; a turnstile taken briefly by
+    all, and held by an ``alone`` test while it waits, keeps a stream of shared holders from starving it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    # the run's base temp dir, above each worker's own (pytest removes it with old runs)
+    base = os.path.join(item.config._tmp_path_factory.getbasetemp().parent, "alone")
+    alone = item.get_closest_marker("alone") is not None
+    with open(base + ".turnstile", "a") as turnstile, open(base + ".lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook

@@ -85,7 +85,12 @@ def test_the_end_of_the_job_releases_the_pools_workers(world: World) -> None:
     nodes = [pool_node(world, n, job.pool) for n in ("n1", "n2")]
     world.run_all(job.id)
     assert job.state is S.SUCCEEDED
-    assert [w.action for w in world.core.allocations.due()] == ["watch"]   # no scancel: the workers were told to exit
+    works = world.core.allocations.due()
+    assert [w.action for w in works] == ["archive", "watch"]   # its ranks' logs are kept first (logarchive)
+    assert [len(n.bodies("release")) for n in nodes] == [0, 0] and not job.allocation.released
+    world.core.allocations.archived(works[0])
+    world.core.allocations.seen(works[1], Seen("RUNNING", ("n1", "n2")))
+    assert world.core.allocations.due() == []              # no scancel: the workers were told to exit
     assert [len(n.bodies("release")) for n in nodes] == [1, 1] and job.allocation.released
     late = pool_node(world, "n3", job.pool)                 # a worker that comes after the end is released at once
     assert late.bodies("release")[0].reason == f"job {job.id} has ended"
@@ -168,3 +173,40 @@ def test_the_batch_script_runs_one_named_worker_per_node_and_quotes_what_it_is_g
         assert line + "\n" in text, text
     assert '"/scratch/$USER/rk-${SLURM_JOB_ID}-${SLURMD_NODENAME}"' in text
     assert "--slots 8 --pool j-1-a1" in text and "'\"'\"'/d e'\"'\"'" in text, text
+
+
+def test_an_ended_jobs_rank_logs_are_kept_and_read_back_as_a_node_would_answer(world: World, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``logarchive``: the last lines of each rank, before the allocation's nodes leave; a rank whose node
+    cannot answer is skipped, and a job's archive stays within its byte budget."""
+    import asyncio
+
+    from rankctl.contract.logrecords import RECORD_MARK
+    from rankctl.coordinator import logarchive
+    from rankctl.coordinator.logarchive import LogArchive
+    from rankctl.coordinator.logfetch import LogsUnavailable
+    from rankctl.proto import rankctl_pb2 as pb
+
+    class Fetcher:
+        async def fetch(self, node, job_id, attempt, rank, *, tail, max_lines, records):  # noqa: ANN001, ANN202
+            if node == "n2":
+                raise LogsUnavailable("node n2 is LOST")
+            assert records                     # kept whole: ctl logs --records reads them too
+            lines = [f"{node} rank {rank} line {i}" for i in range(tail + 5)]
+            return pb.LogChunk(lines=[RECORD_MARK + '{"event": "start"}', *lines[-tail + 1:]])
+
+    job = submitted(world, spares=0)
+    answer_request(world, job)
+    for n in ("n1", "n2"):
+        pool_node(world, n, job.pool)
+    archive = LogArchive(tmp_path / "coord")
+    assert asyncio.run(archive.take(Fetcher(), job, world.clock)) == 2        # n1's two ranks; n2 is gone
+    chunk = archive.chunk(job.id, job.attempt, 1, 0, 0)
+    assert chunk.lines[0].startswith("[rankctl: the node of rank 1 has left; its last 999 line(s)")
+    assert chunk.lines[-1] == "n1 rank 1 line 1004" and chunk.next_offset == 999
+    assert archive.chunk(job.id, job.attempt, 1, 999, 0).lines == []         # read to its end: nothing more
+    assert archive.chunk(job.id, job.attempt, 1, 0, 0, records=True).lines[1] == RECORD_MARK + '{"event": "start"}'
+    assert archive.chunk(job.id, job.attempt, 0, 0, 3).lines == [f"n1 rank 0 line {i}" for i in (1002, 1003, 1004)]
+    assert archive.chunk(job.id, job.attempt, 2, 0, 0) is None                # its node could not be asked
+    monkeypatch.setattr(logarchive, "JOB_BYTES", 30_000)
+    assert asyncio.run(LogArchive(tmp_path / "small").take(Fetcher(), job, world.clock)) == 1   # past the budget

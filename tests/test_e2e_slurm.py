@@ -89,6 +89,9 @@ def test_a_job_runs_on_two_nodes_of_its_allocation_which_ends_with_it(site: Site
     print(f"\nslurm job {alloc['id']} left squeue {time.monotonic() - ended:.1f} s after rankctl job {job} ended")
     text = ctl(site.address, "status", job).stdout
     assert f"allocation: slurm job {alloc['id']}" in text, text
+    logs = ctl(site.address, "logs", job, "--rank", "3", "--records")   # its node has left: the coordinator kept it
+    assert logs.returncode == 0 and "kept by the coordinator" in logs.stdout, logs
+    assert "] rendezvous at=" in logs.stdout and "] step step=24 " in logs.stdout, logs.stdout
     REFERENCE["losses"] = [x["loss"] for x in s["losses"]]
     assert len(REFERENCE["losses"]) == 24
 
@@ -167,6 +170,74 @@ def test_scancel_with_a_restart_left_asks_for_a_new_allocation_and_resumes(site:
     wait_for(site.queue_empty, 30, "the queue to empty")
     print(f"\nslurm job {first} cancelled; allocation 2 (slurm job {alloc['id']}) resumed from step "
           f"{s['result']['resumed_from']}")
+
+
+def test_a_pool_of_workers_takes_a_plain_job_and_is_released_drained(site: Site) -> None:
+    """``ctl slurm workers --nodes 2``: two workers join the general queue; a plain ``ctl submit`` job runs there,
+    its logs are read as anywhere; ``ctl slurm release`` ends the pool and its Slurm job."""
+    out = ctl(site.address, "slurm", "workers", "--nodes", "2", "--slots", "2",
+              "--worker-state-dir", f"{site.workers}/pool-{{node}}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    pool = out.stdout.split()[-1]
+
+    def pool_state() -> dict:
+        (p,) = [p for p in json.loads(ctl(site.address, "slurm", "pools", "--json").stdout) if p["id"] == pool]
+        return p
+
+    members = wait_for(lambda: len(m := [n["name"] for n in json.loads(ctl(site.address, "nodes", "--json").stdout)
+                                         if n.get("pool") == pool and n["state"] == "READY"]) == 2 and m,
+                       60, "the pool's two workers READY")
+    assert [j["name"] for j in site.slurm.squeue()] == [pool]                 # squeue names the pool
+    done = ctl(site.address, "submit", EXAMPLE, *SMALL, "--set", "train.steps=6", "--wait")
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = done.stdout.split()[-1]
+    s = status(site.address, job)
+    assert s["state"] == "SUCCEEDED" and sorted(s["nodes"]) == sorted(members) and not s.get("allocation"), s
+    logs = ctl(site.address, "logs", job, "--rank", "0", "--records")      # read from its node, as anywhere
+    assert logs.returncode == 0 and "] rendezvous at=" in logs.stdout, (logs.stdout[-2000:], logs.stderr)
+    released = ctl(site.address, "slurm", "release", pool, "--reason", "test over")
+    assert released.returncode == 0, released.stderr
+    wait_for(site.queue_empty, 60, f"pool {pool}'s Slurm job to end")
+    p = wait_for(lambda: (x := pool_state())["state"] == "ENDED" and x, 30, "the pool ENDED")
+    assert "test over" in p["reason"] and p["allocation"]["state"] == "COMPLETED", p
+
+
+def test_a_tls_coordinators_allocation_gets_each_nodes_identity(site: Site, tmp_path: Path) -> None:
+    """A coordinator serving mutual TLS: ``--worker-tls-dir`` gives each Slurm node's worker its own node identity
+    (``{node}`` expanded on the node); without it the submit is refused, naming the option, and nothing is stored."""
+    import subprocess
+
+    def certs(*args: str) -> None:
+        done = subprocess.run([*CTL, "certs", *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    ca, ids = tmp_path / "ca", tmp_path / "ids"
+    certs("init", str(ca), "--san", "127.0.0.1")
+    for node in ("n1", "n2", "n3"):
+        certs("issue", str(ca), "--node", node, "--out", str(ids / node))
+    certs("issue", str(ca), "--user", "alice", "--role", "submitter", "--out", str(ids / "alice"))
+    state = tmp_path / "coord"
+    state.mkdir()
+    coord = Proc(["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--heartbeat-timeout", "3",
+                  "--tls-dir", str(ca / "coordinator")], tmp_path / "coord.log",
+                 env={"SLURM_CONF": str(site.slurm.conf)})
+    try:
+        addr = state / "address"
+        address = wait_for(lambda: addr.exists() and addr.read_text().strip(), 30, "the TLS coordinator's address")
+        alice = ("--coordinator", address, "--tls-dir", str(ids / "alice"))
+        check = (str(Path(EXAMPLE).with_name("comm-check.yaml")), "--set", "resources.slots_per_node=2",
+                 "--set", "parallel.pp=1", "--worker-state-dir", f"{tmp_path}/w-{{node}}")
+        refused = subprocess.run([*CTL, *alice, "slurm", "submit", *check], capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode != 0 and "--worker-tls-dir (got none)" in refused.stderr, refused.stderr
+        done = subprocess.run([*CTL, *alice, "slurm", "submit", *check, "--worker-tls-dir", f"{ids}/{{node}}",
+                               "--wait"], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, (done.stderr[-3000:], (tmp_path / "coord.log").read_text()[-3000:])
+        jobs = subprocess.run([*CTL, *alice, "jobs", "--json"], capture_output=True, text=True, timeout=60)
+        assert [j["state"] for j in json.loads(jobs.stdout)] == ["SUCCEEDED"], jobs.stdout   # the refused one: none
+        wait_for(site.queue_empty, 30, "the TLS allocation to end")
+    finally:
+        coord.stop()
 
 
 def test_ctl_is_what_the_batch_script_runs() -> None:

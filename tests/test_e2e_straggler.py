@@ -19,7 +19,7 @@ import pytest
 
 from cluster import CTL, ProcCluster, ctl, rank_pid, status, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]   # compares ranks' step times
 VICTIM = 3
 DUTY_S = 0.1   # stopped this long, then running this long
 JOB = """
