@@ -60,8 +60,8 @@ def _unmount_snapshot_memory_left_by_killed_daemons(tmp_path_factory: pytest.Tem
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Under pytest-xdist (the README's ``-n 2``) two test modules run at once. A test marked ``alone`` measures
-    time on the machine (a straggler against its peers, a hang timeout): it runs while no other worker runs a test.
+    """Under pytest-xdist (the README's ``-n 2``) two test modules run at once. A test marked ``alone`` compares
+    times on the machine (a straggler against its peers): it runs while no other worker runs a test.
 
     Every test holds a shared lock through its setup, call and teardown (module fixtures included: they start with
     a module's first test and stop with its last), an ``alone`` test the exclusive one; a turnstile taken briefly by
@@ -84,9 +84,28 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+# The longest modules (about 80-170 s each on 2 cores), longest first: pytest-xdist hands whole modules to whichever
+# worker is free in this order, so the long ones start early and the short ones fill in around them.
+LONGEST_FIRST = ("test_e2e_slurm", "test_e2e_parallel", "test_e2e_train", "test_e2e_control", "test_e2e_netns_faults",
+                 "test_e2e_restart", "test_e2e_defects", "test_e2e_tls", "test_e2e_drain", "test_e2e_leftovers")
+
+
+def _module(item: pytest.Item) -> str:
+    return item.module.__name__ if getattr(item, "module", None) is not None else ""
+
+
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook
-    """Run tests that start gRPC inside the pytest process last (see above); order otherwise kept."""
-    items.sort(key=lambda item: item.get_closest_marker("grpc_in_process") is not None)
+    """Run the modules with a test that starts gRPC inside the pytest process last, whole (see above; pytest-xdist
+    hands out whole modules), and within each part the end-to-end modules first, the longest of them first
+    (``LONGEST_FIRST``); order otherwise kept (a stable sort)."""
+    grpc = {_module(item) for item in items if item.get_closest_marker("grpc_in_process") is not None}
+
+    def order(item: pytest.Item) -> tuple[bool, int]:
+        module = _module(item)
+        rank = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+        return module in grpc, rank if module.startswith("test_e2e_") else rank + 1
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,6 @@ HANGING_JOB = JOB.replace("restart: {{max_restarts: {restarts}}}",
                           f"restart: {{{{max_restarts: {{restarts}}, hang_timeout: {HANG_TIMEOUT}}}}}")
 
 
-@pytest.mark.alone   # a hang timeout: measured on the machine
 def test_a_stopped_rank_is_named_and_the_job_restarts(nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001
     job = submit(nets, tmp_path, "rank-stopped", 2, HANGING_JOB)
     st = running_past(nets, job, 5)

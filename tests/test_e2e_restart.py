@@ -225,7 +225,6 @@ def rank_of(pid: int) -> int:
     return int(re.search(r"rank-(\d+)\.log", os.readlink(f"/proc/{pid}/fd/1")).group(1))
 
 
-@pytest.mark.alone   # a hang timeout: measured on the machine
 def test_a_stopped_rank_is_named_with_the_group_it_was_due_in_and_the_job_restarts(
         three: ProcCluster, tmp_path: Path) -> None:
     """SIGSTOP of one rank of a tp2·pp2 job: the daemons send the counters and stacks of the ranks whose
