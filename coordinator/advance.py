@@ -1,7 +1,9 @@
 """Job advancement: an active job moves on from its ranks' counters, or fails when it hangs.
 
-After each group commit of rank reports, an active job's ``JobProgress`` decides: the lowest failed
-rank fails the attempt (``restarts``), every rank running makes it RUNNING, every rank exited 0
+After each group commit of rank reports, an active job's ``JobProgress`` decides: the failed rank most likely
+the cause (killed by a signal, else failed with its own error, else the lowest) fails the attempt (``restarts``);
+one whose error only says a peer failed waits up to ``ATTRIBUTION_S`` for that peer's report, so that the reason
+and the node blamed are the cause's, not a consequence's; every rank running makes it RUNNING, every rank exited 0
 aggregates the result and makes it SUCCEEDED. A RUNNING job none of whose ranks changed step or phase
 for ``restart.hang_timeout`` seconds is hung (``check_hangs``); the reason names whom it waits for
 (``coordinator.hangs``). An advance the store refused is owed and retried by ``settle``.
@@ -15,7 +17,7 @@ import structlog
 
 from rankctl.coordinator.commit import StoreGuard
 from rankctl.coordinator.jobs import JobBook
-from rankctl.coordinator.progress import failure_reason
+from rankctl.coordinator.progress import PEER_FAILED, failure_reason, failure_weight
 from rankctl.coordinator.records import JobRecord
 from rankctl.coordinator.restarts import Restarts
 from rankctl.coordinator.results import aggregate, parse_rank_results
@@ -25,6 +27,7 @@ from rankctl.coordinator.store import Store, StoreError
 
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
+ATTRIBUTION_S = 1.0   # how long a failure whose error names a peer's (a broken collective) waits for its cause
 
 
 class Advancer:
@@ -35,6 +38,7 @@ class Advancer:
         self._book, self._store, self._clock, self._guard = book, store, clock, guard
         self._restarts, self._stops = restarts, stops
         self._owed: set[str] = set()                     # jobs whose advance failed to store: retried by settle
+        self._held: dict[str, float] = {}                # job -> when a failure that names a peer's was first held
 
     def advance(self, job: JobRecord) -> None:
         """Move an active job along from its rank statuses (owed to ``settle`` when the store refuses)."""
@@ -46,6 +50,15 @@ class Advancer:
         except StoreError as exc:
             self._owed.add(job.id)
             log.warning("job.advance_store_failed", job=job.id, error=str(exc))
+
+    def check_held(self) -> None:
+        """Fail the attempts whose peer-failure reports waited ``ATTRIBUTION_S`` for a cause in vain (on the tick)."""
+        for job_id in list(self._held):
+            job = self._book.jobs.get(job_id)
+            if job is None or not is_active(job.state) or job.state is S.RESTARTING:
+                self._held.pop(job_id, None)
+            elif self._clock() - self._held[job_id] >= ATTRIBUTION_S:
+                self.advance_once(job)
 
     def settle(self) -> None:
         """Retry the advances the store refused."""
@@ -63,8 +76,12 @@ class Advancer:
             self._restarts.requeue_when_stopped(job)
             return
         progress = self._book.progress(job)
-        bad = progress.lowest_failed()
+        bad = progress.likely_cause()
         if bad is not None:
+            since = self._held.setdefault(job.id, self._clock())
+            if failure_weight(bad) == PEER_FAILED and self._clock() - since < ATTRIBUTION_S:
+                return   # held for its cause: a killed peer's report may come next (``check_held``)
+            self._held.pop(job.id, None)
             self._restarts.fail_attempt(job, failure_reason(bad), node=bad.node)
             return
         if job.state is S.STARTING and progress.all_running():

@@ -326,6 +326,7 @@ class Coordinator:
         try:
             with self._guard.consistent():
                 self._advancer.check_hangs(loop_lag)
+                self._advancer.check_held()
         except StoreError as exc:
             log.warning("job.hang_store_failed", error=str(exc))
         self._sessions.check_liveness()

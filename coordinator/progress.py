@@ -11,6 +11,7 @@ goes into a histogram once. Stragglers by compute time: ``coordinator.skew``. Pu
 from __future__ import annotations
 
 import heapq
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -48,6 +49,20 @@ def last_error_line(error: str) -> str:
 
 def failure_reason(r: RankRecord) -> str:
     return f"rank {r.rank} on node {r.node} exited with code {r.exit_code}: {last_error_line(r.error)}"
+
+
+# what a rank prints when a peer's failure broke its collective (gloo, NCCL, torch.distributed): a consequence
+_PEER_FAILURE = re.compile(r"closed by peer|reset by peer|broken pipe|remote process exited|communicator was aborted|"
+                           r"ncclRemoteError|DistNetworkError|DistBackendError|timed out", re.IGNORECASE)
+SIGNALLED, FAILED_ITSELF, PEER_FAILED = 0, 1, 2   # how likely a failed rank is the cause (lowest: most likely)
+
+
+def failure_weight(r: RankRecord) -> int:
+    """A rank killed by a signal is the likeliest cause of its attempt's failure, one that failed with its own
+    error next, one whose error says a peer failed (a collective broke) the least."""
+    if r.exit_code < 0:
+        return SIGNALLED
+    return PEER_FAILED if _PEER_FAILURE.search(last_error_line(r.error)) else FAILED_ITSELF
 
 
 def is_failed(r: RankRecord) -> bool:
@@ -123,6 +138,7 @@ class JobProgress:
     reports: int = 0
     failed: dict[int, RankRecord] = field(default_factory=dict)
     _failed_heap: list[int] = field(default_factory=list)
+    _causes: list[tuple[int, int]] = field(default_factory=list)  # (failure_weight, rank) of the failed ranks
     at_step: dict[int, set[int]] = field(default_factory=dict)   # step -> ranks whose latest step it is
     min_step: int = 0
     max_step: int = 0
@@ -184,6 +200,7 @@ class JobProgress:
             if is_failed(new):
                 self.failed[new.rank] = new
                 heapq.heappush(self._failed_heap, new.rank)
+                heapq.heappush(self._causes, (failure_weight(new), new.rank))
             else:
                 self.exited_ok += 1
         if new.step != o_step:
@@ -260,6 +277,10 @@ class JobProgress:
     # -- questions ------------------------------------------------------------
     def lowest_failed(self) -> RankRecord | None:
         return self.failed[self._failed_heap[0]] if self._failed_heap else None
+
+    def likely_cause(self) -> RankRecord | None:
+        """The failed rank most likely to have caused the others' failures (``failure_weight``, then the lowest)."""
+        return self.failed[self._causes[0][1]] if self._causes else None
 
     def all_running(self) -> bool:
         return self.passed_running == self.world_size

@@ -18,9 +18,9 @@ from slurmcluster import SlurmCluster, slurm_problem
 pytestmark = [pytest.mark.skipif(slurm_problem() is not None, reason=f"no local Slurm: {slurm_problem()}"),
               pytest.mark.timeout(300)]
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "gpt-tp-dp.yaml")
-# the example, made small (a narrower model, 24 steps, a checkpoint every 4): the reference for the restarts below
+# the example, made small (a narrower model, 48 steps: a fault lands mid-run on a loaded machine; a checkpoint every 4): the reference for the restarts below
 SMALL = ("--set", "model.hidden=32", "--set", "model.seq_len=32", "--set", "train.eval_every=0")
-RUN = (*SMALL, "--set", "train.steps=24", "--set", "train.checkpoint_every=4")
+RUN = (*SMALL, "--set", "train.steps=48", "--set", "train.checkpoint_every=4")
 RESTARTABLE = (*RUN, "--set", "restart.max_restarts=1", "--spares", "1")
 LONG = (*SMALL, "--set", "train.steps=100000", "--set", "resources.nodes=1")   # one node each: two run at once
 REFERENCE: dict[str, list[float]] = {}   # the uninterrupted run's losses
@@ -91,9 +91,9 @@ def test_a_job_runs_on_two_nodes_of_its_allocation_which_ends_with_it(site: Site
     assert f"allocation: slurm job {alloc['id']}" in text, text
     logs = ctl(site.address, "logs", job, "--rank", "3", "--records")   # its node has left: the coordinator kept it
     assert logs.returncode == 0 and "kept by the coordinator" in logs.stdout, logs
-    assert "] rendezvous at=" in logs.stdout and "] step step=24 " in logs.stdout, logs.stdout
+    assert "] rendezvous at=" in logs.stdout and "] step step=48 " in logs.stdout, logs.stdout
     REFERENCE["losses"] = [x["loss"] for x in s["losses"]]
-    assert len(REFERENCE["losses"]) == 24
+    assert len(REFERENCE["losses"]) == 48
 
 
 def same_losses(s: dict) -> None:
