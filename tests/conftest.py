@@ -58,35 +58,60 @@ def _unmount_snapshot_memory_left_by_killed_daemons(tmp_path_factory: pytest.Tem
                 shutil.rmtree(point)
 
 
+class _Turns:
+    """This xdist worker's hold on the run's lock (``pytest_runtest_protocol``): shared through a module's tests, as
+    its clusters live from its first test to its last; exclusive for an ``alone`` test. A turnstile, taken briefly
+    by every taker and held by an exclusive one while it waits, keeps shared holders from starving it."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.lock, self.mode = base, None, None
+
+    def take(self, mode: int) -> None:
+        if self.mode == mode:
+            return
+        self.drop()
+        with open(self.base + ".turnstile", "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            try:
+                self.lock = open(self.base + ".lock", "a")  # noqa: SIM115 - held across tests, closed by drop
+                fcntl.flock(self.lock, mode)
+            finally:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        self.mode = mode
+
+    def drop(self) -> None:
+        if self.lock is not None:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            self.lock.close()
+        self.lock, self.mode = None, None
+
+
+_TURNS = pytest.StashKey[_Turns]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Under pytest-xdist (the README's ``-n 2``) two test modules run at once. A test marked ``alone`` compares
-    times on the machine (a straggler against its peers): it runs while no other worker runs a test.
-
-    Every test holds a shared lock through its setup, call and teardown (module fixtures included: they start with
-    a module's first test and stop with its last), an ``alone`` test the exclusive one; a turnstile taken briefly by
-    all, and held by an ``alone`` test while it waits, keeps a stream of shared holders from starving it."""
+    times on the machine (a straggler against its peers): it runs while the other worker runs no module (its
+    clusters and jobs stopped, not only its tests paused)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
-    # the run's base temp dir, above each worker's own (pytest removes it with old runs)
-    base = os.path.join(item.config._tmp_path_factory.getbasetemp().parent, "alone")
-    alone = item.get_closest_marker("alone") is not None
-    with open(base + ".turnstile", "a") as turnstile, open(base + ".lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    if _TURNS not in item.config.stash:   # the run's base temp dir, above each worker's own (removed with old runs)
+        item.config.stash[_TURNS] = _Turns(os.path.join(item.config._tmp_path_factory.getbasetemp().parent, "alone"))
+    turns, alone = item.config.stash[_TURNS], item.get_closest_marker("alone") is not None
+    turns.take(fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        if alone or nextitem is None or _module(nextitem) != _module(item):
+            turns.drop()
 
 
 # The longest modules (about 80-170 s each on 2 cores), longest first: pytest-xdist hands whole modules to whichever
-# worker is free in this order, so the long ones start early and the short ones fill in around them.
-LONGEST_FIRST = ("test_e2e_slurm", "test_e2e_parallel", "test_e2e_train", "test_e2e_control", "test_e2e_netns_faults",
+# worker is free in this order, so the long ones start early and the short ones fill in around them. The straggler
+# check comes before them: it runs alone, and at the start the other worker has the least to finish first.
+LONGEST_FIRST = ("test_e2e_straggler", "test_e2e_slurm", "test_e2e_parallel", "test_e2e_train", "test_e2e_control", "test_e2e_netns_faults",
                  "test_e2e_restart", "test_e2e_defects", "test_e2e_tls", "test_e2e_drain", "test_e2e_leftovers")
 
 

@@ -108,8 +108,9 @@ def recovered(c, job: str, ref: dict, what: str, fault_step: int, t_fault: float
     """Wait for attempt 2 to complete a step and the job to succeed; check the losses; print the figures."""
     wait_for(lambda: status(c.address, job)["attempt"] == 2, 90, "a restart")
     t_detect = time.monotonic() - t_fault
-    wait_for(lambda: (s := status(c.address, job))["attempt"] == 2 and s["state"] == "RUNNING"
-             and s["summary"]["min_step"] >= 1, 180, "attempt 2 completing a step")
+    wait_for(lambda: (s := status(c.address, job))["attempt"] == 2 and (   # a loaded machine's poll may see it
+        s["state"] == "SUCCEEDED" or s["state"] == "RUNNING" and s["summary"]["min_step"] >= 1),   # only ended
+        180, "attempt 2 completing a step")
     t_step = time.monotonic() - t_fault
     done = finish(c, job)
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
