@@ -78,8 +78,8 @@ class Advancer:
         progress = self._book.progress(job)
         bad = progress.likely_cause()
         if bad is not None:
-            since = self._held.setdefault(job.id, self._clock())
-            if failure_weight(bad) == PEER_FAILED and self._clock() - since < ATTRIBUTION_S:
+            if failure_weight(bad) == PEER_FAILED \
+                    and self._clock() - self._held.setdefault(job.id, self._clock()) < ATTRIBUTION_S:
                 return   # held for its cause: a killed peer's report may come next (``check_held``)
             self._held.pop(job.id, None)
             self._restarts.fail_attempt(job, failure_reason(bad), node=bad.node)

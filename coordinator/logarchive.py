@@ -45,13 +45,14 @@ class LogArchive:
         """Archive the last lines of every rank of ``job``'s attempt; the number of ranks kept."""
         if not job.nodes:
             return 0
-        gate, budget, kept = asyncio.Semaphore(CONCURRENCY), [JOB_BYTES], [0]
+        gate, budget, kept = asyncio.Semaphore(CONCURRENCY), JOB_BYTES, 0
         start = clock()
 
         async def one(rank: int) -> None:
+            nonlocal budget, kept
             node = job.nodes[node_of_rank(rank, job.slots_per_node)]
             async with gate:
-                if budget[0] <= 0:
+                if budget <= 0:
                     return
                 try:
                     chunk = await fetcher.fetch(node, job.id, job.attempt, rank, tail=LINES, max_lines=LINES,
@@ -61,10 +62,10 @@ class LogArchive:
             if chunk.error:
                 return
             text = "".join(line + "\n" for line in chunk.lines)
-            budget[0] -= len(text)
-            if budget[0] >= 0:
+            budget -= len(text)
+            if budget >= 0:
                 await asyncio.to_thread(_write, self.path(job.id, job.attempt, rank), text)
-                kept[0] += 1
+                kept += 1
 
         tasks = [asyncio.ensure_future(one(rank)) for rank in range(job.world_size)]
         try:
@@ -72,9 +73,9 @@ class LogArchive:
         except asyncio.TimeoutError:
             for task in tasks:
                 task.cancel()
-        log.info("logs.archived", job=job.id, attempt=job.attempt, ranks=kept[0], of=job.world_size,
+        log.info("logs.archived", job=job.id, attempt=job.attempt, ranks=kept, of=job.world_size,
                  seconds=round(clock() - start, 2))
-        return kept[0]
+        return kept
 
     def chunk(self, job_id: str, attempt: int, rank: int, offset: int, tail: int,
               records: bool = False) -> pb.LogChunk | None:

@@ -51,6 +51,7 @@ class PoolRecord:
     created_at: float = 0.0
     requested_by: str = ""
     drained: list[str] = field(default_factory=list)   # nodes its release drained (undrained when it ends)
+    released_for: str = ""          # why it was released ("pool X released: REASON"; "" while not released)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -119,8 +120,8 @@ class WorkerPools:
         pool = self.get(pool_id)
         if pool.state != ACTIVE:
             return pool
-        why = f"pool {pool.id} released" + (f": {reason}" if reason else "")
-        pool.state, pool.reason = RELEASING, why + "; draining its nodes"
+        pool.released_for = f"pool {pool.id} released" + (f": {reason}" if reason else "")
+        pool.state, pool.reason = RELEASING, pool.released_for + "; draining its nodes"
         for session in self._members(pool):
             self._drain_member(pool, session.name)
         self._save(pool)
@@ -227,12 +228,12 @@ class WorkerPools:
         if name not in pool.drained:
             pool.drained.append(name)
             with contextlib.suppress(NodeNotFound):   # it left meanwhile: nothing to move
-                self._drain(name, pool.reason.split(";")[0])
+                self._drain(name, pool.released_for)
 
     def _let_go(self, pool: PoolRecord) -> None:
         """No job holds a slot on the pool's nodes any more: its workers are told to exit."""
         pool.allocation = replace(pool.allocation, released=True)
-        pool.reason = pool.reason.split(";")[0] + "; its workers were told to exit"
+        pool.reason = pool.released_for + "; its workers were told to exit"
         self._save(pool)
         self._released_at[pool.id] = self._clock()
         for session in self._members(pool):
@@ -242,9 +243,8 @@ class WorkerPools:
     def _end(self, pool: PoolRecord, state: str, why: str) -> None:
         if state != pool.allocation.state:
             pool.allocation = replace(pool.allocation, state=state)
-        released = pool.state == RELEASING
         pool.state = ENDED
-        pool.reason = (pool.reason.split(";")[0] + f"; {why}") if released else why
+        pool.reason = f"{pool.released_for}; {why}" if pool.released_for else why
         for name in pool.drained:   # a later pool may give a worker the same node name
             with contextlib.suppress(NodeNotFound):
                 self._undrain(name)

@@ -157,9 +157,14 @@ def _bind_problem(listen: str) -> str:
     return "grpc could not bind it"
 
 
+def _listen_host(listen: str) -> str:
+    """The host of ``listen`` ("host:port"), brackets off; "" for a wildcard (0.0.0.0, [::])."""
+    host = (listen.rsplit(":", 1)[0] if ":" in listen else listen).strip("[]")
+    return "" if host in ("0.0.0.0", "::") else host
+
+
 def _split_listen(listen: str) -> str:
-    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
-    return host.strip("[]") if host not in ("", "0.0.0.0", "[::]") else "127.0.0.1"
+    return _listen_host(listen) or "127.0.0.1"
 
 
 async def _archive_logs(core: Coordinator, job_id: str) -> int:
@@ -171,11 +176,7 @@ async def _archive_logs(core: Coordinator, job_id: str) -> int:
 def dial_address(listen: str, port: int, advertise: str | None = None) -> str:
     """Where workers on other hosts dial this coordinator: ``advertise``, else the listen host, else (a wildcard
     listen) this host's fully qualified name; with the bound port."""
-    host = listen.rsplit(":", 1)[0].strip("[]") if ":" in listen else listen
-    if advertise:
-        host = advertise
-    elif host in ("", "0.0.0.0", "::"):
-        host = socket.getfqdn()
+    host = advertise or _listen_host(listen) or socket.getfqdn()
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
