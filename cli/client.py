@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 
 import grpc
 
-from rankctl.cli.errors import EXIT_UNREACHABLE, EXIT_USAGE, CtlError
+from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, CtlError
 from rankctl.proto import from_short_name
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
@@ -28,17 +28,42 @@ class Unimplemented(CtlError):
 
 
 class Client:
-    """Talks to the coordinator's ClientService at ``address`` (HOST:PORT)."""
+    """Talks to the coordinator's ClientService at ``address``: HOST:PORT, or several (``A,B,C``: the coordinators
+    of one replicated store). With several, a call that a standby refuses goes to the leader it names, or to the
+    next address; while none leads (an election, the store unreachable) calls wait up to ``NO_LEADER_WAIT_S``."""
 
     def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT, tls_dir: str | None = None) -> None:
-        self.address, self.tls_dir = address, tls_dir
-        self._channel = self._open(address, tls_dir)
-        try:
-            self._connect(connect_timeout)
-        except BaseException:
-            self._channel.close()
-            raise
-        self.stub = pb_grpc.ClientServiceStub(self._channel)
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.tls_dir = tls_dir
+        problem: CtlError | None = None
+        for candidate in self.addresses:  # the first that answers
+            self.address = candidate
+            self._channel = self._open(candidate, tls_dir)
+            try:
+                self._connect(connect_timeout if len(self.addresses) == 1 else min(connect_timeout, 2.0))
+                problem = None
+                break
+            except CtlError as exc:
+                self._channel.close()
+                problem = exc
+            except BaseException:
+                self._channel.close()
+                raise
+        if problem is not None:
+            raise problem
+        self.stub = _Following(self) if len(self.addresses) > 1 else pb_grpc.ClientServiceStub(self._channel)
+
+    def switch(self, address: str) -> None:
+        """Talk to ``address`` from now on (the leader a standby named, or the next of the addresses)."""
+        old, self.address = self._channel, address
+        self._channel = self._open(address, self.tls_dir)
+        self._raw = pb_grpc.ClientServiceStub(self._channel)
+        threading.Thread(target=old.close, daemon=True).start()
+
+    def raw_stub(self) -> pb_grpc.ClientServiceStub:
+        if getattr(self, "_raw", None) is None:
+            self._raw = pb_grpc.ClientServiceStub(self._channel)
+        return self._raw
 
     def _connect(self, timeout: float) -> None:
         """Wait for the channel; the first time it fails, ask once what listens there: an HTTP server
@@ -91,6 +116,10 @@ class Client:
         return CtlError(f"the TLS handshake with the coordinator at {self.address} failed with the identity in "
                         f"{self.tls_dir}: the coordinator refused its certificate (another CA, expired, or revoked) "
                         "or its own certificate does not match (its CA or its --san names)", EXIT_USAGE)
+
+    def info(self) -> pb.GetInfoResponse:
+        with rpc_errors(self.address):
+            return self.stub.GetInfo(pb.GetInfoRequest())
 
     def close(self) -> None:
         # grpc's connectivity poller (started by _connect's subscribe) wakes every 0.2 s and Channel.close waits
@@ -258,6 +287,67 @@ def _probe_tls():  # noqa: ANN202 - an ssl.SSLContext
     return ctx
 
 
+class _Following:
+    """A ClientService stub over several coordinators: each call goes to the leader (see ``Client``)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - a grpc multicallable's stand-in
+        streaming = name in STREAMING_CALLS
+
+        def call(request, **kwargs):  # noqa: ANN001, ANN202
+            if streaming:
+                return self._stream(name, request, kwargs)
+            return self._follow(lambda: getattr(self._client.raw_stub(), name)(request, **kwargs))
+        return call
+
+    def _stream(self, name: str, request, kwargs: dict) -> Iterator:  # noqa: ANN001
+        """A server stream: followed until its first message (a failover later ends it as with one coordinator)."""
+        it = self._follow(lambda: _started(getattr(self._client.raw_stub(), name)(request, **kwargs)))
+        yield from it
+
+    def _follow(self, attempt):  # noqa: ANN001, ANN202
+        client, end = self._client, time.monotonic() + NO_LEADER_WAIT_S
+        tried: set[str] = set()
+        while True:
+            try:
+                return attempt()
+            except grpc.RpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+                leader = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA, "")
+                tried.add(client.address)
+                if leader and leader != client.address and leader not in tried:
+                    client.switch(leader)
+                    continue
+                rest = [a for a in client.addresses if a not in tried]
+                if rest:
+                    client.switch(rest[0])
+                    continue
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.25)
+                tried.clear()
+
+
+def _started(it: Iterator) -> Iterator:
+    """``it`` with its first message already received (so that a refusal raises here), then the rest."""
+    first = next(it, _END)
+
+    def rest() -> Iterator:
+        if first is not _END:
+            yield first
+            yield from it
+    return rest()
+
+
+_END = object()
+STREAMING_CALLS = {"WatchJob", "WatchJobBatches", "GetLogs"}
+LEADER_METADATA = "rankctl-leader"
+NO_LEADER_WAIT_S = 8.0
+
+
 @contextmanager
 def rpc_errors(address: str) -> Iterator[None]:
     """Map gRPC failures to CtlError with the exit codes of ``ctl``."""
@@ -265,6 +355,8 @@ def rpc_errors(address: str) -> Iterator[None]:
         yield
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details() or ""
+        if code is grpc.StatusCode.UNAVAILABLE and _about_store(exc):
+            raise CtlError(details, EXIT_JOB_FAILED) from None  # no coordinator can store it: the store's trouble
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise CtlError(f"lost the coordinator at {address}: {details}", EXIT_UNREACHABLE) from None
         if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
@@ -277,3 +369,11 @@ def rpc_errors(address: str) -> Iterator[None]:
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise CtlError(f"the coordinator at {address} cannot take this now: {details}", 1) from None
         raise CtlError(f"coordinator at {address} answered {code.name}: {details}", 1) from None
+
+
+def _about_store(exc: grpc.RpcError) -> bool:
+    """An UNAVAILABLE that a coordinator answered because of its store (a write it could not store, or a
+    standby with no leader because of the store): a clear refusal, not a lost coordinator."""
+    details = exc.details() or ""
+    return "the store " in details or "could not store" in details or (
+        LEADER_METADATA in dict(exc.trailing_metadata() or ()))

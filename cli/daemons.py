@@ -43,6 +43,12 @@ def require_torch(command: str) -> None:
                        "pip install 'rankctl[worker]' on worker nodes (the client and the coordinator need no torch)")
 
 
+def is_loopback_address(address: str) -> bool:
+    from rankctl.security.tls import is_loopback
+
+    return is_loopback(address.strip())
+
+
 def plain_text_problem(addresses: dict[str, str], tls_dir: str | None, insecure: bool) -> str | None:
     """Why this service may not run without TLS: one of its ``addresses`` (option -> HOST:PORT) is not
     loopback and neither --tls-dir nor --insecure was given."""
@@ -56,86 +62,6 @@ def plain_text_problem(addresses: dict[str, str], tls_dir: str | None, insecure:
                     f"any party. Pass --tls-dir DIR (ctl certs init / ctl certs issue), or --insecure on a trusted "
                     f"private network")
     return None
-
-
-async def _serve_coordinator(listen: str, state_dir: Path, tls_dir: str | None, **options: object) -> None:
-    """Serve until SIGTERM/SIGINT; ``options``: start_coordinator's keyword arguments (advertise, heartbeat_timeout,
-    head_wait, http_listen, metrics_per_rank, blob_quota_bytes, blob_retention_s)."""
-    import structlog
-
-    from rankctl.coordinator.server import start_coordinator
-
-    server = await start_coordinator(listen, state_dir, tls_dir=tls_dir, **options)
-    (state_dir / "address").write_text(server.address + "\n")  # the bound address, for scripts and tests
-    structlog.get_logger("rankctl.coordinator").info(
-        "coordinator listening", address=server.address, state_dir=str(state_dir))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(1.0)
-
-
-@click.command("coordinator", epilog=example(
-    "ctl coordinator --listen 0.0.0.0:7420 --state-dir /var/lib/rankctl --tls-dir /etc/rankctl/coordinator \\",
-    "    --http-listen 0.0.0.0:9420 --log-format json"))
-@click.option("--listen", default="127.0.0.1:7420", show_default=True, metavar="HOST:PORT",
-              help="Address to serve on (port 0 picks a free port and logs it).")
-@click.option("--state-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory for the durable store (SQLite, WAL).")
-@click.option("--advertise-address", default=None, metavar="HOST",
-              help="The host workers the coordinator starts (ctl slurm) dial it on (default: the --listen host, or "
-                   "this host's name when that is 0.0.0.0 or [::]).")
-@click.option("--heartbeat-timeout", default=10.0, show_default=True, type=float,
-              help="Seconds without a heartbeat before a node is lost.")
-@click.option("--head-wait", default=60.0, show_default=True, type=float,
-              help="Seconds the first job that cannot start holds back later jobs that could (then they backfill).")
-@click.option("--http-listen", default=None, metavar="HOST:PORT",
-              help="Serve the dashboard and Prometheus /metrics over HTTP here (default or \"\": off).")
-@click.option("--metrics-per-rank", is_flag=True,
-              help="Add per-rank series to /metrics (one per rank of every active job: large clusters beware).")
-@click.option("--blob-quota-mb", default=10240, show_default=True, type=click.IntRange(min=1),
-              help="MiB of uploaded workdirs each submitter may store (an upload past it is refused, naming the use).")
-@click.option("--blob-retention-hours", default=168.0, show_default=True, type=click.FloatRange(min=0),
-              help="Keep a workdir blob this long after the last job using it finished or it was last uploaded.")
-@with_tls
-@log_level
-@log_format
-def coordinator(listen: str, state_dir: Path, advertise_address: str | None, heartbeat_timeout: float, head_wait: float, http_listen: str | None,
-                metrics_per_rank: bool, blob_quota_mb: int, blob_retention_hours: float, tls_dir: str | None, insecure: bool, log_level: str, log_format: str) -> None:
-    """Run the coordinator service (gRPC) until SIGTERM/SIGINT."""
-    from rankctl.coordinator.store import StateDirInUse, StoreUnusable
-    from rankctl.security.certs import CertError
-    from rankctl.worker.procutil import configure_logging
-
-    configure_logging(level=log_level, fmt=log_format)
-    http_listen = http_listen or None  # "" is off, as for ctl worker --metrics-listen (a systemd unit's empty default)
-    problem = plain_text_problem({"--listen": listen, **({"--http-listen": http_listen} if http_listen else {})},
-                                 tls_dir, insecure)
-    if problem:
-        raise CtlError(problem)
-    if heartbeat_timeout <= 0:
-        raise CtlError(f"--heartbeat-timeout={heartbeat_timeout} must be positive")
-    if not 0 <= head_wait < float("inf"):
-        raise CtlError(f"--head-wait={head_wait} must be a finite number of seconds, 0 or more")
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CtlError(f"--state-dir {state_dir}: {exc.strerror}") from None
-    from rankctl.coordinator.server import tune_gc
-
-    tune_gc()
-    try:
-        asyncio.run(_serve_coordinator(listen, state_dir, tls_dir, advertise=advertise_address,
-                                       heartbeat_timeout=heartbeat_timeout,
-                                       head_wait=head_wait, http_listen=http_listen,
-                                       metrics_per_rank=metrics_per_rank, blob_quota_bytes=blob_quota_mb << 20,
-                                       blob_retention_s=blob_retention_hours * 3600))
-    except (StateDirInUse, StoreUnusable, CertError) as exc:
-        raise CtlError(str(exc)) from None
-    except OSError as exc:
-        raise CtlError(f"coordinator: {exc}") from None  # names the address: "cannot listen on X: ..." (gRPC or dashboard)
 
 
 def node_name(name: str | None) -> str:
@@ -170,8 +96,9 @@ def _check_node_identity(tls_dir: str, node: str) -> None:
 @click.command("worker", epilog=example(
     "ctl worker --coordinator head:7420 --state-dir /var/lib/rankctl-worker --advertise-address 10.0.0.5 \\",
     "    --tls-dir /etc/rankctl/node --metrics-listen 10.0.0.5:9421"))
-@click.option("--coordinator", "coordinator_address", default=None, metavar="HOST:PORT",
-              help="Coordinator address (default: ctl --coordinator / RANKCTL_COORDINATOR).")
+@click.option("--coordinator", "coordinator_address", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="Coordinator address, or the addresses of a replicated store's coordinators (the daemon follows "
+                   "the leader) (default: ctl --coordinator / RANKCTL_COORDINATOR).")
 @click.option("--slots", type=int, default=None, help="Rank slots (default: GPUs on this node, or 1).")
 @click.option("--name", default=None, help="Node name (default: the lower-cased hostname).")
 @click.option("--advertise-address", default=None, help="Address other nodes reach this node on.")
@@ -223,7 +150,8 @@ def worker(ctx: Ctx, coordinator_address: str | None, slots: int | None, name: s
         raise CtlError(f"--data-root: {exc}") from None
     tls_dir = tls_dir or ctx.given_tls_dir  # never a config context's user certificate
     address = coordinator_address or ctx.coordinator
-    addresses = {"--coordinator": address, "--advertise-address": f"{advertise_address or '127.0.0.1'}:0",
+    addresses = {**{"--coordinator": a for a in address.split(",") if a.strip() and not is_loopback_address(a)},
+                 "--advertise-address": f"{advertise_address or '127.0.0.1'}:0",
                  "--health-listen": health_listen, **({"--metrics-listen": metrics_listen} if metrics_listen else {})}
     problem = plain_text_problem(addresses, tls_dir, insecure)
     if problem:

@@ -28,7 +28,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "nodes": ("rankctl.cli.nodes", "nodes", "List worker nodes."),
     "drain": ("rankctl.cli.nodes", "drain", "Take a node out of service: no new work, its jobs move off it."),
     "undrain": ("rankctl.cli.nodes", "undrain", "Put a drained node back in service (clears its exclusions)."),
-    "coordinator": ("rankctl.cli.daemons", "coordinator", "Run the coordinator service."),
+    "coordinator": ("rankctl.cli.coordinator", "coordinator", "Run the coordinator service (migrate: onto etcd)."),
+    "info": ("rankctl.cli.info", "info", "Who answers, who leads, the store and the coordinators seen."),
     "worker": ("rankctl.cli.daemons", "worker", "Run a worker daemon for this node."),
     "slurm": ("rankctl.cli.slurm", "slurm", "Run jobs on Slurm allocations (submit from the login node)."),
     "up": ("rankctl.cli.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
@@ -110,7 +111,8 @@ Example:
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=EPILOG)
 @click.version_option(package_name="rankctl", prog_name="ctl")
 @click.option("--coordinator", envvar="RANKCTL_COORDINATOR", default=None, metavar="HOST:PORT",
-              help=f"Coordinator address (env RANKCTL_COORDINATOR; else the context's; else {DEFAULT_COORDINATOR}).")
+              help=f"Coordinator address, or several (A,B,C: the coordinators of one store; calls go to the leader) "
+                   f"(env RANKCTL_COORDINATOR; else the context's; else {DEFAULT_COORDINATOR}).")
 @click.option("--tls-dir", envvar="RANKCTL_TLS_DIR", default=None, metavar="DIR",
               help="Your identity directory (ca.pem, cert.pem, key.pem from `ctl certs issue`) for a coordinator "
                    "that serves mutual TLS (env RANKCTL_TLS_DIR; else the context's).")

@@ -41,6 +41,7 @@ CLIENT_ROLES = {
     "GetLogs": VIEWER, "PlanJob": VIEWER, "StatBlob": VIEWER, "GetJobSchema": VIEWER,
     "SubmitJob": SUBMITTER, "UploadBlob": SUBMITTER, "CancelJob": SUBMITTER,
     "DrainNode": ADMIN, "StartWorkers": ADMIN, "ReleaseWorkers": ADMIN, "ListWorkerPools": VIEWER,
+    "GetInfo": VIEWER,
 }
 MUTATING = {"SubmitJob", "UploadBlob", "CancelJob", "DrainNode", "StartWorkers", "ReleaseWorkers"}
 

@@ -61,11 +61,14 @@ class BlobStore:
     """``max_bytes``: one blob's cap; ``quota_bytes``: stored bytes per submitter; ``retention_s``: see ``collect``."""
 
     def __init__(self, state_dir: Path | str, max_bytes: int = MAX_BLOB_BYTES, *, quota_bytes: int = QUOTA_BYTES,
-                 retention_s: float = RETENTION_S) -> None:
+                 retention_s: float = RETENTION_S, backing: Any = None) -> None:
         self.root = Path(state_dir) / "blobs"
         self.owners = Path(state_dir) / "blob-owners"
         self.root.mkdir(parents=True, exist_ok=True)
         self.owners.mkdir(exist_ok=True)
+        self.backing = backing  # a replicated store's copy (``coordinator.etcdblobs.EtcdBlobs``), or None
+        if backing is not None:
+            backing.pull_missing(self.root, self.owners)
         self.max_bytes, self.quota_bytes, self.retention_s = max_bytes, quota_bytes, retention_s
         self.use: dict[str, int] = {}  # submitter -> stored bytes
         for p in self._stored():
@@ -152,10 +155,21 @@ class BlobStore:
                 return False
             (self.owners / final.name).write_text(owner)
             os.replace(tmp, final)
-            return True
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        if self.backing is not None:  # acknowledged only once it is on the replicated store too
+            try:
+                await asyncio.to_thread(self.backing.push, final.name, final, owner)
+            except BaseException as exc:
+                final.unlink(missing_ok=True)
+                (self.owners / final.name).unlink(missing_ok=True)
+                if isinstance(exc, OverflowError):
+                    raise BlobRefused(str(exc)) from None
+                if isinstance(exc, Exception) and not isinstance(exc, StoreError):
+                    raise StoreError(f"the blob {digest} could not be stored: {exc}") from None
+                raise
+        return True
 
     def collect(self, referenced: set[str], now: float | None = None) -> list[str]:
         """Delete every blob not in ``referenced`` (digests of live and recently finished jobs) and not used
@@ -174,6 +188,8 @@ class BlobStore:
                 continue
             (self.owners / p.name).unlink(missing_ok=True)
             self._charge(owner, -size)
+            if self.backing is not None:
+                self.backing.delete(p.name)
             gone.append(digest)
         return gone
 
@@ -189,8 +205,11 @@ class BlobStore:
 
     async def read(self, digest: str) -> AsyncIterator[bytes]:
         """The stored blob, chunk by chunk; BlobMissing when it is not stored."""
+        path = self.path(digest)
+        if self.backing is not None and not path.exists():  # taken over before this blob was copied here
+            await asyncio.to_thread(self.backing.pull, path.name, self.root, self.owners)
         try:
-            f = await asyncio.to_thread(open, self.path(digest), "rb")
+            f = await asyncio.to_thread(open, path, "rb")
         except FileNotFoundError:
             raise BlobMissing(f"blob {digest} is not stored on the coordinator") from None
         try:

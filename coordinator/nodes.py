@@ -128,6 +128,12 @@ class NodeTable:
     def is_current(self, session: NodeSession) -> bool:
         return self.sessions.get(session.name) is session
 
+    def close_all(self) -> None:
+        """Close every node's stream (a coordinator that stops leading): the daemons go to the new leader."""
+        for s in self.sessions.values():
+            if s.outbox is not None:
+                s.outbox(None)
+
     def send(self, name: str, msg: pb.CoordinatorMessage) -> bool:
         """Put ``msg`` in the node's outbox if it is connected; False when dropped."""
         s = self.sessions.get(name)

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import functools
 import gc
+import secrets
 import socket
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from rankctl.coordinator.auth import Authorizer
 from rankctl.coordinator.blobs import QUOTA_BYTES, RETENTION_S, BlobStore, collect_loop
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator import reflection
+from rankctl.coordinator.etcd import StoreURL
+from rankctl.coordinator.gate import LeaderGate
+from rankctl.coordinator.info import VERSION, coordinator_info
 from rankctl.coordinator.node_service import NodeServiceServicer
 from rankctl.coordinator.intake import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
@@ -36,6 +40,8 @@ from rankctl.coordinator.store import Store
 from rankctl.proto import rankctl_pb2_grpc
 
 if TYPE_CHECKING:
+    from rankctl.coordinator.etcd import EtcdTLS
+    from rankctl.coordinator.ha import HighAvailability
     from rankctl.coordinator.web.app import HttpServer
 
 log = structlog.get_logger("rankctl.coordinator")
@@ -43,32 +49,71 @@ SERVICES = ("", "rankctl.v1.ClientService", "rankctl.v1.NodeService")
 MAX_MESSAGE_BYTES = 16 << 20
 # grpc enables SO_REUSEPORT by default: a second coordinator on a used address would start
 # silently and split the clients between the two. Bind exclusively instead.
+LEASE_TTL_S = 3  # a replicated store's leader lease: a dead leader is replaced within it
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
+    # daemons ping every 2 s to find a stopped coordinator (SIGSTOP, a frozen host): let them
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
 
 
 @dataclass
-class CoordinatorServer:
-    """A running coordinator: ``.port`` and ``.address`` are where it listens."""
+class Leading:
+    """What a leading coordinator runs over its store: the core, the blob store and their tasks."""
 
-    server: grpc.aio.Server
     core: Coordinator
     store: Store
+    blobs: BlobStore
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    http: "HttpServer | None" = None
+
+    async def stop(self) -> None:
+        self.core.shutdown()
+        if self.http is not None:
+            await self.http.stop()
+        for task in self.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@dataclass
+class CoordinatorServer:
+    """A running coordinator: ``.port`` and ``.address`` are where it listens; ``.core`` and ``.store`` while it
+    leads (always, on the embedded store; ``ha`` is set on a replicated one)."""
+
+    server: grpc.aio.Server
     health: health_aio.HealthServicer
     host: str
     port: int
-    monitor: asyncio.Task | None = field(default=None, repr=False)
-    blob_gc: asyncio.Task | None = field(default=None, repr=False)  # unreferenced blobs collected (coordinator.blobs)
-    allocating: asyncio.Task | None = field(default=None, repr=False)  # allocations asked for and watched
-    http: "HttpServer | None" = field(default=None, repr=False)   # the dashboard (``--http-listen``)
+    settings: "LeaderSettings"
+    client: ClientServiceServicer
+    node: NodeServiceServicer
+    leading: Leading | None = None
+    ha: "HighAvailability | None" = None
     http_host: str = ""
+    member_id: str = ""
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def core(self) -> Coordinator:
+        assert self.leading is not None, "this coordinator does not lead"
+        return self.leading.core
+
+    @property
+    def store(self) -> Store:
+        assert self.leading is not None, "this coordinator does not lead"
+        return self.leading.store
+
+    @property
+    def http(self) -> "HttpServer | None":
+        return self.leading.http if self.leading is not None else None
 
     @property
     def http_port(self) -> int | None:
@@ -86,23 +131,84 @@ class CoordinatorServer:
     def http_url(self) -> str | None:
         return f"{'https' if self.http.tls else 'http'}://{self.http_address}" if self.http is not None else None
 
+    async def lead(self, store: Store) -> None:
+        """Lead on ``store``: assemble the core over it and serve (see ``LeaderSettings``)."""
+        s = self.settings
+        core = Coordinator(store, clock=s.clock, heartbeat_timeout=s.heartbeat_timeout, **s.core_extra)
+        blobs = await asyncio.to_thread(BlobStore, s.state_dir, quota_bytes=s.blob_quota_bytes,
+                                        retention_s=s.blob_retention_s, backing=s.blob_backing)
+        self.client.core = self.node.core = core
+        self.client.blobs = self.node.blobs = blobs
+        leading = Leading(core, store, blobs)
+        leading.tasks.append(asyncio.create_task(_monitor(core, period=max(0.05, min(0.5, s.heartbeat_timeout / 4)))))
+        leading.tasks.append(asyncio.create_task(collect_loop(blobs, core.list, clock=s.clock)))
+        for source in (core.allocations, core.pools):   # what the workers a scheduler starts dial, and how
+            source.address, source.tls = dial_address(s.listen, self.port, s.advertise), s.identity is not None
+        leading.tasks.append(asyncio.create_task(allocation_loop(
+            (core.allocations, core.pools), SlurmAllocator(Path(s.state_dir)), functools.partial(_archive_logs, core))))
+        if store.replica is not None:
+            leading.tasks.append(asyncio.create_task(_snapshots(store, store.replica)))
+        self.leading = leading
+        if s.http_listen is not None:
+            await _start_dashboard(self, s.http_listen, s.identity, s.metrics_per_rank, Path(s.state_dir))
+        core.schedule()
+
+    async def follow(self) -> None:
+        """Stop leading (a replicated store's leadership was lost): node streams close, so daemons move on."""
+        leading, self.leading = self.leading, None
+        if leading is None:
+            return
+        await leading.stop()
+        leading.core.nodes.close_all()
+        leading.store.close()
+        log.info("coordinator.standing_by", address=self.address)
+
+    def refusal(self) -> tuple[str, str] | None:
+        """None while leading; else why not, and the leader's address ("" when none leads)."""
+        if self.leading is not None:
+            return None
+        ha = self.ha
+        leader = (ha.leadership.leader or {}) if ha is not None else {}
+        if leader.get("address"):
+            return (f"the coordinator at {self.address} is a standby; the leader is {leader['address']}",
+                    leader["address"])
+        why = ha.problem() if ha is not None else ""
+        return (f"the coordinator at {self.address} is a standby and no coordinator leads: "
+                + (why or f"an election on the store {ha.store_url if ha else ''} is under way"), "")
+
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving without failing running jobs (their state stays for the next start)."""
-        self.core.shutdown()
-        if self.http is not None:
-            await self.http.stop()
-        for task in (self.monitor, self.blob_gc, self.allocating):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        leading, self.leading = self.leading, None
+        if leading is not None:
+            await leading.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        self.store.close()
+        if leading is not None:
+            leading.store.close()
+        if self.ha is not None:
+            await self.ha.stop()
         log.info("coordinator.stopped", address=self.address)
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+@dataclass
+class LeaderSettings:
+    """How this coordinator leads, whenever it does."""
+
+    listen: str
+    state_dir: Path
+    heartbeat_timeout: float
+    clock: Callable[[], float]
+    core_extra: dict
+    identity: object
+    http_listen: str | None
+    metrics_per_rank: bool
+    blob_quota_bytes: int
+    blob_retention_s: float
+    advertise: str | None
+    blob_backing: object = None   # where blobs also go on a replicated store (``coordinator.blobs``)
 
 
 LAG_FLOOR_S = 0.25  # loop lag below this is noise, not a stall
@@ -184,7 +290,9 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
                             clock: Callable[[], float] = time.time, head_wait: float | None = None,
                             tls_dir: str | Path | None = None, http_listen: str | None = None,
                             metrics_per_rank: bool = False, blob_quota_bytes: int = QUOTA_BYTES,
-                            blob_retention_s: float = RETENTION_S, advertise: str | None = None) -> CoordinatorServer:
+                            blob_retention_s: float = RETENTION_S, advertise: str | None = None,
+                            store_url: str | None = None, etcd_tls: "EtcdTLS | None" = None,
+                            lease_ttl: int = LEASE_TTL_S) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
     ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
 
@@ -192,52 +300,98 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     ``tls_dir``: the coordinator's identity directory (``ctl certs init``): serve mutual TLS only, every
     call authorized by its client certificate (``coordinator.auth``); CertError when it is unusable.
     ``http_listen``: also serve the dashboard and ``/metrics`` (per-rank series with ``metrics_per_rank``) there,
-    HTTPS under ``tls_dir`` (``coordinator.web``); the bound address goes to ``state_dir/http_address``."""
+    HTTPS under ``tls_dir`` (``coordinator.web``); the bound address goes to ``state_dir/http_address``.
+    ``store_url``: keep the state on etcd (``etcd://HOST:PORT[,...][/prefix]``, TLS with ``etcd_tls``) and lead
+    only when elected (``coordinator.ha``); ``state_dir`` then holds this coordinator's local files only."""
     from rankctl.security.tls import load_identity_dir, server_credentials
 
     identity = load_identity_dir(tls_dir) if tls_dir else None  # before anything is locked or bound
-    store = Store(state_dir)
-    extra = {} if head_wait is None else {"head_wait": head_wait}
-    core = Coordinator(store, clock=clock, heartbeat_timeout=heartbeat_timeout, **extra)
-    blobs = BlobStore(state_dir, quota_bytes=blob_quota_bytes, retention_s=blob_retention_s)  # after the store's lock
-    server, health = _grpc_server(core, blobs, identity)
+    settings = LeaderSettings(listen, Path(state_dir), heartbeat_timeout, clock,
+                              {} if head_wait is None else {"head_wait": head_wait}, identity, http_listen,
+                              metrics_per_rank, blob_quota_bytes, blob_retention_s, advertise)
+    url = StoreURL.parse(store_url) if store_url else None
+    store = Store(state_dir) if url is None else None  # the state dir's lock first: a second coordinator fails here
+    client, node = ClientServiceServicer(None, None), NodeServiceServicer(None, None)
+    holder: list[CoordinatorServer] = []
+    server, health = _grpc_server(client, node, identity, LeaderGate(lambda: holder[0].refusal()))
     try:
         port = (server.add_secure_port(listen, server_credentials(identity)) if identity is not None
                 else server.add_insecure_port(listen))
     except RuntimeError:
-        store.close()
+        if store is not None:
+            store.close()
         raise OSError(f"cannot listen on {listen}: {_bind_problem(listen)}") from None
+    coord = CoordinatorServer(server, health, _split_listen(listen), port, settings, client, node,
+                              member_id=secrets.token_hex(4))
+    holder.append(coord)
+    client.info = functools.partial(coordinator_info, coord)
     await server.start()
     for name in SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    coord = CoordinatorServer(server, core, store, health, _split_listen(listen), port)
-    coord.monitor = asyncio.create_task(_monitor(core, period=max(0.05, min(0.5, heartbeat_timeout / 4))))
-    coord.blob_gc = asyncio.create_task(collect_loop(blobs, core.list, clock=clock))
-    for source in (core.allocations, core.pools):   # what the workers a scheduler starts dial, and how
-        source.address, source.tls = dial_address(listen, port, advertise), identity is not None
-    coord.allocating = asyncio.create_task(allocation_loop((core.allocations, core.pools),
-                                                           SlurmAllocator(Path(state_dir)),
-                                                           functools.partial(_archive_logs, core)))
-    if http_listen is not None:
-        await _start_dashboard(coord, http_listen, identity, metrics_per_rank, Path(state_dir))
-    core.schedule()
-    log.info("coordinator.started", address=coord.address, state_dir=str(state_dir), jobs=len(core.list()),
-             tls=identity is not None, dashboard=coord.http_url)
+    try:
+        if url is None:
+            await coord.lead(store)
+        else:
+            await _stand_by(coord, url, etcd_tls, lease_ttl)
+    except BaseException:
+        await coord.stop(0)
+        raise
+    log.info("coordinator.started", address=coord.address, state_dir=str(state_dir), store=str(url or state_dir),
+             jobs=len(coord.core.list()) if coord.leading else None, tls=identity is not None, dashboard=coord.http_url)
     return coord
 
 
-def _grpc_server(core: Coordinator, blobs: BlobStore,
-                 identity) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:  # noqa: ANN001 - tls.Identity | None
+async def _stand_by(coord: CoordinatorServer, url: StoreURL, etcd_tls: "EtcdTLS | None", lease_ttl: int) -> None:
+    """Join the coordinators of a replicated store: load its state, campaign, lead when elected."""
+    from rankctl.coordinator.etcdblobs import EtcdBlobs
+    from rankctl.coordinator.etcd import Etcd
+    from rankctl.coordinator.ha import HighAvailability
+    from rankctl.coordinator.leadership import Member
+
+    etcd = Etcd(url, etcd_tls)
+    me = Member(coord.member_id, dial_address(coord.settings.listen, coord.port, coord.settings.advertise),
+                VERSION, time.time())
+    coord.ha = HighAvailability(etcd, url.prefix, coord.settings.state_dir, me, lease_ttl, coord.lead, coord.follow)
+    coord.settings.blob_backing = EtcdBlobs(etcd, url.prefix, lambda: coord.ha.leadership.fence)
+    await coord.ha.start()
+    coord.ha.tasks.append(asyncio.create_task(_copy_blobs(coord)))
+
+
+async def _snapshots(store: Store, journal, period_s: float = 1.0) -> None:  # noqa: ANN001 - a journal.Journal
+    """A leader's snapshots of a replicated store: when its log has grown enough, the database as it is now
+    (taken on the loop, between transactions) is written off the loop (``coordinator.journal``)."""
+    while True:
+        await asyncio.sleep(period_s)
+        if journal.snapshot_due():
+            await asyncio.to_thread(journal.write_snapshot, store.serialize(), journal.seq)
+
+
+async def _copy_blobs(coord: CoordinatorServer, period_s: float = 5.0) -> None:
+    """While standing by, copy the store's blobs this coordinator lacks, so that it can lead at once."""
+    root = coord.settings.state_dir / "blobs"
+    (root.parent / "blob-owners").mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        if coord.leading is None:
+            try:
+                await asyncio.to_thread(coord.settings.blob_backing.pull_missing, root, root.parent / "blob-owners")
+            except Exception as exc:  # noqa: BLE001 - the store unreachable: next round
+                log.debug("blobs.copy_failed", error=str(exc))
+        await asyncio.sleep(period_s)
+
+
+def _grpc_server(client: ClientServiceServicer, node: NodeServiceServicer, identity,  # noqa: ANN001 - tls.Identity
+                 gate: LeaderGate) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """The server with its services (client, node, health, reflection), every call through the Authorizer
-    (enabled with an ``identity``); not bound yet."""
+    (enabled with an ``identity``), then the leader gate; not bound yet."""
     from rankctl.security.tls import peer_identity
 
     server = grpc.aio.server(options=SERVER_OPTIONS,
                              interceptors=[Authorizer(
                                  peer_identity, enabled=identity is not None,
-                                 revocations=identity.revocations if identity is not None else None)])
-    rankctl_pb2_grpc.add_ClientServiceServicer_to_server(ClientServiceServicer(core, blobs), server)
-    rankctl_pb2_grpc.add_NodeServiceServicer_to_server(NodeServiceServicer(core, blobs), server)
+                                 revocations=identity.revocations if identity is not None else None), gate])
+    rankctl_pb2_grpc.add_ClientServiceServicer_to_server(client, server)
+    rankctl_pb2_grpc.add_NodeServiceServicer_to_server(node, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     # server reflection, v1 and v1alpha (grpcurl, Postman, Evans): the services' descriptors, no .proto needed
@@ -252,7 +406,7 @@ async def _start_dashboard(coord: CoordinatorServer, listen: str, identity, metr
     from rankctl.coordinator.web.app import start_http
 
     try:
-        coord.http = await start_http(coord.core, listen, identity, metrics_per_rank)
+        coord.leading.http = await start_http(coord.core, listen, identity, metrics_per_rank)
     except OSError as exc:
         await coord.stop(0)
         raise OSError(f"cannot serve the dashboard on {listen}: {exc.strerror or exc}") from None

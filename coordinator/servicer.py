@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import AsyncIterator, NoReturn
+from typing import AsyncIterator, Callable, NoReturn
 
 import grpc
 import structlog
@@ -164,9 +164,10 @@ def stopping_reason(reason: str, stopping: int) -> str:
 class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
     """ctl's API: submit, inspect, watch, cancel, logs, plan, blobs (packed workdirs), the job file's schema."""
 
-    def __init__(self, core: Coordinator, blobs: BlobStore) -> None:
-        self.core = core
+    def __init__(self, core: Coordinator | None, blobs: BlobStore | None) -> None:
+        self.core = core    # None while this coordinator stands by (the leader gate answers for it)
         self.blobs = blobs
+        self.info: Callable[[], pb.GetInfoResponse] | None = None  # set by the server
 
     def _job(self, job_id: str, offset: int = 0, limit: int = RANK_PAGE, summary_only: bool = False) -> pb.Job:
         """The job with its summary and ranks ``offset ..`` (at most ``limit``, and about RANK_PAGE_BYTES)."""
@@ -282,6 +283,12 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
                               context: grpc.aio.ServicerContext) -> pb.ListWorkerPoolsResponse:
         try:
             return pb.ListWorkerPoolsResponse(pools=[pool_to_pb(p) for p in self.core.pools.listing()])
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
+        try:
+            return await asyncio.to_thread(self.info)
         except Exception as exc:
             await _abort(context, exc)
 

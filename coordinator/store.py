@@ -1,13 +1,11 @@
-"""SQLite (WAL) persistence of the coordinator: nodes, jobs, attempts, events, ranks.
+"""The coordinator's store: nodes, jobs, attempts, events, ranks, drains, exclusions, worker pools.
 
-Rank logs are not stored here: they stay on the nodes (``coordinator.logfetch``); nothing creates,
-reads or writes a ``logs`` table (a version-1 database keeps its old one, unused). Schema version 2
-adds the events' ``data_json`` (a ``step`` event's step and metrics). Schema version 3 (issue 13)
-adds the ``drains`` and ``exclusions`` tables (``ctl drain``; nodes not placed for a job again) and
-the attempts' ``cause`` (``failure`` or ``drain``: a drain is no failure) and ``blamed`` (the node a
-failure is attributed to). Schema version 4 adds the jobs' ``submitted_by`` (the submitter's
-identity). Schema version 5 (issue 26) adds the jobs' ``allocation_json`` (the allocation a job is pinned to,
-``coordinator.allocation``). An older database is upgraded in place.
+Two kinds behind one class. The embedded default is a SQLite (WAL) file under ``--state-dir``. A
+replicated store (``--store etcd://...``) is an in-memory SQLite copy of the state kept on etcd: each
+transaction's row changes (``coordinator.mirror``) go to the ``Replica`` (``coordinator.journal``) before the
+copy commits, and a refused replication rolls the copy back like a refused disk write. Reads never leave
+the process. The schema and its versions are in ``coordinator.schema``. Rank logs are not stored here: they
+stay on the nodes (``coordinator.logfetch``).
 
 One connection, owned by the coordinator and used from the event loop thread. Writes
 happen inside ``transaction()``; the outermost block commits before it returns, so a
@@ -17,7 +15,7 @@ refuses (disk full, I/O error) rolls the whole outermost transaction back and ra
 ``StoreError``; the core then brings its memory back to what the store holds.
 
 Opening a store takes an exclusive lock on ``state_dir/coordinator.lock`` for the life of
-the process (two coordinators never share one database), checks the database
+the process (two coordinators never share one state dir), checks the database
 (``PRAGMA quick_check``) and its schema version (``PRAGMA user_version``).
 """
 
@@ -31,56 +29,18 @@ import sqlite3
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 from rankctl.kinds.spec import stored_spec
 from rankctl.coordinator.allocation import Allocation
 from rankctl.coordinator.errors import CoordinatorError
+from rankctl.coordinator import mirror
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeRecord, RankRecord
+from rankctl.coordinator.schema import SCHEMA_VERSION, StoreUnusable, open_checked
 from rankctl.coordinator.states import JobState
 
 DB_NAME = "coordinator.db"
 LOCK_NAME = "coordinator.lock"
-SCHEMA_VERSION = 6  # PRAGMA user_version of a database this code writes
-WAL_CHECKPOINT_PAGES = 128  # checkpoint the WAL into the database every ~512 KiB
-WAL_SIZE_LIMIT = 1 << 20    # and truncate it back to 1 MiB after a checkpoint
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS nodes (
-  name TEXT PRIMARY KEY, address TEXT NOT NULL, slots INTEGER NOT NULL, hardware_json TEXT NOT NULL,
-  session TEXT NOT NULL, last_seq INTEGER NOT NULL, last_seen REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
-  seqno INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL,
-  spec_json TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL, attempt INTEGER NOT NULL,
-  world_size INTEGER NOT NULL, slots_per_node INTEGER NOT NULL, created_at REAL NOT NULL,
-  finished_at REAL NOT NULL, nodes_json TEXT NOT NULL, rendezvous TEXT NOT NULL, result_json TEXT);
-CREATE INDEX IF NOT EXISTS jobs_name ON jobs(name);
-CREATE TABLE IF NOT EXISTS attempts (
-  job_id TEXT NOT NULL, attempt INTEGER NOT NULL, nodes_json TEXT NOT NULL, rendezvous TEXT NOT NULL,
-  started_at REAL NOT NULL, finished_at REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL,
-  cause TEXT NOT NULL DEFAULT '', blamed TEXT NOT NULL DEFAULT '', PRIMARY KEY (job_id, attempt));
-CREATE TABLE IF NOT EXISTS events (
-  job_id TEXT NOT NULL, seq INTEGER NOT NULL, ts REAL NOT NULL, state TEXT NOT NULL, kind TEXT NOT NULL,
-  message TEXT NOT NULL, rank_json TEXT, data_json TEXT, PRIMARY KEY (job_id, seq));
--- a job's events other than per-rank ones (steps, transitions ...): the dashboard's series read only these
-CREATE INDEX IF NOT EXISTS events_job_level ON events(job_id, seq) WHERE kind != 'rank';
-CREATE TABLE IF NOT EXISTS ranks (
-  job_id TEXT NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL, phase TEXT NOT NULL, step INTEGER NOT NULL,
-  metrics_json TEXT NOT NULL, error TEXT NOT NULL, exit_code INTEGER NOT NULL, exited INTEGER NOT NULL,
-  updated_at REAL NOT NULL, result_json TEXT NOT NULL, PRIMARY KEY (job_id, rank));
-CREATE TABLE IF NOT EXISTS drains (node TEXT PRIMARY KEY, reason TEXT NOT NULL, since REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS worker_pools (id TEXT PRIMARY KEY, created_at REAL NOT NULL, body_json TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS exclusions (
-  job_id TEXT NOT NULL, node TEXT NOT NULL, reason TEXT NOT NULL, since REAL NOT NULL, PRIMARY KEY (job_id, node));
-"""
-# columns added after a table's first version: (table, column, its definition)
-ADDED_COLUMNS = (
-    ("events", "data_json", "TEXT"),                          # version 2
-    ("attempts", "cause", "TEXT NOT NULL DEFAULT ''"),       # version 3
-    ("attempts", "blamed", "TEXT NOT NULL DEFAULT ''"),      # version 3
-    ("jobs", "submitted_by", "TEXT NOT NULL DEFAULT ''"),    # version 4
-    ("jobs", "allocation_json", "TEXT NOT NULL DEFAULT ''"), # version 5
-)
 
 _JOB_COLS = (
     "seqno, id, name, kind, spec_json, state, reason, attempt, world_size, slots_per_node, "
@@ -99,10 +59,6 @@ class StoreError(CoordinatorError):
 
 class StateDirInUse(OSError):
     """Another process holds the state directory's lock."""
-
-
-class StoreUnusable(OSError):
-    """The database is corrupt or from a newer rankctl: refused at start."""
 
 
 def _lock_state_dir(state_dir: Path) -> int:
@@ -149,48 +105,46 @@ def _rank_to_json(r: RankRecord) -> str:
     return json.dumps(asdict(r), separators=(",", ":"))
 
 
-class Store:
-    """The coordinator's database under ``state_dir/coordinator.db``."""
+class Replica(Protocol):
+    """Where a replicated store's transactions go (``coordinator.journal.Journal``): ``commit`` raises
+    StoreError when it cannot, and then nothing of the transaction is kept."""
 
-    def __init__(self, state_dir: Path | str) -> None:
+    def commit(self, changes: list, what: str) -> None: ...
+
+
+class Store:
+    """The coordinator's database under ``state_dir/coordinator.db``; or, with a ``replica``, an in-memory copy
+    of a replicated one (``replicated``): each transaction's row changes go to the replica before it commits."""
+
+    def __init__(self, state_dir: Path | str, *, replica: Replica | None = None) -> None:
         self.path = Path(state_dir) / DB_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_state_dir(self.path.parent)
         self._depth = 0
+        self.replica = replica
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self._open()
+            self._db = sqlite3.connect(":memory:" if replica else self.path, isolation_level=None,
+                                       check_same_thread=False)
+            if replica is None:
+                open_checked(self._db, str(self.path))
         except BaseException:
             os.close(self._lock_fd)
             raise
 
-    def _open(self) -> None:
-        """Check the database and its schema version; create the schema in a new one."""
+    def apply_entries(self, entries: list[tuple[int, list]]) -> None:
+        """Replicated changes written by the leader (a standby following it, a leader catching up)."""
+        self._db.execute("BEGIN")
         try:
-            check = self._db.execute("PRAGMA quick_check").fetchall()
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.DatabaseError as exc:
-            raise StoreUnusable(f"{self.path} is not a usable rankctl database ({exc}); move it away to start "
-                                "with an empty state, or restore a backup") from None
-        if check != [("ok",)]:
-            first = "; ".join(str(row[0]) for row in check[:3])
-            raise StoreUnusable(f"{self.path} is corrupt (PRAGMA quick_check: {first}); move it away to start "
-                                "with an empty state, or restore a backup")
-        if version > SCHEMA_VERSION:
-            raise StoreUnusable(f"{self.path} has schema version {version}, newer than this rankctl's "
-                                f"{SCHEMA_VERSION}; run the rankctl that wrote it")
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        # Keep the WAL small: a WAL that outgrows the free space can never be checkpointed into
-        # the database again, and the store stays full after space is freed.
-        self._db.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
-        self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
-        self._db.executescript(SCHEMA)  # an older database gets the tables it lacks
-        for table, column, definition in ADDED_COLUMNS:  # ... and the columns (nothing else changes)
-            if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
-                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
-        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            for _, changes in entries:
+                mirror.apply(self._db, changes)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def serialize(self) -> bytes:
+        """The whole database as one byte string (a replicated store's snapshot)."""
+        return self._db.serialize()
 
     def close(self) -> None:
         self._db.close()
@@ -226,10 +180,15 @@ class Store:
         self._depth -= 1
         if outer:
             try:
+                if self.replica is not None and (changes := mirror.collect(self._db)):
+                    self.replica.commit(changes, what)
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
                 self._rollback()
                 raise _store_error(exc, what) from None
+            except BaseException:
+                self._rollback()
+                raise
 
     @property
     def in_transaction(self) -> bool:
@@ -443,3 +402,19 @@ class Store:
         for job_id, node, reason in self._db.execute("SELECT job_id, node, reason FROM exclusions ORDER BY job_id"):
             out.setdefault(job_id, {})[node] = reason
         return out
+
+
+def replicated(state_dir: Path | str, replica: Replica, snapshot: bytes | None, entries: list[tuple[int, list]],
+               where: str) -> Store:
+    """A copy of a replicated database: ``snapshot`` (serialized) with ``entries`` applied after it."""
+    store = Store(state_dir, replica=replica)
+    try:
+        if snapshot is not None:
+            store._db.deserialize(snapshot)
+        open_checked(store._db, where, wal=False)
+        mirror.install(store._db)
+        store.apply_entries(entries)
+    except BaseException:
+        store.close()
+        raise
+    return store

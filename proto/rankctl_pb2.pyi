@@ -813,6 +813,46 @@ class GetJobSchemaResponse(_message.Message):
     version: str
     def __init__(self, schema_json: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CoordinatorMember(_message.Message):
+    __slots__ = ("id", "address", "version", "leading", "started_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEADING_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    address: str
+    version: str
+    leading: bool
+    started_at: float
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., version: _Optional[str] = ..., leading: _Optional[bool] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("id", "address", "role", "leader_address", "store_kind", "store", "version", "members", "store_problem")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STORE_KIND_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    STORE_PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    address: str
+    role: str
+    leader_address: str
+    store_kind: str
+    store: str
+    version: str
+    members: _containers.RepeatedCompositeFieldContainer[CoordinatorMember]
+    store_problem: str
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[str] = ..., leader_address: _Optional[str] = ..., store_kind: _Optional[str] = ..., store: _Optional[str] = ..., version: _Optional[str] = ..., members: _Optional[_Iterable[_Union[CoordinatorMember, _Mapping]]] = ..., store_problem: _Optional[str] = ...) -> None: ...
+
 class ShardChunk(_message.Message):
     __slots__ = ("job_name", "step", "rank", "file", "root", "data", "last")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]

@@ -239,6 +239,11 @@ class ClientServiceStub:
                 request_serializer=rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsRequest.SerializeToString,
                 response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/rankctl.v1.ClientService/GetInfo',
+                request_serializer=rankctl_dot_v1_dot_rankctl__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.GetInfoResponse.FromString,
+                _registered_method=True)
 
 
 class ClientServiceServicer:
@@ -360,6 +365,13 @@ class ClientServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """Who answers, who leads, the store and the coordinators seen: any coordinator answers, standbys included.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClientServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -442,6 +454,11 @@ def add_ClientServiceServicer_to_server(servicer, server):
                     servicer.ListWorkerPools,
                     request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsRequest.FromString,
                     response_serializer=rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.GetInfoRequest.FromString,
+                    response_serializer=rankctl_dot_v1_dot_rankctl__pb2.GetInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -877,6 +894,33 @@ class ClientService:
             '/rankctl.v1.ClientService/ListWorkerPools',
             rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsRequest.SerializeToString,
             rankctl_dot_v1_dot_rankctl__pb2.ListWorkerPoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankctl.v1.ClientService/GetInfo',
+            rankctl_dot_v1_dot_rankctl__pb2.GetInfoRequest.SerializeToString,
+            rankctl_dot_v1_dot_rankctl__pb2.GetInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

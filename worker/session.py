@@ -45,6 +45,13 @@ class Inbound(Protocol):
     def release(self, msg: pb.Release) -> None: ...
 
 
+LEADER_METADATA = "rankctl-leader"  # a standby's refusal names the leader here (coordinator.gate)
+# HTTP/2 pings every 2 s: a coordinator that stopped answering (SIGSTOP, a frozen host, a cut link) ends the
+# session within ~4 s, so the daemon moves to another coordinator instead of waiting on a silent stream
+KEEPALIVE = (("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
+             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
+
+
 def reconnect_delay(previous: float, initial: float, cap: float, rng: random.Random) -> float:
     """The wait before the next connection attempt: "decorrelated jitter", uniform between ``initial`` and
     three times the previous wait, at most ``cap`` (``previous`` 0: the first retry after a session ended).
@@ -82,6 +89,9 @@ class CoordinatorSession:
         self._beat = asyncio.Event()                     # a heartbeat is due
         self._channel: grpc.aio.Channel | None = None    # the session's, for FetchBlob
         self._usage = UsageSampler()                     # CPU, memory and GPU use, sent with each heartbeat
+        # the coordinators to try in turn (several: the coordinators of one replicated store; the leader serves)
+        self._addresses = [a.strip() for a in cfg.coordinator.split(",") if a.strip()] or [cfg.coordinator]
+        self.target = self._addresses[0]
 
     @property
     def online(self) -> bool:
@@ -102,12 +112,14 @@ class CoordinatorSession:
             delay = reconnect_delay(delay, self.cfg.backoff_initial, self.cfg.backoff_max, self._rng)
             if error:
                 self._log.warning("coordinator unreachable", coordinator=self.cfg.coordinator, error=error,
-                                  retry_in=round(delay, 2))
+                                  retry_in=round(delay, 2), next=self.target)
             await asyncio.sleep(delay)
 
     def _failed(self, exc: Exception) -> str:
-        """Why a session could not start or broke; raises ``NodeNameTaken`` when that is why."""
+        """Why a session could not start or broke; raises ``NodeNameTaken`` when that is why. Picks the next
+        coordinator to try: the leader a standby named, else the next address."""
         rpc = exc if isinstance(exc, grpc.aio.AioRpcError) else None
+        self._next_target(rpc)
         if rpc is not None and name_taken(rpc):
             self._log.error("node name taken; stopping", error=rpc.details())
             raise NodeNameTaken(rpc.details()) from None
@@ -128,11 +140,23 @@ class CoordinatorSession:
         except grpc.aio.AioRpcError as exc:
             raise FetchFailed(f"{exc.code().name}: {exc.details()}") from None
 
+    def _next_target(self, rpc: grpc.aio.AioRpcError | None) -> None:
+        if len(self._addresses) < 2:
+            return
+        leader = ""
+        if rpc is not None and rpc.code() == grpc.StatusCode.UNAVAILABLE:
+            leader = dict(rpc.trailing_metadata() or ()).get(LEADER_METADATA, "")
+        if leader and leader != self.target:
+            self.target = leader
+        else:
+            known = self._addresses.index(self.target) if self.target in self._addresses else -1
+            self.target = self._addresses[(known + 1) % len(self._addresses)]
+
     # -- one session -------------------------------------------------------------------------
     def _channel_to_coordinator(self) -> grpc.aio.Channel:
         if self._credentials is not None:
-            return grpc.aio.secure_channel(self.cfg.coordinator, self._credentials)
-        return grpc.aio.insecure_channel(self.cfg.coordinator)
+            return grpc.aio.secure_channel(self.target, self._credentials, options=KEEPALIVE)
+        return grpc.aio.insecure_channel(self.target, options=KEEPALIVE)
 
     def _register_msg(self) -> pb.NodeMessage:
         cfg = self.cfg
@@ -177,7 +201,7 @@ class CoordinatorSession:
         self._outbox.wake.set()
         self.connected.set()
         await self._on_change()
-        self._log.info("registered", coordinator=self.cfg.coordinator, replayed=replayed)
+        self._log.info("registered", coordinator=self.target, replayed=replayed)
 
     async def _serve(self, call: Any) -> None:
         """Read, write and beat until one of them ends (the stream broke)."""
