@@ -21,7 +21,12 @@ spread evenly over the step period. Measured:
 Each fake daemon sends one ``ReportBatch`` per tick, as the real one does (the one-report-per-message
 form that an earlier main was compared in is gone from the protocol, its field numbers reserved).
 
-    python bench/scale.py --nodes 2048 --slots 8 --steps 30 [--step-rate 1] [--procs P]
+With ``--store etcd`` the same load runs twice, side by side: on the SQLite store, then on two coordinators
+over a local 3-member etcd (``tests/etcdcluster.py``), whose leader is SIGKILLed when the slowest rank's stored
+step reaches half the steps; that run adds etcd's write rate and bytes per second (its members' /metrics) and
+the failover time: from the kill to the first stored step past the one stored at the kill.
+
+    python bench/scale.py --nodes 2048 --slots 8 --steps 30 [--step-rate 1] [--procs P] [--store etcd]
         [--coordinator-python PY] [--coordinator-pythonpath DIR] [--heartbeat-timeout S]
 """
 
@@ -135,8 +140,8 @@ class Generator:
 
 
 def start_coordinator(ns: argparse.Namespace, python: str, pythonpath: str | None,
-                      root: Path) -> tuple[subprocess.Popen, str, dict]:
-    state = root / "coord"
+                      root: Path, store: str | None = None, name: str = "coord") -> tuple[subprocess.Popen, str, dict]:
+    state = root / name
     state.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath:
@@ -145,7 +150,9 @@ def start_coordinator(ns: argparse.Namespace, python: str, pythonpath: str | Non
             "--log-level", "warning"]
     if ns.heartbeat_timeout is not None:
         args += ["--heartbeat-timeout", str(ns.heartbeat_timeout)]
-    log = open(root / "coord.log", "wb")
+    if store:
+        args += ["--store", store]
+    log = open(root / f"{name}.log", "wb")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
     deadline = time.monotonic() + 60
@@ -157,7 +164,7 @@ def start_coordinator(ns: argparse.Namespace, python: str, pythonpath: str | Non
             break
         time.sleep(0.1)
     proc.kill()
-    tail = (root / "coord.log").read_text(errors="replace")[-2000:]
+    tail = (root / f"{name}.log").read_text(errors="replace")[-2000:]
     raise SystemExit(f"the coordinator did not start ({' '.join(args[:4])} ...):\n{tail}")
 
 
@@ -239,12 +246,61 @@ def timed_status(ctl: list[str], env: dict, address: str, job_id: str) -> tuple[
     return time.perf_counter() - t0, p.returncode, usage.ru_utime + usage.ru_stime
 
 
+class Following:
+    """A ClientService stub over the coordinators of one store: a call a standby refuses, or that finds its
+    coordinator gone, is tried on the next one (for up to 30 s)."""
+
+    def __init__(self, channels: list[grpc.aio.Channel]) -> None:
+        self.stubs = [rankctl_pb2_grpc.ClientServiceStub(ch) for ch in channels]
+        self.current = 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        if name in ("WatchJob", "WatchJobBatches"):
+            return getattr(self.stubs[self.current], name)
+
+        async def call(request, **kw):  # noqa: ANN001, ANN202
+            end = time.monotonic() + 30
+            while True:
+                try:
+                    return await getattr(self.stubs[self.current], name)(request, **kw)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or len(self.stubs) == 1 or time.monotonic() > end:
+                        raise
+                    self.current = (self.current + 1) % len(self.stubs)
+                    await asyncio.sleep(0.1)
+        return call
+
+
+def etcd_counters(metrics_urls: list[str]) -> tuple[float, float]:
+    """(raft proposals committed: the cluster's writes, max over members; bytes its members received from
+    clients, summed) from the members' /metrics."""
+    import urllib.request
+
+    committed, received = 0.0, 0.0
+    for url in metrics_urls:
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("etcd_server_proposals_committed_total "):
+                committed = max(committed, float(line.split()[1]))
+            elif line.startswith("etcd_network_client_grpc_received_bytes_total "):
+                received += float(line.split()[1])
+    return committed, received
+
+
 async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, env: dict, python: str,
-                gens: list[Generator], r: dict) -> None:
+                gens: list[Generator], r: dict, coords: dict | None = None) -> None:
+    """``coords`` (a replicated store's run): address -> process of every coordinator; the leader is SIGKILLed
+    half-way through the steps and the time until steps are stored again measured."""
     n, slots, steps, rate = ns.nodes, ns.slots, ns.steps, ns.step_rate
-    channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
-    client = rankctl_pb2_grpc.ClientServiceStub(channel)
+    channels = [grpc.aio.insecure_channel(a, options=CLIENT_OPTIONS) for a in address.split(",")]
+    channel = channels[0]
+    client = Following(channels)
     say = r["log"]
+    metrics_urls = r.get("etcd_metrics", [])
+    killed_at, step_at_kill = 0.0, 0
     try:
         # -- every node READY
         t0 = time.monotonic()
@@ -310,7 +366,20 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
                 await asyncio.sleep(0.5)
                 continue
             samples.append((time.time(), min_step, proc_cpu_ticks(coord.pid),
-                            sum(proc_cpu_ticks(g.p.pid) for g in gens), proc_cpu_ticks(os.getpid())))
+                            sum(proc_cpu_ticks(g.p.pid) for g in gens), proc_cpu_ticks(os.getpid()),
+                            *(etcd_counters(metrics_urls) if metrics_urls else (0.0, 0.0))))
+            if coords and not killed_at and min_step >= steps // 2:
+                info = await client.GetInfo(pb.GetInfoRequest(), timeout=10)
+                victim = coords[info.leader_address]
+                victim.kill()
+                killed_at, step_at_kill = time.monotonic(), min_step
+                r["killed_wall"] = time.time()
+                say(f"failover   : leader {info.leader_address} SIGKILLed at stored step {min_step}")
+                coord = next(p for a, p in coords.items() if a != info.leader_address)
+            if killed_at and "failover_s" not in r and min_step > step_at_kill:
+                r["failover_s"] = time.monotonic() - killed_at
+                say(f"failover   : steps stored again {r['failover_s']:.2f} s after the leader was killed "
+                    f"(stored step {min_step})")
             if status_at and time.monotonic() >= status_at[0]:
                 status_at.pop(0)
                 status_tasks.append(asyncio.create_task(asyncio.to_thread(timed_status, ctl, env, address, job_id)))
@@ -327,6 +396,8 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
         r["samples"] = samples
 
         # -- steady window: from the first sample with every rank at step >= 1 to the first at the last step seen
+        # (before a failover: the CPU figures are the first leader's)
+        samples = [s for s in samples if "killed_wall" not in r or s[0] < r["killed_wall"]]
         top = max((s[1] for s in samples), default=0)
         start = next((s for s in samples if s[1] >= 1), None)
         end = next((s for s in samples if s[1] >= top), None)
@@ -339,6 +410,9 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
             r["gen_us_node_step"] = (end[3] - start[3]) / CLK_TCK * 1e6 / (n * dsteps)
             r["driver_cores"] = (end[4] - start[4]) / CLK_TCK / dt
             r["window"] = (start[1], end[1], dt)
+            if metrics_urls:
+                r["etcd_writes_s"] = (end[5] - start[5]) / dt
+                r["etcd_bytes_s"] = (end[6] - start[6]) / dt
 
         # -- the end of the job, then false LOST
         deadline = time.monotonic() + (60 if assigned else 1)
@@ -363,12 +437,14 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
             watch.cancel()
         await asyncio.gather(watch, return_exceptions=True)
     finally:
-        await channel.close()
+        for ch in channels:
+            await ch.close()
 
 
-def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None) -> dict:
-    """One coordinator, one load; returns the figures (and prints them as it goes)."""
-    mode = "batched"
+def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None, store: str = "sqlite") -> dict:
+    """One coordinator (two on an etcd ``store``: a leader and a standby), one load; returns the figures (and
+    prints them as it goes)."""
+    mode = "batched" if store == "sqlite" else "etcd"
     root = Path(tempfile.mkdtemp(prefix=f"rankctl-bench-scale-{mode}-"))
     lines: list[str] = []
 
@@ -380,7 +456,25 @@ def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None) -> dic
     who = f"{python}" + (f" PYTHONPATH={pythonpath}" if pythonpath else "")
     print(f"scale bench ({mode}): {ns.nodes} nodes x {ns.slots} slots, {ns.steps} steps at {ns.step_rate:g}/s, "
           f"{ns.procs} generator process(es); coordinator: {who}", flush=True)
-    coord, address, env = start_coordinator(ns, python, pythonpath, root)
+    etcd = None
+    coords: dict[str, subprocess.Popen] = {}
+    if store == "sqlite":
+        coord, address, env = start_coordinator(ns, python, pythonpath, root)
+    else:
+        if store == "etcd":  # a local 3-member cluster, as the tests start it
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from etcdcluster import EtcdCluster
+
+            etcd = EtcdCluster(root / "etcd")
+            etcd.start_all()
+            store = etcd.url
+            r["etcd_metrics"] = [f"http://{e}/metrics" for e in etcd.endpoints]
+            say(f"etcd       : 3 members on loopback ({store})")
+        for i in range(2):
+            proc, addr, env = start_coordinator(ns, python, pythonpath, root, store, name=f"coord{i}")
+            coords[addr] = proc
+        address = ",".join(coords)
+        coord = next(iter(coords.values()))
     print(f"  code       : {which_code(python, env)}", flush=True)
     gens: list[Generator] = []
     try:
@@ -393,19 +487,23 @@ def run_once(ns: argparse.Namespace, python: str, pythonpath: str | None) -> dic
                     "--slots", str(ns.slots), "--steps", str(ns.steps), "--step-rate", str(ns.step_rate),
                     "--streams-per-channel", str(ns.streams_per_channel)]
             gens.append(Generator(args, root / f"gen{i}.log"))
-        asyncio.run(drive(ns, address, coord, env, python, gens, r))
-        r["rss_mib"] = proc_status_kib(coord.pid, "VmHWM") / 1024
-        r["coord_alive"] = coord.poll() is None
+        asyncio.run(drive(ns, address, coord, env, python, gens, r, coords or None))
+        alive = [p for p in (coords.values() if coords else [coord]) if p.poll() is None]
+        r["rss_mib"] = max((proc_status_kib(p.pid, "VmHWM") / 1024 for p in alive), default=NAN)
+        r["coord_alive"] = bool(alive)
     finally:
         for g in gens:
             g.stop()
-        if coord.poll() is None:
-            coord.send_signal(signal.SIGTERM)
-            try:
-                coord.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                coord.kill()
-                coord.wait()
+        for p in (coords.values() if coords else [coord]):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        if etcd is not None:
+            etcd.close()
     finals = [g.final or g.progress for g in gens]
     r["stream_errors"] = sum(f.get("errors", 0) for f in finals)
     r["reconnects"] = sum(f.get("reconnects", 0) for f in finals)
@@ -461,6 +559,9 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
             "backpressure (stream flow control), not the generators' CPU")
     else:
         say(f"steps      : slowest rank stored step {r.get('min_step', 0)}/{ns.steps}: no steady window to measure")
+    if "etcd_writes_s" in r:
+        say(f"etcd       : {r['etcd_writes_s']:.1f} writes/s (raft proposals committed), "
+            f"{r['etcd_bytes_s'] / 1024:.1f} KiB/s received from clients, over the steady window")
     say(f"job        : {r.get('final_state', '?')} ({r.get('reason', '')[:160]})")
     say(f"nodes      : {r.get('not_ready', '?')} not READY after the steps ({r.get('lost', '?')} LOST), "
         f"{r.get('rejected', 0)} reports rejected; generator stream errors {r['stream_errors']}, "
@@ -479,7 +580,10 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
                  f"step_rate={fmt(r.get('step_rate', NAN))}/{ns.step_rate:.2f} "
                  f"watch_p99_s={fmt(r['watch_p99'], 3)} status_s={fmt(r['status_s'], 1)} lost={r.get('lost', 'nan')} "
                  f"rss_mib={fmt(r.get('rss_mib', NAN), 0)} cpu_us_per_rank_step={fmt(r.get('cpu_us', NAN), 1)} "
-                 f"mode={r['mode']}")
+                 f"mode={r['mode']}"
+                 + (f" etcd_writes_s={fmt(r['etcd_writes_s'], 1)} etcd_kib_s={fmt(r['etcd_bytes_s'] / 1024, 1)}"
+                    if "etcd_writes_s" in r else "")
+                 + (f" failover_s={fmt(r.get('failover_s', NAN), 2)}" if r["mode"] == "etcd" else ""))
 
 
 def main() -> None:
@@ -496,11 +600,24 @@ def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=0, help="default: 60 s + 20 ms per node")
     ap.add_argument("--assign-timeout", type=float, default=120.0)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, state)")
+    ap.add_argument("--store", default="sqlite", metavar="sqlite|etcd|etcd://...",
+                    help="etcd: the SQLite run, then the same load on two coordinators over a local 3-member etcd "
+                         "(or the etcd:// store given), the leader SIGKILLed half-way; both lines printed")
     ns = ap.parse_args()
     ns.procs = ns.procs or min(4, math.ceil(ns.nodes / 1024))
     ns.ready_timeout = ns.ready_timeout or 60 + 0.02 * ns.nodes
-    r = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath)
-    print(r["line"])
+    if ns.store == "sqlite":
+        r = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath)
+        print(r["line"])
+        return
+    base = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath)
+    replicated = run_once(ns, ns.coordinator_python, ns.coordinator_pythonpath, ns.store)
+    print(base["line"])
+    print(replicated["line"])
+    ratio = replicated.get("cpu_us", NAN) / base.get("cpu_us", NAN) if base.get("cpu_us") else NAN
+    print(f"etcd vs sqlite: assign {fmt(replicated.get('assign_s', NAN))} s vs {fmt(base.get('assign_s', NAN))} s, "
+          f"coordinator CPU per rank-step x{fmt(ratio)}, failover (steps stored again) "
+          f"{fmt(replicated.get('failover_s', NAN))} s")
 
 
 if __name__ == "__main__":

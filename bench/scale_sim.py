@@ -101,8 +101,9 @@ class Sim:
 class Daemon:
     """One fake worker daemon on one Connect stream."""
 
-    def __init__(self, sim: Sim, index: int, channel: grpc.aio.Channel) -> None:
-        self.sim, self.index, self.channel = sim, index, channel
+    def __init__(self, sim: Sim, index: int, channels: list[grpc.aio.Channel]) -> None:
+        self.sim, self.index, self.channels = sim, index, channels  # one per coordinator address
+        self.target = 0
         self.name = f"sim-{index:05d}"
         self.port = 29500 + index % 1000
         self.offset = (index / sim.ns.total) * sim.period  # spread ticks evenly over the period
@@ -136,15 +137,15 @@ class Daemon:
     async def run(self) -> None:
         """Connect, Register, serve the coordinator's messages; reconnect (backoff) when the stream breaks."""
         sim = self.sim
-        connect = self.channel.stream_stream(
-            "/rankctl.v1.NodeService/Connect",
-            request_serializer=pb.NodeMessage.SerializeToString,
-            response_deserializer=pb.CoordinatorMessage.FromString)
         hw = pb.Hardware(hostname=self.name, cpu_count=2, memory_bytes=8 << 30)
         backoff = 0.5
         while not sim.stopping:
+            connect = self.channels[self.target].stream_stream(
+                "/rankctl.v1.NodeService/Connect",
+                request_serializer=pb.NodeMessage.SerializeToString,
+                response_deserializer=pb.CoordinatorMessage.FromString)
             try:
-                self.call = call = connect(wait_for_ready=True)
+                self.call = call = connect(wait_for_ready=len(self.channels) == 1)
                 running = [pb.RunningJob(job_id=j, attempt=a, ranks=r) for j, (a, r) in self.playing.items()]
                 await call.write(pb.NodeMessage(register=pb.Register(
                     name=self.name, address="127.0.0.1", slots=sim.ns.slots, hardware=hw,
@@ -197,6 +198,9 @@ class Daemon:
             if sim.stopping:
                 break
             sim.reconnects += 1
+            self.target = (self.target + 1) % len(self.channels)  # several coordinators: try the next (a standby
+            if len(self.channels) > 1:                            # refuses; the leader takes the stream)
+                backoff = min(backoff, 0.5)
             await asyncio.sleep(backoff)
             backoff = min(5.0, backoff * 2)
         for task in self.tasks.values():
@@ -284,7 +288,8 @@ class Daemon:
 async def amain(ns: argparse.Namespace) -> None:
     sim = Sim(ns)
     n_channels = max(1, math.ceil(ns.count / ns.streams_per_channel))
-    channels = [grpc.aio.insecure_channel(ns.address, options=CHANNEL_OPTIONS) for _ in range(n_channels)]
+    addresses = ns.address.split(",")  # several: the coordinators of one replicated store
+    channels = [[grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses] for _ in range(n_channels)]
     tasks = []
     for i in range(ns.count):
         d = Daemon(sim, ns.first + i, channels[i // ns.streams_per_channel])
@@ -312,8 +317,9 @@ async def amain(ns: argparse.Namespace) -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    for ch in channels:
-        await ch.close()
+    for group in channels:
+        for ch in group:
+            await ch.close()
     ru = resource.getrusage(resource.RUSAGE_SELF)
     lat = sim.lateness
     emit({**sim.progress(), "ev": "final", "cpu_s": ru.ru_utime + ru.ru_stime, "maxrss_kib": ru.ru_maxrss,

@@ -158,6 +158,9 @@ def migrate(from_dir: Path, store_url: str | None, etcd_ca: Path | None, etcd_ce
     from rankctl.coordinator.schema import StoreUnusable
     from rankctl.coordinator.store import StateDirInUse
 
+    from rankctl.worker.procutil import configure_logging
+
+    configure_logging(level="warning", fmt="console")  # the figures line is the output
     if store_url is None:
         raise CtlError("Missing option '--store' (etcd://HOST:PORT[,HOST:PORT...][/prefix]).")
     url, etcd_tls = etcd_target(store_url, etcd_ca, etcd_cert, etcd_key)

@@ -111,7 +111,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 # The longest modules (about 80-170 s each on 2 cores), longest first: pytest-xdist hands whole modules to whichever
 # worker is free in this order, so the long ones start early and the short ones fill in around them. The straggler
 # check comes before them: it runs alone, and at the start the other worker has the least to finish first.
-LONGEST_FIRST = ("test_e2e_straggler", "test_e2e_slurm", "test_e2e_parallel", "test_e2e_train", "test_e2e_control", "test_e2e_netns_faults",
+LONGEST_FIRST = ("test_e2e_straggler", "test_e2e_slurm", "test_e2e_ha", "test_e2e_parallel", "test_e2e_train", "test_e2e_control", "test_e2e_netns_faults",
                  "test_e2e_restart", "test_e2e_defects", "test_e2e_tls", "test_e2e_drain", "test_e2e_leftovers")
 
 
