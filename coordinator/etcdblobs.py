@@ -49,7 +49,7 @@ class EtcdBlobs:
         used = self.used()
         if used + size > self.quota_bytes:
             raise OverflowError(f"the store holds {used} bytes of blobs and takes at most {self.quota_bytes} "
-                                f"(--store-blob-quota); this blob is {size} bytes")
+                                f"bytes of blobs in all; this blob is {size} bytes (the GC frees blobs no job uses)")
         base = self.data_key + hx.encode() + b"/"
         with open(path, "rb") as f:
             i = 0

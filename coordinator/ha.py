@@ -126,6 +126,7 @@ class HighAvailability:
                 break
             except (Unreachable, grpc.RpcError) as exc:
                 log.warning("store.load_failed", error=str(exc))
+                self.leadership.problem = str(exc)  # ctl info and the standby's refusals say why
                 await asyncio.sleep(RETRY_S)
         self._revision = loaded.revision
         self.journal.seq = loaded.seq

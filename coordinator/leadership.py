@@ -98,6 +98,8 @@ class Leadership:
                 if problem != self.problem:
                     log.warning("store.unreachable", error=problem)
                     self.problem = problem
+                    if self.fence is None:
+                        self.leader = None  # what was read before may be stale: no leader is known now
                     self._on_change()
             if self.fence is not None and time.monotonic() - self._renewed > self.ttl - MARGIN_S:
                 self._lose(f"its lease was not renewed for {self.ttl - MARGIN_S:.1f} s"

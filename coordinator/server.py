@@ -168,7 +168,7 @@ class CoordinatorServer:
         if self.leading is not None:
             return None
         ha = self.ha
-        leader = (ha.leadership.leader or {}) if ha is not None else {}
+        leader = (ha.leadership.leader or {}) if ha is not None and not ha.problem() else {}
         if leader.get("address"):
             return (f"the coordinator at {self.address} is a standby; the leader is {leader['address']}",
                     leader["address"])

@@ -21,7 +21,14 @@ from click.testing import CliRunner
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 UNITS = {"coordinator": DEPLOY / "systemd" / "rankctl-coordinator.service",
+         "coordinator-ha": DEPLOY / "systemd" / "rankctl-coordinator-ha.service",  # one of 3 on etcd (issue 27)
          "worker": DEPLOY / "systemd" / "rankctl-worker.service"}
+ETCD_UNIT = DEPLOY / "systemd" / "etcd-rankctl.service"
+
+
+def command_of(name: str) -> str:
+    """The ctl command a unit runs (``coordinator-ha`` runs ``ctl coordinator``)."""
+    return name.split("-")[0]
 INSTALLED_CTL = "/opt/rankctl/venv/bin/ctl"
 HEALTH_SERVER = """
 import asyncio, sys
@@ -75,17 +82,18 @@ def help_text(command: str) -> str:
 
 def options_used() -> list[tuple[str, str]]:
     """(ctl command, option) for every option the units' ExecStart and the image's ENTRYPOINT pass."""
-    used = [(name, word) for name in UNITS for word in exec_start(name) if word.startswith("--")]
+    used = [(command_of(name), word) for name in UNITS for word in exec_start(name) if word.startswith("--")]
     return used + [("worker", word) for word in entrypoint() if word.startswith("--")]
 
 
 def test_the_units_run_the_installed_ctl_as_a_dedicated_user() -> None:
     for name in UNITS:
         service = unit(name)["Service"]
-        assert exec_start(name)[:2] == [INSTALLED_CTL, name]
+        assert exec_start(name)[:2] == [INSTALLED_CTL, command_of(name)]
         assert service["Type"] == "simple" and service["User"] == "rankctl" and service["Restart"] == "on-failure"
         assert service["StateDirectory"] and service["LimitNOFILE"] and service["EnvironmentFile"]
         assert "--log-format" in exec_start(name) and "--tls-dir" in exec_start(name)
+    assert "--store" in exec_start("coordinator-ha")
     worker = unit("worker")["Service"]
     assert worker["KillMode"] == "mixed"  # SIGTERM to the daemon alone: it stops its ranks
     assert "PrivateDevices" not in worker and "DevicePolicy" not in worker  # GPUs stay visible
@@ -102,11 +110,11 @@ def test_systemd_analyze_verifies_the_units(tmp_path: Path) -> None:
     if analyze is None:
         pytest.skip("systemd-analyze is not installed: the units were only parsed")
     ctl = Path(sys.executable).with_name("ctl")  # the installed path does not exist here
-    for path in UNITS.values():
+    for path in [*UNITS.values(), ETCD_UNIT]:
         (tmp_path / path.name).write_text(path.read_text().replace(INSTALLED_CTL, str(ctl)))
     done = subprocess.run([analyze, "verify", "--man=no", *sorted(map(str, tmp_path.iterdir()))],
                           capture_output=True, text=True, timeout=120)
-    ours = [line for line in (done.stdout + done.stderr).splitlines() if "rankctl-" in line]
+    ours = [line for line in (done.stdout + done.stderr).splitlines() if "rankctl" in line]
     assert done.returncode == 0 and not ours, done.stdout + done.stderr
 
 

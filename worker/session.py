@@ -141,8 +141,6 @@ class CoordinatorSession:
             raise FetchFailed(f"{exc.code().name}: {exc.details()}") from None
 
     def _next_target(self, rpc: grpc.aio.AioRpcError | None) -> None:
-        if len(self._addresses) < 2:
-            return
         leader = ""
         if rpc is not None and rpc.code() == grpc.StatusCode.UNAVAILABLE:
             leader = dict(rpc.trailing_metadata() or ()).get(LEADER_METADATA, "")
