@@ -6,6 +6,7 @@ in-process gRPC modules last.
 
 from __future__ import annotations
 
+import gc
 import os
 import traceback
 from datetime import timedelta
@@ -16,7 +17,11 @@ import torch.distributed as dist
 
 
 def fork_ranks(world: int, fn: Callable[..., None], *args: object) -> list[int]:
-    """Run ``fn(rank, world, *args)`` in ``world`` forked processes; their exit codes."""
+    """Run ``fn(rank, world, *args)`` in ``world`` forked processes; their exit codes. The parent's objects are
+    frozen out of the collector's sight first: a child's garbage collection never walks what it inherited (a
+    child crashed collecting while building its model, on CI, after the pytest process had held other state)."""
+    gc.collect()
+    gc.freeze()
     pids = []
     for rank in range(world):
         if (pid := os.fork()) == 0:
@@ -29,7 +34,10 @@ def fork_ranks(world: int, fn: Callable[..., None], *args: object) -> list[int]:
                 code = 1
             os._exit(code)
         pids.append(pid)
-    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    try:
+        return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    finally:
+        gc.unfreeze()
 
 
 class CachedGroups:
