@@ -38,13 +38,16 @@ def name_problem(name: str) -> str | None:
 
 
 def address_problem(address: str) -> str | None:
-    """HOST:PORT (port 1-65535), or a gRPC ``unix:`` target."""
+    """HOST:PORT (port 1-65535), a gRPC ``unix:`` target, or several HOST:PORT joined by commas (the coordinators
+    of one replicated store)."""
     if address.startswith("unix:") and len(address) > 5:
         return None
-    host, _, port = address.rpartition(":")
-    if host and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in address):
-        return None
-    return f"coordinator {address!r} must be HOST:PORT with a port 1-65535 (or unix:PATH)"
+    for part in address.split(","):
+        host, _, port = part.rpartition(":")
+        if not (host and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in part)):
+            return (f"coordinator {address!r} must be HOST:PORT with a port 1-65535, several joined by commas, "
+                    "or unix:PATH")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

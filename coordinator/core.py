@@ -279,12 +279,21 @@ class Coordinator:
 
     # -- what nodes say --------------------------------------------------------
     def register(self, hello: NodeHello, outbox: Outbox) -> NodeSession:
-        """Open a node session (``sessions``): Registered, the jobs it runs reconciled, a schedule pass; a worker
-        of an allocation no active job owns is told to exit (``allocations``)."""
-        session = self._sessions.register(hello, outbox)
-        if not self.pools.registered(session):
-            self.allocations.registered(session)
-        return session
+        """Open one node session; raises what refused it (``register_many``)."""
+        result = self.register_many([(hello, outbox)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def register_many(self, hellos: list[tuple[NodeHello, Outbox]]) -> list[NodeSession | Exception]:
+        """Open node sessions (``sessions``), their records stored together: Registered, the jobs each runs
+        reconciled, one schedule pass; a worker of an allocation no active job owns is told to exit
+        (``allocations``). One entry per hello: its session or what refused it."""
+        out = self._sessions.register_many(hellos)
+        for session in out:
+            if isinstance(session, NodeSession) and not self.pools.registered(session):
+                self.allocations.registered(session)
+        return out
 
     def heartbeat(self, session: NodeSession, free_ports: Sequence[int] = ()) -> None:
         self._sessions.heartbeat(session, free_ports)

@@ -15,6 +15,7 @@ import structlog
 from rankctl.coordinator import convert
 from rankctl.coordinator.auth import caller, caller_certificate
 from rankctl.coordinator.blobs import BlobMissing, BlobStore
+from rankctl.coordinator.registrations import RegistrationBatch
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import ProtocolError
 from rankctl.coordinator.nodes import NodeSession
@@ -43,6 +44,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
         self.core = core
         self.blobs = blobs
         self.revoked: RevokedStreams | None = None  # made at the first stream checked against a revocation list
+        self.registrations = RegistrationBatch(lambda: self.core)  # Registers opened together (one store write)
 
     async def FetchBlob(self, request: pb.FetchBlobRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlobChunk]:
@@ -75,7 +77,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
         outbox: asyncio.Queue[pb.CoordinatorMessage | None] = asyncio.Queue()
         with structlog.contextvars.bound_contextvars(node=first.register.name[:64]):
             try:
-                session = self.core.register(convert.hello_from_pb(first.register), outbox.put_nowait)
+                session = await self.registrations.register(convert.hello_from_pb(first.register), outbox.put_nowait)
             except Exception as exc:
                 await _abort(context, exc)
             revoked: list[str] = []

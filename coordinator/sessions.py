@@ -23,7 +23,7 @@ from rankctl.coordinator.errors import NodeNameTaken, ProtocolError
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.logfetch import LogFetcher
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable, Outbox
-from rankctl.coordinator.records import NodeHello, RunningJob
+from rankctl.coordinator.records import NodeHello, NodeRecord, RunningJob
 from rankctl.coordinator.restarts import Restarts
 from rankctl.coordinator.states import JobState, is_active
 from rankctl.coordinator.stops import Stops
@@ -31,6 +31,8 @@ from rankctl.coordinator.store import Store, StoreError
 
 RECONNECT_GRACE_S = 10.0  # at least this long for a DISCONNECTED node to come back: a daemon retries at
                           # least every 5 s (worker DaemonConfig.backoff_max), later on a loaded machine
+STORM_GRACES = 6          # after a start (a restart, a failover) nodes known from the store are waited for while any
+                          # node still registers, up to this many graces: thousands re-register in a storm
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
 
@@ -83,6 +85,7 @@ class Sessions:
         self._flush, self._schedule, self._shutting_down = flush, schedule, shutting_down
         self.heartbeat_timeout = heartbeat_timeout
         self.started_at = clock()
+        self.last_registration = 0.0  # when a node last registered (0: none since the start)
 
     @property
     def heartbeat_interval(self) -> float:
@@ -90,12 +93,49 @@ class Sessions:
         return min(2.0, self.heartbeat_timeout / 4)
 
     def register(self, hello: NodeHello, outbox: Outbox) -> NodeSession:
-        """Open a node session: answer Registered, reconcile the jobs it runs, schedule.
+        """Open one node session (``register_many`` of one); raises what refused it."""
+        result = self.register_many([(hello, outbox)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def register_many(self, hellos: list[tuple[NodeHello, Outbox]]) -> list[NodeSession | Exception]:
+        """Open node sessions: answer Registered, reconcile the jobs each runs, one schedule pass.
 
         A name held by a live session of another daemon is refused (NodeNameTaken); the same daemon
-        reconnecting (same session id) replaces its old stream. The node's record is stored before the
-        session opens, so a failed write changes nothing.
+        reconnecting (same session id) replaces its old stream. The records of all of them, with their jobs'
+        "reconnected" events, are stored in one transaction before any session opens (a registration storm after
+        a restart or a failover costs one store write per batch), so a failed write changes nothing: then every
+        one of them gets the StoreError. One entry per hello: its session, or the exception that refused it.
         """
+        out: list[NodeSession | Exception] = []
+        admitted: list[tuple[int, NodeHello, Outbox, NodeRecord, bool]] = []
+        sessions: dict[str, str] = {}  # name -> the daemon session admitted under it in this batch
+        for i, (hello, outbox) in enumerate(hellos):
+            try:
+                if sessions.setdefault(hello.name, hello.session) != hello.session:
+                    raise NodeNameTaken(f"node name {hello.name!r} is being registered by another daemon at the "
+                                        "same moment; give each daemon its own --name")
+                admitted.append((i, hello, outbox, *self._admit(hello)))
+            except Exception as exc:  # noqa: BLE001 - handed back to this hello's caller
+                out.append(exc)
+                continue
+            out.append(None)  # type: ignore[arg-type] - filled below
+        if admitted:
+            try:
+                self._store_records(admitted)
+            except StoreError as exc:
+                for i, *_ in admitted:
+                    out[i] = exc
+                return out
+        for i, hello, outbox, record, same_daemon in admitted:
+            out[i] = self._open(hello, outbox, record, same_daemon)
+        if admitted:
+            self._schedule()
+        return out
+
+    def _admit(self, hello: NodeHello) -> tuple[NodeRecord, bool]:
+        """Check a Register; its record to store and whether the same daemon had the name (a reconnect)."""
         check_hello(hello)
         old = self._nodes.get(hello.name)
         live = old is not None and old.outbox is not None and old.status is NodeStatus.READY
@@ -105,9 +145,24 @@ class Sessions:
                 f"node name {hello.name!r} is held by another live daemon (address {old.record.address}, "
                 f"last heard {self._clock() - old.last_heartbeat:.1f} s ago); stop it or give this daemon "
                 "another --name")
-        record = self._nodes.record_for(hello, self._clock())
-        self._store.put_node(record)
-        if live:
+        return self._nodes.record_for(hello, self._clock()), same_daemon
+
+    def _store_records(self, admitted: list) -> None:
+        what = f"the registration of node {admitted[0][1].name}" + (f" and {len(admitted) - 1} more"
+                                                                     if len(admitted) > 1 else "")
+        active = list(self._book.active())
+        with self._guard.consistent(), self._store.transaction(what):
+            for _, hello, _, record, _ in admitted:
+                self._store.put_node(record)
+                listed = {(r.job_id, r.attempt) for r in hello.running}
+                for job in active:
+                    if (job.id, job.attempt) in listed and job.state is not S.RESTARTING and job.runs_on(hello.name):
+                        self._book.event(job, "node", f"node {hello.name} reconnected")
+        self.last_registration = self._clock()
+
+    def _open(self, hello: NodeHello, outbox: Outbox, record: NodeRecord, same_daemon: bool) -> NodeSession:
+        old = self._nodes.get(hello.name)
+        if old is not None and old.outbox is not None and old.status is NodeStatus.READY:
             self._streams.close(old)  # the same daemon's newer connection replaces this stream
         session = self._nodes.connect(record, hello, outbox, self._clock())
         outbox(convert.registered_message(hello.name, self.heartbeat_interval, session.record.last_seq))
@@ -117,7 +172,6 @@ class Sessions:
                 self._reconcile(session, hello.running, replays=same_daemon)
         except StoreError as exc:  # the session stands; the jobs it concerns are re-checked by tick
             log.warning("node.reconcile_store_failed", node=hello.name, error=str(exc))
-        self._schedule()
         return session
 
     def _reconcile(self, session: NodeSession, running: Iterable[RunningJob], *, replays: bool) -> None:
@@ -130,9 +184,7 @@ class Sessions:
         for job in self._book.active():
             if not job.runs_on(name) or job.state is S.RESTARTING:
                 continue
-            if (job.id, job.attempt) in listed:
-                self._book.event(job, "node", f"node {name} reconnected")
-            else:
+            if (job.id, job.attempt) not in listed:  # a listed one's "reconnected" event went with the record
                 session.unverified.add((job.id, job.attempt))
         for r in running:
             job = self._book.jobs.get(r.job_id)
@@ -180,15 +232,20 @@ class Sessions:
         for s in self._nodes.sessions.values():
             s.last_heartbeat += loop_lag
         self.started_at += loop_lag
+        self.last_registration += loop_lag if self.last_registration else 0.0
 
     def check_liveness(self) -> None:
-        """LOST: a READY node silent for the heartbeat timeout, or a known one that did not reconnect in time."""
+        """LOST: a READY node silent for the heartbeat timeout, or a known one that did not reconnect in time: a
+        grace from when it was asked to; or, known from the store at the start, a grace with no node registering
+        at all (at most ``STORM_GRACES`` graces from the start)."""
         now, timeout = self._clock(), self.heartbeat_timeout
         grace = max(timeout, RECONNECT_GRACE_S)
+        storm = now - self.started_at <= STORM_GRACES * grace and now - self.last_registration <= grace
         for s in self._nodes.sessions.values():
             if s.status is NodeStatus.READY and now - s.last_heartbeat > timeout:
                 self._node_lost(s, f"no heartbeat for {timeout:.1f} s")
-            elif s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > grace:
+            elif (s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > grace
+                  and not (s.since == 0 and storm)):
                 since = "of the coordinator start" if s.since == 0 else "of being asked to reconnect"
                 self._node_lost(s, f"did not reconnect within {grace:.1f} s {since}")
 

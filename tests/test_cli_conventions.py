@@ -190,12 +190,17 @@ def test_set_use_get_delete_contexts(no_user_config: Path, tmp_path: Path) -> No
     assert res.exit_code == 1 and "no current context" in res.output
     assert no_user_config.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in no_user_config.parent.iterdir()] == ["config.yaml"]  # no temporary file left
+    # the coordinators of one replicated store: several addresses, each HOST:PORT
+    assert run("config", "set-context", "ha", "--coordinator", "head1:7420,head2:7420").exit_code == 0
+    bad = run("config", "set-context", "ha", "--coordinator", "head1:7420,head2")
+    assert bad.exit_code == 2 and "several joined by commas" in bad.output
 
 
 @pytest.mark.parametrize("text, words", [
     ("contexts: [a, b]\n", ["contexts is", "must be a mapping"]),
     ("contexts: {prod: {coordinator: 7420}}\n", ["contexts.prod.coordinator=7420", "HOST:PORT"]),
     ("contexts: {prod: {coordinator: 'head'}}\n", ["contexts.prod.coordinator='head'", "port 1-65535"]),
+    ("contexts: {prod: {coordinator: 'h:1,h'}}\n", ["contexts.prod.coordinator='h:1,h'", "joined by commas"]),
     ("contexts: {prod: {coordinator: 'h:1', tls: x}}\n", ["contexts.prod.tls", "unknown field"]),
     ("contexts: {'bad name': {coordinator: 'h:1'}}\n", ["contexts.bad name", "letters, digits"]),
     ("current-context: gone\ncontexts: {prod: {coordinator: 'h:1'}}\n", ["current-context='gone'", "prod"]),

@@ -294,6 +294,28 @@ def test_restart_keeps_jobs_and_accepts_reconnect_with_replay(tmp_path: Path) ->
     w2.store.close()
 
 
+def test_after_a_restart_known_nodes_are_waited_for_while_others_still_register(tmp_path: Path) -> None:
+    """A reconnect storm (thousands of daemons after a failover) takes longer than one grace: a known node is lost
+    only after a grace in which no node registered (at most STORM_GRACES graces from the start)."""
+    w = make_world(tmp_path)
+    for name in ("n0", "n1", "n2"):
+        w.connect(name)
+    w2 = _restarted(w, tmp_path)
+    w2.clock.t += 9.0
+    w2.connect("n0")                      # still registering at 9 s ...
+    w2.clock.t += 9.0
+    w2.connect("n1")                      # ... and at 18 s: n2 is waited for past the first grace
+    w2.core.heartbeat(w2.nodes["n0"].session)
+    w2.core.tick()
+    assert {s.name: s.status.value for s in w2.core.nodes}["n2"] == "DISCONNECTED"
+    w2.clock.t += 10.5                    # a whole grace with no registration
+    for name in ("n0", "n1"):
+        w2.core.heartbeat(w2.nodes[name].session)
+    w2.core.tick()
+    assert {s.name: s.status.value for s in w2.core.nodes}["n2"] == "LOST"
+    w2.store.close()
+
+
 def test_restart_node_that_does_not_come_back_is_lost(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     w.connect("n0"), w.connect("n1")

@@ -94,3 +94,24 @@ def test_bad_store_urls_name_the_value_and_the_rule(text: str, says: str) -> Non
     with pytest.raises(StoreURLError) as err:
         StoreURL.parse(text)
     assert says in str(err.value) and text in str(err.value)
+
+
+def test_a_registration_storm_is_one_store_write_and_a_name_taken_twice_at_once_is_refused(tmp_path: Path) -> None:
+    from rankctl.coordinator.core import Coordinator
+    from rankctl.coordinator.errors import NodeNameTaken
+    from rankctl.coordinator.records import NodeHello
+
+    log = Log()
+    store = replicated(tmp_path, log, None, [], "leader")
+    core = Coordinator(store)
+    sent: list = []
+    hellos = [(NodeHello(f"n{i}", "127.0.0.1", 2, {}, (29500,), (), f"s{i}"), sent.append) for i in range(50)]
+    hellos.append((NodeHello("n0", "127.0.0.1", 2, {}, (29500,), (), "another-daemon"), sent.append))
+    before = len(log.entries)
+    out = core.register_many(hellos)
+    assert len(log.entries) == before + 1                        # fifty records, one replicated entry
+    assert [t for t, _, _ in log.entries[-1][1]].count("nodes") == 50
+    assert isinstance(out[-1], NodeNameTaken) and "at the same moment" in str(out[-1])
+    assert sum(1 for s in core.nodes if s.status.value == "READY") == 50
+    assert sum(1 for m in sent if m is not None and m.WhichOneof("body") == "registered") == 50
+    store.close()
