@@ -94,6 +94,8 @@ async def _serve(listen: str, state_dir: Path, tls_dir: str | None, **options: o
               help="MiB of uploaded workdirs each submitter may store (an upload past it is refused, naming the use).")
 @click.option("--blob-retention-hours", default=168.0, show_default=True, type=click.FloatRange(min=0),
               help="Keep a workdir blob this long after the last job using it finished or it was last uploaded.")
+@click.option("--event-retention-days", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="Keep the events of a finished job this long (then only its last one; the job itself stays).")
 @with_store
 @click.option("--lease-ttl", default=3, show_default=True, type=click.IntRange(min=2, max=5),
               help="Seconds of the leader's lease on --store: a leader that stops is replaced within them.")
@@ -103,7 +105,8 @@ async def _serve(listen: str, state_dir: Path, tls_dir: str | None, **options: o
 @click.pass_context
 def coordinator(ctx: click.Context, listen: str, state_dir: Path | None, advertise_address: str | None,
                 heartbeat_timeout: float, head_wait: float, http_listen: str | None, metrics_per_rank: bool,
-                blob_quota_mb: int, blob_retention_hours: float, store_url: str | None, etcd_ca: Path | None,
+                blob_quota_mb: int, blob_retention_hours: float, event_retention_days: float,
+                store_url: str | None, etcd_ca: Path | None,
                 etcd_cert: Path | None, etcd_key: Path | None, lease_ttl: int, tls_dir: str | None, insecure: bool,
                 log_level: str, log_format: str) -> None:
     """Run the coordinator service (gRPC) until SIGTERM/SIGINT."""
@@ -139,7 +142,7 @@ def coordinator(ctx: click.Context, listen: str, state_dir: Path | None, adverti
                            heartbeat_timeout=heartbeat_timeout, head_wait=head_wait, http_listen=http_listen,
                            metrics_per_rank=metrics_per_rank, blob_quota_bytes=blob_quota_mb << 20,
                            blob_retention_s=blob_retention_hours * 3600, store_url=str(url) if url else None,
-                           etcd_tls=etcd_tls, lease_ttl=lease_ttl))
+                           etcd_tls=etcd_tls, lease_ttl=lease_ttl, event_retention_s=event_retention_days * 86400))
     except (StateDirInUse, StoreUnusable, CertError) as exc:
         raise CtlError(str(exc)) from None
     except OSError as exc:

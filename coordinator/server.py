@@ -36,7 +36,7 @@ from rankctl.coordinator.node_service import NodeServiceServicer
 from rankctl.coordinator.intake import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
 from rankctl.coordinator.slurm import SlurmAllocator
-from rankctl.coordinator.store import Store
+from rankctl.coordinator.store import Store, prune_events
 from rankctl.proto import rankctl_pb2_grpc
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ MAX_MESSAGE_BYTES = 16 << 20
 # grpc enables SO_REUSEPORT by default: a second coordinator on a used address would start
 # silently and split the clients between the two. Bind exclusively instead.
 LEASE_TTL_S = 3  # a replicated store's leader lease: a dead leader is replaced within it
+EVENT_RETENTION_S = 30 * 86400  # a finished job's events are kept this long (its last one, and the job, always)
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
     # daemons ping every 2 s to find a stopped coordinator (SIGSTOP, a frozen host): let them
@@ -146,6 +147,7 @@ class CoordinatorServer:
             source.address, source.tls = dial_address(s.listen, self.port, s.advertise), s.identity is not None
         leading.tasks.append(asyncio.create_task(allocation_loop(
             (core.allocations, core.pools), SlurmAllocator(Path(s.state_dir)), functools.partial(_archive_logs, core))))
+        leading.tasks.append(asyncio.create_task(_prune_events(store, s.clock, s.event_retention_s)))
         if store.replica is not None:
             leading.tasks.append(asyncio.create_task(_snapshots(store, store.replica)))
         self.leading = leading
@@ -209,6 +211,7 @@ class LeaderSettings:
     blob_retention_s: float
     advertise: str | None
     blob_backing: object = None   # where blobs also go on a replicated store (``coordinator.blobs``)
+    event_retention_s: float = EVENT_RETENTION_S  # events of jobs finished longer ago are pruned
 
 
 LAG_FLOOR_S = 0.25  # loop lag below this is noise, not a stall
@@ -292,7 +295,8 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
                             metrics_per_rank: bool = False, blob_quota_bytes: int = QUOTA_BYTES,
                             blob_retention_s: float = RETENTION_S, advertise: str | None = None,
                             store_url: str | None = None, etcd_tls: "EtcdTLS | None" = None,
-                            lease_ttl: int = LEASE_TTL_S) -> CoordinatorServer:
+                            lease_ttl: int = LEASE_TTL_S, event_retention_s: float = EVENT_RETENTION_S
+                            ) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
     ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
 
@@ -301,6 +305,7 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     call authorized by its client certificate (``coordinator.auth``); CertError when it is unusable.
     ``http_listen``: also serve the dashboard and ``/metrics`` (per-rank series with ``metrics_per_rank``) there,
     HTTPS under ``tls_dir`` (``coordinator.web``); the bound address goes to ``state_dir/http_address``.
+    ``event_retention_s``: the events of jobs finished longer ago are pruned (each keeps its last).
     ``store_url``: keep the state on etcd (``etcd://HOST:PORT[,...][/prefix]``, TLS with ``etcd_tls``) and lead
     only when elected (``coordinator.ha``); ``state_dir`` then holds this coordinator's local files only."""
     from rankctl.security.tls import load_identity_dir, server_credentials
@@ -308,7 +313,8 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     identity = load_identity_dir(tls_dir) if tls_dir else None  # before anything is locked or bound
     settings = LeaderSettings(listen, Path(state_dir), heartbeat_timeout, clock,
                               {} if head_wait is None else {"head_wait": head_wait}, identity, http_listen,
-                              metrics_per_rank, blob_quota_bytes, blob_retention_s, advertise)
+                              metrics_per_rank, blob_quota_bytes, blob_retention_s, advertise,
+                              event_retention_s=event_retention_s)
     url = StoreURL.parse(store_url) if store_url else None
     store = Store(state_dir) if url is None else None  # the state dir's lock first: a second coordinator fails here
     client, node = ClientServiceServicer(None, None), NodeServiceServicer(None, None)
@@ -355,6 +361,22 @@ async def _stand_by(coord: CoordinatorServer, url: StoreURL, etcd_tls: "EtcdTLS 
     coord.settings.blob_backing = EtcdBlobs(etcd, url.prefix, lambda: coord.ha.leadership.fence)
     await coord.ha.start()
     coord.ha.tasks.append(asyncio.create_task(_copy_blobs(coord)))
+
+
+PRUNE_PERIOD_S = 3600.0
+PRUNE_BATCH = 5000
+
+
+async def _prune_events(store: Store, clock: Callable[[], float], retention_s: float) -> None:
+    """Bound the event history: every hour, the events of jobs finished more than ``retention_s`` ago go (their
+    last one stays), ``PRUNE_BATCH`` per transaction with the loop free between them."""
+    while True:
+        try:
+            while prune_events(store, clock() - retention_s, PRUNE_BATCH) >= PRUNE_BATCH:
+                await asyncio.sleep(0.05)
+        except Exception as exc:  # noqa: BLE001 - the store refused: the next round tries again
+            log.warning("events.prune_failed", error=str(exc))
+        await asyncio.sleep(PRUNE_PERIOD_S)
 
 
 async def _snapshots(store: Store, journal, period_s: float = 1.0) -> None:  # noqa: ANN001 - a journal.Journal

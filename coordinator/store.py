@@ -418,3 +418,20 @@ def replicated(state_dir: Path | str, replica: Replica, snapshot: bytes | None, 
         store.close()
         raise
     return store
+
+
+def prune_events(store: Store, finished_before: float, limit: int) -> int:
+    """Delete about ``limit`` events (at least that many when there are) of jobs that finished before
+    ``finished_before``; each job keeps its last event, so its numbering goes on. How many were deleted.
+    Per job through the events' primary key: no scan of the whole history."""
+    db, deleted = store._db, 0  # noqa: SLF001 - the store's own module
+    for (job_id,) in db.execute("SELECT id FROM jobs WHERE finished_at > 0 AND finished_at < ?",
+                                (finished_before,)).fetchall():
+        first, last = db.execute("SELECT MIN(seq), MAX(seq) FROM events WHERE job_id=?", (job_id,)).fetchone()
+        if first is None or first == last:
+            continue
+        upto = min(last, first + limit - deleted)
+        deleted += store._write("DELETE FROM events WHERE job_id=? AND seq < ?", (job_id, upto)).rowcount  # noqa: SLF001
+        if deleted >= limit:
+            break
+    return deleted

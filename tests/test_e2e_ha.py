@@ -28,7 +28,8 @@ from cluster import CTL, Proc, ctl, highest_step, status, wait_for
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not etcdcluster.available(), reason="etcd (Debian etcd-server) is not installed")]
-STEPS = 60
+STEPS = 40
+OUTAGE_STEPS = 80  # longer than the 15 s outage
 JOB = """
 name: {name}
 kind: train
@@ -173,7 +174,7 @@ def _log_entries(ha: HACluster) -> list[tuple[int, str]]:
 
 
 def test_a_leader_stopped_past_its_lease_is_replaced_writes_nothing_and_stands_by(ha: HACluster) -> None:
-    job = ha.submit("stopped-leader", steps=120)
+    job = ha.submit("stopped-leader", steps=60)
     stepping(ha, job, 5)
     old = ha.leader()
     old_id = next(m["id"] for m in ha.info()["coordinators"] if m["leading"])
@@ -201,7 +202,7 @@ def test_etcd_members_lost_one_then_all_for_15_s(ha: HACluster) -> None:
     try:
         one = ha.done(ha.submit("one-member-down", steps=10))
         assert one["state"] == "SUCCEEDED", one["reason"]
-        job = ha.submit("etcd-outage", steps=STEPS)
+        job = ha.submit("etcd-outage", steps=OUTAGE_STEPS)
         stepping(ha, job, 5)
         ha.etcd.stop_all()
         before = highest_step(ha.root, job, 1)
@@ -216,7 +217,7 @@ def test_etcd_members_lost_one_then_all_for_15_s(ha: HACluster) -> None:
         ha.etcd.start_all()
     done = ha.done(job)
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["reason"]
-    assert [s for s, _ in losses(done)] == list(range(1, STEPS + 1))
+    assert [s for s, _ in losses(done)] == list(range(1, OUTAGE_STEPS + 1))
 
 
 def test_a_python_job_with_a_shipped_workdir_queued_before_a_failover_runs_after_it(ha: HACluster) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from rankctl.coordinator.records import EventRecord, JobRecord, NodeRecord, RankRecord
 from rankctl.coordinator.states import JobState
-from rankctl.coordinator.store import Store
+from rankctl.coordinator.store import Store, prune_events
 from rankctl.kinds.spec import build_spec
 
 
@@ -83,4 +83,24 @@ def test_job_level_events_skip_rank_events_through_their_index(tmp_path: Path) -
     plan = store._db.execute("EXPLAIN QUERY PLAN SELECT seq FROM events WHERE job_id=? AND seq>? AND kind != 'rank' "
                              "ORDER BY seq LIMIT 5", (job.id, 0)).fetchall()
     assert "events_job_level" in str(plan)   # rank rows are never read
+    store.close()
+
+
+def test_the_events_of_jobs_finished_long_ago_are_pruned_but_their_last(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    old, recent, live = _job("a-000001"), _job("b-000002", name="b"), _job("c-000003", name="c")
+    for job in (old, recent, live):
+        store.insert_job(job)
+        for seq in range(1, 6):
+            store.append_event(EventRecord(job.id, seq, float(seq), JobState.RUNNING, "step", f"step {seq}"))
+    old.state, old.finished_at = JobState.SUCCEEDED, 100.0
+    recent.state, recent.finished_at = JobState.SUCCEEDED, 900.0
+    store.update_job(old)
+    store.update_job(recent)
+    assert prune_events(store, finished_before=500.0, limit=3) == 3
+    assert prune_events(store, finished_before=500.0, limit=3) == 1
+    assert prune_events(store, finished_before=500.0, limit=3) == 0
+    assert [e.seq for e in store.events(old.id)] == [5]
+    assert len(store.events(recent.id)) == len(store.events(live.id)) == 5
+    assert store.last_event_seqs()[old.id] == 5
     store.close()
