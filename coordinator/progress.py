@@ -144,7 +144,7 @@ class JobProgress:
     max_step: int = 0
     _acc: dict[int, _StepAcc] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)        # of the last job-level step event
-    last_step: _StepAcc | None = None                            # the figures behind ``metrics``
+    last_step: _StepAcc | None = None                            # the newest completed step's figures (gauges)
     latest: dict[str, float] = field(default_factory=dict)       # each figure's newest value (val_loss: not every step)
     folds: Mapping[str, str] = field(default_factory=dict)       # the job's kind's figures (``JobKind.figures``)
     step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))  # completed steps' durations
@@ -271,8 +271,10 @@ class JobProgress:
         self._last_time = known[-1] if known else self._last_time
         for acc in accs:
             self.latest.update(acc.figures)
-        acc = self.last_step = accs[-1] if done and done[-1] == self.min_step else None
-        self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}
+        if accs:  # the gauges (loss, tokens/s, step time) hold the newest step that reported figures: a step
+            self.last_step = accs[-1]  # whose reports a loaded daemon coalesced away leaves no gap in them
+        acc = accs[-1] if done and done[-1] == self.min_step else None
+        self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}  # this step's own, or none
 
     # -- questions ------------------------------------------------------------
     def lowest_failed(self) -> RankRecord | None:

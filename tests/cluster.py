@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,15 +87,69 @@ def ctl(address: str, *args: str, timeout: float = 300) -> subprocess.CompletedP
     return subprocess.run(CTL + ["--coordinator", address, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def status(address: str, job: str) -> dict:
+def ctl_status(address: str, job: str) -> dict:
+    """``ctl status JOB --json``, through the real command."""
     out = ctl(address, "status", job, "--json")
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
+# What `ctl status JOB --json` prints, from one warm process per pytest process: ctl's own client and renderer,
+# without an interpreter start per poll (~0.5 s of CPU each: tests that polled four times a second spent a core
+# on it). No gRPC ever starts in the pytest process itself (its forked ranks would hang).
+STATUS_READER = """
+import json, sys
+from rankctl.cli.client import Client
+from rankctl.cli.render import job_to_dict
+clients = {}
+for line in sys.stdin:
+    address, job = line.split()
+    try:
+        client = clients.get(address) or clients.setdefault(address, Client(address))
+        print(json.dumps({"doc": job_to_dict(client.get(job, rank_limit=0))}), flush=True)
+    except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
+        old = clients.pop(address, None)
+        if old is not None:
+            old.close()
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+"""
+
+
+class _StatusReader:
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def query(self, address: str, job: str) -> dict:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = subprocess.Popen([sys.executable, "-c", STATUS_READER], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True, bufsize=1)
+            self.proc.stdin.write(f"{address} {job}\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            self.proc = None
+            raise AssertionError("the status reader died")
+        answer = json.loads(line)
+        assert "error" not in answer, answer.get("error")
+        return answer["doc"]
+
+
+_READER = _StatusReader()
+
+
+def status(address: str, job: str) -> dict:
+    """What ``ctl status JOB --json`` says (``ctl_status``), read cheaply: for polls."""
+    return _READER.query(address, job)
+
+
 def wait_state(address: str, job: str, states: set[str], timeout: float) -> dict:
-    """The job's status once its state is one of ``states``."""
-    return wait_for(lambda: (s := status(address, job))["state"] in states and s, timeout, f"{job} in {states}")
+    """The job's status once its state is one of ``states``: polled cheaply, then read through ``ctl status`` (that
+    reading, if the job is still in one of ``states``; a job that moved on meanwhile: the poll's)."""
+    seen = wait_for(lambda: (s := status(address, job))["state"] in states and s, timeout, f"{job} in {states}")
+    final = ctl_status(address, job)
+    return final if final["state"] in states else seen
 
 
 def ready_nodes(address: str) -> list[str]:

@@ -290,3 +290,15 @@ def test_worker_metrics_over_http(tmp_path: Path) -> None:
     assert get(s, "rankctl_worker_ranks", node=node, phase="running") == 0
     assert get(s, "rankctl_worker_log_lines_shipped_total", node=node) == 0
     assert get(s, "rankctl_worker_reports_sent_total", node=node) == 0
+
+
+def test_the_gauges_hold_the_newest_step_that_reported_figures() -> None:
+    """A step whose every report a loaded daemon coalesced away leaves the loss gauge at the newest step that
+    reported one (it vanished from /metrics until the next; CI's dashboard check scraped in such a gap)."""
+    p = JobProgress(1)
+    p.folds = {"loss": "last"}
+    p.step_figures(1, pb.RankStatus(rank=0, step=1, step_time_s=0.1, figures={"loss": 2.5}))
+    assert p.moved_step(0, 0, 1) == 1
+    assert p.last_step.figures == {"loss": 2.5} and p.metrics["loss"] == 2.5
+    assert p.moved_step(0, 1, 2) == 2                        # step 2: no figures reached the coordinator
+    assert p.last_step.figures == {"loss": 2.5} and "loss" not in p.metrics   # the step event has none of its own
