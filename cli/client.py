@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 import grpc
 
 from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, CtlError
-from rankctl.proto import from_short_name
+from rankctl.proto import LEADER_METADATA, from_short_name
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 
@@ -35,6 +35,7 @@ class Client:
     def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT, tls_dir: str | None = None) -> None:
         self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
         self.tls_dir = tls_dir
+        self._raw: pb_grpc.ClientServiceStub | None = None  # the stub on the current channel (``raw_stub``)
         problem: CtlError | None = None
         for candidate in self.addresses:  # the first that answers
             self.address = candidate
@@ -61,7 +62,7 @@ class Client:
         threading.Thread(target=old.close, daemon=True).start()
 
     def raw_stub(self) -> pb_grpc.ClientServiceStub:
-        if getattr(self, "_raw", None) is None:
+        if self._raw is None:
             self._raw = pb_grpc.ClientServiceStub(self._channel)
         return self._raw
 
@@ -344,7 +345,6 @@ def _started(it: Iterator) -> Iterator:
 
 _END = object()
 STREAMING_CALLS = {"WatchJob", "WatchJobBatches", "GetLogs"}
-LEADER_METADATA = "rankctl-leader"
 NO_LEADER_WAIT_S = 8.0
 
 

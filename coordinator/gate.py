@@ -12,7 +12,8 @@ from typing import Callable
 
 import grpc
 
-LEADER_METADATA = "rankctl-leader"
+from rankctl.proto import LEADER_METADATA
+
 ANSWERED_BY_ANY = ("/rankctl.v1.ClientService/GetInfo",)
 
 

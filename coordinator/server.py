@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("rankctl.coordinator")
 SERVICES = ("", "rankctl.v1.ClientService", "rankctl.v1.NodeService")
 MAX_MESSAGE_BYTES = 16 << 20
-# grpc enables SO_REUSEPORT by default: a second coordinator on a used address would start
-# silently and split the clients between the two. Bind exclusively instead.
 LEASE_TTL_S = 3  # a replicated store's leader lease: a dead leader is replaced within it
 EVENT_RETENTION_S = 30 * 86400  # a finished job's events are kept this long (its last one, and the job, always)
+# grpc enables SO_REUSEPORT by default: a second coordinator on a used address would start
+# silently and split the clients between the two. Bind exclusively instead.
 SERVER_OPTIONS = (
     ("grpc.so_reuseport", 0),
     # daemons ping every 2 s to find a stopped coordinator (SIGSTOP, a frozen host): let them
@@ -170,11 +170,11 @@ class CoordinatorServer:
         if self.leading is not None:
             return None
         ha = self.ha
-        leader = (ha.leadership.leader or {}) if ha is not None and not ha.problem() else {}
+        why = ha.problem() if ha is not None else ""
+        leader = (ha.leadership.leader or {}) if ha is not None and not why else {}
         if leader.get("address"):
             return (f"the coordinator at {self.address} is a standby; the leader is {leader['address']}",
                     leader["address"])
-        why = ha.problem() if ha is not None else ""
         return (f"the coordinator at {self.address} is a standby and no coordinator leads: "
                 + (why or f"an election on the store {ha.store_url if ha else ''} is under way"), "")
 

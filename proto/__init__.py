@@ -10,6 +10,10 @@ from typing import Any
 from google.protobuf.struct_pb2 import ListValue, Struct, Value
 
 
+# trailing metadata of a standby's UNAVAILABLE: the leader's address ("" while none leads); ctl and the daemons follow it
+LEADER_METADATA = "rankctl-leader"
+
+
 def short_name(enum: Any, value: int) -> str:
     """An enum value's name without its type prefix: "RUNNING" for JobState's JOB_STATE_RUNNING.
 

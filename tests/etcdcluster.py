@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from cluster import free_ports
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL = shutil.which("etcdctl") or "/usr/bin/etcdctl"
@@ -29,17 +30,6 @@ def available() -> bool:
     return Path(ETCD).exists() and os.access(ETCD, os.X_OK)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class EtcdCluster:
     def __init__(self, root: Path | str | None = None, members: int = 3, prefix: str = "/rankctl") -> None:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -47,7 +37,7 @@ class EtcdCluster:
         self.logs = Path(root) if root is not None else self.root
         self.logs.mkdir(parents=True, exist_ok=True)
         self.prefix = prefix
-        ports = _free_ports(2 * members)
+        ports = free_ports(2 * members)
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.names = [f"m{i}" for i in range(members)]
         self.procs: list[subprocess.Popen | None] = [None] * members

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from cluster import free_ports
+
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 NUL = b"\0"
 PIDS_FILE = "cluster.pids"  # "role pid starttime" per line: what `down` and `stop()` may end
@@ -46,18 +48,6 @@ def slurm_problem() -> str | None:
     if os.geteuid() != 0:
         return "a local Slurm cluster needs root"
     return None
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports that were free a moment ago (all held open while choosing)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _exe(name: str) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import etcdcluster
-from cluster import CTL, Proc, ctl, highest_step, status, wait_for
+from cluster import CTL, Proc, ctl, free_ports, highest_step, status, wait_for
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not etcdcluster.available(), reason="etcd (Debian etcd-server) is not installed")]
@@ -46,18 +45,12 @@ with Client(sys.argv[1]) as c:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class HACluster:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.etcd = etcdcluster.EtcdCluster(root / "etcd-logs")
         self.etcd.start_all()
-        self.addresses = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+        self.addresses = [f"127.0.0.1:{p}" for p in free_ports(2)]
         self.both = ",".join(self.addresses)
         self.coordinators: list[Proc | None] = [None, None]
         for i in range(2):

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 
+from rankctl.proto import LEADER_METADATA
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.blobs import FetchFailed
@@ -45,7 +46,6 @@ class Inbound(Protocol):
     def release(self, msg: pb.Release) -> None: ...
 
 
-LEADER_METADATA = "rankctl-leader"  # a standby's refusal names the leader here (coordinator.gate)
 # HTTP/2 pings every 2 s: a coordinator that stopped answering (SIGSTOP, a frozen host, a cut link) ends the
 # session within ~4 s, so the daemon moves to another coordinator instead of waiting on a silent stream
 KEEPALIVE = (("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
