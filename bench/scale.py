@@ -26,8 +26,14 @@ over a local 3-member etcd (``tests/etcdcluster.py``), whose leader is SIGKILLed
 step reaches half the steps; that run adds etcd's write rate and bytes per second (its members' /metrics) and
 the failover time: from the kill to the first stored step past the one stored at the kill.
 
+With ``--fault`` it measures recovery instead (``bench/scale_fault.py``): a node of a ``--small-nodes`` job,
+then of a ``--nodes`` job (default 8,192), is SIGKILLed once steps flow; from its loss to the attempt failing,
+to every Assign of the next attempt read, to that attempt's first step stored, side by side, with the
+coordinator's share of each.
+
     python bench/scale.py --nodes 2048 --slots 8 --steps 30 [--step-rate 1] [--procs P] [--store etcd]
         [--coordinator-python PY] [--coordinator-pythonpath DIR] [--heartbeat-timeout S]
+    python bench/scale.py --fault [--nodes 8192] [--small-nodes 64] [--spares 8] [--fault-step 3]
 """
 
 from __future__ import annotations
@@ -588,10 +594,12 @@ def report(ns: argparse.Namespace, r: dict, error_kinds: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nodes", type=int, default=2048)
+    ap.add_argument("--nodes", type=int, default=None, help="default 2048; 8192 with --fault")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--step-rate", type=float, default=1.0, help="steps per second each rank offers")
+    ap.add_argument("--step-rate", type=float, default=None,
+                    help="steps per second each rank offers (default 1; 0.1 with --fault, which this machine sustains "
+                         "at 65,536 ranks)")
     ap.add_argument("--procs", type=int, default=0, help="generator processes (default: 1 per 1024 nodes, at most 4)")
     ap.add_argument("--streams-per-channel", type=int, default=32)
     ap.add_argument("--coordinator-python", default=sys.executable)
@@ -603,7 +611,26 @@ def main() -> None:
     ap.add_argument("--store", default="sqlite", metavar="sqlite|etcd|etcd://...",
                     help="etcd: the SQLite run, then the same load on two coordinators over a local 3-member etcd "
                          "(or the etcd:// store given), the leader SIGKILLed half-way; both lines printed")
+    ap.add_argument("--fault", action="store_true",
+                    help="measure recovery from a SIGKILLed node at --small-nodes and at --nodes, side by side")
+    ap.add_argument("--small-nodes", type=int, default=64, help="--fault: the smaller job's nodes")
+    ap.add_argument("--spares", type=int, default=8, help="--fault: spare nodes registered beside the job's")
+    ap.add_argument("--fault-step", type=int, default=3, help="--fault: kill a node once this step is stored")
+    ap.add_argument("--recovery-timeout", type=float, default=300.0,
+                    help="--fault: seconds to wait for the next attempt's first step")
+    ap.add_argument("--profile", metavar="DIR", default=None,
+                    help="--fault: py-spy the coordinator from the loss to the next attempt's first step, into DIR")
+    ap.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy", help="the py-spy to run with --profile")
+    ap.add_argument("--profile-format", default="raw", choices=("raw", "chrometrace", "speedscope"),
+                    help="--profile: py-spy's output format (chrometrace has each sample's time)")
     ns = ap.parse_args()
+    if ns.fault:
+        from scale_fault import fault_main
+
+        ns.nodes, ns.step_rate = ns.nodes or 8192, ns.step_rate or 0.1
+        fault_main(ns)
+        return
+    ns.nodes, ns.step_rate = ns.nodes or 2048, ns.step_rate or 1.0
     ns.procs = ns.procs or min(4, math.ceil(ns.nodes / 1024))
     ns.ready_timeout = ns.ready_timeout or 60 + 0.02 * ns.nodes
     if ns.store == "sqlite":

@@ -2,7 +2,12 @@
 
 Each fake daemon speaks the real ``NodeService.Connect`` protocol (Register, Heartbeat from
 its own task, rank reports) and plays the ranks of an ``Assign`` through rendezvous, groups,
-running, ``--steps`` steps at ``--step-rate`` and an exit, without running anything. Daemons
+running, ``--steps`` steps at ``--step-rate`` and an exit, without running anything. A restarted
+attempt (an Assign of attempt 2 or later) reports its phases and its first step at once, in one batch,
+as a daemon whose ranks start faster than it sends would; a Cancel is answered at once by an exit report
+of each of the attempt's ranks, as the real daemon reports the ranks it stopped. Per attempt, the last
+time an Assign or a Cancel was read and a stop confirmation or a first step was handed to gRPC are kept
+for ``bench/scale_fault.py``. Daemons
 share a few channels (``--streams-per-channel`` streams on each, each channel its own TCP
 connection). Their ticks are spread evenly over the step period by a per-daemon offset.
 
@@ -23,11 +28,12 @@ import resource
 import sys
 import time
 from collections import Counter
+from typing import Callable
 
 import grpc
 
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.reporting import stamp_update, step_figures
+from rankctl.worker.reporting import exit_status, stamp_update, step_figures
 
 MAX_MSG = 16 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -71,6 +77,7 @@ class Sim:
         self._parsed: dict[str, dict] = {}
         self.daemons: list[Daemon] = []
         self.failed: list[tuple[int, float, str]] = []  # (daemon index, seconds since start, debug text)
+        self.attempts: dict[int, Counter[str]] = {}  # attempt -> counts and last times (unix s) of its events
         self.t0 = time.monotonic()
 
     def parsed(self, text: str) -> dict:
@@ -90,9 +97,16 @@ class Sim:
             text = self._metrics[key] = json.dumps(m, separators=(",", ":"))
         return text
 
+    def note(self, attempt: int, what: str, at: float) -> None:
+        """Count one ``what`` (assign, cancel, confirm, step1) of ``attempt`` and keep the last time it happened."""
+        a = self.attempts.setdefault(attempt, Counter())
+        a[what] += 1
+        a[what + "_last"] = max(a[what + "_last"], at)
+
     def progress(self) -> dict:
         return {"ev": "progress", "registered": self.registered, "assigned": self.assigned,
                 "assigned_ranks": self.assigned_ranks, "assign_first": self.assign_first,
+                "attempts": {str(k): dict(v) for k, v in self.attempts.items()},
                 "assign_last": self.assign_last, "played": self.played, "errors": sum(self.errors.values()),
                 "errors_registered": sum(v for k, v in self.errors.items() if not k.startswith("before")),
                 "reconnects": self.reconnects}
@@ -118,13 +132,16 @@ class Daemon:
         self.tasks: dict[str, asyncio.Task] = {}  # job id -> its player
         self.playing: dict[str, tuple[int, list[int]]] = {}  # job id -> (attempt, ranks), for a re-Register
 
-    async def write(self, msg: pb.NodeMessage) -> None:
-        """Write on the current stream; across a reconnect, on the next one (the seq drops a replay)."""
+    async def write(self, msg: pb.NodeMessage, handed: Callable[[], None] | None = None) -> None:
+        """Write on the current stream; across a reconnect, on the next one (the seq drops a replay).
+        ``handed``: called as the message is handed to gRPC."""
         while True:
             await self.connected.wait()
             call = self.call
             try:
                 async with self.lock:  # one write at a time on a stream; the only thing a heartbeat waits for
+                    if handed is not None:
+                        handed()
                     await call.write(msg)
                 return
             except asyncio.CancelledError:
@@ -171,10 +188,7 @@ class Daemon:
                     elif body == "assign":
                         self.on_assign(msg.assign, time.time(), msg.ByteSize())
                     elif body == "cancel":
-                        task = self.tasks.pop(msg.cancel.job_id, None)
-                        self.playing.pop(msg.cancel.job_id, None)
-                        if task is not None:
-                            task.cancel()
+                        self.on_cancel(msg.cancel, time.time())
                     elif body == "fetch_logs":
                         asyncio.create_task(self.write(pb.NodeMessage(log_chunk=pb.LogChunk(
                             request_id=msg.fetch_logs.request_id, lines=[], next_offset=0))))
@@ -230,11 +244,28 @@ class Daemon:
         sim.assign_first = min(sim.assign_first or t_recv, t_recv)
         sim.assign_last = max(sim.assign_last, t_recv)
         sim.assign_bytes_max = max(sim.assign_bytes_max, nbytes)
-        old = self.tasks.pop(assign.job_id, None)
-        if old is not None:
-            old.cancel()
-        self.playing[assign.job_id] = (assign.attempt, ranks)
+        sim.note(assign.attempt, "assign", t_recv)
+        self.playing[assign.job_id] = (assign.attempt, ranks)  # an older attempt's player sees it and returns
         self.tasks[assign.job_id] = asyncio.create_task(self.play(assign.job_id, assign.attempt, ranks, t_recv))
+
+    def on_cancel(self, cancel: pb.Cancel, t_recv: float) -> None:
+        """Stop the attempt's player and confirm each of its ranks gone (an exit report), as the real daemon does.
+
+        The player is not cancelled (a task cancelled in ``call.write`` cancels the whole stream): it returns at its
+        next report, which it no longer sends."""
+        attempt, ranks = self.playing.pop(cancel.job_id, (0, []))
+        if not ranks or cancel.attempt not in (0, attempt):
+            return
+        self.sim.note(attempt, "cancel", t_recv)
+        why = "stopped: " + cancel.reason[:80]
+        reports = [self.stopped(cancel.job_id, attempt, r, why) for r in ranks]
+        asyncio.create_task(self.send(reports, attempt=attempt, note="confirm"))
+
+    def stopped(self, job_id: str, attempt: int, rank: int, why: str) -> pb.RankReport:
+        """The exit report of a rank this daemon stopped (SIGTERM)."""
+        self.seq += 1
+        return pb.RankReport(job_id=job_id, attempt=attempt, seq=self.seq,
+                             status=exit_status(rank, self.name, -15, why))
 
     def report(self, job_id: str, attempt: int, rank: int, phase: str, step: int, metrics: str = "",
                result: str = "", exited: bool = False) -> pb.RankReport:
@@ -246,14 +277,21 @@ class Daemon:
             step_figures(status, self.sim.parsed(metrics))
         return pb.RankReport(job_id=job_id, attempt=attempt, seq=self.seq, result_json=result, status=status)
 
-    async def send(self, reports: list[pb.RankReport]) -> None:
+    async def send(self, reports: list[pb.RankReport], job_id: str = "", attempt: int = 0, note: str = "") -> bool:
+        """Send one batch; with ``job_id``: only while ``attempt`` is still the one this daemon plays (else False).
+        ``note``: what of the attempt to note (``Sim.note``) as the batch is handed to gRPC."""
+        if job_id and self.playing.get(job_id, (0,))[0] != attempt:
+            return False
         sim = self.sim
-        await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)))
+        handed = (lambda: sim.note(attempt, note, time.time())) if note else None
+        await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)), handed)
         self.last_batch = time.time()
         sim.counts["sent_batches"] += 1
         sim.counts["sent_reports"] += len(reports)
+        return True
 
     async def play(self, job_id: str, attempt: int, ranks: list[int], t_recv: float) -> None:
+        """Play the ranks through their phases, steps and exit; return once the attempt is no longer this daemon's."""
         sim, period, steps = self.sim, self.sim.period, self.sim.ns.steps
         t = t_recv + ((self.offset - t_recv) % period)  # this daemon's next tick on the shared grid
         first = ranks[0] if ranks else 0
@@ -267,22 +305,35 @@ class Daemon:
                 return
             sim.lateness.append(max(0.0, time.time() - t))
 
-        for phase in ("rendezvous", "groups", "running"):
+        def step(k: int) -> list[pb.RankReport]:
+            return [self.report(job_id, attempt, r, "running", k, sim.metrics(k, r == first)) for r in ranks]
+
+        k0 = 1
+        if attempt > 1:  # a restart: its phases and first step go out as soon as the Assign is read
+            k0 = 2
+            phases = [self.report(job_id, attempt, r, p, 0) for p in ("rendezvous", "groups", "running") for r in ranks]
+            if not await self.send(phases + step(1), job_id, attempt, note="step1"):
+                return
+        for phase in ("rendezvous", "groups", "running") if k0 == 1 else ():
             await tick()
-            await self.send([self.report(job_id, attempt, r, phase, 0) for r in ranks])
+            if not await self.send([self.report(job_id, attempt, r, phase, 0) for r in ranks], job_id, attempt):
+                return
             t += period
-        for k in range(1, steps + 1):
+        for k in range(k0, steps + 1):
             await tick()
-            await self.send([self.report(job_id, attempt, r, "running", k, sim.metrics(k, r == first))
-                             for r in ranks])
+            if not await self.send(step(k), job_id, attempt):
+                return
             t += period
         await tick()
-        await self.send([self.report(job_id, attempt, r, "done", steps, result='{"ok":true}') for r in ranks])
+        if not await self.send([self.report(job_id, attempt, r, "done", steps, result='{"ok":true}') for r in ranks],
+                               job_id, attempt):
+            return
         t += period
         await tick()
-        await self.send([self.report(job_id, attempt, r, "exited", steps, exited=True) for r in ranks])
-        self.playing.pop(job_id, None)
-        sim.played += 1
+        if await self.send([self.report(job_id, attempt, r, "exited", steps, exited=True) for r in ranks],
+                           job_id, attempt):
+            self.playing.pop(job_id, None)
+            sim.played += 1
 
 
 async def amain(ns: argparse.Namespace) -> None:

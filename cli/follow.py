@@ -15,7 +15,8 @@ from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, CtlError
 LIVE_INTERVAL = 0.2   # seconds between event batches while a live view is shown (steps coalesced between)
 WAIT_INTERVAL = 1.0   # ... while only the end matters (--wait)
 SHOWN_RANKS = 64      # ranks in a status or live view's table
-NOTED_EVENTS = ("straggler",)  # event kinds a live view prints as lines (the rest only update the view)
+NOTED_EVENTS = ("straggler", "notice", "preflight", "node")  # event kinds a live view prints as lines (the rest
+                                                            # only update the view)
 
 
 def follow_job(ctx: Ctx, job_id: str, live: bool, reconnect_timeout: float = 120.0, *, transient: bool = False):
@@ -85,11 +86,12 @@ class _Follower:
             self.display.update(self.job, throttle)
 
     def _notes(self, events) -> None:
-        """Events worth a line of their own above the live view (a rank flagged or unflagged as a straggler)."""
+        """Events worth a line of their own above the live view (a straggler flagged or unflagged, a rank's
+        notice, the pre-flight's figures, a node excluded or kept apart)."""
         if self.display:
             for event in events:
                 if event.kind in NOTED_EVENTS:
-                    self.display.note(f"step {event.step}: {event.message}")
+                    self.display.note(f"step {event.step}: {event.message}" if event.step else event.message)
 
     def stop(self) -> None:
         if self.display:

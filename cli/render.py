@@ -7,6 +7,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from rankctl.contract.preflight import line as preflight_line
 from rankctl.proto import from_struct, short_name
 from rankctl.proto import rankctl_pb2 as pb
 
@@ -86,7 +87,8 @@ def summary_to_dict(s: pb.JobSummary) -> dict[str, Any]:
     return {"phases": dict(s.phases), "running": s.running, "exited": s.exited, "failed": s.failed,
             "min_step": s.min_step, "max_step": s.max_step, "stragglers": list(s.stragglers),
             "failing": [rank_to_dict(r) for r in s.failing], "metrics": metrics_dict(s.metrics),
-            "reports": s.reports, "slow": [slow_to_dict(r) for r in s.slow]}
+            "reports": s.reports, "slow": [slow_to_dict(r) for r in s.slow],
+            "preflight": {"ms": dict(s.preflight_ms), "note": s.preflight_note}}
 
 
 def slow_to_dict(r: pb.SlowRank) -> dict[str, Any]:
@@ -284,6 +286,8 @@ def summary_text(s: dict[str, Any], world: int):
                 f"of {world})\nsteps: {s['min_step']}-{s['max_step']}")
     if s["stragglers"]:
         text.append(f"  stragglers at step {s['min_step']}: {_few(s['stragglers'])}")
+    if s.get("preflight", {}).get("ms"):
+        text.append(f"\npre-flight: {preflight_line(s['preflight']['ms'], s['preflight'].get('note', ''))}")
     for r in s["slow"][:SLOW_SHOWN]:
         text.append(f"\n{slow_text(r)}", style="yellow")
     if len(s["slow"]) > SLOW_SHOWN:

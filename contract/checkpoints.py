@@ -101,6 +101,31 @@ def read_marker(root: str, step: int, rank: int) -> dict[str, Any] | None:
         return None
 
 
+HASH_CHUNK = 1 << 22   # bytes read at a time when a shard's checksum is verified
+
+
+def damage(root: str, step: int, rank: int) -> str:
+    """Why ``rank``'s shard of ``step`` under ``root`` cannot be trusted ("" when it can): its size or SHA-256
+    differ from what its marker recorded when it was written (a torn, truncated or overwritten file), or
+    it is missing. A marker written before checksums were kept (no ``sha256``) is trusted as it is."""
+    marker = read_marker(root, step, rank) or {}
+    want, size = marker.get("sha256"), marker.get("bytes")
+    path = rank_file(root, step, rank)
+    try:
+        have = os.path.getsize(path)
+        if not want:
+            return ""
+        if isinstance(size, int) and have != size:
+            return f"{path} holds {have} bytes, its marker says {size}"
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(HASH_CHUNK):
+                digest.update(chunk)
+    except OSError as exc:
+        return f"{path} cannot be read: {exc.strerror or exc}"
+    return "" if digest.hexdigest() == want else f"{path} does not match the SHA-256 its marker recorded"
+
+
 def complete_for(root: str, ranks: list[int] | range, fp: str | None = None) -> list[int]:
     """Steps for which every rank in ``ranks`` has a marker (matching ``fp`` if given)."""
     out = []

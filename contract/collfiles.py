@@ -3,7 +3,8 @@
 ``{run_dir}/rank-{rank}.coll`` is a fixed-size memory-mapped file: a header, then one slot per
 process group the rank has used::
 
-    header: magic "RKCL", version, slots in use, slot the rank is in now (-1: none), wait seconds
+    header: magic "RKCL", version, slots in use, slot the rank is in now (-1: none), wait seconds,
+            then what the rank is busy with outside collectives (ACTIVITIES: 0 nothing, 1 a checkpoint ...)
     slot:   entered, completed, operation index (OPS), entered at (unix s), wait seconds
 
 ``{run_dir}/rank-{rank}.coll.json`` names the slots (``[{"kind": "tp", "members": [2, 3], "size": 2}]``),
@@ -24,6 +25,8 @@ MAX_MEMBERS_SHOWN = 64
 HEADER = struct.Struct("<4sIIid")     # magic, version, slots, current slot, wait seconds
 SLOT = struct.Struct("<QQIdd")        # entered, completed, op, since, wait seconds
 HEADER_BYTES = 32
+ACTIVITY = struct.Struct("<I")        # at HEADER.size: an index into ACTIVITIES (the header's spare bytes)
+ACTIVITIES = ("", "checkpoint", "snapshot", "restore", "preflight", "busy")
 FILE_BYTES = HEADER_BYTES + MAX_SLOTS * SLOT.size
 
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
@@ -60,7 +63,7 @@ def write_meta(path: str, labels: list[dict[str, Any]]) -> None:
 
 def read_counters(run_dir: str, rank: int) -> dict[str, Any] | None:
     """A rank's counters now: ``{"in": slot or -1, "wait_s", "groups": [{kind, members, size, entered,
-    completed, op, since, wait_s}]}``; None when the rank has none (not started, or not a torch rank)."""
+    completed, op, since, wait_s}], "activity"?: what it is busy with (absent: nothing)}``; None when the rank has none (not started, or not a torch rank)."""
     try:
         with open(counters_path(run_dir, rank), "rb") as f:
             raw = f.read(FILE_BYTES)
@@ -71,6 +74,7 @@ def read_counters(run_dir: str, rank: int) -> dict[str, Any] | None:
     magic, version, slots, current, wait = HEADER.unpack_from(raw, 0)
     if magic != MAGIC or version != VERSION:
         return None
+    (activity,) = ACTIVITY.unpack_from(raw, HEADER.size)
     try:
         with open(meta_path(run_dir, rank), encoding="utf-8") as f:
             labels = json.load(f).get("slots") or []
@@ -84,4 +88,5 @@ def read_counters(run_dir: str, rank: int) -> dict[str, Any] | None:
                        "size": int(label.get("size") or len(label.get("members") or [])),
                        "entered": entered, "completed": completed,
                        "op": OPS[op] if op < len(OPS) else "?", "since": since, "wait_s": waited})
-    return {"in": current, "wait_s": wait, "groups": groups}
+    doing = ACTIVITIES[activity] if activity < len(ACTIVITIES) else "busy"
+    return {"in": current, "wait_s": wait, "groups": groups, **({"activity": doing} if doing else {})}

@@ -16,6 +16,10 @@ PHASES = ("rendezvous", "groups", "running", "done", "failed")  # in order; done
 UNREADABLE_CHARS = 200  # of a line that is not a record, kept in the record's error
 
 
+NOTICE_CHARS = 1000   # a notice's length at most
+PREFLIGHT_CHARS = 4000   # a pre-flight outcome's
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankStatusRecord:
     """What a rank says about itself at one moment. Its line::
@@ -33,6 +37,8 @@ class RankStatusRecord:
     traceback: tuple[str, ...] = ()       # failed: the traceback's last lines
     wait_s: float | None = None           # since the previous step record: time waiting in collectives
     compute_s: float | None = None        # ... and the rest of that time
+    notice: str | None = None             # something for the job's record (an event): a damaged checkpoint ...
+    preflight: str | None = None          # rank 0's pre-flight outcome, JSON (``runtime.preflight``)
 
     def to_line(self) -> str:
         """The record as one line without its newline (key order and separators are the file format)."""
@@ -44,6 +50,10 @@ class RankStatusRecord:
             doc["wait_s"] = self.wait_s
         if self.compute_s is not None:
             doc["compute_s"] = self.compute_s
+        if self.notice:
+            doc["notice"] = self.notice
+        if self.preflight:
+            doc["preflight"] = self.preflight
         return json.dumps(doc, separators=(",", ":"), default=str)
 
     @classmethod
@@ -62,6 +72,8 @@ class RankStatusRecord:
             step=_step(doc.get("step")), metrics=metrics if isinstance(metrics, dict) else {},
             error=None if error is None else str(error), result=doc.get("result"), traceback=_lines(tb),
             wait_s=as_number(doc.get("wait_s")), compute_s=as_number(doc.get("compute_s")),
+            notice=str(doc["notice"])[:NOTICE_CHARS] if doc.get("notice") else None,
+            preflight=str(doc["preflight"])[:PREFLIGHT_CHARS] if doc.get("preflight") else None,
         )
 
 

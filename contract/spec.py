@@ -69,6 +69,9 @@ class RestartSpec(Section):
     collective_timeout: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
     # seconds a RUNNING job may go without any rank advancing a step before the attempt is declared hung
     hang_timeout: float = Field(DEFAULT_HANG_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
+    # before the first step of each attempt: a few seconds over the job's groups and links (runtime.preflight);
+    # None: on for multi-node jobs
+    preflight: StrictBool | None = None
 
 
 class JobSpec(Section):

@@ -5,7 +5,8 @@ the cause (killed by a signal, else failed with its own error, else the lowest) 
 one whose error only says a peer failed waits up to ``ATTRIBUTION_S`` for that peer's report, so that the reason
 and the node blamed are the cause's, not a consequence's; every rank running makes it RUNNING, every rank exited 0
 aggregates the result and makes it SUCCEEDED. A RUNNING job none of whose ranks changed step or phase
-for ``restart.hang_timeout`` seconds is hung (``check_hangs``); the reason names whom it waits for
+for long enough is hung (``check_hangs``: seconds on the job's own pace when its ranks wait for a peer,
+``coordinator.pace``; at most ``restart.hang_timeout``); the reason names whom it waits for
 (``coordinator.hangs``). An advance the store refused is owed and retried by ``settle``.
 """
 
@@ -76,19 +77,34 @@ class Advancer:
             self._restarts.requeue_when_stopped(job)
             return
         progress = self._book.progress(job)
+        if progress.preflight is not None and not progress.preflight.handled:
+            progress.preflight.handled = True
+            if progress.preflight.exclude:
+                self._preflight_failed(job, progress.preflight.exclude)
+                return
+            self._restarts.together_again(job)
         bad = progress.likely_cause()
         if bad is not None:
             if failure_weight(bad) == PEER_FAILED \
                     and self._clock() - self._held.setdefault(job.id, self._clock()) < ATTRIBUTION_S:
                 return   # held for its cause: a killed peer's report may come next (``check_held``)
             self._held.pop(job.id, None)
-            self._restarts.fail_attempt(job, failure_reason(bad), node=bad.node)
+            self._restarts.fail_attempt(job, failure_reason(bad), node=bad.node, step=bad.step)
             return
         if job.state is S.STARTING and progress.all_running():
             self._book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
             progress.advanced_at = self._clock()
         if job.state is S.RUNNING and progress.all_succeeded():
             self._succeed(job)
+
+    def _preflight_failed(self, job: JobRecord, exclude: list[tuple[int, str]]) -> None:
+        """The attempt's pre-flight found nodes to leave out: each is excluded for this job, and the attempt
+        fails naming them (the restart places the job without them)."""
+        named = [(job.nodes[i], why) for i, why in exclude if i < len(job.nodes)]
+        for node, why in named:
+            self._restarts.exclude(job, node, f"the pre-flight of attempt {job.attempt}: {why}")
+        reason = "pre-flight: " + "; ".join(f"node {node}: {why}; it is excluded from this job" for node, why in named)
+        self._restarts.fail_attempt(job, reason, node=named[0][0] if named else "")
 
     def _succeed(self, job: JobRecord) -> None:
         ranks = self._book.ranks(job.id)
@@ -100,9 +116,10 @@ class Advancer:
         self._restarts.finish(job, S.SUCCEEDED, f"all {job.world_size} ranks exited 0")
 
     def check_hangs(self, loop_lag: float) -> None:
-        """A RUNNING job that has reported steps and none of whose ranks changed step or phase for
-        ``restart.hang_timeout`` seconds is hung; its attempt fails (and restarts if it may) naming what is
-        known. Time the coordinator's own loop was stalled (``loop_lag``) does not count."""
+        """A RUNNING job that has reported steps and none of whose ranks changed step or phase for long
+        enough is hung (``coordinator.pace``: seconds when its ranks wait for a peer, else
+        ``restart.hang_timeout``); its attempt fails (and restarts if it may) naming what is known. Time the
+        coordinator's own loop was stalled (``loop_lag``) does not count."""
         now = self._clock()
         for job in self._book.active():
             if job.state is not S.RUNNING:
@@ -113,13 +130,17 @@ class Advancer:
             timeout = job.spec.restart.hang_timeout
             idle = now - progress.advanced_at
             # armed once a rank reported a step: a script that never reports one cannot be told from a hang
-            if progress.advanced_at and progress.max_step > 0 and idle > timeout:
-                self._restarts.fail_attempt(job, self._hang_reason(job, idle, timeout))
+            if progress.advanced_at and progress.max_step > 0 and progress.pace.hung(idle, timeout):
+                links: list[tuple[str, str]] = []
+                reason = self._hang_reason(job, idle, progress.pace.rule(timeout), links)
+                for a, b in links:
+                    self._restarts.keep_apart(job, a, b)
+                self._restarts.fail_attempt(job, reason, step=progress.min_step)
 
-    def _hang_reason(self, job: JobRecord, idle: float, timeout: float) -> str:
+    def _hang_reason(self, job: JobRecord, idle: float, rule: str, links: list[tuple[str, str]]) -> str:
         """Who the hang waits for (``coordinator.hangs``): stopped or spinning ranks, the groups waiting and
         the members that never entered their operation, from the evidence the daemons sent; else the slowest
         ranks."""
         from rankctl.coordinator.hangs import hang_reason
 
-        return hang_reason(self._book.ranks(job.id), self._book.progress(job).summary(), idle, timeout)
+        return hang_reason(self._book.ranks(job.id), self._book.progress(job).summary(), idle, rule, links)

@@ -220,23 +220,28 @@ def _where(rec: RankRecord | None, ev: Evidence | None, rank: int) -> str:
 BLOCKED_SEEN = '"in":true'   # in a rank's evidence: it waits in a group (a substring test, no parse)
 
 
-def hang_reason(ranks: Mapping[int, RankRecord], summary: Any, idle: float, timeout: float) -> str:
+def hang_reason(ranks: Mapping[int, RankRecord], summary: Any, idle: float, rule: str,
+                links: list[tuple[str, str]] | None = None) -> str:
     """The failure reason of a hung attempt (see the module docstring); ``summary`` is the job's
-    ``JobSummary`` (``min_step``, ``stragglers``)."""
-    parts = [f"hang: no rank advanced for {idle:.0f} s (restart.hang_timeout={timeout:g})"]
+    ``JobSummary`` (``min_step``, ``stragglers``); ``rule``: how it was judged (``Pace.rule``). The node pairs
+    whose link a group's wait points at go on ``links``."""
+    parts = [f"hang: no rank advanced for {idle:.0f} s ({rule})"]
     sent = [r for r in ranks.values() if r.collectives and not r.exited]   # one pass: who sent evidence
     evidence = _Evidences(ranks)
     stopped, roots, lines = _roots(ranks, sent, evidence)
     parts += lines
     waiting, head = _waiting_groups(roots, sent, evidence)
     named: list[int] = list(roots)
-    shown, more = _group_lines(waiting, head, set(roots), evidence, stopped, named)
+    found: list[tuple[str, str]] = []
+    shown, more = _group_lines(waiting, head, set(roots), evidence, stopped, named, ranks, found)
     parts += shown
+    if links is not None:
+        links += found
     if more:
         parts.append(f"{more} more group(s) waiting")
     if not waiting and not roots:
         parts.append("no rank sent collective counters")
-    elif waiting and not shown and not roots:
+    elif waiting and not found and not shown and not roots:
         parts.append(f"{len(waiting)} group(s) waiting, every shown member in them")
     if summary.stragglers:
         parts.append(f"slowest step {summary.min_step} held by {rank_span(summary.stragglers)}"
@@ -292,17 +297,36 @@ def _waiting_groups(roots: list[int], sent: list[RankRecord], evidence: _Evidenc
     return waiting, head
 
 
+def _link(w: Waiting, ranks: Mapping[int, RankRecord]) -> tuple[str, str] | None:
+    """The two nodes of a group every member of which waits inside the same operation (none missing): its
+    ranks on one node wait for those on the other, so the link between them is the likeliest cause."""
+    if len(w.ranks) != w.size or w.size > len(w.members):
+        return None
+    nodes = sorted({rec.node for m in w.members if (rec := ranks.get(m)) is not None})
+    return (nodes[0], nodes[1]) if len(nodes) == 2 else None
+
+
 def _group_lines(waiting: dict[tuple, Waiting], head: set[tuple], roots: set[int], evidence: _Evidences,
-                 stopped: set[int], named: list[int]) -> tuple[list[str], int]:
-    """(the lines shown, how many more groups wait) for the groups some member is missing from; those of a
-    root rank first. The members named go on ``named``."""
+                 stopped: set[int], named: list[int], ranks: Mapping[int, RankRecord],
+                 links: list[tuple[str, str]]) -> tuple[list[str], int]:
+    """(the lines shown, how many more groups wait) for the groups some member is missing from, those of a
+    root rank first, then the groups whose members all wait inside across two nodes (their pairs go on
+    ``links``). The members named go on ``named``."""
     root_lines: list[str] = []   # groups a stopped or spinning rank is missing from (or stopped in)
     other_lines: list[str] = []
+    link_lines: list[str] = []
     more = 0
     for k, w in waiting.items():
         missing, silent = _compare(w, evidence, stopped)
         stopped_in = [r for r in w.ranks if r in stopped]
         if not (missing or silent or stopped_in):
+            pair = _link(w, ranks) if not roots else None
+            if pair is not None and pair not in links:
+                links.append(pair)
+                link_lines.append(f"{primary(w.kind)} group {members_text(w.members, w.size)} waits in {w.op} "
+                                  f"#{w.seq} with every member inside it, on nodes {pair[0]} and {pair[1]}: each "
+                                  f"waits for the other; the link between {pair[0]} and {pair[1]} may be cut or "
+                                  f"failing")
             continue
         lines = root_lines if k in head or roots.intersection(missing, silent, stopped_in) else other_lines
         if len(lines) >= GROUP_LINES:
@@ -314,5 +338,5 @@ def _group_lines(waiting: dict[tuple, Waiting], head: set[tuple], roots: set[int
         lines.append(f"{primary(w.kind)} group {members_text(w.members, w.size)} waits in {w.op} #{w.seq} "
                      f"({span(w.ranks)} {'in it' if w.p2p else 'entered it'}): {', '.join(notes)}")
         named += [r for r in missing + silent if r not in named][:8]
-    shown = (root_lines + other_lines)[:GROUP_LINES]
-    return shown, more + len(root_lines) + len(other_lines) - len(shown)
+    shown = (root_lines + other_lines + link_lines)[:GROUP_LINES]
+    return shown, more + len(root_lines) + len(other_lines) + len(link_lines) - len(shown)

@@ -70,6 +70,9 @@ class NodeTable:
     _names: list[str] | None = field(default=None, repr=False)  # sorted names, rebuilt when a name is added
     draining: dict[str, str] = field(default_factory=dict)             # node -> why (ctl drain)
     excluded: dict[str, dict[str, str]] = field(default_factory=dict)  # job id -> node -> why not placed for it
+    # job id -> node pairs whose link a hang pointed at: not placed together for it while others fit, until a
+    # pre-flight of an attempt on both passes (memory only)
+    apart: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
 
     @classmethod
     def from_records(cls, records: list[NodeRecord], draining: dict[str, str] | None = None,

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from rankctl.coordinator.histogram import Histogram, exponential_bounds
+from rankctl.coordinator.pace import Pace
+from rankctl.coordinator.preflight import Preflight
 from rankctl.coordinator.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
 from rankctl.coordinator.skew import SHOWN, ComputeSkew, SlowRank, pipeline_peers
 from rankctl.kinds import registry
@@ -88,6 +90,7 @@ class JobSummary:
     metrics: dict[str, Any]
     reports: int
     slow: list["SlowRank"] = field(default_factory=list)   # stragglers by compute time, worst first
+    preflight: "Preflight | None" = None                    # the attempt's pre-flight (``coordinator.preflight``)
 
 
 @dataclass
@@ -153,6 +156,8 @@ class JobProgress:
     first_step: int = 1 << 62  # the lowest step a rank first reported in this attempt (> 1 after a resume)
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
     advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
+    pace: Pace = field(default_factory=Pace)   # step intervals and hang evidence (``coordinator.pace``)
+    preflight: Preflight | None = None         # rank 0's pre-flight outcome (``coordinator.preflight``)
     skew: ComputeSkew | None = None   # stragglers by compute time; made at the first compute_s reported
     peers: tuple[int, int, Callable[[int], str]] | None = None  # (stride, pp, node_of): see ``bind``
 
@@ -299,7 +304,7 @@ class JobProgress:
             phases=dict(self.phases), running=self.running, exited=self.exited, failed=len(self.failed),
             min_step=self.min_step, max_step=self.max_step, stragglers=stragglers, failing=failing,
             metrics=dict(self.metrics), reports=self.reports,
-            slow=self.skew.worst() if self.skew is not None else [],
+            slow=self.skew.worst() if self.skew is not None else [], preflight=self.preflight,
         )
 
     def slow_changes(self) -> list[tuple[SlowRank, bool]]:

@@ -16,9 +16,12 @@ from typing import Callable, Sequence
 
 import structlog
 
+from rankctl.contract.preflight import line as preflight_line
+from rankctl.contract.rankstatus import NOTICE_CHARS
 from rankctl.coordinator.convert import update_seconds
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession
+from rankctl.coordinator.preflight import parse as parse_preflight
 from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
 from rankctl.coordinator.skew import SLOW_EVENTS, SlowRank
@@ -89,6 +92,11 @@ class ReportApplier:
         """Fold one report into the rank's record and the job's counters; True when the job may advance."""
         st = update.status
         old = ranks.get(st.rank)
+        notice = getattr(st, "notice", "")   # a wire report's (in-process RankRecords carry none)
+        if notice:  # the rank asked for this on the job's record (a damaged checkpoint step passed over)
+            self._book.event(job, "notice", f"rank {st.rank}: {notice[:NOTICE_CHARS]}")
+        if getattr(st, "preflight", "") and st.rank == 0 and progress.preflight is None:
+            self._preflight(job, progress, st.preflight)
         if old is not None and not update.result_json and (st.phase or old.phase) == old.phase \
                 and st.exited == old.exited and st.exit_code == old.exit_code and st.error in ("", old.error):
             self._next_step(job, progress, old, st)
@@ -102,6 +110,10 @@ class ReportApplier:
                          exit_code=st.exit_code, exited=st.exited, updated_at=update_seconds(st) or self._clock(),
                          result_json=update.result_json or (old.result_json if old else ""), process=st.process)
         progress.advanced_at = self._clock()
+        if new.exited:
+            progress.pace.gone(new.rank)
+        elif new.process != (old.process if old else ""):
+            progress.pace.process(new.rank, new.process)
         if step != (old.step if old else 0):
             progress.step_figures(step, st)
         self._stepped(job, progress, progress.moved(old, new))
@@ -110,6 +122,18 @@ class ReportApplier:
                 job.world_size <= ROUTINE_EVENTS_MAX_WORLD:
             self._book.event(job, "rank", f"rank {new.rank} {'exited' if new.exited else new.phase}", new)
         return True
+
+    def _preflight(self, job: JobRecord, progress: JobProgress, text: str) -> None:
+        """Rank 0's pre-flight outcome: its figures for ``ctl status`` and an event; what it means for the job
+        (nodes excluded, pairs that may go together again) waits in ``progress.preflight`` for the advance
+        (``Advancer.advance_once``)."""
+        found = parse_preflight(text, list(job.nodes))
+        if found is None:
+            return
+        progress.preflight = found
+        excluded = "; ".join(f"node {job.nodes[i]}: {why}" for i, why in found.exclude)
+        self._book.event(job, "preflight", f"pre-flight: {preflight_line(found.figures, found.note)}"
+                                           f"{f'; excludes {excluded}' if excluded else ''}")
 
     def _next_step(self, job: JobRecord, progress: JobProgress, old: RankRecord, st: RankRecord | pb.RankStatus
                    ) -> None:
@@ -122,8 +146,10 @@ class ReportApplier:
             old.updated_at = updated
         if st.process != old.process:  # the daemon saw the process stop or go on (memory only)
             old.process = st.process
+            progress.pace.process(old.rank, st.process)
         if st.collectives or st.stack:  # hang evidence: counters that stopped moving (memory only)
             old.collectives, old.stack = st.collectives, st.stack
+            progress.pace.evidence(old.rank, st.collectives)
         progress.reports += 1
         step = st.step
         if step and step != old.step:
@@ -137,6 +163,7 @@ class ReportApplier:
         a ``straggler`` event for each rank flagged or unflagged by its compute time then."""
         if step is None:
             return
+        progress.pace.step_completed(step, self._clock())
         changes = progress.slow_changes()
         if changes:
             self._straggler_events(job, step, changes)

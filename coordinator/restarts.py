@@ -24,7 +24,7 @@ from rankctl.coordinator.nodes import NodeTable
 from rankctl.coordinator.progress import rank_span
 from rankctl.coordinator.records import JobRecord
 from rankctl.coordinator.restart_decision import (
-    AttemptFacts, Decision, Fail, JobFacts, Requeue, Restart, StopFacts, Wait, decide,
+    AttemptFacts, Decision, Fail, Failure, JobFacts, Requeue, Restart, StopFacts, Wait, decide,
 )
 from rankctl.coordinator.scheduler import Scheduler
 from rankctl.coordinator.states import JobState, is_terminal
@@ -56,19 +56,27 @@ class Restarts:
         # ``allocations``' say over a lost node of an allocation's job (True: it fails the attempt itself, once it
         # knows whether the whole allocation ended); set by the core after both exist
         self.hold_loss: Callable[[JobRecord, str, str], bool] | None = None
+        self._failed: dict[str, tuple[int, str, int | None]] = {}   # job -> (attempt, reason, step) of its last failure
+
 
     # -- failures ---------------------------------------------------------------------------
-    def fail_attempt(self, job: JobRecord, reason: str, *, node: str = "") -> None:
-        """The current attempt failed (``node``: the node it is attributed to, "" when none): restart the job
-        if it may, else fail it with every attempt's reason. A RESTARTING job only re-checks its stop."""
-        self._carry_out(job, self._decide(job, reason), blamed=node)
+    def fail_attempt(self, job: JobRecord, reason: str, *, node: str = "", step: int | None = None) -> None:
+        """The current attempt failed (``node``: the node it is attributed to, "" when none; ``step``: the step
+        it failed at, for a failure that may repeat: a rank's error, a hang): restart the job if it may, else
+        fail it with every attempt's reason; one that fails the same way as the attempt before it ends the job
+        (``restart_decision.same_way``). A RESTARTING job only re-checks its stop."""
+        last = self._failed.get(job.id)
+        previous = (last[1], last[2]) if last is not None and last[0] == job.attempt - 1 else None
+        if job.state is not S.RESTARTING:
+            self._failed[job.id] = (job.attempt, reason, step)
+        self._carry_out(job, self._decide(job, Failure(reason, step, previous)), blamed=node)
 
     def requeue_when_stopped(self, job: JobRecord) -> None:
         """Queue a RESTARTING job's next attempt once every rank of the stopping one is confirmed gone."""
         if job.state is S.RESTARTING:
             self._carry_out(job, self._decide(job))
 
-    def _decide(self, job: JobRecord, failure: str = "") -> Decision:
+    def _decide(self, job: JobRecord, failure: str | Failure = "") -> Decision:
         facts = JobFacts(attempt=job.attempt, restarting=job.state is S.RESTARTING, max_restarts=max_restarts(job))
         if facts.restarting:
             stop = self._stops.begin(job)
@@ -109,11 +117,31 @@ class Restarts:
         """The previous attempt's failure was attributed to ``node`` too: do not place the job there again."""
         if job.attempt < 2 or self._store.attempt_blamed(job.id, job.attempt - 1) != node:
             return
-        why = f"its ranks failed in attempts {job.attempt - 1} and {job.attempt}"
-        self._store.add_exclusion(job.id, node, why, self._clock())
+        self.exclude(job, node, f"its ranks failed in attempts {job.attempt - 1} and {job.attempt}")
+
+    def keep_apart(self, job: JobRecord, a: str, b: str) -> None:
+        """A hang pointed at the link between nodes ``a`` and ``b``: the job's next attempts are not placed on
+        both while other nodes fit, until a pre-flight of an attempt on both passes (``scheduler``)."""
+        self._nodes.apart.setdefault(job.id, set()).add((a, b))
+        self._book.event(job, "node", f"nodes {a} and {b} are not placed together for this job while other nodes "
+                                      f"fit, until a pre-flight between them passes: their link may be cut")
+
+    def together_again(self, job: JobRecord) -> None:
+        """The attempt's pre-flight passed: pairs kept apart for the job that it runs on both of may meet again."""
+        apart = self._nodes.apart.get(job.id)
+        met = {(a, b) for a, b in apart or () if a in job.nodes and b in job.nodes}
+        if met:
+            apart -= met
+            self._book.event(job, "node", "the pre-flight passed between " + ", ".join(f"{a} and {b}" for a, b in
+                                                                                       sorted(met)))
+
+    def exclude(self, job: JobRecord, node: str, why: str) -> None:
+        """Never place ``job`` on ``node`` again (stored; ``ctl undrain NODE`` clears it)."""
+        with self._store.transaction(f"an exclusion of node {node} for job {job.id}"):
+            self._store.add_exclusion(job.id, node, why, self._clock())
+            self._book.event(job, "node", f"node {node} is not placed for this job again: {why} "
+                                          f"(`ctl undrain {node}` clears this)")
         self._nodes.excluded.setdefault(job.id, {})[node] = why
-        self._book.event(job, "node", f"node {node} is not placed for this job again: {why} "
-                                      f"(`ctl undrain {node}` clears this)")
         log.warning("node.excluded", node=node, job=job.id, reason=why)
 
     def _requeue(self, job: JobRecord) -> None:
@@ -132,6 +160,8 @@ class Restarts:
         wait until its ranks are confirmed gone (``stop``; False: they are free at once)."""
         self._book.transition(job, state, reason)
         self._drains.forget(job.id)
+        self._failed.pop(job.id, None)
+        self._nodes.apart.pop(job.id, None)
         self._scheduler.forget(job.id)
         if job.id in self._nodes.excluded:  # an ended job is placed nowhere again
             self._store.clear_exclusions(job_id=job.id)

@@ -136,8 +136,7 @@ class Scheduler:
         if job.pool and (why := self.gathering(job, sum(1 for s in slots if s.free >= job.slots_per_node))):
             return why
         try:
-            names = capacity.place_keeping(self._prev_attempt_nodes(job), job.nodes_needed, job.slots_per_node,
-                                           slots)
+            names = self._place(job, slots)
         except PlacementError as exc:
             if job.allocation is not None:
                 return (f"waiting for the workers of its allocation, {job.allocation.describe()}: "
@@ -150,6 +149,19 @@ class Scheduler:
             return f"waiting for a rendezvous port: node {names[0]} reported no free port that is not in use"
         self._start(job, names, port)
         return None
+
+    def _place(self, job: JobRecord, slots: list[NodeSlots]) -> list[str]:
+        """The job's nodes: against its previous attempt's, never both nodes of a pair kept apart for it (a
+        link a hang pointed at) while the placement fits without the second of them."""
+        prev = self._prev_attempt_nodes(job)
+        apart = {b for _, b in self._nodes.apart.get(job.id, ())}
+        if apart:
+            try:
+                return capacity.place_keeping(prev, job.nodes_needed, job.slots_per_node,
+                                              [s for s in slots if s.name not in apart])
+            except PlacementError:
+                pass  # only together: placed, and the attempt's pre-flight tests their link
+        return capacity.place_keeping(prev, job.nodes_needed, job.slots_per_node, slots)
 
     def _start(self, job: JobRecord, names: list[str], port: int) -> None:
         rendezvous = f"{self._nodes.get(names[0]).record.host}:{port}"

@@ -120,7 +120,7 @@ class Node(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time", "figures")
+    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time", "figures", "notice", "preflight")
     class FiguresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,8 @@ class RankStatus(_message.Message):
     STACK_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     FIGURES_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     phase: str
@@ -160,7 +162,9 @@ class RankStatus(_message.Message):
     stack: str
     update_time: _timestamp_pb2.Timestamp
     figures: _containers.ScalarMap[str, float]
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., figures: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    notice: str
+    preflight: str
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., figures: _Optional[_Mapping[str, float]] = ..., notice: _Optional[str] = ..., preflight: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "job_id", "state", "kind", "message", "rank", "step", "event_time", "metrics")
@@ -192,7 +196,7 @@ class JobEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ..., step: _Optional[int] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobSummary(_message.Message):
-    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "reports", "slow", "metrics")
+    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "reports", "slow", "metrics", "preflight_ms", "preflight_note")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +205,13 @@ class JobSummary(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PreflightMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +229,8 @@ class JobSummary(_message.Message):
     REPORTS_FIELD_NUMBER: _ClassVar[int]
     SLOW_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFLIGHT_NOTE_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.ScalarMap[str, int]
     running: int
     exited: int
@@ -229,7 +242,9 @@ class JobSummary(_message.Message):
     reports: int
     slow: _containers.RepeatedCompositeFieldContainer[SlowRank]
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., reports: _Optional[int] = ..., slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    preflight_ms: _containers.ScalarMap[str, float]
+    preflight_note: str
+    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., reports: _Optional[int] = ..., slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., preflight_ms: _Optional[_Mapping[str, float]] = ..., preflight_note: _Optional[str] = ...) -> None: ...
 
 class SlowRank(_message.Message):
     __slots__ = ("rank", "node", "compute_s", "median_s", "steps")

@@ -17,12 +17,13 @@ other collectives) count once, as the outer operation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch.distributed as dist
 
@@ -131,6 +132,18 @@ class CollectiveCounters:
     @depth.setter
     def depth(self, value: int) -> None:
         self._local.depth = value
+
+    @contextlib.contextmanager
+    def busy(self, activity: str) -> Iterator[None]:
+        """The rank is busy with ``activity`` (``contract.collfiles.ACTIVITIES``: a checkpoint, a restore ...)
+        until the block ends: a peer waiting for it meanwhile is no hang until ``restart.hang_timeout``."""
+        index = C.ACTIVITIES.index(activity) if activity in C.ACTIVITIES else C.ACTIVITIES.index("busy")
+        (before,) = C.ACTIVITY.unpack_from(self._buf, C.HEADER.size)
+        C.ACTIVITY.pack_into(self._buf, C.HEADER.size, index)
+        try:
+            yield
+        finally:
+            C.ACTIVITY.pack_into(self._buf, C.HEADER.size, before)
 
     def close(self) -> None:
         self._buf.close()

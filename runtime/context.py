@@ -12,9 +12,10 @@ Making the context pins gloo and NCCL to the node's advertised address (``runtim
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -159,6 +160,17 @@ class RankContext:
             self._losses.append({"step": int(step), "loss": float(loss)})
         self._step, self._metrics = int(step), values
         self.status.write("running", step=int(step), metrics=values)
+
+    def notice(self, text: str) -> None:
+        """Put ``text`` on the job's record: one job event (``ctl events``), e.g. a damaged checkpoint step."""
+        self.status.write("running", notice=text)
+
+    def busy(self, activity: str = "busy") -> ContextManager[None]:
+        """``with ctx.busy("checkpoint"):`` marks a stretch in which peers may wait for this rank without
+        it being hung (a save, a restore, a long read): the adaptive hang judgement leaves it alone and only
+        ``restart.hang_timeout`` applies (``runtime.collectives.CollectiveCounters.busy``)."""
+        counters = getattr(self.status, "counters", None)
+        return counters.busy(activity) if counters is not None else contextlib.nullcontext()
 
     def reported(self) -> dict[str, Any]:
         """This rank's result from its reports (``kinds.python.results``)."""

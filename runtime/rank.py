@@ -16,6 +16,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -27,6 +28,7 @@ from rankctl.contract.logrecords import RECORD_MARK
 from rankctl.kinds import registry
 from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.context import RankContext, set_current
+from rankctl.runtime.preflight import EXCLUDE_GRACE_S, PreflightFailed, preflight_on
 from rankctl.runtime.rendezvous import is_collective_timeout, victim_line
 from rankctl.runtime.status import StatusWriter
 from rankctl.contract.logformat import record_logger
@@ -37,6 +39,24 @@ TRACEBACK_LINES = 30
 
 
 JobFn = Callable[[RankContext], "dict[str, Any] | None"]
+
+
+def _preflight(ctx: RankContext, status: StatusWriter, log: Any) -> None:
+    """``runtime.preflight`` before the first step; rank 0 reports its outcome. A node to exclude: the
+    coordinator ends the attempt; the ranks wait for that, then fail themselves."""
+    from rankctl.runtime import preflight
+
+    with ctx.busy("preflight"):
+        t0 = time.perf_counter()
+        outcome = preflight.run(ctx)
+        log.info("preflight", seconds=round(time.perf_counter() - t0, 3), kinds_ms=outcome.to_json())
+        if ctx.rank == 0:
+            status.write("groups", preflight=outcome.to_json())
+        if outcome.exclude:
+            why = "; ".join(f"job node #{i}: {w}" for i, w in sorted(outcome.exclude.items()))
+            log.warning("preflight excludes", nodes=why)
+            time.sleep(EXCLUDE_GRACE_S)
+            raise PreflightFailed(f"pre-flight: {why}")
 
 
 def resolve_kind(name: str) -> JobFn:
@@ -107,6 +127,8 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
             ctx.init_default_group()
             status.write(phase := "groups")
             log.info("groups", backend=ctx.backend, device=str(ctx.device), groups=len(ctx.groups.distinct()))
+            if preflight_on(spec):
+                _preflight(ctx, status, log)
         status.write(phase := "running")
         set_current(ctx)
         result = job(ctx) or {}

@@ -37,6 +37,8 @@ class StatusWriter:
         error: str | None = None,
         result: dict[str, Any] | None = None,
         traceback: Sequence[str] = (),
+        notice: str | None = None,
+        preflight: str | None = None,
     ) -> RankStatusRecord:
         """Append one record and flush it; returns the record."""
         if phase not in PHASES:
@@ -51,7 +53,7 @@ class StatusWriter:
             self._since = (now, waited)
         record = RankStatusRecord(rank=self.rank, phase=phase, ts=now, step=step, metrics=dict(metrics or {}),
                                   error=error, result=result, traceback=tuple(traceback), wait_s=wait_s,
-                                  compute_s=compute_s)
+                                  compute_s=compute_s, notice=notice, preflight=preflight)
         self._file.write(record.to_line() + "\n")
         self._file.flush()
         return record

@@ -152,6 +152,21 @@ class _StatusReader:
 _READER = _StatusReader()
 
 
+EVENTS = """
+import json, sys
+from rankctl.cli.client import Client
+with Client(sys.argv[1]) as c:
+    print(json.dumps([[ev.kind, ev.message] for ev in c.watch(sys.argv[2])]))
+"""
+
+
+def events(address: str, job: str) -> list[tuple[str, str]]:
+    """The job's events so far, (kind, message), through WatchJob in a subprocess (no gRPC in the test process)."""
+    out = subprocess.run([sys.executable, "-c", EVENTS, address, job], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [(k, m) for k, m in json.loads(out.stdout)]
+
+
 def status(address: str, job: str) -> dict:
     """What ``ctl status JOB --json`` says (``ctl_status``), read cheaply: for polls."""
     return _READER.query(address, job)

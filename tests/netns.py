@@ -104,6 +104,32 @@ class NetnsCluster:
     def heal(self, name: str) -> None:
         _ip("link", "set", self.link[name], "up")
 
+    def slow_down(self, name: str, ms: int) -> str:
+        """Make what the node sends slow (its end of the veth): ``ms`` of delay with ``tc netem``; where the
+        kernel has no netem (``sch_netem`` missing: "Specified qdisc kind is unknown"), a ``tc tbf`` rate at
+        which a 128 KiB message takes ``ms``. Returns which, for the test's output."""
+        tc = ["ip", "netns", "exec", self.ns[name], "tc", "qdisc", "replace", "dev", "eth0", "root"]
+        if subprocess.run([*tc, "netem", "delay", f"{ms}ms"], capture_output=True).returncode == 0:
+            return f"{ms} ms of delay (tc netem)"
+        kbit = 128 * 8 * 1024 * 1000 // ms // 1000
+        subprocess.run([*tc, "tbf", "rate", f"{kbit}kbit", "burst", "16kbit", "latency", "5s"], check=True,
+                       capture_output=True)
+        return f"a rate of {kbit} kbit/s, 128 KiB in {ms} ms (tc tbf: this kernel has no netem)"
+
+    def cut(self, a: str, b: str) -> None:
+        """Cut the link between nodes ``a`` and ``b`` only (blackhole routes both ways; the coordinator and the
+        other nodes still reach both; nothing is closed)."""
+        for here, there in ((a, b), (b, a)):
+            _ip("route", "add", "blackhole", f"{self.addr[there]}/32", ns=self.ns[here])
+
+    def mend(self, a: str, b: str) -> None:
+        for here, there in ((a, b), (b, a)):
+            _ip("route", "del", "blackhole", f"{self.addr[there]}/32", ns=self.ns[here], check=False)
+
+    def undelay(self, name: str) -> None:
+        subprocess.run(["ip", "netns", "exec", self.ns[name], "tc", "qdisc", "del", "dev", "eth0", "root"],
+                       check=False, capture_output=True)
+
     def stop(self) -> None:
         for w in self.workers.values():
             try:

@@ -1,6 +1,8 @@
-"""A small run of ``bench/scale.py`` (64 simulated daemons, the real coordinator, the real protocol).
+"""Small runs of ``bench/scale.py`` (simulated daemons, the real coordinator, the real protocol).
 
-Guards the benchmark and the batched protocol end to end; it checks counts, never times.
+64 daemons guard the benchmark and the batched protocol end to end (counts, never times); a ``--fault`` run of
+4 and 8 daemons guards the recovery bench: a killed node, a restart on a spare, every figure measured (that each
+exists, is positive and in order; never how large).
 """
 
 from __future__ import annotations
@@ -26,3 +28,21 @@ def test_64_simulated_nodes_store_every_step_and_none_is_lost() -> None:
     assert fields["steps_stored"] == "3/3" and fields["lost"] == "0", final
     assert re.search(r"job\s*:\s*SUCCEEDED \(all 512 ranks exited 0\)", out.stdout), out.stdout[-2000:]
     assert float(fields["assign_s"]) >= 0 and float(fields["cpu_us_per_rank_step"]) > 0, final
+
+
+def test_a_killed_simulated_node_restarts_the_job_on_a_spare_and_every_recovery_figure_is_measured() -> None:
+    out = subprocess.run([sys.executable, str(BENCH), "--fault", "--nodes", "8", "--small-nodes", "4", "--slots", "2",
+                          "--spares", "2", "--step-rate", "4", "--recovery-timeout", "30"],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("fault nodes=")]
+    assert len(lines) == 2, out.stdout[-3000:]
+    for line, nodes in zip(lines, ("4", "8")):
+        fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+        assert fields["nodes"] == nodes and fields["lost"] == "1", line
+        assert int(fields["attempt"]) == 2 and int(fields["step"]) >= 1, line
+        for key in ("a_s", "b_s", "c_s", "coord_b_s", "coord_c_s"):
+            assert float(fields[key]) > 0, (key, line)  # nan (never measured) fails too
+        assert float(fields["a_s"]) <= float(fields["b_s"]) <= float(fields["c_s"]), line
+    assert re.search(r"^\(c\) first step of attempt 2 stored\s+[\d.]+\s+[\d.]+\s+[\d.]+x$", out.stdout, re.M), \
+        out.stdout[-2000:]

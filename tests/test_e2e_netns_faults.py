@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ctl, highest_step, rank_pid, rank_pids, status, stepping, wait_for, wait_state
+from cluster import ctl, events, highest_step, rank_pid, rank_pids, status, stepping, wait_for, wait_state
 from test_e2e_restart import HEARTBEAT_TIMEOUT, JOB, losses
 
 pytestmark = pytest.mark.timeout(900)
@@ -148,6 +148,72 @@ def test_a_killed_rank_process_restarts_the_job(nets, reference: dict, tmp_path:
     assert "exited with code -9" in done["attempts"][0]["reason"] or "killed" in done["attempts"][0]["reason"], \
         done["attempts"]
     wait_for(lambda: not rank_pids(job), 30, "every rank of both attempts to exit")
+
+
+def test_a_node_with_a_slow_link_is_found_by_the_pre_flight_and_the_job_runs_on_the_spare(
+        nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001 - a NetnsCluster
+    """200 ms of delay on one job node's link (``tc netem`` in its namespace; where the kernel lacks netem, a
+    ``tc tbf`` rate at which the pre-flight's 128 KiB message takes 200 ms), added as soon as the job is
+    placed: the pre-flight (on by default: two nodes) finds that node's messages slow, the coordinator
+    excludes it for the job and ends attempt 1 naming it; attempt 2 runs on the spare and the losses equal the
+    uninterrupted run's. ``ctl status`` shows the pre-flight's figures per group kind."""
+    job = submit(nets, tmp_path, "slow-link", 2)
+    placed = wait_for(lambda: (s := status(nets.address, job))["nodes"] and s, 60, "the job placed")
+    victim = placed["nodes"][1]
+    how = nets.slow_down(victim, 200)
+    try:
+        done = finish(nets, job)
+    finally:
+        nets.undelay(victim)
+    first = done["attempts"][0]["reason"]
+    print(f"\n{victim}'s link slowed by {how}: attempt 1 ended: {first}")
+    assert first.startswith(f"pre-flight: node {victim}: its link is slow: messages from it take "), first
+    slow_ms = int(re.search(r"take (\d+) ms one way", first).group(1))
+    assert slow_ms >= 150, first
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
+    assert victim not in done["nodes"], done["nodes"]
+    assert [s for s, _ in losses(done)] == list(range(1, 41))
+    for (step, ours), (_, theirs) in zip(losses(done), losses(reference)):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs), (step, ours, theirs)
+    shown = ctl(nets.address, "status", job)
+    line = next((ln for ln in shown.stdout.split("\n") if ln.startswith("pre-flight: ")), "")
+    print(f"ctl status of attempt 2: {line}")
+    kinds = re.match(r"pre-flight: all-reduce ((?:\w+ \d+\.\d\d ms(?:, )?)+); links \d+\.\d\d ms one way", line)
+    assert kinds and {"tp", "dp"} <= {k.split()[0] for k in kinds.group(1).split(", ")}, shown.stdout
+    said = [m for k, m in events(nets.address, job) if k == "preflight"]
+    assert len(said) == 2 and f"excludes node {victim}: its link is slow" in said[0], said
+    wait_for(lambda: not rank_pids(job), 60, "every rank of both attempts to exit")
+
+
+def test_a_cut_link_between_two_nodes_is_named_and_the_restart_keeps_them_apart(
+        nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001 - a NetnsCluster
+    """The link between the job's two nodes cut (both still reach the coordinator): every rank waits inside its
+    data-parallel all-reduce for the other node; the hang is named within seconds with the node pair and the
+    group, attempt 2 is not placed on that pair (the spare takes one side) and the losses equal the
+    uninterrupted run's."""
+    job = submit(nets, tmp_path, "cut-link", 2)
+    st = running_past(nets, job, 5)
+    a, b = st["nodes"]
+    t0 = time.monotonic()
+    nets.cut(a, b)
+    try:
+        ended = wait_for(lambda: (s := status(nets.address, job))["attempts"] and s["attempts"][0].get("reason") and s,
+                         120, "attempt 1 to end")
+        detected = time.monotonic() - t0
+        reason = ended["attempts"][0]["reason"]
+        print(f"\nlink {a}-{b} cut: attempt 1 ended after {detected:.1f} s: {reason[:700]}")
+        assert reason.startswith("hang: no rank advanced for"), reason
+        assert re.search(rf"\w+ group \[[\d, ]+\] waits in \w+ #\d+ with every member inside it, on nodes {a} and "
+                         rf"{b}: each waits for the other; the link between {a} and {b} may be cut or failing", reason)
+        done = finish(nets, job)
+    finally:
+        nets.mend(a, b)
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
+    assert not {a, b} <= set(done["nodes"]), done["nodes"]
+    for (step, ours), (_, theirs) in zip(losses(done), losses(reference)):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs), (step, ours, theirs)
+    print(f"attempt 2 ran on {', '.join(done['nodes'])}; losses equal the uninterrupted run's")
+    wait_for(lambda: not rank_pids(job), 60, "every rank of both attempts to exit")
 
 
 HANG_TIMEOUT = 15

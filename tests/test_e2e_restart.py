@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from cluster import ProcCluster, alive, ctl, highest_step, rank_pids, status, stepping, wait_for
+from cluster import ProcCluster, alive, ctl, events, highest_step, rank_pids, status, stepping, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 HEARTBEAT_TIMEOUT = 3.0
@@ -116,6 +116,54 @@ def test_a_killed_daemon_is_replaced_by_a_spare_and_the_losses_equal_an_uninterr
             assert False, f"rank process {pid} of {job} is still alive"
 
 
+def complete_steps(c: ProcCluster, name: str, world: int) -> list[int]:
+    """Checkpoint steps of job name ``name`` some node (its own files or the copies it keeps for a peer) holds
+    every rank's marker of."""
+    dirs = [d for n in c.workers for d in (c.root / n / "checkpoints" / name, c.root / n / "replicas" / name)]
+    steps = {int(p.name[5:]) for d in dirs for p in d.glob("step-*")}
+    return sorted(s for s in steps if all(any((d / f"step-{s:08d}" / f"rank-{r:05d}.done").exists() for d in dirs)
+                                          for r in range(world)))
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_and_the_job_resumes_from_the_one_before(
+        three: ProcCluster, reference: dict, tmp_path: Path) -> None:
+    """The newest checkpoint step's shards overwritten with garbage on every node (their own and the copies
+    kept for a peer; the done-markers kept), then a node SIGKILLed: attempt 2 verifies each shard against the
+    SHA-256 its marker recorded, passes over the damaged step with an event naming it, resumes from the step
+    before and succeeds with the uninterrupted run's losses."""
+    job = submit(three, tmp_path, "damaged", 2)
+    st = stepping(three.root, job, 4, 12)
+    victim = st["nodes"][1]
+    copies = three.root / st["nodes"][0] / "replicas" / "damaged"
+    wait_for(lambda: any(all((d / f"rank-{r:05d}.done").exists() for r in (2, 3)) for d in copies.glob("step-*")),
+             60, "a checkpoint of the victim's ranks replicated to its peer")
+    pids = rank_pids(job)
+    for pid in pids:  # frozen for a moment, so that no newer step completes while the newest is damaged
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        newest = complete_steps(three, "damaged", 4)[-1]
+        shards = [p for n in three.workers for d in ("checkpoints", "replicas")
+                  for p in (three.root / n / d / "damaged" / f"step-{newest:08d}").glob("rank-*.pt")]
+        for p in shards:
+            p.write_bytes(os.urandom(p.stat().st_size))
+        assert len(shards) >= 4, shards
+    finally:
+        with killed(three, victim):
+            for pid in pids:
+                if alive(pid):
+                    os.kill(pid, signal.SIGCONT)
+            done = three.wait_state(job, {"SUCCEEDED", "FAILED"}, 300)
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
+    assert done["result"]["resumed_from"] == newest - 5, (done["result"]["resumed_from"], newest)
+    assert_same_losses(done, reference)
+    notices = [m for k, m in events(three.address, job) if k == "notice"]
+    notice = re.search(rf"rank 0: checkpoint step {newest} is damaged on ranks [\d, ]+ \((.+?)\); passed over",
+                       "\n".join(notices))
+    assert notice and "SHA-256" in notice.group(1), notices
+    print(f"\ncheckpoint step {newest} damaged on every node ({len(shards)} shards) and {victim} SIGKILLed: "
+          f"attempt 2 passed it over ({notice.group(0)[:160]}...), resumed from step {newest - 5}, losses equal")
+
+
 def test_in_memory_snapshots_survive_a_killed_node_on_its_peer(three: ProcCluster, reference: dict,
                                                               tmp_path: Path) -> None:
     """No checkpoint at all (checkpoint_every 0), a snapshot every 2 steps in the nodes' memory, copied to the
@@ -206,18 +254,18 @@ def test_cancel_after_a_restart_leaves_no_rank_of_any_attempt(three: ProcCluster
     wait_for(lambda: not rank_pids(job), 30, "every rank of every attempt to exit")
 
 
-HANG_TIMEOUT = 10
-HUNG = f"""
-name: hung
+HUNG = """
+name: {name}
 kind: train
-resources: {{nodes: 2, slots_per_node: 2}}
-parallel: {{tp: 2, pp: 2}}
-restart: {{max_restarts: 1, hang_timeout: {HANG_TIMEOUT}}}
+resources: {{nodes: {nodes}, slots_per_node: {slots}}}
+parallel: {{tp: {tp}, pp: {pp}}}
+restart: {{max_restarts: 1}}
 model: {{layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 256}}
-train: {{steps: 120, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 5, checkpoint_every: 20,
+train: {{steps: 40, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed: 5, checkpoint_every: 10,
         data: builtin:pydoc}}
 """
 VICTIM = 3  # the last pipeline stage's second tp rank: its tp peer is rank 2, its pp peer rank 1
+WITHIN_S = 10.0  # issue 28: a stopped rank is named within this (printed; the rule is asserted, not the clock)
 
 
 def rank_of(pid: int) -> int:
@@ -225,28 +273,43 @@ def rank_of(pid: int) -> int:
     return int(re.search(r"rank-(\d+)\.log", os.readlink(f"/proc/{pid}/fd/1")).group(1))
 
 
-def test_a_stopped_rank_is_named_with_the_group_it_was_due_in_and_the_job_restarts(
+def hung_job(c: ProcCluster, tmp: Path, name: str, nodes: int, slots: int, tp: int, pp: int) -> str:
+    path = tmp / f"{name}.yaml"
+    path.write_text(HUNG.format(name=name, nodes=nodes, slots=slots, tp=tp, pp=pp))
+    return c.submit(str(path))
+
+
+def test_a_pause_is_no_hang_and_a_stopped_rank_is_named_in_seconds_without_a_hang_timeout(
         three: ProcCluster, tmp_path: Path) -> None:
-    """SIGSTOP of one rank of a tp2·pp2 job: the daemons send the counters and stacks of the ranks whose
-    collectives stopped moving; after ``hang_timeout`` the reason names the stopped rank, the group
-    it was due in (its tp or pp group where a peer waits, or a combined group whose collective it stopped
-    inside) and where it was last seen; the attempt is
-    stopped (the stopped rank included) and the job succeeds on attempt 2."""
-    (tmp_path / "hung.yaml").write_text(HUNG)
-    job = three.submit(str(tmp_path / "hung.yaml"))
-    wait_for(lambda: (s := status(three.address, job))["state"] == "RUNNING" and s["summary"]["min_step"] >= 3,
+    """A tp2·pp2 job whose file sets no ``hang_timeout`` (300 s by default): one rank SIGSTOPped for 3 s and
+    continued is no hang (attempt 1 goes on); stopped for good, it is named within seconds by the job's own
+    pace (``coordinator.pace``), with the group it was due in and where it was last seen; the job succeeds on
+    attempt 2 with the losses of an uninterrupted run of the same layout."""
+    uninterrupted = hung_job(three, tmp_path, "hung-reference", 2, 2, 2, 2)
+    job = hung_job(three, tmp_path, "hung", 2, 2, 2, 2)   # queued until the reference is done
+    wait_for(lambda: (s := status(three.address, job))["state"] == "RUNNING" and s["summary"]["min_step"] >= 6,
              240, "the job running")
     pids = {rank_of(p): p for p in rank_pids(job)}
     assert sorted(pids) == [0, 1, 2, 3], pids
+    os.kill(pids[VICTIM], signal.SIGSTOP)
+    time.sleep(3.0)
+    os.kill(pids[VICTIM], signal.SIGCONT)
+    at = status(three.address, job)["summary"]["min_step"]
+    went_on = wait_for(lambda: (s := status(three.address, job))["summary"]["min_step"] >= at + 5 and s, 120,
+                       "attempt 1 going on after the pause")
+    assert went_on["attempt"] == 1 and not went_on["attempts"][0].get("reason"), went_on["attempts"]
+
     t0 = time.monotonic()
     os.kill(pids[VICTIM], signal.SIGSTOP)
     ended = wait_for(lambda: (s := status(three.address, job))["attempts"] and s["attempts"][0].get("reason") and s,
-                     HANG_TIMEOUT + 120, "attempt 1 to end")
+                     120, "attempt 1 to end")
     detected = time.monotonic() - t0
     reason = ended["attempts"][0]["reason"]
-    print(f"\nrank {VICTIM} SIGSTOPped; attempt 1 ended after {detected:.1f} s (hang_timeout {HANG_TIMEOUT} s)"
-          f"\nreason: {reason}")
-    assert reason.startswith("hang: no rank advanced for"), reason
+    print(f"\nrank {VICTIM} SIGSTOPped for 3 s: no hang; SIGSTOPped for good: attempt 1 ended after "
+          f"{detected:.1f} s (issue 28: within {WITHIN_S:g} s; no hang_timeout in the job file)\nreason: {reason}")
+    judged = re.search(r"judged after (\d+) s from the job's pace", reason)
+    assert reason.startswith("hang: no rank advanced for") and judged and int(judged.group(1)) < WITHIN_S, reason
+    assert "restart.hang_timeout=300" in reason, reason
     assert f"rank {VICTIM} stopped (SIGSTOP or a debugger) on node-" in reason, reason
     # the group it was due in, where a peer waits for it: its tp group [2, 3], its pp group [1, 3], or a combined
     # one it belongs to when the stop lands in that group's collective (CI saw "mp group [0, 1, 2, 3] waits in
@@ -261,4 +324,60 @@ def test_a_stopped_rank_is_named_with_the_group_it_was_due_in_and_the_job_restar
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
     assert [(a["attempt"], a["state"]) for a in done["attempts"]][0] == (1, "RESTARTING"), done["attempts"]
     wait_for(lambda: not any(alive(p) for p in pids.values()), 30, "every rank of attempt 1 to exit")
-    print(f"attempt 2 resumed from step {done['result'].get('resumed_from')} and succeeded")
+    ref = three.wait_state(uninterrupted, {"SUCCEEDED", "FAILED", "CANCELLED"}, 400)
+    assert ref["state"] == "SUCCEEDED", ref["reason"]
+    ours, theirs = losses(done), losses(ref)
+    assert [s for s, _ in ours] == [s for s, _ in theirs] == list(range(1, 41))
+    bad = [(s, a, b) for (s, a), (_, b) in zip(ours, theirs) if abs(a - b) > 1e-5 * abs(b)]
+    assert not bad, f"steps whose loss differs from the uninterrupted run (step, ours, theirs): {bad}"
+    print(f"attempt 2 resumed from step {done['result'].get('resumed_from')}; 40 losses equal the uninterrupted run's")
+
+
+SLEEPER = """
+import time
+import torch
+import torch.distributed as dist
+import rankctl
+
+ctx = rankctl.context()
+world = ctx.group("world")
+for step in range(1, 41):
+    if ctx.rank == 1 and step == 8:
+        time.sleep(60)                       # inside step 8, while the others wait in its all-reduce
+    x = torch.ones(4) * step
+    dist.all_reduce(x, group=world)
+    time.sleep(0.05)
+    ctx.report(step, loss=float(x[0]))
+"""
+SLEEPY = """
+name: sleepy
+kind: python
+resources: {{nodes: 2, slots_per_node: 2}}
+backend: gloo
+restart: {{max_restarts: 0}}
+python: {{entrypoint: sleeper.py, workdir: {workdir}}}
+"""
+
+
+def test_a_python_rank_that_sleeps_inside_a_step_is_named_in_seconds(three: ProcCluster, tmp_path: Path) -> None:
+    """A python job whose rank 1 sleeps 60 s inside step 8 while the others wait in its all-reduce: named
+    (rank, group, operation) within seconds, with no hang_timeout in the job file."""
+    work = tmp_path / "sleepy"
+    work.mkdir()
+    (work / "sleeper.py").write_text(SLEEPER)
+    (tmp_path / "sleepy.yaml").write_text(SLEEPY.format(workdir=work))
+    job = three.submit(str(tmp_path / "sleepy.yaml"))
+    wait_for(lambda: status(three.address, job)["summary"]["max_step"] >= 7, 120, "step 7 reported")
+    t0 = time.monotonic()
+    done = three.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 120)
+    detected = time.monotonic() - t0
+    reason = done["reason"]
+    print(f"\npython rank 1 asleep in step 8: job ended {detected:.1f} s after step 7 was seen\nreason: {reason}")
+    assert done["state"] == "FAILED" and reason.startswith("hang: no rank advanced for"), reason
+    judged = re.search(r"judged after (\d+) s from the job's pace", reason)
+    assert judged and int(judged.group(1)) < WITHIN_S, reason
+    assert "rank 1 in no collective while no rank advanced (process running)" in reason, reason
+    assert re.search(r"\w+ group \[0, 1, 2, 3\] waits in all_reduce #8 \(ranks 0, 2-3 entered it\): "
+                     r"rank 1 never entered it", reason), reason
+    assert "sleeper.py" in reason, reason   # its stack: where it sleeps
+    wait_for(lambda: not rank_pids(job), 30, "every rank to exit")

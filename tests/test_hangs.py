@@ -5,6 +5,7 @@ coordinator's reason built from it (``coordinator.hangs``), on constructed evide
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -70,7 +71,7 @@ def test_a_stopped_rank_is_named_with_the_pipeline_and_tensor_groups_that_wait_f
         2: rec(2, counters(2, tp_n=(21, 20), pp_n=(10, 10), blocked="tp")),
         3: rec(3, counters(3, tp_n=(20, 20), pp_n=(10, 10)), process="stopped"),
     }
-    reason = hang_reason(ranks, SUMMARY, 21.4, 20)
+    reason = hang_reason(ranks, SUMMARY, 21.4, "restart.hang_timeout=20")
     print(reason)
     assert reason.startswith("hang: no rank advanced for 21 s (restart.hang_timeout=20); "
                              "rank 3 stopped (SIGSTOP or a debugger) on node-1; ")
@@ -93,7 +94,7 @@ def test_a_rank_spinning_outside_any_collective_is_named() -> None:
                                                                 "    busy (user.py:3)\n    main (user.py:9)"),
         3: rec(3, counters(3, tp_n=(5, 4), pp_n=(3, 3), blocked="tp")),
     }
-    reason = hang_reason(ranks, SimpleNamespace(min_step=3, stragglers=[2]), 30, 20)
+    reason = hang_reason(ranks, SimpleNamespace(min_step=3, stragglers=[2]), 30, "restart.hang_timeout=20")
     print(reason)
     assert "rank 2 in no collective while no rank advanced (process running)" in reason
     assert "tp group [2, 3] waits in all_reduce #5 (rank 3 entered it): rank 2 never entered it" in reason
@@ -110,7 +111,7 @@ def test_a_tp_all_reduce_one_rank_never_entered_because_it_waits_elsewhere() -> 
         2: rec(2, counters(2, tp_n=(6, 6), pp_n=(2, 2), mp_n=(3, 2), blocked="mp")),
         3: rec(3, counters(3, tp_n=(6, 6), pp_n=(2, 2), mp_n=(3, 2), blocked="mp")),
     }
-    reason = hang_reason(ranks, SUMMARY, 25, 20)
+    reason = hang_reason(ranks, SUMMARY, 25, "restart.hang_timeout=20")
     print(reason)
     assert "tp group [0, 1] waits in all_reduce #7 (rank 0 entered it): rank 1 never entered it" in reason
     assert "mp group [0, 1, 2, 3] waits in barrier #3 (ranks 1-3 entered it): rank 0 never entered it" in reason
@@ -125,7 +126,7 @@ def test_a_rank_stopped_inside_the_collective_and_ranks_without_evidence() -> No
         3: rec(3, counters(3, tp_n=(21, 20), pp_n=(3, 3), blocked="tp"), process="stopped",
                stack="stopped, no stack (py-spy is not installed)"),
     }
-    reason = hang_reason(ranks, SUMMARY, 22, 20)
+    reason = hang_reason(ranks, SUMMARY, 22, "restart.hang_timeout=20")
     print(reason)
     assert "tp group [2, 3] waits in all_reduce #21 (ranks 2-3 entered it): rank 3 stopped inside it" in reason
     assert "pp group [1, 3] waits in batch_isend_irecv #4 (rank 1 in it): rank 3 not in it" in reason
@@ -140,7 +141,7 @@ def test_a_rank_stopped_inside_an_earlier_operation_never_entered_the_one_its_pe
         2: rec(2, counters(2, tp_n=(21, 20), pp_n=(4, 4), blocked="tp")),
         3: rec(3, counters(3, tp_n=(20, 19), pp_n=(3, 3), blocked="tp"), process="stopped"),
     }
-    reason = hang_reason(ranks, SUMMARY, 22, 20)
+    reason = hang_reason(ranks, SUMMARY, 22, "restart.hang_timeout=20")
     print(reason)
     assert "tp group [2, 3] waits in all_reduce #21 (rank 2 entered it): rank 3 never entered it" in reason
     assert "stopped inside it" not in reason
@@ -151,13 +152,13 @@ def test_a_rank_stopped_inside_an_earlier_operation_never_entered_the_one_its_pe
 def test_without_evidence_the_reason_is_what_the_coordinator_knows() -> None:
     ranks = {r: RankRecord(rank=r, node=f"n{r // 2}", phase="running", step=1 if r != 2 else 0,
                            process="stopped" if r == 2 else "") for r in range(4)}
-    reason = hang_reason(ranks, SimpleNamespace(min_step=0, stragglers=[2]), 21, 20)
+    reason = hang_reason(ranks, SimpleNamespace(min_step=0, stragglers=[2]), 21, "restart.hang_timeout=20")
     assert reason == ("hang: no rank advanced for 21 s (restart.hang_timeout=20); rank 2 stopped (SIGSTOP or a "
                       "debugger) on n1; slowest step 0 held by rank 2; rank 2 last seen on n1: phase running, step 0, "
                       "process stopped (SIGSTOP or a debugger), no counters reported; stack: none"), reason
     # evidence withdrawn (the rank moved again after its stall was sent) counts as none
     ranks = {r: RankRecord(rank=r, node="n0", phase="running", step=1, collectives=MOVED_JSON) for r in range(4)}
-    reason = hang_reason(ranks, SimpleNamespace(min_step=1, stragglers=[]), 21, 20)
+    reason = hang_reason(ranks, SimpleNamespace(min_step=1, stragglers=[]), 21, "restart.hang_timeout=20")
     assert reason.endswith("; no rank sent collective counters; every rank at step 1"), reason
 
 
@@ -174,12 +175,29 @@ def test_the_reason_stays_bounded_for_a_large_job() -> None:
             {"kind": "dp", "members": list(range(r % size, world, size)), "size": world // size, "entered": 50,
              "completed": 50, "op": "all_reduce", "since": 1.0, "wait_s": 1.0}]}
         ranks[r] = rec(r, c, process="stopped" if r == 5000 else "")
-    reason = hang_reason(ranks, SimpleNamespace(min_step=12, stragglers=[]), 40, 30)
+    reason = hang_reason(ranks, SimpleNamespace(min_step=12, stragglers=[]), 40, "restart.hang_timeout=30")
     print(reason)
     assert len(reason) <= REASON_CHARS
     assert "rank 5000 stopped" in reason
     assert ("tp group [5000, 5001, 5002, 5003, 5004, 5005, 5006, 5007] waits in all_reduce #100 "
             "(ranks 5001-5007 entered it): rank 5000 never entered it") in reason
+
+
+def test_every_member_waiting_inside_across_two_nodes_points_at_their_link() -> None:
+    """A link cut between node-0 and node-1: every rank entered the mp all-reduce #5 and waits inside it;
+    nobody is missing, stopped or spinning, so the two nodes wait for each other: the pair is named (and handed
+    back, for the restart to keep them apart)."""
+    ranks = {r: rec(r, counters(r, tp_n=(9, 9), pp_n=(4, 4), mp_n=(5, 4), blocked="mp", op={"mp": "all_reduce"}))
+             for r in range(4)}
+    links: list[tuple[str, str]] = []
+    reason = hang_reason(ranks, SUMMARY, 7, "judged on its pace", links)
+    assert links == [("node-0", "node-1")], reason
+    assert ("mp group [0, 1, 2, 3] waits in all_reduce #5 with every member inside it, on nodes node-0 and node-1: "
+            "each waits for the other; the link between node-0 and node-1 may be cut or failing") in reason, reason
+    assert "every shown member in them" not in reason
+    one_node = {r: dataclasses.replace(ranks[r], node="node-0") for r in range(4)}
+    links = []
+    assert "may be cut" not in hang_reason(one_node, SUMMARY, 7, "x", links) and links == []   # no link to blame
 
 
 def test_compact_stack_reads_py_spy_and_faulthandler() -> None:
@@ -211,8 +229,38 @@ def test_hang_watch_reports_a_stall_once_and_its_end_once() -> None:
     assert w.observe(3, b"b") == ""
     now[0] = 48.0
     assert w.observe(3, b"b") == STALLED
-    assert hangwatch.stall_after(20) == 10.0
-    assert hangwatch.stall_after(None) == hangwatch.STALL_MAX_S
+    assert hangwatch.stall_cap(20) == 10.0
+    assert hangwatch.stall_cap(None) == hangwatch.STALL_MAX_S
+
+
+def test_hang_watch_adapts_its_stall_time_to_the_rank_once_it_stepped() -> None:
+    now = [0.0]
+    w = HangWatch(30.0, clock=lambda: now[0])
+    w.observe(0, b"a")
+    assert w.stall_after(0) == 30.0                       # before its first step: the cap
+    w.touch(0, stepped=True)
+    for i in range(10):                                   # collectives every 0.5 s
+        now[0] += 0.5
+        assert w.observe(0, bytes([i])) == ""
+    assert w.stall_after(0) == hangwatch.STALL_FLOOR_S    # 3 x 0.5 s is under the floor
+    now[0] += 1.9
+    assert w.observe(0, bytes([9])) == ""                 # still 1.9 s: not yet
+    now[0] += 0.2
+    assert w.observe(0, bytes([9])) == STALLED            # still 2.1 s: stalled
+    now[0] += 1.0
+    assert w.observe(0, b"z") == MOVED                    # a reported stall is no usual stretch:
+    assert w.stall_after(0) == hangwatch.STALL_FLOOR_S    # the pause did not raise the stall time
+    w2 = HangWatch(30.0, clock=lambda: now[0])            # a rank whose stretches are 8 s of compute
+    w2.observe(1, b"a")
+    w2.touch(1, stepped=True)
+    for i in range(5):
+        now[0] += 8.0
+        w2.touch(1, stepped=True)
+    assert w2.stall_after(1) == 24.0
+    now[0] += 20.0
+    assert w2.observe(1, b"a") == ""
+    now[0] += 5.0
+    assert w2.observe(1, b"a") == STALLED
 
 
 def test_evidence_is_bounded_and_puts_the_waited_group_first() -> None:

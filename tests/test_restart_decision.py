@@ -73,3 +73,25 @@ def test_results_are_frozen_values() -> None:
         assert dataclasses.is_dataclass(result) and result == dataclasses.replace(result)
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(result, "x", 1)
+
+
+def test_an_attempt_that_fails_the_same_way_at_the_same_step_ends_the_job() -> None:
+    from rankctl.coordinator.restart_decision import Failure, same_way
+
+    boom = "rank 0 on node n1 exited with code 1: _pickle.UnpicklingError: invalid load key, 'x'."
+    again = boom.replace("node n1", "node n2")            # the same error after a restart on a spare
+    assert same_way((boom, 0), (again, 0))
+    assert not same_way((boom, 0), (again, 40))           # another step
+    assert not same_way((boom, None), (again, None))      # no step known (e.g. a lost node): never
+    assert not same_way((boom, 3), (boom.replace("code 1", "code 2"), 3))
+    assert not same_way(("node n1 lost (heartbeat timeout); rank 1 is gone", 3), ("node n1 lost", 3))
+    assert same_way(("hang: no rank advanced for 7 s (...)", 12), ("hang: no rank advanced for 9 s (x)", 12))
+    assert not same_way(("hang: no rank advanced for 7 s", 12), (boom, 12))
+
+    first = decide(running(1, 3), [], None, 0.0, Failure(boom, 0))
+    assert isinstance(first, Restart)
+    second = decide(running(2, 3), [AttemptFacts(1, boom)], None, 0.0, Failure(again, 0, (boom, 0)))
+    assert isinstance(second, Fail) and second.reason.startswith(
+        "attempt 2 failed the same way as attempt 1, at step 0; not restarting it again: rank 0 on node n2"), second
+    other_step = decide(running(2, 3), [AttemptFacts(1, boom)], None, 0.0, Failure(again, 7, (boom, 0)))
+    assert isinstance(other_step, Restart)

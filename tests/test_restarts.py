@@ -150,3 +150,28 @@ def test_a_job_whose_ranks_stop_advancing_is_hung_and_restarts_naming_the_stoppe
     assert job.state is S.RESTARTING, job.reason
     assert "hang: no rank advanced for 21 s (restart.hang_timeout=20)" in job.reason
     assert "rank 2 stopped (SIGSTOP or a debugger) on n1" in job.reason and "slowest step 0 held by rank 2" in job.reason
+
+
+def test_a_pair_whose_link_a_hang_pointed_at_is_kept_apart_until_a_pre_flight_passes_on_both(world: World) -> None:
+    """After a hang named the link between n0 and n1, the next attempt goes to n0 and the spare n2; when only
+    n0 and n1 fit it is placed on both (its pre-flight tests them), and a pre-flight that passes on both lets
+    them meet again."""
+    for n in ("n0", "n1", "n2"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(3))
+    assert job.nodes == ["n0", "n1"]
+    world.core._restarts.keep_apart(job, "n0", "n1")
+    world.report(job.id, 3, "failed", code=1, error="RuntimeError: boom")
+    for r in (0, 1, 2):
+        world.report(job.id, r, "exited", code=-15, node=job.nodes[r // 2])
+    assert job.attempt == 2 and job.nodes == ["n0", "n2"], job.nodes
+    world.core.disconnect(world.nodes["n2"].session)                # only n0 and n1 left: together after all
+    exit_all(world, job, "n0")
+    assert job.attempt == 3 and sorted(job.nodes) == ["n0", "n1"], (job.attempt, job.nodes)
+    assert world.core.nodes.apart[job.id] == {("n0", "n1")}
+    progress = world.core.book.progress(job)
+    from rankctl.coordinator.preflight import Preflight
+
+    progress.preflight = Preflight(figures={"tp": 0.1})             # rank 0's pre-flight: nothing excluded
+    world.report(job.id, 0, "running")
+    assert world.core.nodes.apart[job.id] == set()

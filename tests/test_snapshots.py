@@ -13,7 +13,7 @@ import pytest
 import torch
 from rankctl.contract import checkpoints as layout
 from rankctl.kinds.train import checkpoint as ckpt
-from rankctl.kinds.train.train_state import agree_resume_step, holding_root
+from rankctl.kinds.train.resume import agree_resume_step, holding_root, intact_root
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.replicas import SNAPSHOTS, PeerServicer, Replicator, ShardStore, restore
 
@@ -95,6 +95,37 @@ def test_a_restart_takes_only_its_own_jobs_files(tmp_path) -> None:
     assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-mine") == 4
     assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-other") is None
     assert agree_resume_step([ckpts, snaps], 0, 1, identity) == 6    # train.resume: any run of this identity
+
+
+def test_a_damaged_step_is_passed_over_for_the_newest_intact_one(tmp_path) -> None:
+    """Every shard's SHA-256 and size are in its marker; a resume checks the step it would take and passes over
+    a truncated, overwritten or missing shard (every rank does, naming the step), taking the next older one;
+    a snapshot copy of a step whose checkpoint copy is damaged still serves."""
+    identity = {"seed": 1}
+    fp = ckpt.fingerprint(identity)
+    ckpts, snaps = str(tmp_path / "c"), str(tmp_path / "s")
+    for step in (5, 10, 15):
+        save(ckpts, step, 0, fp)
+    marker = layout.read_marker(ckpts, 15, 0)
+    assert len(marker["sha256"]) == 64 and marker["bytes"] == os.path.getsize(layout.rank_file(ckpts, 15, 0))
+    assert layout.damage(ckpts, 15, 0) == ""
+    with open(layout.rank_file(ckpts, 15, 0), "r+b") as f:   # overwritten with garbage, same size
+        f.write(b"\x00garbage" * 8)
+    with open(layout.rank_file(ckpts, 10, 0), "r+b") as f:   # truncated
+        f.truncate(100)
+    skipped: list[str] = []
+    assert agree_resume_step([ckpts, snaps], 0, 1, identity, skipped=skipped) == 5
+    assert skipped[0].startswith("checkpoint step 15 is damaged on rank 0 (") and "SHA-256" in skipped[0]
+    assert skipped[1].startswith("checkpoint step 10 is damaged on rank 0 (") and "holds 100 bytes" in skipped[1]
+    assert ckpt.load_rank(ckpts, 5, 0)["x"].tolist() == [5.0] * 4
+    save(snaps, 15, 0, fp)                                    # the same step intact in the other root
+    assert agree_resume_step([ckpts, snaps], 0, 1, identity, skipped=(skipped := [])) == 15 and not skipped
+    assert intact_root([ckpts, snaps], 15, 0, fp) == snaps
+    os.remove(layout.rank_file(ckpts, 5, 0))
+    os.remove(layout.rank_file(snaps, 15, 0))
+    with pytest.raises(RuntimeError, match="no intact checkpoint step to resume from: checkpoint step 15"):
+        agree_resume_step([ckpts, snaps], 0, 1, identity)
+    assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-1") is None  # starts over
 
 
 def test_snapshots_reach_the_peers_memory_and_a_replacement_node_fetches_them(tmp_path, shm) -> None:

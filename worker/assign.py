@@ -154,7 +154,7 @@ class Admission:
         return RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
                         alive=set(ranks),  # counted alive from the launch on; exits remove them
                         tailer=StatusTailer(str(run_dir)), job_name=name, replica_peer=msg.replica_peer,
-                        hangs=HangWatch(hangwatch.stall_after(spec.restart.hang_timeout if spec else None)),
+                        hangs=HangWatch(hangwatch.stall_cap(spec.restart.hang_timeout if spec else None)),
                         workdir_blob=workdir)
 
     def _refuse(self, msg: pb.Assign, why: str) -> None:

@@ -1,14 +1,19 @@
 """Hang evidence on the node: which live rank's collective counters stopped moving, and its stack.
 
 The daemon looks at each running rank's counter file (``contract.collfiles``, written by
-``runtime.collectives``) once a second (``HangWatch.observe``: one read of a 1.2 KB file, compared
-byte for byte). A rank whose counters, step and phase have not moved for ``stall_after(spec)``
-seconds (``min(restart.hang_timeout / 2, 30 s)``) is *stalled*: the daemon sends ONE report for it
-with ``RankStatus.collectives`` (``evidence_json``: its groups, counts, the operation it waits in)
-and ``RankStatus.stack`` (``stack_of``: ``py-spy dump --nonblocking``, which also reads a stopped
-process, or the rank's faulthandler answer to SIGUSR1). When the rank moves again, one report with
-``MOVED_JSON`` withdraws the evidence; a new stall sends a new one. The coordinator compares the
-evidence of a job's ranks when it declares the job hung (``coordinator.hangs``).
+``runtime.collectives``) twice a second (``HangWatch.observe``: one read of a 1.2 KB file, compared
+byte for byte). A rank whose counters, step and phase have not moved for its stall time is *stalled*:
+the daemon sends ONE report for it with ``RankStatus.collectives`` (``evidence_json``: its groups, counts,
+the operation it waits in, what it is busy with) and ``RankStatus.stack`` (``stack_of``: ``py-spy dump
+--nonblocking``, which also reads a stopped process, or the rank's faulthandler answer to SIGUSR1). When
+the rank moves again, one report with ``MOVED_JSON`` withdraws the evidence; a new stall sends a new one.
+The coordinator judges a job hung from that evidence (``coordinator.pace``, ``coordinator.hangs``).
+
+The stall time adapts to the rank (``HangWatch.stall_after``): ``STALL_FACTOR`` times the median of its
+recent still stretches that ended (between two movements, once it reported a step), at least
+``STALL_FLOOR_S``; at most, and before its first step, ``stall_cap(restart.hang_timeout)``
+(``min(hang_timeout / 2, 30 s)``). A rank whose collectives come every few milliseconds sends its
+evidence after ~2 s; one whose steps are minutes of computation between collectives, on that scale.
 """
 
 from __future__ import annotations
@@ -20,15 +25,20 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rankctl.contract import collfiles
 from rankctl.contract.spec import DEFAULT_HANG_TIMEOUT_S
 
 STALL_MAX_S = 30.0          # a rank still for this long is stalled, whatever the hang timeout
+STALL_FLOOR_S = 2.0         # ... and one still for less never is
+STALL_FACTOR = 3.0          # times the median of its recent still stretches
+STILL_WINDOW = 32           # still stretches remembered per rank
 EVIDENCE_CHARS = 4096       # RankStatus.collectives at most
 STACK_CHARS = 4096          # RankStatus.stack at most
 MEMBERS_SHOWN = 64          # members of the group a rank waits in (its other groups: MEMBERS_OTHER)
@@ -39,9 +49,9 @@ MOVED_JSON = '{"moved":true}'  # the rank moved again: the evidence sent for its
 STALLED, MOVED = "stalled", "moved"
 
 
-def stall_after(hang_timeout: float | None) -> float:
-    """Seconds without movement after which a rank's evidence is sent: min(restart.hang_timeout / 2, 30)
-    (its default when the job has no spec here)."""
+def stall_cap(hang_timeout: float | None) -> float:
+    """The longest a rank is still before its evidence is sent (and the stall time before its first step):
+    min(restart.hang_timeout / 2, 30) (its default when the job has no spec here)."""
     timeout = DEFAULT_HANG_TIMEOUT_S if hang_timeout is None else hang_timeout
     return max(0.5, min(timeout / 2, STALL_MAX_S))
 
@@ -60,21 +70,38 @@ class _Rank:
     signature: bytes | None
     moved_at: float
     reported_at: float | None = None  # when its stall was reported (None: not stalled, or moved since)
+    stepped: bool = False             # it reported a step: its still stretches count from then
+    stills: deque = field(default_factory=lambda: deque(maxlen=STILL_WINDOW))
 
 
 class HangWatch:
-    """Per attempt on this node: when each rank last moved, and whether its stall was reported."""
+    """Per attempt on this node: when each rank last moved, how long it is usually still, and whether its
+    stall was reported. ``cap``: ``stall_cap(restart.hang_timeout)``."""
 
-    def __init__(self, stall_after_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.stall_after = stall_after_s
+    def __init__(self, cap: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cap = cap
         self._clock = clock
         self._ranks: dict[int, _Rank] = {}
 
-    def touch(self, rank: int) -> None:
-        """The rank wrote a status record (a step or a phase): it moved."""
+    def stall_after(self, rank: int) -> float:
+        """Seconds without movement after which ``rank`` is stalled (the module docstring)."""
+        r = self._ranks.get(rank)
+        if r is None or not r.stepped:
+            return self.cap
+        usual = statistics.median(r.stills) if r.stills else 0.0
+        return min(self.cap, max(STALL_FLOOR_S, STALL_FACTOR * usual))
+
+    def _moved(self, r: _Rank, now: float) -> None:
+        if r.stepped and r.reported_at is None:   # a stall that was reported is no usual stretch
+            r.stills.append(now - r.moved_at)
+        r.moved_at = now
+
+    def touch(self, rank: int, stepped: bool = False) -> None:
+        """The rank wrote a status record (a step, ``stepped``, or a phase): it moved."""
         r = self._ranks.get(rank)
         if r is not None:
-            r.moved_at = self._clock()
+            self._moved(r, self._clock())
+            r.stepped = r.stepped or stepped
 
     def observe(self, rank: int, sig: bytes | None) -> str:
         """One look at ``rank``'s counters: STALLED once per stall, MOVED once after a reported stall, else ""."""
@@ -84,13 +111,14 @@ class HangWatch:
             self._ranks[rank] = _Rank(sig, now)
             return ""
         if sig != r.signature:
-            r.signature, r.moved_at = sig, now
+            r.signature = sig
+            self._moved(r, now)
         if r.reported_at is not None:
             if r.moved_at > r.reported_at:
                 r.reported_at = None
                 return MOVED
             return ""
-        if now - r.moved_at >= self.stall_after:
+        if now - r.moved_at >= self.stall_after(rank):
             r.reported_at = now
             return STALLED
         return ""
@@ -110,13 +138,15 @@ class HangWatch:
 
 # -- the evidence ----------------------------------------------------------------------------
 def evidence_json(counters: dict[str, Any] | None, still_s: float, limit: int = EVIDENCE_CHARS) -> str:
-    """A rank's counters as compact JSON, at most ``limit`` characters: ``{"still_s", "wait_s", "groups":
-    [{kind, members, size, entered, completed, op, since, in}]}``; the group it waits in comes first."""
+    """A rank's counters as compact JSON, at most ``limit`` characters: ``{"still_s", "wait_s", "activity"?,
+    "groups": [{kind, members, size, entered, completed, op, since, in}]}``; the group it waits in comes first."""
     doc: dict[str, Any] = {"still_s": round(still_s, 1), "groups": []}
     if counters is None:
         doc["counters"] = False  # no counter file: not a torch rank, or not yet started
         return json.dumps(doc, separators=(",", ":"))
     doc["wait_s"] = round(float(counters.get("wait_s") or 0.0), 3)
+    if counters.get("activity"):
+        doc["activity"] = str(counters["activity"])[:KIND_CHARS]   # busy (a checkpoint ...): no hang yet
     current = counters.get("in", -1)
     groups = []
     for i, g in enumerate(counters.get("groups") or []):

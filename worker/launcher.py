@@ -23,7 +23,7 @@ Protocol: one JSON object per line, commands on stdin, events on stdout::
 ``exit_code`` is the rank's exit status, or null when a signal ended it (``signal`` names
 it) or the fork never happened (``error`` says why). Closing stdin is a ``shutdown``.
 
-Hardware facts never initialise CUDA (NVML-based device count, ``nvidia-smi`` for names):
+Hardware facts never initialise CUDA (NVML-based device count, NVML for names and memory):
 a process that has initialised CUDA cannot fork ranks that use it.
 """
 
@@ -36,6 +36,7 @@ import sys
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
+from rankctl.contract.gpuhealth import NvmlLoader, load_nvml, text  # noqa: E402  (pynvml only when asked)
 from rankctl.worker.launcher_client import Launcher, LauncherError  # noqa: E402  (no torch)
 from rankctl.worker.shm import SHM_MODES  # noqa: E402
 
@@ -50,20 +51,30 @@ def _memory_bytes() -> int:
     return 0
 
 
-def _nvidia_smi_gpus() -> list[dict]:
-    import subprocess
-
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+def _nvml_gpus(nvml_loader: NvmlLoader = load_nvml) -> list[dict]:
+    """Each GPU's NVML index, name and total memory; [] where NVML cannot say (no pynvml, driver or GPU)."""
+    nv, _ = nvml_loader()
+    if nv is None:
         return []
+    from pynvml import NVMLError
+
     gpus = []
-    for line in out.strip().splitlines():
-        index, name, mib = (p.strip() for p in line.split(","))
-        gpus.append({"index": int(index), "name": name, "memory_bytes": int(float(mib)) * 2**20})
+    try:
+        for i in range(nv.nvmlDeviceGetCount()):
+            handle = nv.nvmlDeviceGetHandleByIndex(i)
+            gpus.append({"index": i, "name": text(nv.nvmlDeviceGetName(handle)),
+                         "memory_bytes": int(nv.nvmlDeviceGetMemoryInfo(handle).total)})
+    except NVMLError:
+        return []
+    return gpus
+
+
+def _gpus(gpu_count: int, nvml_loader: NvmlLoader = load_nvml) -> list[dict]:
+    """The ``gpu_count`` GPUs torch sees, named where NVML agrees; only indexes where it does not or where
+    ``CUDA_VISIBLE_DEVICES`` masks some (NVML numbers ignore the mask)."""
+    gpus = _nvml_gpus(nvml_loader) if gpu_count else []
+    if len(gpus) != gpu_count or "CUDA_VISIBLE_DEVICES" in os.environ:
+        gpus = [{"index": i} for i in range(gpu_count)]
     return gpus
 
 
@@ -77,9 +88,7 @@ def hardware_facts() -> dict:
     # forked from this process initialise CUDA themselves (device_count() asks NVML first anyway)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    gpus = _nvidia_smi_gpus() if gpu_count else []
-    if len(gpus) != gpu_count or "CUDA_VISIBLE_DEVICES" in os.environ:
-        gpus = [{"index": i} for i in range(gpu_count)]  # nvidia-smi numbers ignore the mask
+    gpus = _gpus(gpu_count)
     return {
         "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count() or 1,

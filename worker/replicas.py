@@ -10,7 +10,7 @@ keeps checkpoints under ``{state}/replicas/{job name}`` and snapshots in its own
 step that arrives drops the rank's newer steps there (they belong to an earlier run or attempt).
 When a node replaces a lost one, its Assign names a ``restore_peer`` that holds those ranks' files
 (the lost node's peer, or a node that ran them before), and the daemon fetches, of each area, the
-newest step complete for all of its ranks into its own roots before they start; they then resume
+newest step complete and intact (checksums) for all of its ranks into its own roots before they start; they then resume
 (a restart's ranks agree on the newest step every rank holds in either root). A node without
 them starts over.
 
@@ -90,7 +90,9 @@ class ShardStore:
         return os.path.join(self.state_dir, "replicas", name)
 
     def newest(self, name: str, ranks: list[int], area: str = "") -> tuple[int, dict[int, str]] | None:
-        """The newest step complete for every rank in either root, and the root of each rank's files."""
+        """The newest step complete and intact for every rank in either root (each shard matches the checksum
+        its marker recorded: ``contract.checkpoints.damage``; a damaged step is passed over for an older one),
+        and the root of each rank's files. Reads the shards it checks: call it off the event loop."""
         roots = (self.own_root(name, area), self.replica_root(name, area))
         steps = set()
         for root in roots:
@@ -98,7 +100,8 @@ class ShardStore:
         for step in sorted(steps, reverse=True):
             where = {}
             for r in ranks:
-                root = next((rt for rt in roots if layout.read_marker(rt, step, r) is not None), None)
+                root = next((rt for rt in roots if layout.read_marker(rt, step, r) is not None
+                             and not layout.damage(rt, step, r)), None)
                 if root is None:
                     break
                 where[r] = root

@@ -48,6 +48,10 @@ def to_wire(rec: RankStatusRecord, node: str) -> tuple[pb.RankStatus, str]:
         status.compute_s = rec.compute_s
     if rec.wait_s is not None:
         status.wait_s = rec.wait_s
+    if rec.notice:
+        status.notice = rec.notice
+    if rec.preflight:
+        status.preflight = rec.preflight
     return status, json.dumps(rec.result) if rec.result is not None else ""
 
 

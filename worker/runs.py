@@ -23,7 +23,7 @@ from rankctl.worker.runstate import RunState
 from rankctl.worker.tasks import Background
 from rankctl.worker.watch import ProcessWatch
 
-WATCH_EVERY = 10              # poll turns between two looks at the ranks' process states
+WATCH_EVERY = 5               # poll turns between two looks at the ranks' process states (0.5 s)
 REPLICATE_EVERY = 2           # poll turns between two looks for new checkpoint or snapshot steps to push
 CONTINUE_AFTER_S = 0.5        # a cancelled job's stopped ranks are continued this long after the kill
 
@@ -94,14 +94,14 @@ class Runs:
         previous = run.phase.get(status.rank)
         run.phase[status.rank] = status.phase
         if run.hangs is not None:
-            run.hangs.touch(status.rank)
+            run.hangs.touch(status.rank, stepped=status.step > 0)
         # a rank's first step is where the coordinator learns the attempt's first step (after a resume, too):
         # it is never replaced by the next one
         first_step = status.step > 0 and status.rank not in run.stepped
         if status.step > 0:
             run.stepped.add(status.rank)
         step_only = (status.phase == previous == "running" and not status.error and not result_json
-                     and not first_step)
+                     and not status.notice and not first_step)
         self._outbox.report(run.job_id, run.attempt, status, result_json, step_only=step_only)
 
     # -- the launcher's events ---------------------------------------------------------------

@@ -11,18 +11,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rankctl.proto import rankctl_pb2 as pb
+from rankctl.contract.gpuhealth import load_nvml
 
 _IDLE_FIELDS = (3, 4)  # /proc/stat's cpu line: user nice system idle iowait irq softirq steal ...; idle, iowait
 
 
 def _load_nvml() -> Any | None:
-    """pynvml, initialised, or None (not installed, no driver, no GPU)."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return pynvml if pynvml.nvmlDeviceGetCount() > 0 else None
-    except Exception:  # noqa: BLE001 - ImportError, NVMLError (no driver, no device): no GPU figures
-        return None
+    """pynvml, initialised, or None (not installed, no driver, no GPU): ``gpuhealth.load_nvml``'s module."""
+    return load_nvml()[0]
 
 
 class UsageSampler:

@@ -3,7 +3,7 @@
 Layout on disk::
 
     {root}/step-{s:08d}/rank-{r:05d}.pt     this rank's shard, optimizer, RNG, step, layout
-    {root}/step-{s:08d}/rank-{r:05d}.done   JSON {step, rank, fingerprint, identity}, after the .pt
+    {root}/step-{s:08d}/rank-{r:05d}.done   JSON {step, rank, fingerprint, identity, sha256, bytes}, after the .pt
 
 Both are written to a temporary name and ``os.replace``d, so a reader never sees a torn
 file. In-memory snapshots (``train.snapshot_every``) are the same files under
@@ -100,25 +100,30 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 
 class _Recorder:
-    """A file whose ``write`` keeps the OSError it raised: torch.save turns it into a RuntimeError
-    ("unexpected pos"), which would hide a full filesystem (ENOSPC)."""
+    """A file whose ``write`` keeps the OSError it raised (torch.save turns it into a RuntimeError,
+    "unexpected pos", which would hide a full filesystem: ENOSPC), and the SHA-256 and size of what it wrote."""
 
     def __init__(self, f: Any) -> None:
         self.f, self.error = f, None
+        self.digest, self.size = hashlib.sha256(), 0
 
     def write(self, data: Any) -> int:
         try:
-            return self.f.write(data)
+            n = self.f.write(data)
         except OSError as exc:
             self.error = exc
             raise
+        self.digest.update(data)
+        self.size += memoryview(data).nbytes
+        return n
 
     def flush(self) -> None:
         self.f.flush()
 
 
-def _atomic_write(path: str, write: Any) -> None:
-    """``write(f)`` to a temporary name renamed over ``path``; the temporary file goes when it fails."""
+def _atomic_write(path: str, write: Any) -> _Recorder:
+    """``write(f)`` to a temporary name renamed over ``path``; the temporary file goes when it fails.
+    Returns what was written (its SHA-256 and size)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -136,16 +141,19 @@ def _atomic_write(path: str, write: Any) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return out
 
 
 def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
               identity: dict[str, Any] | None = None, job_id: str | None = None) -> str:
-    """Write this rank's state for ``step`` and then its done-marker (``fp``, ``identity`` and the
-    writing job's id); returns the .pt path."""
+    """Write this rank's state for ``step`` and then its done-marker (``fp``, ``identity``, the writing job's
+    id, and the shard's SHA-256 and size, which a restore verifies: ``contract.checkpoints.damage``);
+    returns the .pt path."""
     os.makedirs(step_dir(root, step), exist_ok=True)
     path = rank_file(root, step, rank)
-    _atomic_write(path, lambda f: torch.save(state, f))
-    fields = {"step": step, "rank": rank, "fingerprint": fp, "identity": identity}
+    written = _atomic_write(path, lambda f: torch.save(state, f))
+    fields = {"step": step, "rank": rank, "fingerprint": fp, "identity": identity,
+              "sha256": written.digest.hexdigest(), "bytes": written.size}
     if job_id is not None:
         fields["job_id"] = job_id
     marker = json.dumps(fields).encode()

@@ -246,7 +246,8 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
 def run(ctx: RankContext) -> dict[str, Any]:
     """The ``train`` job kind."""
     t = setup(ctx)
-    restore_or_reset(t, restart=ctx.assignment.restart)  # the coordinator's restart of the same job
+    with ctx.busy("restore"):
+        restore_or_reset(t, restart=ctx.assignment.restart)  # the coordinator's restart of the same job
     try:
         return train(t)
     finally:

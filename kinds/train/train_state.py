@@ -11,10 +11,10 @@ Data are a pure function of (seed, step, i), so params + optimizer + step (+ RNG
 resumed run needs to reproduce the uninterrupted run's later losses.
 
 Resume (``train.resume: true``, or a restart of the same job: ``restore_or_reset(restart=True)``;
-never inferred from attempt numbers, which count from 1 for every job): every rank lists the
-steps its own marker says it finished with the same fingerprint (``identity_of``), the lists
-are all-gathered over the world, and the latest step common to all is loaded; checkpoints of
-a different identity are refused with the fields that differ. A fresh run with checkpointing
+never inferred from attempt numbers, which count from 1 for every job): the newest step every rank
+holds intact with the same fingerprint (``identity_of``) is loaded (``kinds.train.resume``: damaged
+steps are passed over, each named by an event); checkpoints of a different identity are refused with
+the fields that differ. A fresh run with checkpointing
 on first deletes this rank's files under the job name, so shards of an earlier run of the same
 name can never be mixed with new ones (without checkpointing, this happens before the run's first
 checkpoint on request, if any).
@@ -55,6 +55,7 @@ import torch.distributed as dist
 from rankctl.contract.names import job_name_problem
 from rankctl.contract.rankfiles import control_path, read_control
 from rankctl.kinds.train import checkpoint as ckpt
+from rankctl.kinds.train.resume import agree_resume_step, intact_root
 
 from rankctl.kinds.train.trainer import Trainer, TrainState
 
@@ -234,14 +235,16 @@ def save_after_step(t: Trainer, step: int, snapshots: Snapshots, requests: Check
     (``train.checkpoint_every``, or asked for by the daemon) and a snapshot copy."""
     asked = requests.due(step)
     if asked is not None or (t.cfg.checkpoint_every > 0 and step % t.cfg.checkpoint_every == 0):
-        path = save_checkpoint(t, step)
+        with t.ctx.busy("checkpoint"):  # peers may wait for this write: no hang until restart.hang_timeout
+            path = save_checkpoint(t, step)
         if asked is not None:
             requests.saved()
             t.ctx.log.info("checkpoint", step=step, path=path, requested_at=asked)
         else:
             t.ctx.log.info("checkpoint", step=step, path=path)
     if snapshots.due(step):
-        snapshots.take(t, step)
+        with t.ctx.busy("snapshot"):
+            snapshots.take(t, step)
 
 
 @torch.no_grad()
@@ -256,62 +259,6 @@ def load_state(t: Trainer, state: dict[str, Any]) -> None:
                          val_losses=list(state["history"]["val_losses"]), resumed_from=state["step"])
 
 
-def _held(root: str, rank: int, fp: str, job_id: str | None) -> set[int]:
-    """Steps of ``root`` this rank finished with fingerprint ``fp`` (and written by ``job_id``, if given)."""
-    out = set()
-    for step in ckpt.list_steps(root):
-        m = ckpt.read_marker(root, step, rank)
-        if m is not None and m.get("fingerprint") == fp and (job_id is None or m.get("job_id") == job_id):
-            out.add(step)
-    return out
-
-
-def refusal(root: str, saved: dict[str, Any] | None, identity: dict[str, Any]) -> str:
-    """One line: why the checkpoints under ``root`` cannot be resumed by this job."""
-    diffs = ckpt.differences(saved, identity) if saved else []
-    what = "; ".join(diffs) if diffs else "a different world size, layout, model, seed or data"
-    hint = "resume with the same settings, or submit with train.resume: false to start afresh"
-    if not diffs or any(d.startswith(("world_size", "parallel.")) for d in diffs):
-        hint += " (checkpoint.export_full_state_dict re-slices a checkpoint for another layout)"
-    return f"cannot resume from {root}: its checkpoints were written by another run ({what}); {hint}"
-
-
-def agree_resume_step(roots: str | Sequence[str], rank: int, world_size: int, identity: dict[str, Any], *,
-                      restart: bool = False, job_id: str | None = None) -> int | None:
-    """The latest step every rank has finished with this ``identity`` in any of ``roots`` (checkpoints,
-    snapshots; one world collective), only files ``job_id`` wrote when it is given. None when there is
-    no file at all, or (``restart``) when no step is held by every rank (a replacement node has none:
-    the attempt starts over); RuntimeError naming what differs otherwise."""
-    roots = [roots] if isinstance(roots, str) else list(roots)
-    fp = ckpt.fingerprint(identity)
-    held: set[int] = set()
-    marked: list[tuple[int, str]] = []  # (step, root) of every marker of this rank, any identity
-    for root in roots:
-        held |= _held(root, rank, fp, job_id)
-        marked += [(s, root) for s in ckpt.complete_for(root, [rank])]
-    newest = max(marked, default=None)
-    saved = (ckpt.read_marker(newest[1], newest[0], rank) or {}).get("identity") if newest else None
-    mine = (sorted(held), bool(marked), saved, newest[1] if newest else roots[0])
-    views = [mine]
-    if world_size > 1:
-        views = [None] * world_size
-        dist.all_gather_object(views, mine)
-    common = set.intersection(*(set(v[0]) for v in views))
-    if common:
-        return max(common)
-    if restart:
-        return None
-    if any(v[1] for v in views):
-        saved, where = next(((v[2], v[3]) for v in views if v[2] is not None), (None, roots[0]))
-        raise RuntimeError(refusal(where, saved, identity))
-    return None
-
-
-def holding_root(roots: Sequence[str], step: int, rank: int, fp: str) -> str:
-    """The first of ``roots`` whose marker of (``step``, ``rank``) has ``fp``: a checkpoint before a snapshot."""
-    return next(r for r in roots if (ckpt.read_marker(r, step, rank) or {}).get("fingerprint") == fp)
-
-
 def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
     """Load the newest step every rank holds (checkpoint or snapshot) when resuming; clear stale
     files on a fresh run.
@@ -324,9 +271,15 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
     if cfg.resume or restart:
         own = restart and not cfg.resume  # the job's own files only
         identity = identity_of(t)
-        step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own, job_id=a.job_id if own else None)
+        skipped: list[str] = []
+        step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own, job_id=a.job_id if own else None,
+                                 skipped=skipped)
+        for line in skipped:
+            t.ctx.log.warning("checkpoint passed over", detail=line)
+            if a.rank == 0:  # one job event per damaged step (rank 0 knows every rank's findings)
+                t.ctx.notice(line)
         if step is not None:
-            root = holding_root(roots, step, a.rank, ckpt.fingerprint(identity))
+            root = intact_root(roots, step, a.rank, ckpt.fingerprint(identity)) or roots[0]
             load_state(t, ckpt.load_rank(root, step, a.rank))
             t.ctx.log.info("resumed", step=step, root=root, snapshot=root == roots[1], restart=restart)
         elif restart:
