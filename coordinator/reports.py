@@ -25,6 +25,7 @@ from rankctl.coordinator.preflight import parse as parse_preflight
 from rankctl.coordinator.progress import JobProgress
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
 from rankctl.coordinator.skew import SLOW_EVENTS, SlowRank
+from rankctl.coordinator.states import JobState
 from rankctl.parallel.placement import node_of_rank
 from rankctl.proto import rankctl_pb2 as pb
 
@@ -118,8 +119,11 @@ class ReportApplier:
             progress.step_figures(step, st)
         self._stepped(job, progress, progress.moved(old, new))
         self._book.put_rank(job, new)
-        if new.exited or new.phase == "failed" or new.error != (old.error if old else "") or \
-                job.world_size <= ROUTINE_EVENTS_MAX_WORLD:
+        if job.world_size <= ROUTINE_EVENTS_MAX_WORLD or (
+                (new.exited or new.phase == "failed" or new.error != (old.error if old else ""))
+                and not (job.state is JobState.RESTARTING and new.exited and not new.error)):
+            # a large stopping attempt's quiet exits (its end is already on the record) get no event each:
+            # 65,528 of them cost the coordinator ~10 s at 65,536 ranks (bench/scale.py --fault)
             self._book.event(job, "rank", f"rank {new.rank} {'exited' if new.exited else new.phase}", new)
         return True
 

@@ -35,6 +35,7 @@ from rankctl.worker.procutil import configure_logging, parse_signal, set_parent_
 from rankctl.contract.rankfiles import log_path
 from rankctl.worker.rankio import RankLog, generation_bytes, output_pipe
 from rankctl.worker.status import tail_lines
+from rankctl.worker.warming import Warmth
 
 log = structlog.get_logger("rankctl.launcher")
 LOG_TAIL_LINES = 20
@@ -74,7 +75,8 @@ class Forker:
         self.containment += "; /dev/shm: " + how
         self._next_scan = 0.0
         self._sel: selectors.BaseSelector | None = None
-        self._warmed: set[str] = set()  # kinds whose warm hook ran (JobKind.warm)
+        self.warmth = Warmth()          # kinds whose warm hook ran (JobKind.warm)
+        self._idle_warm = True          # the first idle second with no rank alive warms every kind
 
     # -- events ---------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -91,7 +93,11 @@ class Forker:
         sel.register(self.stdin_fd, selectors.EVENT_READ, "stdin")
         sel.register(wake_r, selectors.EVENT_READ, "wake")
         while not self._stopping:
-            for key, _ in sel.select(self._timeout()):
+            ready = sel.select(self._timeout())
+            if not ready and self._idle_warm and not self.procs:
+                self._idle_warm = False
+                self.warmth.all()
+            for key, _ in ready:
                 if key.data == "wake":
                     _drain(wake_r)
                 elif key.data == "stdin":
@@ -149,9 +155,7 @@ class Forker:
     def launch(self, assignments: list[RankAssignment], *, timeout_s: float | None = None,
                threads: int | None = None, log_bytes: int | None = None) -> None:
         """Fork one rank process per assignment and report ``started`` for each."""
-        for kind in {a.kind for a in assignments} - self._warmed:
-            self._warmed.add(kind)
-            warm(kind)
+        self.warmth.kinds(a.kind for a in assignments)
         threads = threads or cpu_share(len(assignments))   # the daemon says its node's share per slot
         generation = generation_bytes(len(assignments), **({"cap": log_bytes} if log_bytes else {}))
         running = {(p.assignment.job_id, p.assignment.attempt, p.assignment.rank) for p in self.procs.values()}
@@ -356,16 +360,6 @@ def read_assignment(doc: dict[str, Any], emit: Callable[[dict[str, Any]], None])
               "pid": None, "exit_code": None, "signal": None, "log_tail": [],
               "error": f"launch failed: the assignment does not parse here: {str(exc)[:500]}"})
         return None
-
-
-def warm(kind: str) -> None:
-    """The kind's heavy imports, before its first ranks fork here (``JobKind.warm``), so its forks inherit them."""
-    try:
-        from rankctl.runtime.rank import warm_kind
-
-        warm_kind(kind)
-    except Exception as exc:  # noqa: BLE001 - a rank reports a broken kind itself; forks stay possible
-        log.warning("kind not warmed", kind=kind, error=f"{type(exc).__name__}: {exc}")
 
 
 def _shm_mode(mode: str) -> tuple[bool, ShmTracker | None, str]:
