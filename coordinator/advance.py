@@ -130,7 +130,8 @@ class Advancer:
             timeout = job.spec.restart.hang_timeout
             idle = now - progress.advanced_at
             # armed once a rank reported a step: a script that never reports one cannot be told from a hang
-            if progress.advanced_at and progress.max_step > 0 and progress.pace.hung(idle, timeout):
+            live = job.world_size - progress.exited
+            if progress.advanced_at and progress.max_step > 0 and progress.pace.hung(idle, timeout, live):
                 links: list[tuple[str, str]] = []
                 reason = self._hang_reason(job, idle, progress.pace.rule(timeout), links)
                 for a, b in links:

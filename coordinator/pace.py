@@ -24,7 +24,9 @@ PACE_FLOOR_S = 6.0    # a job still for less is never hung (a pause of 3 s, a sl
 PACE_FACTOR = 4.0     # times the median of its recent step intervals
 PACE_WINDOW = 16      # step intervals remembered
 PACE_MIN_STEPS = 2    # step intervals known before the pace is trusted (until then: restart.hang_timeout)
+EVIDENCE_GRACE_S = 3.0   # past the limit, how long a judgement waits for ranks that have sent no evidence yet
 
+MOVED = '{"moved":true}'     # evidence withdrawn (``worker.hangwatch.MOVED_JSON``)
 WAITS = '"in":true'          # a rank's evidence: it is blocked in a group (``worker.hangwatch.evidence_json``)
 BUSY = '"activity":'         # ... it is busy outside collectives (a checkpoint ...)
 
@@ -39,6 +41,7 @@ class Pace:
     waiting: set[int] = field(default_factory=set)
     busy: set[int] = field(default_factory=set)
     stopped: set[int] = field(default_factory=set)
+    reported: set[int] = field(default_factory=set)   # ranks whose evidence is in (withdrawn: out again)
 
     # -- updates ----------------------------------------------------------------------------
     def step_completed(self, step: int, now: float) -> None:
@@ -52,6 +55,7 @@ class Pace:
         """A rank's hang evidence arrived, or was withdrawn (``{"moved":true}``)."""
         (self.waiting.add if WAITS in collectives else self.waiting.discard)(rank)
         (self.busy.add if BUSY in collectives else self.busy.discard)(rank)
+        (self.reported.discard if collectives == MOVED else self.reported.add)(rank)
 
     def process(self, rank: int, state: str) -> None:
         """The daemon saw the rank's process stop ("stopped") or go on ("")."""
@@ -62,6 +66,7 @@ class Pace:
         self.waiting.discard(rank)
         self.busy.discard(rank)
         self.stopped.discard(rank)
+        self.reported.discard(rank)
 
     # -- judgement --------------------------------------------------------------------------
     def limit(self, hang_timeout: float) -> float:
@@ -75,8 +80,17 @@ class Pace:
         """Some rank is stopped, or waits in an operation while none is busy with a save or a restore."""
         return bool(self.stopped) or (bool(self.waiting) and not self.busy)
 
-    def hung(self, idle: float, hang_timeout: float) -> bool:
-        return idle > hang_timeout or (idle > self.limit(hang_timeout) and self.waits())
+    def hung(self, idle: float, hang_timeout: float, live: int | None = None) -> bool:
+        """Hung now: past ``hang_timeout``, or past the pace's limit while ranks wait; in the second case, while
+        some of the ``live`` ranks (not exited) have sent no evidence yet, up to ``EVIDENCE_GRACE_S`` more, so
+        that the reason can name the rank they wait for (a loaded node's daemon may send it a little later)."""
+        if idle > hang_timeout:
+            return True
+        limit = self.limit(hang_timeout)
+        if idle <= limit or not self.waits():
+            return False
+        missing = live is not None and len(self.reported | self.stopped) < live
+        return not missing or idle > min(hang_timeout, limit + EVIDENCE_GRACE_S)
 
     def rule(self, hang_timeout: float) -> str:
         """How the job was judged, for its hang reason."""
