@@ -153,7 +153,7 @@ def start_coordinator(ns: argparse.Namespace, python: str, pythonpath: str | Non
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     args = [python, "-m", "rankctl.cli.main", "coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(state),
-            "--log-level", "warning"]
+            "--log-level", "warning", "--http-listen", "127.0.0.1:0"]   # /metrics: the fault bench's fan-out times
     if ns.heartbeat_timeout is not None:
         args += ["--heartbeat-timeout", str(ns.heartbeat_timeout)]
     if store:

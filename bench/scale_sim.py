@@ -33,6 +33,7 @@ from typing import Callable
 import grpc
 
 from rankctl.proto import rankctl_pb2 as pb
+from rankctl.worker.reportfold import fold
 from rankctl.worker.reporting import exit_status, stamp_update, step_figures
 
 MAX_MSG = 16 * 1024 * 1024
@@ -87,11 +88,13 @@ class Sim:
             m = self._parsed[text] = json.loads(text)
         return m
 
-    def metrics(self, step: int, with_loss: bool) -> str:
-        key = (step, with_loss)
+    def metrics(self, step: int, with_loss: bool, slot: int = 0) -> str:
+        """A rank's step metrics; the step time differs by the rank's ``slot`` on its node, as real ranks' do, so
+        that a daemon never folds a node's step reports into one (``worker.reportfold``) where a real one could not."""
+        key = (step, with_loss, slot)
         text = self._metrics.get(key)
         if text is None:
-            m = {"tokens_per_s": 1000.0, "step_time": round(self.period, 6)}
+            m = {"tokens_per_s": 1000.0, "step_time": round(self.period + slot * 1e-5, 6)}
             if with_loss:
                 m = {"loss": round(2.0 - step * 0.01, 6), **m}
             text = self._metrics[key] = json.dumps(m, separators=(",", ":"))
@@ -127,6 +130,7 @@ class Daemon:
         self.call = None
         self.connected = asyncio.Event()  # set from Registered until the stream breaks
         self.was_registered = False
+        self.folds = False
         self.heartbeat: asyncio.Task | None = None
         self.last_batch = 0.0  # when the last ReportBatch went out
         self.tasks: dict[str, asyncio.Task] = {}  # job id -> its player
@@ -184,6 +188,7 @@ class Daemon:
                         if self.heartbeat is not None:
                             self.heartbeat.cancel()
                         interval = msg.registered.heartbeat_interval or 2.0
+                        self.folds = msg.registered.folds   # an older coordinator (--coordinator-pythonpath): never
                         self.heartbeat = asyncio.create_task(self.heartbeats(interval))
                     elif body == "assign":
                         self.on_assign(msg.assign, time.time(), msg.ByteSize())
@@ -284,6 +289,7 @@ class Daemon:
             return False
         sim = self.sim
         handed = (lambda: sim.note(attempt, note, time.time())) if note else None
+        reports = fold(reports) if self.folds else reports   # as the daemon does
         await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)), handed)
         self.last_batch = time.time()
         sim.counts["sent_batches"] += 1
@@ -306,7 +312,8 @@ class Daemon:
             sim.lateness.append(max(0.0, time.time() - t))
 
         def step(k: int) -> list[pb.RankReport]:
-            return [self.report(job_id, attempt, r, "running", k, sim.metrics(k, r == first)) for r in ranks]
+            return [self.report(job_id, attempt, r, "running", k, sim.metrics(k, r == first, r - first))
+                    for r in ranks]
 
         k0 = 1
         if attempt > 1:  # a restart: its phases and first step go out as soon as the Assign is read

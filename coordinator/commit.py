@@ -9,8 +9,9 @@ are held and sent only once it completes (its transaction committed); outside on
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterable, Iterator
 
+from rankctl.coordinator.fanout import Fanout, Fanouts
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeTable
 from rankctl.coordinator.store import Store, StoreError
@@ -44,9 +45,9 @@ class StoreGuard:
 class Outgoing:
     """Messages to nodes; inside ``after_commit()`` they wait until the block completes."""
 
-    def __init__(self, nodes: NodeTable) -> None:
-        self._nodes = nodes
-        self._held: list[tuple[str, pb.CoordinatorMessage]] | None = None
+    def __init__(self, nodes: NodeTable, fanouts: Fanouts) -> None:
+        self._nodes, self.fanouts = nodes, fanouts
+        self._held: list[tuple[str, pb.CoordinatorMessage, Fanout | None]] | None = None
 
     @contextmanager
     def after_commit(self) -> Iterator[None]:
@@ -62,16 +63,27 @@ class Outgoing:
             raise
         if outer:
             held, self._held = self._held, None
-            for name, msg in held:
-                self._nodes.send(name, msg)
+            for name, msg, fan in held:
+                self._send_now(name, msg, fan)
 
-    def send(self, name: str, msg: pb.CoordinatorMessage) -> None:
+    def send(self, name: str, msg: pb.CoordinatorMessage, fan: Fanout | None = None) -> None:
         if self._held is not None:
-            self._held.append((name, msg))
+            self._held.append((name, msg, fan))
         else:
-            self._nodes.send(name, msg)
+            self._send_now(name, msg, fan)
 
-    def to_nodes(self, names: list[str], msg: pb.CoordinatorMessage) -> None:
-        """``msg`` to each of ``names`` once (a job's nodes, in order)."""
+    def _send_now(self, name: str, msg: pb.CoordinatorMessage, fan: Fanout | None) -> None:
+        if self._nodes.send(name, msg) and fan is not None:
+            self.fanouts.sent(fan, msg)
+
+    def to_nodes(self, names: list[str], msg: pb.CoordinatorMessage, kind: str = "") -> None:
+        """``msg`` to each of ``names`` once (a job's nodes, in order); ``kind``: timed as a fan-out of it."""
+        fan = self.fanouts.begin(kind) if kind else None
         for name in dict.fromkeys(names):
-            self.send(name, msg)
+            self.send(name, msg, fan)
+
+    def fan_out(self, kind: str, messages: Iterable[tuple[str, pb.CoordinatorMessage]]) -> None:
+        """One message to each node, timed as one fan-out of ``kind`` (``coordinator.fanout``)."""
+        fan = self.fanouts.begin(kind)
+        for name, msg in messages:
+            self.send(name, msg, fan)

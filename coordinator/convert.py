@@ -209,7 +209,7 @@ def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0,
 
 def registered_message(node: str, heartbeat_interval: float, last_seq: int) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(
-        registered=pb.Registered(node=node, heartbeat_interval=heartbeat_interval, last_seq=last_seq)
+        registered=pb.Registered(node=node, heartbeat_interval=heartbeat_interval, last_seq=last_seq, folds=True)
     )
 
 

@@ -33,6 +33,7 @@ from rankctl.coordinator.allocations import Allocations
 from rankctl.coordinator.commit import Outgoing, StoreGuard
 from rankctl.coordinator.drains import Drains
 from rankctl.coordinator.errors import CapacityError, InvalidRequest
+from rankctl.coordinator.fanout import Fanouts
 from rankctl.coordinator.intake import ReportIntake
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.logarchive import LogArchive
@@ -77,7 +78,8 @@ class Coordinator:
         self.logfetch = LogFetcher(self.nodes.send)
         self.logarchive = LogArchive(store.path.parent)   # logs of ranks whose allocation's nodes left
         self.shutting_down = False
-        self._guard, self._outgoing = StoreGuard(store, self.book, self.nodes), Outgoing(self.nodes)
+        self.fanouts = Fanouts()   # fan-outs of messages to many nodes, timed (``coordinator.fanout``)
+        self._guard, self._outgoing = StoreGuard(store, self.book, self.nodes), Outgoing(self.nodes, self.fanouts)
         self._stops = Stops(self.book, self.nodes, clock)
         self._drains = Drains(self.book, clock, self._outgoing)
         self._scheduler = Scheduler(self.book, self.nodes, store, clock, self._guard, self._outgoing, self.stats,

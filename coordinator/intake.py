@@ -137,11 +137,12 @@ class ReportIntake:
         applied = 0
         with self._guard.consistent(), self._outgoing.after_commit():
             with self._store.transaction("rank reports"):
-                for session, updates in batch:
-                    if self._nodes.is_current(session):
-                        applied += self._applier.apply(session, updates, touched)
-                    if session.record.last_seq:
-                        seqs[session.name] = (session, session.record.last_seq)
+                with self._applier.rank_rows():   # the rows in one statement, before any job advances
+                    for session, updates in batch:
+                        if self._nodes.is_current(session):
+                            applied += self._applier.apply(session, updates, touched)
+                        if session.record.last_seq:
+                            seqs[session.name] = (session, session.record.last_seq)
                 for name, (session, seq) in seqs.items():
                     self._store.set_node_seq(name, seq)
                 for job in touched.values():

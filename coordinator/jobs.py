@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
 
 import structlog
 
@@ -50,6 +51,7 @@ class JobBook:
 
     def _load(self) -> None:
         self._seq: dict[str, int] = self.store.last_event_seqs()
+        self._rows: dict[tuple[str, int], RankRecord] | None = None   # rank rows deferred (``rank_rows``)
         self._ranks: dict[str, dict[int, RankRecord]] = {}
         self._progress: dict[str, JobProgress] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()  # finished jobs cached, oldest first
@@ -235,9 +237,26 @@ class JobBook:
         self._progress[job.id] = JobProgress(job.world_size)
 
     def put_rank(self, job: JobRecord, r: RankRecord) -> None:
-        """Store a rank's record (a phase change, an exit or an error) and keep it in memory."""
-        self.store.put_rank(job.id, r)
+        """Store a rank's record (a phase change, an exit or an error) and keep it in memory; inside
+        ``rank_rows`` the row waits for the block's end."""
+        if self._rows is not None:
+            self._rows[(job.id, r.rank)] = r
+        else:
+            self.store.put_rank(job.id, r)
         self.ranks(job.id)[r.rank] = r
+
+    @contextmanager
+    def rank_rows(self) -> Iterator[None]:
+        """Collect the rank rows ``put_rank`` writes in the block and store them at its end in one statement
+        (the newest per rank): a group commit's reports cost one ``executemany``, not a statement a rank.
+        Call inside the store transaction that holds the rest of the commit."""
+        self._rows = {}
+        try:
+            yield
+            if self._rows:
+                self.store.put_ranks(((job_id, r) for (job_id, _), r in self._rows.items()))
+        finally:
+            self._rows = None
 
     def rank_page(self, job: JobRecord, offset: int, limit: int) -> list[RankRecord]:
         """Ranks ``offset`` .. ``offset + limit - 1`` (clipped to the world); unheard ones as ``pending``."""

@@ -19,6 +19,7 @@ from typing import Iterator, Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from rankctl.coordinator.fanout import Fanouts
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable
 from rankctl.coordinator.progress import JobProgress
@@ -38,6 +39,7 @@ class Observed(Protocol):
     book: JobBook
     nodes: NodeTable
     stats: CoordinatorStats
+    fanouts: Fanouts
 
     def clock(self) -> float: ...
 
@@ -144,6 +146,16 @@ class _Collector:
         yield rejected
         yield GaugeMetricFamily("rankctl_rank_reports_held", "Reports received but not stored: the store refuses.",
                                 value=core.held_reports)
+        took = _gauge("rankctl_coordinator_fanout_seconds", "The last fan-out of a message kind to a job's nodes (a "
+                      "restart's cancel, a placement's assign): seconds from the decision to the last one handed to "
+                      "gRPC.", ("message",))
+        ended = _gauge("rankctl_coordinator_fanout_end_time_seconds", "When that fan-out's last message was handed to "
+                       "gRPC (unix time).", ("message",))
+        for kind, done in sorted(core.fanouts.last.items()):
+            took.add_metric([kind], done.seconds)
+            ended.add_metric([kind], done.ended_at)
+        yield took
+        yield ended
         restarts = CounterMetricFamily("rankctl_job_restarts", "Job attempts restarted, by cause.", labels=["cause"])
         for cause in sorted({*RESTART_CAUSES, *stats.restarts}):
             restarts.add_metric([cause], stats.restarts.get(cause, 0))

@@ -84,8 +84,10 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             reader = asyncio.create_task(self._read(messages, session, outbox))
             watch = self._watch(who, outbox, revoked)
             try:
+                fanouts = self.core.fanouts
                 while (msg := await outbox.get()) is not None:
                     yield msg
+                    fanouts.handed(msg)   # gRPC took it (it asks for the next one): timed fan-outs end here
             finally:
                 reader.cancel()
                 watch()

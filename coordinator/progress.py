@@ -212,16 +212,18 @@ class JobProgress:
             return self.moved_step(new.rank, o_step, new.step)
         return None
 
-    def step_figures(self, step: int, st: pb.RankStatus | RankRecord) -> None:
-        """Fold one rank's figures of ``step`` into that step's aggregate (kept for a window of steps).
+    def step_figures(self, step: int, st: pb.RankStatus | RankRecord, rank: int | None = None) -> None:
+        """Fold rank ``rank``'s (default: ``st.rank``'s) figures of ``step`` into that step's aggregate (kept
+        for a window of steps).
 
         ``st`` is a wire ``RankStatus``: its ``figures`` map and ``step_time_s``/``compute_s``, set by the
-        daemon (``worker.reporting.step_figures``); a ``RankRecord`` (in-process reports) carries none.
+        daemon (``worker.reporting.step_figures``); a ``RankRecord`` (in-process reports) carries none. A
+        status that stands for several ranks (``RankStatus.ranks``) is folded once for each.
         """
         if isinstance(st, RankRecord):
             return
         if st.HasField("compute_s"):
-            self.compute_sample(st.rank, st.compute_s)
+            self.compute_sample(st.rank if rank is None else rank, st.compute_s)
         if step < self.min_step or step > self.min_step + STEP_WINDOW:
             return
         has_time = st.HasField("step_time_s")

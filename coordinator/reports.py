@@ -12,7 +12,7 @@ ranks flagged or unflagged by their compute time, ``coordinator.skew``).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, Sequence
 
 import structlog
 
@@ -22,7 +22,7 @@ from rankctl.coordinator.convert import update_seconds
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession
 from rankctl.coordinator.preflight import parse as parse_preflight
-from rankctl.coordinator.progress import JobProgress
+from rankctl.coordinator.progress import JobProgress, rank_span
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
 from rankctl.coordinator.skew import SLOW_EVENTS, SlowRank
 from rankctl.coordinator.states import JobState
@@ -31,6 +31,7 @@ from rankctl.proto import rankctl_pb2 as pb
 
 log = structlog.get_logger("rankctl.coordinator")
 ROUTINE_EVENTS_MAX_WORLD = 256  # above this, routine per-rank phase changes get no event of their own
+LIVE = (JobState.PLACED, JobState.STARTING, JobState.RUNNING)   # a large job's rank exits are news only then
 Report = RankUpdate | pb.RankReport
 
 
@@ -40,6 +41,10 @@ class ReportApplier:
     def __init__(self, book: JobBook, clock: Callable[[], float]) -> None:
         self._book, self._clock = book, clock
         self.rejected: Counter[str] = Counter()
+
+    def rank_rows(self) -> ContextManager[None]:
+        """Around the ``apply`` calls of one group commit: their rank rows are stored together at its end."""
+        return self._book.rank_rows()
 
     def apply(self, session: NodeSession, updates: Sequence[Report], touched: dict[str, JobRecord]) -> int:
         """Apply one node's reports in order; how many applied (jobs that may advance go into ``touched``).
@@ -67,13 +72,35 @@ class ReportApplier:
                 lo, hi = k * job.slots_per_node, (k + 1) * job.slots_per_node
                 ranks, progress = self._book.ranks(job.id), self._book.progress(job)
                 progress.bind(job)  # its pipeline stages and nodes, for stragglers by compute time (once)
-            if not lo <= update.status.rank < hi:
+            first = update.status.rank
+            count = getattr(update.status, "ranks", 0)   # a wire report may stand for several ranks
+            if not lo <= first < hi or count > hi - first:
                 self._reject(name, update, job)
                 continue
+            if count > 1:
+                applied += count
+                if self._apply_range(job, ranks, progress, name, update, first, count):
+                    touched[job.id] = job
+                continue
             applied += 1
-            if self._apply_rank(job, ranks, progress, name, update):
+            if self._apply_rank(job, ranks, progress, name, update, first):
                 touched[job.id] = job
         return applied
+
+    def _apply_range(self, job: JobRecord, ranks: dict[int, RankRecord], progress: JobProgress, node: str,
+                     update: Report, first: int, count: int) -> bool:
+        """A report that stands for ranks ``first .. first + count - 1`` (``worker.reportfold``): each rank
+        folded as if it had reported alone, with one event for the lot; True when the job may advance."""
+        changed = False
+        events: list[RankRecord] = []
+        for rank in range(first, first + count):
+            if self._apply_rank(job, ranks, progress, node, update, rank, events):
+                changed = True
+        if events:
+            new = events[-1]
+            what = "exited" if new.exited else new.phase
+            self._book.event(job, "rank", f"{rank_span(list(range(first, first + count)))} {what}", new)
+        return changed
 
     def _reject(self, node: str, update: Report, job: JobRecord | None) -> None:
         """Count (and log, sparingly) a report for a rank this node does not run in this attempt."""
@@ -89,14 +116,15 @@ class ReportApplier:
             log.debug("report.ignored", node=node, job=update.job_id, attempt=update.attempt)
 
     def _apply_rank(self, job: JobRecord, ranks: dict[int, RankRecord], progress: JobProgress, node: str,
-                    update: Report) -> bool:
-        """Fold one report into the rank's record and the job's counters; True when the job may advance."""
+                    update: Report, rank: int, events: list[RankRecord] | None = None) -> bool:
+        """Fold one report into rank ``rank``'s record and the job's counters; True when the job may advance.
+        ``events``: where a rank event due goes instead of the record (a report for several ranks writes one)."""
         st = update.status
-        old = ranks.get(st.rank)
+        old = ranks.get(rank)
         notice = getattr(st, "notice", "")   # a wire report's (in-process RankRecords carry none)
         if notice:  # the rank asked for this on the job's record (a damaged checkpoint step passed over)
-            self._book.event(job, "notice", f"rank {st.rank}: {notice[:NOTICE_CHARS]}")
-        if getattr(st, "preflight", "") and st.rank == 0 and progress.preflight is None:
+            self._book.event(job, "notice", f"rank {rank}: {notice[:NOTICE_CHARS]}")
+        if getattr(st, "preflight", "") and rank == 0 and progress.preflight is None:
             self._preflight(job, progress, st.preflight)
         if old is not None and not update.result_json and (st.phase or old.phase) == old.phase \
                 and st.exited == old.exited and st.exit_code == old.exit_code and st.error in ("", old.error):
@@ -107,7 +135,7 @@ class ReportApplier:
         # an exit report carries no step or metrics: keep the last ones the rank reported
         metrics = st.metrics_json if st.metrics_json not in ("", "{}") or old is None else old.metrics_json
         error = st.error or (old.error if old else "")
-        new = RankRecord(rank=st.rank, node=node, phase=phase, step=step, metrics_json=metrics, error=error,
+        new = RankRecord(rank=rank, node=node, phase=phase, step=step, metrics_json=metrics, error=error,
                          exit_code=st.exit_code, exited=st.exited, updated_at=update_seconds(st) or self._clock(),
                          result_json=update.result_json or (old.result_json if old else ""), process=st.process)
         progress.advanced_at = self._clock()
@@ -116,15 +144,21 @@ class ReportApplier:
         elif new.process != (old.process if old else ""):
             progress.pace.process(new.rank, new.process)
         if step != (old.step if old else 0):
-            progress.step_figures(step, st)
+            progress.step_figures(step, st, rank)
         self._stepped(job, progress, progress.moved(old, new))
-        self._book.put_rank(job, new)
+        if new.exited and job.state is JobState.RESTARTING:
+            ranks[rank] = new   # memory only: the next attempt's placement clears the rows (``start_ranks``)
+        else:
+            self._book.put_rank(job, new)
         if job.world_size <= ROUTINE_EVENTS_MAX_WORLD or (
                 (new.exited or new.phase == "failed" or new.error != (old.error if old else ""))
-                and not (job.state is JobState.RESTARTING and new.exited and not new.error)):
-            # a large stopping attempt's quiet exits (its end is already on the record) get no event each:
-            # 65,528 of them cost the coordinator ~10 s at 65,536 ranks (bench/scale.py --fault)
-            self._book.event(job, "rank", f"rank {new.rank} {'exited' if new.exited else new.phase}", new)
+                and not (new.exited and job.state not in LIVE)):
+            # a large attempt's exits once it ended (its end is already on the record; "stopped: ..." errors
+            # included) get no event each: 65,528 of them cost the coordinator ~10 s at 65,536 ranks
+            if events is not None:
+                events.append(new)
+            else:
+                self._book.event(job, "rank", f"rank {new.rank} {'exited' if new.exited else new.phase}", new)
         return True
 
     def _preflight(self, job: JobRecord, progress: JobProgress, text: str) -> None:
@@ -158,9 +192,9 @@ class ReportApplier:
         step = st.step
         if step and step != old.step:
             progress.advanced_at = self._clock()
-            progress.step_figures(step, st)
+            progress.step_figures(step, st, old.rank)
             before, old.step = old.step, step
-            self._stepped(job, progress, progress.moved_step(st.rank, before, step))
+            self._stepped(job, progress, progress.moved_step(old.rank, before, step))
 
     def _stepped(self, job: JobRecord, progress: JobProgress, step: int | None) -> None:
         """One job-level event when the slowest rank finished a step (once per step, restarts included);

@@ -109,7 +109,7 @@ class Restarts:
         self._stats.restarts[cause] += 1
         self._drains.forget(job.id)
         self._stops.begin(job)
-        self._outgoing.to_nodes(job.nodes, convert.cancel_message(job.id, job.attempt, headline))
+        self._outgoing.to_nodes(job.nodes, convert.cancel_message(job.id, job.attempt, headline), kind="cancel")
         log.warning("job.restarting", job=job.id, attempt=job.attempt, reason=reason, cause=cause)
         self.requeue_when_stopped(job)
 

@@ -181,8 +181,7 @@ class Scheduler:
             self._book.transition(job, S.STARTING,
                                   f"sent {job.world_size} rank assignment(s) to {len(names)} node(s)")
         self._stats.queue_wait.observe(waited)
-        for name, msg in zip(names, messages):
-            self._outgoing.send(name, msg)
+        self._outgoing.fan_out("assign", zip(names, messages))
 
     def _prev_attempt_nodes(self, job: JobRecord) -> list[str]:
         """The nodes of the job's previous attempt, which a restart places against (memory, else the store)."""

@@ -29,7 +29,7 @@ import sqlite3
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 from rankctl.kinds.spec import stored_spec
 from rankctl.coordinator.allocation import Allocation
@@ -337,6 +337,14 @@ class Store:
             (job_id, r.rank, r.node, r.phase, r.step, r.metrics_json, r.error, r.exit_code, int(r.exited),
              r.updated_at, r.result_json),
         )
+
+    def put_ranks(self, rows: Iterable[tuple[str, RankRecord]]) -> None:
+        """Many ranks' records (job id, record) in one statement."""
+        with self.transaction():
+            self._db.executemany(
+                f"INSERT OR REPLACE INTO ranks (job_id, {_RANK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                ((job_id, r.rank, r.node, r.phase, r.step, r.metrics_json, r.error, r.exit_code, int(r.exited),
+                  r.updated_at, r.result_json) for job_id, r in rows))
 
     def all_ranks(self) -> dict[str, dict[int, RankRecord]]:
         """job id -> rank -> record, for every job (one query)."""

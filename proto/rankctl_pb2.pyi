@@ -120,7 +120,7 @@ class Node(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time", "figures", "notice", "preflight")
+    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time", "figures", "notice", "preflight", "ranks")
     class FiguresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class RankStatus(_message.Message):
     FIGURES_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     phase: str
@@ -164,7 +165,8 @@ class RankStatus(_message.Message):
     figures: _containers.ScalarMap[str, float]
     notice: str
     preflight: str
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., figures: _Optional[_Mapping[str, float]] = ..., notice: _Optional[str] = ..., preflight: _Optional[str] = ...) -> None: ...
+    ranks: int
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., figures: _Optional[_Mapping[str, float]] = ..., notice: _Optional[str] = ..., preflight: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "job_id", "state", "kind", "message", "rank", "step", "event_time", "metrics")
@@ -575,14 +577,16 @@ class NodeMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., batch: _Optional[_Union[ReportBatch, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("node", "heartbeat_interval", "last_seq")
+    __slots__ = ("node", "heartbeat_interval", "last_seq", "folds")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FOLDS_FIELD_NUMBER: _ClassVar[int]
     node: str
     heartbeat_interval: float
     last_seq: int
-    def __init__(self, node: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    folds: bool
+    def __init__(self, node: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., last_seq: _Optional[int] = ..., folds: _Optional[bool] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
     __slots__ = ("registered", "assign", "cancel", "ack", "fetch_logs", "checkpoint", "release")

@@ -27,6 +27,7 @@ from rankctl.worker.logship import answer_fetch
 from rankctl.worker.metrics import DaemonStats
 from rankctl.worker.outbox import Outbox
 from rankctl.worker.reporting import free_ports, hardware_pb
+from rankctl.worker.reportfold import fold
 from rankctl.worker.usage import UsageSampler
 
 BATCH_REPORTS = 4096  # reports in one ReportBatch at most
@@ -84,6 +85,7 @@ class CoordinatorSession:
         self._log = log
         self.heartbeat_interval = 1.0  # the coordinator's, from its Registered
         self.connected = asyncio.Event()  # set while registered
+        self._folds = False               # the coordinator applies folded reports (``Registered.folds``)
         self._answers: deque[pb.NodeMessage] = deque()  # log chunks, sent before reports
         self._fetches: set[asyncio.Task] = set()        # log fetches being answered
         self._beat = asyncio.Event()                     # a heartbeat is due
@@ -193,6 +195,7 @@ class CoordinatorSession:
             raise ConnectionError("coordinator did not acknowledge registration")
         ack = first.registered
         self.heartbeat_interval = ack.heartbeat_interval or 1.0
+        self._folds = ack.folds   # an older coordinator reads one rank a report: never fold for it
         replayed = self._outbox.buffer.rewind(ack.last_seq)
         self._answers.clear()
         self._stats.registrations += 1
@@ -262,7 +265,7 @@ class CoordinatorSession:
                 continue
             last_batch = loop.time()
             batch = buffer.take(BATCH_REPORTS)
-            await call.write(pb.NodeMessage(batch=pb.ReportBatch(reports=batch)))
+            await call.write(pb.NodeMessage(batch=pb.ReportBatch(reports=fold(batch) if self._folds else batch)))
             self._stats.reports_sent += len(batch)
             if buffer.unsent:
                 wake.set()
