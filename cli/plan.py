@@ -27,11 +27,37 @@ def _config_from_flags(opts: dict) -> "ParallelConfig":
     return ParallelConfig(**{k: opts[k] for k in keys if opts[k] is not None})
 
 
-def _config_from_file(path: str, overrides: tuple[str, ...]) -> tuple["ParallelConfig", int]:
+def _config_from_file(path: str, overrides: tuple[str, ...]) -> tuple["ParallelConfig", int, object]:
     from rankctl.cli.jobread import read_job_file
 
     read = read_job_file(path, overrides)  # as submit reads it: the kind's overrides included
-    return read.layout, read.spec.resources.slots_per_node
+    return read.layout, read.spec.resources.slots_per_node, read.spec
+
+
+def elastic_sizes(spec: object) -> list[dict]:
+    """An elastic job's (``resources.min_nodes``) world sizes, largest first: nodes, ranks, dp and, for a job
+    with a global batch, the micro-batches each rank runs a step (the global batch stays the same)."""
+    res, par = spec.resources, spec.parallel
+    train = getattr(spec, "train", None)
+    out = []
+    for nodes in range(res.nodes, res.fewest_nodes - 1, -1):
+        world = nodes * res.slots_per_node
+        dp = world // (par.tp * par.pp * par.cp)
+        row = {"nodes": nodes, "world_size": world, "dp": dp}
+        if train is not None and getattr(train, "global_batch", None):
+            row["micro_batches_per_rank"] = train.global_batch // (train.micro_batch * dp)
+        out.append(row)
+    return out
+
+
+def _elastic_lines(spec: object) -> list[str]:
+    rows = elastic_sizes(spec)
+    lines = [f"elastic (resources.min_nodes={spec.resources.min_nodes}): the job may run at"]
+    for r in rows:
+        micro = f", {r['micro_batches_per_rank']} micro-batch(es) per rank a step" if "micro_batches_per_rank" in r \
+            else ""
+        lines.append(f"  {r['nodes']} node(s): world_size={r['world_size']} dp={r['dp']}{micro}")
+    return lines
 
 
 def _communicators(layout: "RankLayout", rank: int) -> int:
@@ -128,9 +154,10 @@ def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None,
     from rankctl.contract.jobfile import SpecError
     from rankctl.parallel.layout import LayoutError, RankLayout
 
+    spec = None
     try:
         if job_file:
-            cfg, gpn = _config_from_file(job_file, overrides)
+            cfg, gpn, spec = _config_from_file(job_file, overrides)
         else:
             if overrides:
                 raise CtlError("--set needs a job file")
@@ -145,9 +172,15 @@ def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None,
         elif as_json:
             from rankctl.parallel.placement import layout_document
 
-            json.dump(layout_document(layout, gpn, all_ranks), sys.stdout, separators=(",", ":"))
+            doc = layout_document(layout, gpn, all_ranks)
+            if spec is not None and spec.resources.min_nodes is not None:
+                doc["elastic"] = elastic_sizes(spec)
+            json.dump(doc, sys.stdout, separators=(",", ":"))
             sys.stdout.write("\n")
         else:
-            click.echo(_human(layout, gpn, all_ranks))
+            text = _human(layout, gpn, all_ranks)
+            if spec is not None and spec.resources.min_nodes is not None:
+                text += "\n\n" + "\n".join(_elastic_lines(spec))
+            click.echo(text)
     except (SpecError, LayoutError) as exc:
         raise CtlError(str(exc)) from None

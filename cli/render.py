@@ -57,7 +57,8 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
         "ranks": [rank_to_dict(r) for r in job.ranks],
         "summary": summary_to_dict(job.summary) if job.HasField("summary") else None,
         "attempts": [{"attempt": a.attempt, "state": a.state or None, "reason": a.reason or None,
-                      "started_at": seconds(a.start_time) or 0.0, "finished_at": seconds(a.finish_time)}
+                      "started_at": seconds(a.start_time) or 0.0, "finished_at": seconds(a.finish_time),
+                      "nodes": a.nodes or None, "world_size": a.world_size or None, "layout": a.layout or None}
                      for a in job.attempts],
         "result": from_struct(job.result) if job.HasField("result") else None,
         "allocation": allocation_to_dict(job.allocation) if job.HasField("allocation") else None,
@@ -234,6 +235,7 @@ def job_view(job: pb.Job, max_ranks: int = 64):
     ended = [a for a in d["attempts"] if a["state"]]
     if len(d["attempts"]) > 1 or (ended and ended[-1]["state"] == "RESTARTING"):
         parts.append(rows_table("attempts", [{"attempt": a["attempt"], "ended": a["state"] or "running",
+                                              "ranks": f"{a['world_size']} ({a['layout']})" if a["world_size"] else "",
                                               "reason": (a["reason"] or "")[:ERROR_LINE_MAX]}
                                              for a in d["attempts"]]))
     shown = d["ranks"][:max_ranks]

@@ -43,12 +43,26 @@ class Resources(Section):
     """Processes and threads each rank may have at once, its children's included (a cgroup's pids limit;
     torch's own threads count). null: no limit of the job's own."""
 
+    min_nodes: StrictInt | None = Field(None, ge=1, le=L.MAX_NODES)
+    """Elastic: the fewest nodes the job may run on (torchrun's ``--nnodes=MIN:MAX``). When nodes are short (one
+    lost and no spare free, or too few free at the start) an attempt runs on as many as there are, down to this,
+    with fewer data-parallel replicas and the same global batch through more micro-batches per rank; it grows
+    back to ``nodes`` at a checkpoint when nodes are free again. null: always ``nodes``."""
+
     @model_validator(mode="after")
     def _world(self) -> "Resources":
         if self.nodes * self.slots_per_node > L.MAX_WORLD_SIZE:
             raise ValueError(f"nodes*slots_per_node = {self.nodes * self.slots_per_node} ranks exceeds "
                              f"the maximum world size of {L.MAX_WORLD_SIZE}")
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(f"min_nodes={self.min_nodes} exceeds nodes={self.nodes} (the job runs on min_nodes .. "
+                             f"nodes nodes)")
         return self
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes an attempt may run on."""
+        return self.min_nodes if self.min_nodes is not None else self.nodes
 
 
 class ParallelSpec(Section):
@@ -95,6 +109,12 @@ class JobSpec(Section):
     @property
     def world_size(self) -> int:
         return self.resources.nodes * self.resources.slots_per_node
+
+    def on_nodes(self, nodes: int) -> "JobSpec":
+        """This spec for an attempt on ``nodes`` nodes (an elastic job's smaller world, ``resources.min_nodes``)."""
+        if nodes == self.resources.nodes:
+            return self
+        return self.model_copy(update={"resources": self.resources.model_copy(update={"nodes": nodes})})
 
     def to_dict(self) -> dict[str, Any]:
         """The canonical stored form: every field, but no empty section of another kind."""

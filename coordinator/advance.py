@@ -113,7 +113,9 @@ class Advancer:
             job.result = aggregate(job.kind, results)
             self._book.save(job)
             self._book.event(job, "result", f"result from {len(results)} rank(s)")
-        self._restarts.finish(job, S.SUCCEEDED, f"all {job.world_size} ranks exited 0")
+        ended = job.result.get("ended") if isinstance(job.result, dict) else None   # the kind's word on the end
+        self._restarts.finish(job, S.SUCCEEDED, f"all {job.world_size} ranks exited 0"
+                                                + (f"; {str(ended)[:300]}" if ended else ""))
 
     def check_hangs(self, loop_lag: float) -> None:
         """A RUNNING job that has reported steps and none of whose ranks changed step or phase for long

@@ -56,12 +56,14 @@ def may_pass(head: JobRecord, sessions: list[NodeSession], waited: float, head_w
 
 def place_keeping(previous: list[str], nodes_needed: int, slots_per_node: int, nodes: list[NodeSlots]) -> list[str]:
     """``place``, but job node k stays on ``previous[k]`` where that node still fits; the others are filled
-    with the fitting nodes not kept, in the given order. Raises PlacementError (from ``place``) on a shortfall."""
-    if len(previous) != nodes_needed:
+    with the fitting nodes not kept, in the given order. An elastic job's attempt of another size keeps the first
+    of its previous nodes that it still needs. Raises PlacementError (from ``place``) on a shortfall."""
+    if not previous:
         return place(nodes_needed, slots_per_node, nodes)
     fits = [n.name for n in nodes if n.free >= slots_per_node]
     fitting = set(fits)
-    out = [name if name in fitting else "" for name in previous]
+    base = previous[:nodes_needed] + [""] * (nodes_needed - len(previous))
+    out = [name if name in fitting else "" for name in base]
     kept = set(out)
     spares = iter(name for name in fits if name not in kept)
     for k, name in enumerate(out):

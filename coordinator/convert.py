@@ -85,17 +85,29 @@ def job_to_pb(job: JobRecord, ranks: list[RankRecord] = (), *, summary: "JobSumm
     return msg
 
 
-def _attempt_to_pb(a: dict) -> pb.Attempt:
-    """A stored attempt row (an attempt still running has no end state yet)."""
+def _attempt_to_pb(a: dict, job: JobRecord | None) -> pb.Attempt:
+    """A stored attempt row (an attempt still running has no end state yet); with the job, its size and layout."""
     msg = pb.Attempt(attempt=a["attempt"], state=a["state"] if a["finished_at"] else "",
                      reason=a["reason"] if a["finished_at"] else "")
     stamp(msg.start_time, a["started_at"])
     stamp(msg.finish_time, a["finished_at"])
+    nodes = a.get("nodes") or 0
+    if job is not None and nodes:
+        msg.nodes, msg.world_size = nodes, nodes * job.slots_per_node
+        msg.layout = layout_words(job.spec.parallel, msg.world_size)
     return msg
 
 
-def attempts_to_pb(rows: list[dict]) -> list[pb.Attempt]:
-    return [_attempt_to_pb(a) for a in rows]
+def layout_words(parallel: Any, world_size: int) -> str:
+    """"tp2 pp2 dp2": every parallel size above 1 of a layout at ``world_size`` ranks, and always dp."""
+    p = parallel
+    dp = max(1, world_size // max(1, p.tp * p.pp * p.cp))
+    sizes = [("tp", p.tp), ("pp", p.pp), ("vpp", p.vpp or 1), ("cp", p.cp), ("ep", p.ep)]
+    return " ".join([f"{k}{v}" for k, v in sizes if v > 1] + [f"dp{dp}"])
+
+
+def attempts_to_pb(rows: list[dict], job: JobRecord | None = None) -> list[pb.Attempt]:
+    return [_attempt_to_pb(a, job) for a in rows]
 
 
 def summary_to_pb(s: "JobSummary") -> pb.JobSummary:

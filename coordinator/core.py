@@ -161,7 +161,8 @@ class Coordinator:
         res = spec.resources
         if allocation is not None and (problems := self.allocations.problems(allocation)):
             raise InvalidRequest("; ".join(problems))
-        short = None if allocation is not None else capacity.shortfall(list(self.nodes), res.nodes, res.slots_per_node)
+        short = None if allocation is not None else capacity.shortfall(list(self.nodes), res.fewest_nodes,
+                                                                       res.slots_per_node)
         if short is not None and not queue_anyway:
             raise CapacityError(f"{short}; submit with --queue-anyway to wait for more nodes")
         job = JobRecord(
@@ -347,13 +348,14 @@ class Coordinator:
         """Retry what a refused write left undone: held reports, owed job advances, lost nodes' jobs, scheduling."""
         if self._intake.held:
             self.flush()
-        if self._stops or self._drains:
-            try:
-                with self._guard.consistent():
+        try:
+            with self._guard.consistent():
+                if self._stops or self._drains:
                     self._restarts.check_stops()
                     self._restarts.check_drains()
-            except StoreError as exc:
-                log.warning("job.stop_store_failed", error=str(exc))
+                self._restarts.check_growth()   # elastic jobs on fewer nodes: back to their full size?
+        except StoreError as exc:
+            log.warning("job.stop_store_failed", error=str(exc))
         self._sessions.settle()
         self._advancer.settle()
         self._scheduler.catch_up()

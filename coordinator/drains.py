@@ -1,4 +1,5 @@
-"""Drain checkpoints: a RUNNING job on a drained node is asked for a checkpoint before it moves off it.
+"""Drain checkpoints: a RUNNING job on a drained node is asked for a checkpoint before it moves off it; so is
+a RUNNING elastic job on fewer nodes than its full size before it grows back (``ask_grow``).
 
 When the job's kind saves a checkpoint at a step the daemon asks for (``JobKind.drain_checkpoint``),
 each of its nodes is sent ``CheckpointNow`` for a step a little ahead of its fastest rank
@@ -38,6 +39,7 @@ class DrainWait:
     step: int
     since: float
     nodes: list[str]
+    grow: bool = False    # no node leaves: an elastic job on fewer nodes goes back to its full size
 
 
 def drain_step(progress: JobProgress) -> int:
@@ -88,6 +90,20 @@ class Drains:
         self._outgoing.to_nodes(job.nodes, convert.checkpoint_message(job.id, job.attempt, step))
         log.info("job.drain_checkpoint", job=job.id, node=name, step=step)
 
+    def ask_grow(self, job: JobRecord, nodes: int) -> None:
+        """Ask every node of a shrunk elastic job for a checkpoint before it restarts on ``nodes`` (its full size)."""
+        step = drain_step(self._book.progress(job))
+        self._book.set_waiting(job, f"nodes are free again: every rank saves a checkpoint at step {step}, then the "
+                                    f"job restarts on {nodes} nodes, its full size (at most {DRAIN_WAIT_S:g} s)")
+        self._waits[job.id] = DrainWait(job.attempt, step, self._clock(), [], grow=True)
+        self._outgoing.to_nodes(job.nodes, convert.checkpoint_message(job.id, job.attempt, step))
+        log.info("job.grow_checkpoint", job=job.id, step=step, nodes=nodes)
+
+    def waiting(self, job: JobRecord) -> bool:
+        """Whether the job's attempt waits for a checkpoint before it moves (a drain or a growth)."""
+        wait = self._waits.get(job.id)
+        return wait is not None and wait.attempt == job.attempt
+
     def resend(self, name: str) -> None:
         """A node (re)connected: the checkpoint requests of drains still waiting on its jobs."""
         for job_id, wait in self._waits.items():
@@ -95,8 +111,8 @@ class Drains:
             if job is not None and job.attempt == wait.attempt and job.runs_on(name):
                 self._outgoing.send(name, convert.checkpoint_message(job.id, job.attempt, wait.step))
 
-    def due(self) -> Iterator[tuple[JobRecord, list[str], str]]:
-        """(job, drained nodes, why now) of each job that moves now: every rank passed the checkpoint step,
+    def due(self) -> Iterator[tuple[JobRecord, DrainWait, str]]:
+        """(job, its wait, why now) of each job that moves now: every rank passed the checkpoint step,
         or it waited DRAIN_WAIT_S. Waits of jobs that ended, failed or restarted meanwhile are dropped."""
         now = self._clock()
         for job_id, wait in list(self._waits.items()):
@@ -106,9 +122,9 @@ class Drains:
                 continue
             at = self._book.progress(job).min_step
             if at >= wait.step:
-                yield job, wait.nodes, f"every rank passed step {wait.step} (its checkpoint)"
+                yield job, wait, f"every rank passed step {wait.step} (its checkpoint)"
             elif now - wait.since > DRAIN_WAIT_S:
-                yield job, wait.nodes, (f"no checkpoint at step {wait.step} within {DRAIN_WAIT_S:g} s (slowest rank "
+                yield job, wait, (f"no checkpoint at step {wait.step} within {DRAIN_WAIT_S:g} s (slowest rank "
                                         f"at step {at}): the job resumes from the newest checkpoint every rank holds")
 
     def undrained(self, name: str) -> None:

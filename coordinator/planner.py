@@ -30,7 +30,7 @@ def assign_messages(job: JobRecord, nodes: list[str], rendezvous: str, peers: li
     node k's PeerService address: node k's checkpoint steps are copied to node k+1 (its replica peer);
     ``restores[k]`` names where node k fetches its ranks' checkpoints from before they start.
     """
-    spec = job.spec
+    spec = job.spec.on_nodes(len(nodes))   # an elastic job's attempt on fewer nodes runs a smaller world
     RankLayout(parallel_config(spec)).rank_groups(0)
     spec_json = json.dumps(spec.to_dict(), separators=(",", ":"))
     s, n = job.slots_per_node, len(nodes)

@@ -45,7 +45,8 @@ class JobRecord:
 
     @property
     def nodes_needed(self) -> int:
-        return self.world_size // self.slots_per_node
+        """The nodes of its full size (``resources.nodes``; an elastic job's attempt may run on fewer)."""
+        return self.spec.resources.nodes
 
     def ranks_on(self, node: str) -> list[int]:
         """Global ranks the job runs on ``node`` (node-major placement)."""

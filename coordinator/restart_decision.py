@@ -17,6 +17,7 @@ from typing import Sequence
 from rankctl.coordinator.stops import STOP_TIMEOUT_S
 
 REASONS_SHOWN = 400      # characters of each attempt's reason in a final failure
+FREE_CAUSES = ("drain", "grow")   # attempts that ended so, not by a failure, use no restart
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +109,7 @@ def decide(job: JobFacts, attempts: Sequence[AttemptFacts], stop: StopFacts | No
         return _after_stop(job, stop, now)
     fact = failure if isinstance(failure, Failure) else Failure(failure)
     failure = fact.reason
-    drained = sum(1 for a in attempts if a.attempt < job.attempt and a.cause == "drain")
+    drained = sum(1 for a in attempts if a.attempt < job.attempt and a.cause in FREE_CAUSES)
     if job.attempt - 1 - drained < job.max_restarts:
         if fact.previous is not None and same_way((fact.reason, fact.step), fact.previous):
             return Fail(f"attempt {job.attempt} failed the same way as attempt {job.attempt - 1}, at step "

@@ -226,9 +226,28 @@ class Restarts:
         return moved
 
     def check_drains(self) -> None:
-        """From tick: drained jobs whose ranks all passed the checkpoint step, or waited long enough, move."""
-        for job, nodes, detail in self._drains.due():
-            self.drain_restart(job, nodes, detail)
+        """From tick: drained jobs whose ranks all passed the checkpoint step, or waited long enough, move; so
+        do elastic jobs growing back to their full size."""
+        for job, wait, detail in self._drains.due():
+            if wait.nodes:
+                self.drain_restart(job, wait.nodes, detail)
+            else:
+                self._begin_restart(job, f"attempt {job.attempt} ended to grow back to {job.nodes_needed} nodes: "
+                                         f"{detail}", f"nodes free again; {detail}", cause="grow")
+
+    def check_growth(self) -> None:
+        """From tick: a RUNNING elastic job on fewer nodes than its full size, once a placement at the full size
+        fits, saves a checkpoint and restarts on it (a planned restart: no failure). O(active jobs)."""
+        for job in self._book.active():
+            if job.state is not S.RUNNING or job.world_size >= job.spec.world_size or self._drains.waiting(job):
+                continue
+            if not self._scheduler.fits_full(job):
+                continue
+            if saves_on_request(job.kind):
+                self._drains.ask_grow(job, job.nodes_needed)
+            else:
+                self._begin_restart(job, f"attempt {job.attempt} ended to grow back to {job.nodes_needed} nodes",
+                                    "nodes free again", cause="grow")
 
     def drain_restart(self, job: JobRecord, nodes: list[str], detail: str) -> None:
         """End the attempt because ``nodes`` are drained (no failure: it does not use a restart)."""

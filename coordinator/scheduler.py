@@ -11,6 +11,8 @@ not be stored, or was asked for inside another change's transaction, is owed: ``
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Iterable
 
 import structlog
@@ -136,7 +138,7 @@ class Scheduler:
         if job.pool and (why := self.gathering(job, sum(1 for s in slots if s.free >= job.slots_per_node))):
             return why
         try:
-            names = self._place(job, slots)
+            names = self._place_elastic(job, slots)
         except PlacementError as exc:
             if job.allocation is not None:
                 return (f"waiting for the workers of its allocation, {job.allocation.describe()}: "
@@ -150,21 +152,49 @@ class Scheduler:
         self._start(job, names, port)
         return None
 
-    def _place(self, job: JobRecord, slots: list[NodeSlots]) -> list[str]:
-        """The job's nodes: against its previous attempt's, never both nodes of a pair kept apart for it (a
-        link a hang pointed at) while the placement fits without the second of them."""
+    def _place_elastic(self, job: JobRecord, slots: list[NodeSlots]) -> list[str]:
+        """The job's nodes at its full size (``resources.nodes``), else, for an elastic job
+        (``resources.min_nodes``), on as many nodes as fit down to ``min_nodes``; the full size's PlacementError
+        when none fits."""
+        res = job.spec.resources
+        try:
+            return self._place(job, slots, res.nodes)
+        except PlacementError as full:
+            for nodes in range(res.nodes - 1, res.fewest_nodes - 1, -1):
+                with contextlib.suppress(PlacementError):
+                    return self._place(job, slots, nodes)
+            raise full from None
+
+    def _place(self, job: JobRecord, slots: list[NodeSlots], nodes: int) -> list[str]:
+        """``nodes`` nodes for the job: against its previous attempt's, never both nodes of a pair kept apart for
+        it (a link a hang pointed at) while the placement fits without the second of them."""
         prev = self._prev_attempt_nodes(job)
         apart = {b for _, b in self._nodes.apart.get(job.id, ())}
         if apart:
             try:
-                return capacity.place_keeping(prev, job.nodes_needed, job.slots_per_node,
+                return capacity.place_keeping(prev, nodes, job.slots_per_node,
                                               [s for s in slots if s.name not in apart])
             except PlacementError:
                 pass  # only together: placed, and the attempt's pre-flight tests their link
-        return capacity.place_keeping(prev, job.nodes_needed, job.slots_per_node, slots)
+        return capacity.place_keeping(prev, nodes, job.slots_per_node, slots)
+
+    def fits_full(self, job: JobRecord) -> bool:
+        """Whether a shrunk elastic job would fit at its full size now: the free slots and its own nodes'."""
+        blocked = self._nodes.blocked(job.id)
+        free = self.free_slots()
+        for name in job.nodes:   # its own slots count as free for its next attempt
+            free[name] = free.get(name, 0) + job.slots_per_node
+        slots = [NodeSlots(name, n) for name, n in free.items()
+                 if name not in blocked and self._placement_pool(self._nodes.get(name).pool) == job.pool]
+        try:
+            self._place(job, slots, job.spec.resources.nodes)
+        except PlacementError:
+            return False
+        return True
 
     def _start(self, job: JobRecord, names: list[str], port: int) -> None:
         rendezvous = f"{self._nodes.get(names[0]).record.host}:{port}"
+        job.world_size = len(names) * job.slots_per_node   # an elastic job's attempt may run on fewer nodes
         try:
             messages = assign_messages(job, names, rendezvous, [self._nodes.get(n).peer for n in names],
                                        self._restore_sources(job, names))

@@ -177,7 +177,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         msg = convert.job_to_pb(job, summary=summary, rank_offset=offset, nodes=_nodes_fit(job.nodes))
         msg.stopping = self.core.stopping_ranks(job.id)
         msg.reason = stopping_reason(job.reason, msg.stopping)
-        msg.attempts.extend(convert.attempts_to_pb(self.core.attempts(job.id, ATTEMPTS_SHOWN)))
+        msg.attempts.extend(convert.attempts_to_pb(self.core.attempts(job.id, ATTEMPTS_SHOWN), job))
         _fill(msg.ranks, map(convert.rank_to_pb, ranks), RANK_PAGE_BYTES)
         end = offset + len(msg.ranks)
         msg.next_rank_offset = end if msg.ranks and end < job.world_size else 0

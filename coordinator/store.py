@@ -257,7 +257,7 @@ class Store:
 
     def end_attempt(self, job_id: str, attempt: int, ts: float, state: str, reason: str, cause: str = "failure"
                     ) -> None:
-        """Close one attempt (a restart's: the job itself goes on); ``cause`` "failure" or "drain"."""
+        """Close one attempt (a restart's: the job itself goes on); ``cause`` "failure", "drain" or "grow"."""
         self._write(
             "UPDATE attempts SET finished_at=?, state=?, reason=?, cause=? WHERE job_id=? AND attempt=?",
             (ts, state, reason, cause, job_id, attempt),
@@ -285,10 +285,11 @@ class Store:
                                 (job_id,)).fetchone()[0]
 
     def attempts(self, job_id: str, last: int = 0) -> list[dict]:
-        """The job's attempts, oldest first (``last`` > 0: only the newest ``last``), without node lists."""
+        """The job's attempts, oldest first (``last`` > 0: only the newest ``last``), with how many nodes each ran
+        on but not their names."""
         cur = self._db.execute(
-            "SELECT * FROM (SELECT job_id, attempt, rendezvous, started_at, finished_at, state, reason, cause "
-            "FROM attempts "
+            "SELECT * FROM (SELECT job_id, attempt, rendezvous, started_at, finished_at, state, reason, cause, "
+            "json_array_length(nodes_json) AS nodes FROM attempts "
             "WHERE job_id=? ORDER BY attempt DESC LIMIT ?) ORDER BY attempt", (job_id, last if last > 0 else -1))
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]

@@ -20,12 +20,17 @@ SAMPLED_ROWS = 12
 
 def losses_result(results: Mapping[int, Any]) -> dict[str, Any]:
     """The job's losses as the lowest rank holding them reports (a last pipeline stage; every DP rank of it
-    holds the same dp-reduced loss): ``{"losses", "val_losses", "final", "resumed_from", "reported_by"}``."""
+    holds the same dp-reduced loss): ``{"losses", "val_losses", "final", "resumed_from", "reported_by"}``, and
+    ``ended`` when the run stopped early on purpose (``train.stop_at``; the coordinator's SUCCEEDED reason
+    adds it)."""
     for rank in sorted(results):
         r = results[rank]
         if isinstance(r, Mapping) and r.get("losses") and all(x.get("loss") is not None for x in r["losses"]):
-            return {"losses": r["losses"], "val_losses": r.get("val_losses", []), "final": r.get("final", {}),
-                    "resumed_from": r.get("resumed_from"), "reported_by": rank}
+            out = {"losses": r["losses"], "val_losses": r.get("val_losses", []), "final": r.get("final", {}),
+                   "resumed_from": r.get("resumed_from"), "reported_by": rank}
+            if r.get("ended"):   # why the run ended before its last step (train.stop_at): the job's reason says it
+                out["ended"] = r["ended"]
+            return out
     return {"losses": [], "val_losses": [], "final": {}, "reported_by": None}
 
 

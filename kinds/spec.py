@@ -103,10 +103,22 @@ def parallel_config(spec: JobSpec) -> ParallelConfig:
 
 
 def check_job(spec: JobSpec) -> ParallelConfig:
-    """Validate everything that crosses sections (layout, then the kind's rules); the layout config."""
+    """Validate everything that crosses sections (layout, then the kind's rules); the layout config. An
+    elastic job (``resources.min_nodes``) is checked at every world size it may run at, each problem naming it."""
     cfg = parallel_config(spec)
     check = registry.get(spec.kind).resolve("check")
     errors = check(spec, cfg) if check else []
     if errors:
         raise SpecError(errors)
+    res = spec.resources
+    for nodes in range(res.nodes - 1, res.fewest_nodes - 1, -1):
+        smaller = spec.on_nodes(nodes)
+        try:
+            small_cfg = parallel_config(smaller)
+            problems = check(smaller, small_cfg) if check else []
+        except SpecError as exc:
+            problems = exc.errors
+        if problems:
+            raise SpecError([f"resources.min_nodes={res.min_nodes}: on {nodes} node(s) ({smaller.world_size} "
+                             f"ranks) the job cannot run: {p}" for p in problems])
     return cfg

@@ -413,18 +413,24 @@ class ListWorkerPoolsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[WorkerPool, _Mapping]]] = ...) -> None: ...
 
 class Attempt(_message.Message):
-    __slots__ = ("attempt", "state", "reason", "start_time", "finish_time")
+    __slots__ = ("attempt", "state", "reason", "start_time", "finish_time", "nodes", "world_size", "layout")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     state: str
     reason: str
     start_time: _timestamp_pb2.Timestamp
     finish_time: _timestamp_pb2.Timestamp
-    def __init__(self, attempt: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    nodes: int
+    world_size: int
+    layout: str
+    def __init__(self, attempt: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., nodes: _Optional[int] = ..., world_size: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class Assign(_message.Message):
     __slots__ = ("job_id", "attempt", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json", "restart", "replica_peer", "restore_peer")

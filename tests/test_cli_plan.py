@@ -133,3 +133,22 @@ def test_plan_and_submit_read_a_job_file_through_one_function_with_the_kinds_ove
     assert read.layout.world_size == 1
     out = run("plan", str(tmp_path / "job.yaml"), "--json")
     assert out.exit_code == 0, out.output
+
+
+def test_an_elastic_job_shows_every_world_size_it_may_run_at(tmp_path: Path) -> None:
+    job = tmp_path / "el.yaml"
+    job.write_text("name: el\nkind: train\nresources: {nodes: 4, slots_per_node: 2, min_nodes: 2}\nparallel: {tp: 2}\n"
+                   "model: {layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 256}\n"
+                   "train: {steps: 10, global_batch: 24, micro_batch: 2, checkpoint_dir: /shared/ck}\n")
+    res = run("plan", str(job))
+    assert res.exit_code == 0, res.output
+    assert ("elastic (resources.min_nodes=2): the job may run at\n"
+            "  4 node(s): world_size=8 dp=4, 3 micro-batch(es) per rank a step\n"
+            "  3 node(s): world_size=6 dp=3, 4 micro-batch(es) per rank a step\n"
+            "  2 node(s): world_size=4 dp=2, 6 micro-batch(es) per rank a step") in res.output
+    doc = json.loads(run("plan", str(job), "--json").output)
+    assert [(r["nodes"], r["micro_batches_per_rank"]) for r in doc["elastic"]] == [(4, 3), (3, 4), (2, 6)]
+    res = run("plan", str(job), "--set", "train.global_batch=16")   # 16 / (2 * 3): dp3 cannot take it
+    assert res.exit_code == 2
+    assert "resources.min_nodes=2: on 3 node(s) (6 ranks) the job cannot run: train.global_batch=16 is not " \
+           "divisible by train.micro_batch*dp=6" in res.output

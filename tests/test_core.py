@@ -151,7 +151,7 @@ def test_placement_is_node_major_and_each_node_gets_only_its_ranks(world: World)
     assert a1[1].coords["tp"] == 1 and a1[1].coords["dp"] == 1
     assert all(a.world_size == 4 and a.kind == "comm-check" and a.attempt == 1 and a.run_dir == "" for a in a0)
     assert a0[0].spec.to_dict()["resources"] == {"nodes": 2, "slots_per_node": 2, "shm_mb": 1024,
-                                                 "memory_mb": None, "pids_max": None}
+                                                 "memory_mb": None, "pids_max": None, "min_nodes": None}
 
 
 def test_cpu_nodes_get_no_device_and_ports_in_use_are_skipped(world: World) -> None:

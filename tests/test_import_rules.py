@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"contract", "proto", "parallel", "models", "coordinator", "worker", "runtime", "kinds", "cli", "security"}
 # modules that run in a rank (torch): the coordinator and ctl never import them, not even lazily
 KIND_RANK_MODULES = ("rankctl.kinds.train.loop", "rankctl.kinds.train.trainer", "rankctl.kinds.train.optim", "rankctl.kinds.train.checkpoint",
-                     "rankctl.kinds.train.train_state", "rankctl.kinds.train.resume", "rankctl.kinds.comm_check.run")
+                     "rankctl.kinds.train.train_state", "rankctl.kinds.train.resume", "rankctl.kinds.train.reshard",
+                     "rankctl.kinds.train.initfrom",
+                     "rankctl.kinds.comm_check.run")
 
 
 def _type_checking(node: ast.If) -> bool:

@@ -484,8 +484,11 @@ def test_ctl_json_keeps_its_shape_with_times_from_the_timestamps_and_the_result_
     record.state, record.finished_at, record.result = JobState.SUCCEEDED, 1_700_000_100.5, None
     msg = convert.job_to_pb(record)
     msg.attempts.extend(convert.attempts_to_pb([{"attempt": 1, "state": "SUCCEEDED", "reason": "",
-                                                  "started_at": 1_700_000_001.0, "finished_at": 1_700_000_100.5}]))
+                                                  "started_at": 1_700_000_001.0, "finished_at": 1_700_000_100.5,
+                                                  "nodes": record.nodes_needed}], record))
     done = job_to_dict(msg)
     assert (done["state"], done["finished_at"], done["result"]) == ("SUCCEEDED", 1_700_000_100.5, None)
     assert done["attempts"] == [{"attempt": 1, "state": "SUCCEEDED", "reason": None, "started_at": 1_700_000_001.0,
-                                 "finished_at": 1_700_000_100.5}]
+                                 "finished_at": 1_700_000_100.5, "nodes": record.nodes_needed,
+                                 "world_size": record.world_size,
+                                 "layout": convert.layout_words(record.spec.parallel, record.world_size)}]

@@ -77,6 +77,19 @@ def _train_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
             f"interleaved schedule (parallel.vpp={p.vpp}) needs micro-batches per step "
             f"({t.global_batch // per_step}) to be a multiple of parallel.pp={p.pp}"
         )
+    for field, value in (("checkpoint_dir", t.checkpoint_dir), ("init_from", t.init_from)):
+        if value is not None and not os.path.isabs(value):
+            errors.append(f"train.{field}={value!r} must be an absolute path (one every node reads)")
+    if t.init_optimizer and not t.init_from:
+        errors.append("train.init_optimizer=true needs train.init_from (the checkpoint whose AdamW state to take)")
+    res = spec.resources
+    if res.fewest_nodes < res.nodes and (t.checkpoint_every or t.snapshot_every) and not t.checkpoint_dir:
+        errors.append(f"resources.min_nodes={res.min_nodes} needs train.checkpoint_dir: an attempt on fewer nodes "
+                      f"resumes by re-slicing every old rank's checkpoint, which each node's own directory does not "
+                      f"hold (a directory on a filesystem all nodes share)")
+    if t.stop_at is not None and t.stop_at > t.steps:
+        errors.append(f"train.stop_at={t.stop_at} must be at most train.steps={t.steps} (the run stops after that "
+                      f"step; train.steps sets the schedule)")
     return errors
 
 
@@ -98,16 +111,25 @@ def errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
 
 
 def absolute_data(spec: JobSpec, job_dir: Path | None = None) -> list[str]:
-    """``ctl``'s override making a relative ``train.data`` path absolute against the directory ``ctl``
-    runs in (daemons do not share it); ``job_dir`` is not used: data paths predate job-relative paths."""
+    """``ctl``'s overrides making a relative ``train.data``, ``train.checkpoint_dir`` or ``train.init_from``
+    path absolute against the directory ``ctl`` runs in (daemons do not share it); ``job_dir`` is not used:
+    data paths predate job-relative paths."""
     data = spec.train.data if spec.train else "builtin:"
-    if data.startswith("builtin:") or Path(data).is_absolute():
-        return []
-    return [f"train.data={Path(data).resolve()}"]
+    out = [] if data.startswith("builtin:") or Path(data).is_absolute() else [f"train.data={Path(data).resolve()}"]
+    for field in ("checkpoint_dir", "init_from"):   # likewise, against the directory ctl runs in
+        value = getattr(spec.train, field) if spec.train else None
+        if value and not Path(value).is_absolute():
+            out.append(f"train.{field}={Path(value).resolve()}")
+    return out
 
 
 def node_paths(spec: JobSpec, workdir: str, cwd: str) -> list[tuple[str, Any, Any]]:
     """The node files a train rank opens, as ``(field, value, path)``: ``train.data`` unless builtin, the path
     joined to the rank's working directory ``cwd`` as its ``open`` does (``workdir`` is not used)."""
     data = spec.train.data if getattr(spec, "train", None) else "builtin:"
-    return [] if data.startswith("builtin:") else [("train.data", data, os.path.join(cwd, data))]
+    out = [] if data.startswith("builtin:") else [("train.data", data, os.path.join(cwd, data))]
+    for field in ("checkpoint_dir", "init_from"):
+        value = getattr(spec.train, field) if getattr(spec, "train", None) else None
+        if value:
+            out.append((f"train.{field}", value, value))
+    return out

@@ -223,14 +223,15 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
     requests = CheckpointRequests(t.ctx.assignment.run_dir, t.ctx.assignment.rank)
     metrics: dict[str, Any] = {}
     try:
-        for step in range(st.step + 1, t.cfg.steps + 1):
+        for step in range(st.step + 1, last_step(t.cfg) + 1):
             metrics = train_step(t, step_fn, step)
             st.step = step
             st.losses.append({"step": step, "loss": metrics["loss"]})
             if _every(t.cfg.eval_every, step) or (t.cfg.eval_every and step == t.cfg.steps):
                 metrics["val_loss"] = evaluate(t)
                 st.val_losses.append({"step": step, "loss": metrics["val_loss"]})
-            save_after_step(t, step, snapshots, requests)  # a checkpoint is complete before the step's record
+            save_after_step(t, step, snapshots, requests,  # a checkpoint is complete before the step's record
+                            stop=step == t.cfg.stop_at)
             t.ctx.status.write("running", step=step, metrics=metrics)
             log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if isinstance(v, (int, float))})
     finally:
@@ -240,7 +241,16 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
     final = {"step": st.step, **metrics}
     if st.val_losses:
         final["val_loss"] = st.val_losses[-1]["loss"]
-    return {"losses": st.losses, "val_losses": st.val_losses, "final": final, "resumed_from": st.resumed_from}
+    out = {"losses": st.losses, "val_losses": st.val_losses, "final": final, "resumed_from": st.resumed_from}
+    if t.cfg.stop_at is not None and t.cfg.stop_at < t.cfg.steps and st.step == t.cfg.stop_at:
+        out["ended"] = (f"stopped at step {st.step} of {t.cfg.steps} (train.stop_at) with a checkpoint; "
+                        f"train.resume: true goes on from it")
+    return out
+
+
+def last_step(cfg: Any) -> int:
+    """The step the run ends after: ``train.stop_at`` when set, else ``train.steps``."""
+    return cfg.steps if cfg.stop_at is None else min(cfg.stop_at, cfg.steps)
 
 
 def run(ctx: RankContext) -> dict[str, Any]:

@@ -37,8 +37,8 @@ def refusal(root: str, saved: dict[str, Any] | None, identity: dict[str, Any]) -
     diffs = ckpt.differences(saved, identity) if saved else []
     what = "; ".join(diffs) if diffs else "a different world size, layout, model, seed or data"
     hint = "resume with the same settings, or submit with train.resume: false to start afresh"
-    if not diffs or any(d.startswith(("world_size", "parallel.")) for d in diffs):
-        hint += " (checkpoint.export_full_state_dict re-slices a checkpoint for another layout)"
+    if diffs and not any(d.startswith(("world_size", "parallel.")) for d in diffs):
+        hint += " (another layout alone is resumed: the model, seed and data must match)"
     return f"cannot resume from {root}: its checkpoints were written by another run ({what}); {hint}"
 
 

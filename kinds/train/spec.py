@@ -49,3 +49,14 @@ class TrainSpec(Section):
     # a restart resumes from it (0: off)
     snapshot_every: StrictInt = Field(0, ge=0, le=L.MAX_STEPS)
     resume: StrictBool = False
+    # stop cleanly after this step with a checkpoint (Megatron's --exit-interval); the schedule (lr) stays that of
+    # ``steps``, so a later run with ``resume: true`` goes on exactly as an uninterrupted one
+    stop_at: StrictInt | None = Field(None, ge=1, le=L.MAX_STEPS)
+    # where checkpoints go: an absolute directory every node reads (a shared filesystem), ``{dir}/{job name}``;
+    # unset: each node's own state dir. A resume under another layout needs it (every rank reads old files)
+    checkpoint_dir: str | None = Field(None, min_length=1, max_length=4096)   # Linux PATH_MAX
+    # a fresh run's start: a serial state dict (``ctl checkpoint export``) or another job's checkpoints (its
+    # checkpoint directory, or one step's), under any layout; an absolute path. The optimizer starts fresh
+    # unless ``init_optimizer`` asks for the checkpoint's AdamW state (a serial state dict has none)
+    init_from: str | None = Field(None, min_length=1, max_length=4096)
+    init_optimizer: StrictBool = False

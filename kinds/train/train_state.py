@@ -55,6 +55,7 @@ import torch.distributed as dist
 from rankctl.contract.names import job_name_problem
 from rankctl.contract.rankfiles import control_path, read_control
 from rankctl.kinds.train import checkpoint as ckpt
+from rankctl.kinds.train import initfrom, reshard
 from rankctl.kinds.train.resume import agree_resume_step, intact_root
 
 from rankctl.kinds.train.trainer import Trainer, TrainState
@@ -83,7 +84,10 @@ def _job_name(t: Trainer) -> str:
 
 
 def root_of(t: Trainer) -> str:
-    """``{state}/checkpoints/{job name}``."""
+    """``{train.checkpoint_dir}/{job name}`` (a filesystem every node reads), else the node's own
+    ``{state}/checkpoints/{job name}``."""
+    if t.cfg.checkpoint_dir:
+        return os.path.join(t.cfg.checkpoint_dir, _job_name(t))
     return ckpt.checkpoint_root(t.ctx.assignment.run_dir, _job_name(t))
 
 
@@ -230,11 +234,13 @@ class CheckpointRequests:
         self.pending = None
 
 
-def save_after_step(t: Trainer, step: int, snapshots: Snapshots, requests: CheckpointRequests) -> None:
+def save_after_step(t: Trainer, step: int, snapshots: Snapshots, requests: CheckpointRequests, *,
+                    stop: bool = False) -> None:
     """What the rank keeps at the end of ``step``, before it reports the step: a checkpoint
-    (``train.checkpoint_every``, or asked for by the daemon) and a snapshot copy."""
+    (``train.checkpoint_every``, asked for by the daemon, or ``stop``: the run's last step, ``train.stop_at``)
+    and a snapshot copy."""
     asked = requests.due(step)
-    if asked is not None or (t.cfg.checkpoint_every > 0 and step % t.cfg.checkpoint_every == 0):
+    if asked is not None or stop or (t.cfg.checkpoint_every > 0 and step % t.cfg.checkpoint_every == 0):
         with t.ctx.busy("checkpoint"):  # peers may wait for this write: no hang until restart.hang_timeout
             path = save_checkpoint(t, step)
         if asked is not None:
@@ -259,6 +265,35 @@ def load_state(t: Trainer, state: dict[str, Any]) -> None:
                          val_losses=list(state["history"]["val_losses"]), resumed_from=state["step"])
 
 
+def _resharded(t: Trainer, root: str, identity: dict[str, Any], job_id: str | None = None) -> bool:
+    """Resume from the newest step written under another layout of this run (``kinds.train.reshard``; only
+    ``job_id``'s files when given: a restart's); False when there is none. A collective: every rank calls it."""
+    found = reshard.agree_reshard_step(root, identity, t.ctx.assignment.world_size, job_id)
+    if found is None:
+        return False
+    step, old = found
+    reshard.load_resharded(t, root, step, old)
+    t.ctx.log.info("resumed under another layout", step=step, root=root, old_world=old["world_size"],
+                   old_parallel=old["parallel"])
+    if t.ctx.assignment.rank == 0:
+        was = ", ".join(f"{k}={v}" for k, v in old["parallel"].items() if k in ("tp", "pp", "cp", "ep", "vpp", "etp")
+                        and v not in (None, 1))
+        t.ctx.notice(f"resumed from checkpoint step {step}, written by {old['world_size']} rank(s) "
+                     f"({was or 'no model parallelism'}), re-sliced for this layout")
+    return True
+
+
+def _init_from(t: Trainer) -> None:
+    """A fresh start from ``train.init_from``'s weights (any layout), if it names any."""
+    if not t.cfg.init_from:
+        return
+    _, model = _layout(t)
+    what = initfrom.init_from(t, t.cfg.init_from, t.cfg.init_optimizer, model)
+    t.ctx.log.info("initialised from", source=what)
+    if t.ctx.assignment.rank == 0:
+        t.ctx.notice(f"initialised from {what}")
+
+
 def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
     """Load the newest step every rank holds (checkpoint or snapshot) when resuming; clear stale
     files on a fresh run.
@@ -272,8 +307,15 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
         own = restart and not cfg.resume  # the job's own files only
         identity = identity_of(t)
         skipped: list[str] = []
-        step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own, job_id=a.job_id if own else None,
-                                 skipped=skipped)
+        try:
+            step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own,
+                                     job_id=a.job_id if own else None, skipped=skipped)
+        except RuntimeError:  # every rank raises alike (its views are all-gathered): another layout's steps?
+            if own or not _resharded(t, roots[0], identity):
+                raise
+            return
+        if step is None and _resharded(t, roots[0], identity, a.job_id if own else None):
+            return   # written under another layout (an elastic job's attempt on another number of nodes)
         for line in skipped:
             t.ctx.log.warning("checkpoint passed over", detail=line)
             if a.rank == 0:  # one job event per damaged step (rank 0 knows every rank's findings)
@@ -282,9 +324,12 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
             root = intact_root(roots, step, a.rank, ckpt.fingerprint(identity)) or roots[0]
             load_state(t, ckpt.load_rank(root, step, a.rank))
             t.ctx.log.info("resumed", step=step, root=root, snapshot=root == roots[1], restart=restart)
-        elif restart:
+            return
+        if restart:
             t.ctx.log.info("restart without a checkpoint or snapshot every rank has; starting over", roots=roots)
+        _init_from(t)   # nothing to go on from: the run starts as a fresh one does
         return
+    _init_from(t)
     if ckpt.remove_rank_files(roots[1], a.rank):  # snapshots only ever serve this run's restarts
         t.ctx.log.info("removed stale snapshot files", root=roots[1])
     if cfg.checkpoint_every > 0:

@@ -1,0 +1,248 @@
+"""Resume under another layout: a checkpoint written under any tp, pp (vpp), cp, dp, ep/etp and world size,
+re-sliced for this rank.
+
+A rank file already says where each of its tensors sits in the global one (``models.shard.ParamMeta``:
+``full_shape``, ``shard_dim``, ``tp_rank``/``tp_size``, the tensor keyed by its serial name), so no other
+format is needed: a TP-sharded tensor is the full tensor zero-padded along ``shard_dim`` to a multiple of
+``tp_size``, chunk ``tp_rank`` of ``tp_size``. For each of its own parameters a rank copies, from the old
+ranks that hold it (dense ones from ``dp == cp == 0``, experts from ``edp == 0``: ``sources``), only the part
+of each old chunk that falls in its own new chunk (``reslice``), and the same for AdamW's ``exp_avg`` and
+``exp_avg_sq`` (elementwise per parameter: re-sliced exactly). A parameter the old layout did not hold under
+its name (the tied output head that a last pipeline stage keeps, ``init_key`` ``wte.weight``) is taken from
+the tensor it is tied to. Old files are opened with ``torch.load(mmap=True)``: a rank reads only the pages of
+the slices it copies. The old ranks to open come from the old layout (``parallel.layout.RankLayout``), not
+from a scan. RNG state: the old rank of the same number (rank 0's when there is none; no layer draws random
+numbers after initialisation), the step and the loss history from the old files. Data are a pure function of
+(seed, step, i), so with the same global batch the resumed run sees the same samples: its losses equal the
+uninterrupted run's.
+
+Which step: the newest one under the checkpoint root that every old rank finished with one identity that
+differs from this run's in the layout only (``world_size``, ``parallel``; the model, seed and data must be
+the same) and that every new rank can read (``agree_reshard_step``: one all-gather). Node-local checkpoint
+roots hold only their own ranks' files, so resuming under another layout needs ``train.checkpoint_dir`` on
+a filesystem every node reads (the refusal says so).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rankctl.kinds.train import checkpoint as ckpt
+from rankctl.parallel.layout import ParallelConfig, RankLayout
+from rankctl.parallel.tensor import padded
+
+LAYOUT_KEYS = ("world_size", "parallel")
+
+
+def layout_free(identity: dict[str, Any] | None) -> dict[str, Any]:
+    """What must match for a resume under another layout: the identity without its layout."""
+    return {k: v for k, v in (identity or {}).items() if k not in LAYOUT_KEYS}
+
+
+def markers(root: str, step: int) -> dict[int, dict[str, Any]]:
+    out = {}
+    for path in glob.glob(os.path.join(ckpt.step_dir(root, step), "rank-*.done")):
+        try:
+            with open(path, "rb") as f:
+                m = json.loads(f.read())
+            out[int(m["rank"])] = m
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def complete_elsewhere(root: str, identity: dict[str, Any], job_id: str | None = None
+                       ) -> tuple[list[tuple[int, str]], list[int]]:
+    """(step, fingerprint) of the steps under ``root``, newest first, whose every rank of one world finished with
+    an identity that is this run's but for its layout (all of that world's markers readable here; only files
+    ``job_id`` wrote, when given); and the steps of such an identity of which only some ranks' markers are."""
+    want, out, partial = layout_free(identity), [], []
+    for step in sorted(ckpt.list_steps(root), reverse=True):
+        by_fp: dict[str, list[dict[str, Any]]] = {}
+        for m in markers(root, step).values():
+            if m.get("fingerprint") and layout_free(m.get("identity")) == want and \
+                    (job_id is None or m.get("job_id") == job_id):
+                by_fp.setdefault(m["fingerprint"], []).append(m)
+        for fp, ms in by_fp.items():
+            world = (ms[0].get("identity") or {}).get("world_size")
+            if isinstance(world, int) and {m["rank"] for m in ms} >= set(range(world)):
+                out.append((step, fp))
+            else:
+                partial.append(step)
+    return out, partial
+
+
+def agree_reshard_step(root: str, identity: dict[str, Any], world_size: int, job_id: str | None = None
+                       ) -> tuple[int, dict[str, Any]] | None:
+    """The newest step every rank of this world can load under its own layout, and the identity it was written
+    with; None when no rank sees one. One all-gather. RuntimeError when some ranks see one and others cannot
+    (node-local roots). ``job_id``: only that job's files (a restart's)."""
+    views: list[Any] = [None] * world_size
+    dist.all_gather_object(views, complete_elsewhere(root, identity, job_id))
+    common = set.intersection(*(set(map(tuple, v[0])) for v in views))
+    if common:
+        step, fp = max(common)
+        marker = next(m for m in markers(root, step).values() if m.get("fingerprint") == fp)
+        return step, marker["identity"]
+    seen = sorted({s for complete, partial in views for s in [*(s for s, _ in complete), *partial]})
+    if seen:
+        raise RuntimeError(f"checkpoint steps {', '.join(map(str, seen[-5:]))} under {root} were written under "
+                           f"another layout, and no rank here can read every old rank's file of one step: resuming "
+                           f"under another layout needs them all; set train.checkpoint_dir to a directory on a "
+                           f"filesystem all nodes share")
+    return None
+
+
+def old_layout(identity: dict[str, Any]) -> RankLayout:
+    p = identity["parallel"]
+    return RankLayout(ParallelConfig(world_size=identity["world_size"], tp=p["tp"], pp=p["pp"], cp=p["cp"],
+                                     ep=p["ep"], etp=p.get("etp"), vpp=p.get("vpp"), order=p["order"]))
+
+
+def sources(layout: RankLayout) -> list[int]:
+    """The old ranks whose files hold every tensor once: dense ones on ``dp == cp == 0``, experts on ``edp == 0``."""
+    out = []
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        if (c.get("dp", 0) == 0 and c.get("cp", 0) == 0) or c.get("edp", 0) == 0:
+            out.append(r)
+    return out
+
+
+def reslice(parts: dict[int, Tensor], old: dict[str, Any], new: Any, shape: torch.Size) -> Tensor:
+    """This rank's chunk (``new``: its ParamMeta, ``shape``: its local shape) of a tensor held by the old TP
+    ranks as ``parts`` (tp rank -> chunk) with the old ParamMeta ``old`` (a dict); copies only what it needs."""
+    d_old, d_new = old["shard_dim"], new.shard_dim
+    if d_old is None:
+        full = parts[min(parts)]
+        if d_new is None:
+            return full.clone()
+        n, size = full.size(d_new), new.tp_size
+        chunk = padded(n, size) // size
+        out = torch.zeros(shape, dtype=full.dtype)
+        lo, hi = new.tp_rank * chunk, min(n, (new.tp_rank + 1) * chunk)
+        if hi > lo:
+            out.narrow(d_new, 0, hi - lo).copy_(full.narrow(d_new, lo, hi - lo))
+        return out
+    n = old["full_shape"][d_old]
+    c_old = padded(n, old["tp_size"]) // old["tp_size"]
+    if d_new is None:
+        out = torch.empty(shape, dtype=parts[0].dtype)
+        lo, hi, c_new = 0, n, n
+    else:
+        c_new = padded(n, new.tp_size) // new.tp_size
+        lo, hi = new.tp_rank * c_new, min(n, (new.tp_rank + 1) * c_new)
+        out = torch.zeros(shape, dtype=parts[0].dtype)
+    d = d_old
+    for k, part in parts.items():
+        a, b = max(lo, k * c_old), min(hi, (k + 1) * c_old)
+        if b > a:
+            out.narrow(d, a - lo, b - a).copy_(part.narrow(d, a - k * c_old, b - a))
+    return out
+
+
+class OldStates:
+    """The old rank files one rank needs, opened lazily (``mmap``), with where each tensor lives."""
+
+    def __init__(self, root: str, step: int, identity: dict[str, Any]) -> None:
+        self.layout = old_layout(identity)
+        self.states: dict[int, dict[str, Any]] = {}
+        for r in sources(self.layout):
+            self.states[r] = torch.load(ckpt.rank_file(root, step, r), map_location="cpu", weights_only=True,
+                                        mmap=True)
+        self.where: dict[str, dict[int, int]] = {}   # name -> old tp rank -> old rank
+        for r, state in self.states.items():
+            for name, meta in state["meta"].items():
+                self.where.setdefault(name, {}).setdefault(meta["tp_rank"] if meta["shard_dim"] is not None else 0, r)
+        self._opt_index = {r: _optimizer_names(s) for r, s in self.states.items()}
+
+    def source_name(self, name: str, init_key: str) -> str:
+        if name in self.where:
+            return name
+        if init_key in self.where:
+            return init_key
+        raise RuntimeError(f"the checkpoint holds no tensor {name!r} (nor {init_key!r}): another model?")
+
+    def param(self, name: str, new: Any, shape: torch.Size) -> Tensor:
+        src = self.source_name(name, new.init_key)
+        holders = self.where[src]
+        old = self.states[next(iter(holders.values()))]["meta"][src]
+        return reslice({k: self.states[r]["model"][src] for k, r in holders.items()}, old, new, shape)
+
+    def adam(self, name: str, new: Any, shape: torch.Size) -> dict[str, Tensor] | None:
+        """The parameter's AdamW state re-sliced (None: the old run had taken no step)."""
+        src = self.source_name(name, new.init_key)
+        holders = self.where[src]
+        old = self.states[next(iter(holders.values()))]["meta"][src]
+        per: dict[int, dict[str, Any]] = {}
+        for k, r in holders.items():
+            idx = self._opt_index[r].get(src)
+            st = self.states[r]["optimizer"]["state"].get(idx) if idx is not None else None
+            if st is None:
+                return None
+            per[k] = st
+        first = per[min(per)]
+        out: dict[str, Any] = {"step": first["step"].clone() if isinstance(first["step"], Tensor) else first["step"]}
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key] = reslice({k: s[key] for k, s in per.items()}, old, new, shape)
+        return out
+
+    def history(self) -> dict[str, Any]:
+        """The loss history of the old run: from an old rank that holds the losses (a last stage)."""
+        for r in sorted(self.states):
+            h = self.states[r]["history"]
+            if h["losses"] and all(x.get("loss") is not None for x in h["losses"]):
+                return h
+        return self.states[min(self.states)]["history"]
+
+    def rng(self, rank: int, root: str, step: int) -> dict[str, Tensor]:
+        if rank in self.states:
+            return self.states[rank]["rng"]
+        if rank < self.layout.world_size:
+            return torch.load(ckpt.rank_file(root, step, rank), map_location="cpu", weights_only=True, mmap=True)["rng"]
+        return self.states[min(self.states)]["rng"]
+
+
+def optimizer_index(named_dims: list[tuple[str, int]]) -> dict[str, int]:
+    """Serial name -> the index AdamW's state_dict gives the parameter (``kinds.train.optim.param_groups``:
+    the decayed ones (dim >= 2) first, then the rest, each in the model's order)."""
+    order = [n for n, d in named_dims if d >= 2] + [n for n, d in named_dims if d < 2]
+    return {n: i for i, n in enumerate(order)}
+
+
+def _optimizer_names(state: dict[str, Any]) -> dict[str, int]:
+    return optimizer_index([(n, t.dim()) for n, t in state["model"].items()])
+
+
+@torch.no_grad()
+def load_resharded(t: Any, root: str, step: int, identity: dict[str, Any]) -> None:
+    """Fill trainer ``t``'s parameters, AdamW state, RNG and history from ``step`` written under ``identity``'s
+    layout (``agree_reshard_step``)."""
+    from rankctl.kinds.train.trainer import TrainState
+
+    old = OldStates(root, step, identity)
+    metas = t.meta()
+    named = list(t.named_parameters())
+    opt_state = t.optimizer.state_dict()
+    index = optimizer_index([(n, p.dim()) for n, p in named])
+    new_state: dict[int, Any] = {}
+    for name, p in named:
+        p.copy_(old.param(name, metas[name], p.shape).to(p.device))
+        adam = old.adam(name, metas[name], p.shape)
+        if adam is not None:
+            new_state[index[name]] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() else v)
+                                      for k, v in adam.items()}
+    t.optimizer.load_state_dict({"state": new_state, "param_groups": opt_state["param_groups"]})
+    rng = old.rng(t.ctx.assignment.rank, root, step)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and t.device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], t.device)
+    h = old.history()
+    t.state = TrainState(step=step, losses=list(h["losses"]), val_losses=list(h["val_losses"]), resumed_from=step)
