@@ -17,7 +17,8 @@ from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 
 class LocalCluster:
     def __init__(self, nodes: int, slots: int, state_dir: Path, heartbeat_timeout: float = 10.0,
-                 name_prefix: str = "local", imports: Sequence[str] = (), data_roots: Sequence[str] = ("/",)) -> None:
+                 name_prefix: str = "local", imports: Sequence[str] = (), data_roots: Sequence[str] = ("/",),
+                 idle_warm: bool = True) -> None:
         """``imports``: modules that add job kinds (``kinds.registry.load_module``), here and in every launcher.
         ``data_roots``: where jobs may name node files (the embedded cluster runs as you, for your jobs only:
         anywhere, by default)."""
@@ -25,6 +26,7 @@ class LocalCluster:
         self.heartbeat_timeout = heartbeat_timeout
         self.imports = list(imports)
         self.data_roots = tuple(data_roots)
+        self.idle_warm = idle_warm   # launchers warm every kind when first idle (``ctl worker --no-idle-warm``)
         self.names = [f"{name_prefix}-{k}" for k in range(nodes)]
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -70,7 +72,8 @@ class LocalCluster:
         for module in self.imports:
             registry.load_module(module)
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        launchers = await asyncio.gather(*[Launcher.start(imports=self.imports) for _ in range(self.nodes)])
+        launchers = await asyncio.gather(*[Launcher.start(imports=self.imports, idle_warm=self.idle_warm)
+                                         for _ in range(self.nodes)])
         server = await start_coordinator("127.0.0.1:0", self.state_dir / "coordinator",
                                          heartbeat_timeout=self.heartbeat_timeout)
         self.address = server.address

@@ -89,7 +89,8 @@ class NetnsCluster:
         state.mkdir(parents=True, exist_ok=True)
         self.workers[name] = Proc(
             ["worker", "--coordinator", self.address, "--slots", str(self.slots), "--name", name,
-             "--state-dir", str(state), "--advertise-address", self.addr[name], "--insecure"],  # a private bridge
+             "--state-dir", str(state), "--advertise-address", self.addr[name], "--insecure",  # a private bridge
+             "--no-idle-warm"],   # as tests.cluster.start_worker
             self.root / f"{name}.log", prefix=["ip", "netns", "exec", self.ns[name]])
 
     def wait_ready(self, names: list[str] | None = None) -> None:

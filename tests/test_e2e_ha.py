@@ -56,7 +56,8 @@ class HACluster:
         for i in range(2):
             self.start_coordinator(i)
         self.workers = [Proc(["worker", "--coordinator", self.both, "--slots", "2", "--name", f"node-{i}",
-                              "--state-dir", str(root / f"node-{i}"), "--data-root", "/"], root / f"node-{i}.log")
+                              "--state-dir", str(root / f"node-{i}"), "--data-root", "/", "--no-idle-warm"],
+                             root / f"node-{i}.log")
                         for i in range(2)]
         wait_for(lambda: len(self.ready()) == 2, 120, "both nodes READY")
 

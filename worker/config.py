@@ -36,6 +36,7 @@ class DaemonConfig:
     pool: str = ""                # the allocation this daemon serves (ctl slurm's batch script); "": the general pool
     snapshot_memory_mb: int | None = None  # bound on rankctl's snapshot memory (worker.snapmem); None: a quarter
                                            # of the node's memory, 0: none of rankctl's own
+    idle_warm: bool = True        # the launcher warms every job kind in its first idle second (worker.warming)
 
     @property
     def rank_threads(self) -> int:

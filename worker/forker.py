@@ -60,7 +60,8 @@ class RankProc:
 class Forker:
     """Serves the launcher protocol (see ``rankctl.worker.launcher``) on stdin / ``event_fd``."""
 
-    def __init__(self, event_fd: int, stdin_fd: int = 0, containment: str = "auto", shm_mode: str = "auto") -> None:
+    def __init__(self, event_fd: int, stdin_fd: int = 0, containment: str = "auto", shm_mode: str = "auto",
+                 idle_warm: bool = True) -> None:
         self.event_fd = event_fd
         self.stdin_fd = stdin_fd
         self.procs: dict[int, RankProc] = {}
@@ -76,7 +77,7 @@ class Forker:
         self._next_scan = 0.0
         self._sel: selectors.BaseSelector | None = None
         self.warmth = Warmth()          # kinds whose warm hook ran (JobKind.warm)
-        self._idle_warm = True          # the first idle second with no rank alive warms every kind
+        self._idle_warm = idle_warm     # the first idle second with no rank alive warms every kind
 
     # -- events ---------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:

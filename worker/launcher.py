@@ -106,6 +106,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None, help="exit at once if this is not our parent")
     p.add_argument("--import", dest="imports", action="append", default=[],
                    help="module to import at start-up: its KIND (or its register calls) adds a job kind")
+    p.add_argument("--no-idle-warm", action="store_true",
+                   help="do not warm every job kind in the first idle second with no rank alive")
     p.add_argument("--containment", choices=("auto", "cgroup2", "subreaper"), default="auto",
                    help="how a rank's processes are kept together and ended with it (auto: cgroup v2 if writable)")
     p.add_argument("--shm", choices=SHM_MODES, default="auto",
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for module in args.imports:
         registry.load_module(module)
     rank.preload_kinds()
-    forker = Forker(event_fd, containment=args.containment, shm_mode=args.shm)
+    forker = Forker(event_fd, containment=args.containment, shm_mode=args.shm, idle_warm=not args.no_idle_warm)
     forker.emit({"event": "ready", "pid": os.getpid(), "hardware": hardware_facts(),
                  "containment": forker.containment})
     return forker.serve()

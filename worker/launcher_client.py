@@ -57,15 +57,17 @@ class Launcher:
         stderr: int | None = None,
         containment: str = "auto",
         shm: str = "auto",
+        idle_warm: bool = True,
     ) -> "Launcher":
         """Start the launcher and wait for its ``ready`` event (torch import takes seconds).
 
         ``imports`` are modules the launcher imports at start-up (they may register job kinds);
         ``containment``: "auto", "cgroup2" or "subreaper" (``worker.contain``); ``shm``: "auto",
-        "private" or "tracked" (``worker.shm``).
+        "private" or "tracked" (``worker.shm``); ``idle_warm``: warm every job kind in the launcher's first idle
+        second with no rank alive (``worker.warming``).
         """
         args = [python, "-m", "rankctl.worker.launcher", "--parent-pid", str(os.getpid()),
-                "--containment", containment, "--shm", shm]
+                "--containment", containment, "--shm", shm, *(() if idle_warm else ("--no-idle-warm",))]
         for module in imports:
             args += ["--import", module]
         proc = await asyncio.create_subprocess_exec(

@@ -161,12 +161,12 @@ async def _run_worker(cfg: DaemonConfig, stop: asyncio.Event | None, launcher: A
 
     own_launcher = launcher is None
     if own_launcher:
-        launcher = await Launcher.start(python=sys.executable)
+        launcher = await Launcher.start(python=sys.executable, idle_warm=cfg.idle_warm)
     if cfg.slots < 1:  # one rank per GPU, or one slot on a CPU node
         cfg = replace(cfg, slots=len(launcher.hardware.get("gpus", [])) or 1)
     services = await _start_services(cfg, bound)
     cfg = replace(cfg, peer_port=services.peer_port)
-    daemon = WorkerDaemon(cfg, launcher, start_launcher=lambda: Launcher.start(python=sys.executable),
+    daemon = WorkerDaemon(cfg, launcher, start_launcher=lambda: Launcher.start(python=sys.executable, idle_warm=cfg.idle_warm),
                           set_serving=serving_setter(services.servicer))
     if stop is None:
         stop = asyncio.Event()
