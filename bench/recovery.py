@@ -283,8 +283,8 @@ def run_rankctl(root: Path, ns: argparse.Namespace, key: str) -> Side:
     start = cluster.start_worker
 
     def start_worker(address: str, name: str, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        with on_cpus(cpus.get(name)):
-            return start(address, name, *args, **kwargs)
+        with on_cpus(cpus.get(name)):   # daemons as users run them: the spare's launcher warms when idle
+            return start(address, name, *args, idle_warm=True, **kwargs)
 
     cluster.start_worker = start_worker
     try:

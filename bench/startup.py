@@ -127,7 +127,7 @@ def main() -> None:
     ns = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rankctl-bench-startup-"))
     coord, address = start_coordinator(root / "coord")
-    worker = start_worker(address, "bench-node", ns.ranks, root)
+    worker = start_worker(address, "bench-node", ns.ranks, root, idle_warm=True)   # as users run it
     load = []
     try:
         wait_for(lambda: ready_nodes(address) == ["bench-node"], 120, "the worker to register")

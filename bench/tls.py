@@ -103,7 +103,7 @@ def start_side(root: Path, tls: bool) -> Side:
     side = Side("mTLS" if tls else "plain", [coord], address, user)
     try:
         side.procs.append(start_worker(address, NODE, 1, root, ("--tls-dir", node_dir) if tls else (),
-                                       data_roots=()))
+                                       data_roots=(), idle_warm=True))
         with side.client() as c:
             wait_for(lambda: [n.name for n in c.nodes() if n.state == READY] == [NODE], 60,
                      f"{NODE} READY ({side.name})")
