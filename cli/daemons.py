@@ -118,7 +118,7 @@ def _check_node_identity(tls_dir: str, node: str) -> None:
                    "default: only builtin data and the state dir).")
 @click.option("--no-idle-warm", "no_idle_warm", is_flag=True,
               help="Do not warm every job kind in the launcher's first idle second (the warm-up makes a spare's "
-                   "first ranks start ~2 s sooner and costs ~2.5 s of CPU once; short-lived test daemons skip it).")
+                   "first ranks start ~2 s sooner and costs ~2.5 s of CPU once).")
 @click.option("--pool", default="", metavar="NAME",
               help="Serve only the job of this allocation, and exit when it ends (ctl slurm's batch script sets "
                    "it; default: the general pool).")

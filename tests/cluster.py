@@ -87,10 +87,9 @@ def http_address(state: Path, timeout: float = 30) -> str:
 
 
 def start_worker(address: str, name: str, slots: int, root: Path, extra: tuple[str, ...] = (),
-                 data_roots: tuple[str, ...] = ("/",), idle_warm: bool = False) -> Proc:
-    """A worker daemon; by default its jobs may name any path (``data_roots=()``: the state dir only). Its launcher
-    does not warm every job kind when first idle (``--no-idle-warm``): ~2.5 s of CPU each short-lived test daemon
-    would pay that no test measures (``bench/recovery.py`` measures what it buys a spare)."""
+                 data_roots: tuple[str, ...] = ("/",), idle_warm: bool = True) -> Proc:
+    """A worker daemon; by default its jobs may name any path (``data_roots=()``: the state dir only). ``idle_warm``
+    False: its launcher does not warm every job kind when first idle (``--no-idle-warm``)."""
     state = root / name
     state.mkdir(parents=True, exist_ok=True)
     roots = [arg for r in data_roots for arg in ("--data-root", r)]

@@ -89,8 +89,7 @@ class NetnsCluster:
         state.mkdir(parents=True, exist_ok=True)
         self.workers[name] = Proc(
             ["worker", "--coordinator", self.address, "--slots", str(self.slots), "--name", name,
-             "--state-dir", str(state), "--advertise-address", self.addr[name], "--insecure",  # a private bridge
-             "--no-idle-warm"],   # as tests.cluster.start_worker
+             "--state-dir", str(state), "--advertise-address", self.addr[name], "--insecure"],  # a private bridge
             self.root / f"{name}.log", prefix=["ip", "netns", "exec", self.ns[name]])
 
     def wait_ready(self, names: list[str] | None = None) -> None:

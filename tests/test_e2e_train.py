@@ -50,7 +50,7 @@ def job_yaml(name: str, tp: int = 1, sp: bool = False, dp: int = 1, steps: int =
 class Runner:
     def __init__(self, root: Path, nodes: int = 2, slots: int = 4) -> None:
         self.root = root
-        self.cluster = LocalCluster(nodes, slots, root, idle_warm=False).start()   # as tests.cluster.start_worker
+        self.cluster = LocalCluster(nodes, slots, root).start()
         self.ctx = Ctx(coordinator=self.cluster.address)
 
     def submit(self, text: str) -> str:
