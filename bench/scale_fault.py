@@ -247,17 +247,22 @@ def shares(r: dict, gens: list[Generator], nodes: int, t0: float) -> None:
     """The daemons' times on the critical path, and what is left of (b) and (c): the coordinator's. Of that, its
     own work: until its last Cancel was handed to gRPC, from the last stop confirmation sent until its last Assign
     was handed to gRPC, and from the last first step sent until (c); the rest is the daemons reading (on this
-    machine, generator processes that share its cores)."""
+    machine, generator processes that share its cores). A restart in place (no Cancel, no confirmation) counts
+    from t0 to the last Assign handed to gRPC instead of the first two."""
     for key, attempt, what, want in (("cancel", 1, "cancel", nodes - 1), ("confirm", 1, "confirm", nodes - 1),
                                      ("b", 2, "assign", nodes), ("step1", 2, "step1", nodes)):
         count, last = sim_attempt(gens, attempt, what)
         r[key] = last - t0 if count >= want else NAN
         r[key + "_count"] = count
-    r["sims"] = (r["confirm"] - r["cancel"]) + (r["step1"] - r["b"])
-    r["coord_b"] = r["b"] - (r["confirm"] - r["cancel"])
+    r["in_place"] = r["cancel_count"] == 0 and r["confirm_count"] == 0   # no stop confirmed first
+    if r["in_place"]:
+        stop, own_stop, placing_from = 0.0, 0.0, 0.0
+    else:
+        stop, own_stop, placing_from = r["confirm"] - r["cancel"], r.get("cancel_handed", NAN), r["confirm"]
+    r["sims"] = stop + (r["step1"] - r["b"])
+    r["coord_b"] = r["b"] - stop
     r["coord_c"] = r.get("c", NAN) - r["sims"]
-    r["coord_own"] = (r.get("cancel_handed", NAN) + (r.get("assign_handed", NAN) - r["confirm"])
-                      + (r.get("c", NAN) - r["step1"]))
+    r["coord_own"] = own_stop + (r.get("assign_handed", NAN) - placing_from) + (r.get("c", NAN) - r["step1"])
 
 
 async def drive_fault(ns: argparse.Namespace, address: str, coord: subprocess.Popen, nodes: int,
@@ -350,6 +355,8 @@ def fault_main(ns: argparse.Namespace) -> None:
     verdict = "met" if big.get("coord_c", NAN) < COORD_TARGET_S else "NOT met"
     print(f"target: the coordinator's share of (c) under {COORD_TARGET_S:g} s at {big['ranks']} ranks: {verdict} "
           f"({fmt(big.get('coord_c', NAN))} s; its own work {fmt(big.get('coord_own', NAN))} s)")
+    print("restart: " + ", ".join(f"{r['nodes']} nodes " + ("in place (no Cancel, no stop confirmed)" if
+                                 r.get("in_place") else "stop confirmed, then requeued") for r in results))
     for r in results:
         print(f"fault nodes={r['nodes']} ranks={r['ranks']} "
               + " ".join(f"{k}_s={fmt(r.get(k, NAN), 3)}" for k in ("a", "b", "c", "sims", "coord_b", "coord_c", "coord_own"))

@@ -123,6 +123,7 @@ class Daemon:
         self.target = 0
         self.name = f"sim-{index:05d}"
         self.port = 29500 + index % 1000
+        self.ports = [self.port, self.port + 1000]   # a restart in place takes a port the old attempt does not use
         self.offset = (index / sim.ns.total) * sim.period  # spread ticks evenly over the period
         self.seq = 0
         self.session = f"{self.name}-{os.getpid()}-{time.time_ns()}"
@@ -170,7 +171,8 @@ class Daemon:
                 running = [pb.RunningJob(job_id=j, attempt=a, ranks=r) for j, (a, r) in self.playing.items()]
                 await call.write(pb.NodeMessage(register=pb.Register(
                     name=self.name, address="127.0.0.1", slots=sim.ns.slots, hardware=hw,
-                    free_ports=[self.port], session=self.session, running=running)))
+                    free_ports=self.ports, session=self.session, running=running,
+                    replaces=True)))   # as the daemon: a newer Assign stops the older attempt's player first
                 while True:
                     msg = await call.read()
                     if msg is grpc.aio.EOF:
@@ -230,7 +232,7 @@ class Daemon:
         await asyncio.sleep(interval * ((self.index * 0.618) % 1.0))  # spread beats too
         while True:
             beat += 1
-            ports = [self.port] if beat % 5 == 0 else []
+            ports = self.ports if beat % 5 == 0 else []
             # as the real daemon does (worker/daemon.py): a batch within the interval already showed the
             # node alive, so only every fifth beat (free ports) goes
             if ports or time.time() - self.last_batch >= interval:

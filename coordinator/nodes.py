@@ -49,6 +49,7 @@ class NodeSession:
     peer_port: int = 0             # its PeerService port (checkpoint replication); 0: none
     usage: pb.NodeUsage | None = None  # the newest usage its heartbeats carried (None: none yet)
     pool: str = ""                 # the allocation it was started for ("": the general pool; from its Register)
+    replaces: bool = False         # its daemon stops an older attempt's ranks before a newer Assign's start
 
     @property
     def peer(self) -> str:
@@ -124,7 +125,7 @@ class NodeTable:
     def connect(self, record: NodeRecord, hello: NodeHello, outbox: Outbox, now: float) -> NodeSession:
         """Open a new session (``record`` from ``record_for``, already stored)."""
         session = NodeSession(record, NodeStatus.READY, outbox, tuple(hello.free_ports), now,
-                              peer_port=hello.peer_port, pool=hello.pool)
+                              peer_port=hello.peer_port, pool=hello.pool, replaces=hello.replaces)
         self.sessions[hello.name] = session
         return session
 

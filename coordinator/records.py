@@ -145,6 +145,7 @@ class NodeHello:
     session: str = ""
     peer_port: int = 0         # the daemon's PeerService (checkpoint replication); 0: none
     pool: str = ""             # the allocation it was started for ("": the general pool)
+    replaces: bool = False     # a newer attempt's Assign stops the older one's ranks there first (``Register.replaces``)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class ReportApplier:
     def __init__(self, book: JobBook, clock: Callable[[], float]) -> None:
         self._book, self._clock = book, clock
         self.rejected: Counter[str] = Counter()
+        self.ignored = 0   # reports of an older attempt or a forgotten job
 
     def rank_rows(self) -> ContextManager[None]:
         """Around the ``apply`` calls of one group commit: their rank rows are stored together at its end."""
@@ -112,8 +113,8 @@ class ReportApplier:
                 owner = job.nodes[node_of_rank(rank, job.slots_per_node)] \
                     if 0 <= rank < job.world_size and job.nodes else None
                 log.warning("report.not_owner", node=node, job=job.id, rank=rank, owner=owner, rejected=n)
-        else:  # an older attempt's or a forgotten job's report: normal after a restart or a cancel
-            log.debug("report.ignored", node=node, job=update.job_id, attempt=update.attempt)
+        else:  # an older attempt's or a forgotten job's report: normal after a restart or a cancel (no log line:
+            self.ignored += 1  # after a restart in place at 65,536 ranks, thousands arrive at once)
 
     def _apply_rank(self, job: JobRecord, ranks: dict[int, RankRecord], progress: JobProgress, node: str,
                     update: Report, rank: int, events: list[RankRecord] | None = None) -> bool:

@@ -1,9 +1,13 @@
 """Ends of attempts: a failed attempt restarts or fails the job, a drained node's jobs move, a job finishes.
 
 A failed attempt (a rank exits non-zero, a node is lost or comes back without it, a hang) goes to the pure
-``restart_decision.decide``. A restart moves the job to RESTARTING with the reason, tells every node of
-the attempt to stop it and queues the next attempt (PENDING, ``attempt + 1``) only once every rank of
-the old one is confirmed gone (``stops``); no slot or port is reused before that. Each attempt's end,
+``restart_decision.decide``. A restart moves the job to RESTARTING with the reason. Where every node of the
+attempt still connected stays in the next one and its daemon stops an older attempt's ranks before it starts a
+newer Assign's (``Register.replaces``), the next attempt is queued and placed at once on those nodes and free
+ones for the lost (``Scheduler.in_place``): a restart in place, on a new rendezvous port, with no stop to wait
+for. Otherwise it tells every node of the attempt to stop it and queues the next attempt (PENDING,
+``attempt + 1``) only once every rank of the old one is confirmed gone (``stops``); no slot or port is
+reused before that. Each attempt's end,
 reason, cause (``failure`` or ``drain``) and the node a failure is attributed to are stored in the
 ``attempts`` table. A node two consecutive failed attempts of a job are attributed to is not placed for
 that job again until ``ctl undrain``. A drained node's jobs restart without it, after their drain
@@ -108,6 +112,11 @@ class Restarts:
                 self._exclude_if_repeated(job, blamed)
         self._stats.restarts[cause] += 1
         self._drains.forget(job.id)
+        placed = self._scheduler.in_place(job)
+        if placed is not None:  # its nodes stop the old ranks as they start the new: no stop to confirm first
+            log.warning("job.restarting", job=job.id, attempt=job.attempt, reason=reason, cause=cause, in_place=True)
+            if self._scheduler.restart_in_place(job, *placed):
+                return
         self._stops.begin(job)
         self._outgoing.to_nodes(job.nodes, convert.cancel_message(job.id, job.attempt, headline), kind="cancel")
         log.warning("job.restarting", job=job.id, attempt=job.attempt, reason=reason, cause=cause)

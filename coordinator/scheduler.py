@@ -133,8 +133,7 @@ class Scheduler:
 
         Draining nodes and the nodes excluded for this job are not placed; the reason names them."""
         blocked = self._nodes.blocked(job.id)
-        slots = [NodeSlots(name, n) for name, n in self.free_slots().items()
-                 if name not in blocked and self._placement_pool(self._nodes.get(name).pool) == job.pool]
+        slots = self._slots(job, blocked)
         if job.pool and (why := self.gathering(job, sum(1 for s in slots if s.free >= job.slots_per_node))):
             return why
         try:
@@ -152,23 +151,32 @@ class Scheduler:
         self._start(job, names, port)
         return None
 
-    def _place_elastic(self, job: JobRecord, slots: list[NodeSlots]) -> list[str]:
+    def _slots(self, job: JobRecord, blocked: dict[str, str], own: Iterable[str] = ()) -> list[NodeSlots]:
+        """The free slots the job may be placed on (its pool's nodes, none blocked for it); ``own``: nodes whose
+        slots it holds now, counted free for its next attempt."""
+        free = self.free_slots()
+        for name in own:
+            free[name] = free.get(name, 0) + job.slots_per_node
+        return [NodeSlots(name, n) for name, n in free.items()
+                if name not in blocked and self._placement_pool(self._nodes.get(name).pool) == job.pool]
+
+    def _place_elastic(self, job: JobRecord, slots: list[NodeSlots], prev: list[str] | None = None) -> list[str]:
         """The job's nodes at its full size (``resources.nodes``), else, for an elastic job
         (``resources.min_nodes``), on as many nodes as fit down to ``min_nodes``; the full size's PlacementError
         when none fits."""
         res = job.spec.resources
         try:
-            return self._place(job, slots, res.nodes)
+            return self._place(job, slots, res.nodes, prev)
         except PlacementError as full:
             for nodes in range(res.nodes - 1, res.fewest_nodes - 1, -1):
                 with contextlib.suppress(PlacementError):
-                    return self._place(job, slots, nodes)
+                    return self._place(job, slots, nodes, prev)
             raise full from None
 
-    def _place(self, job: JobRecord, slots: list[NodeSlots], nodes: int) -> list[str]:
-        """``nodes`` nodes for the job: against its previous attempt's, never both nodes of a pair kept apart for
-        it (a link a hang pointed at) while the placement fits without the second of them."""
-        prev = self._prev_attempt_nodes(job)
+    def _place(self, job: JobRecord, slots: list[NodeSlots], nodes: int, prev: list[str] | None = None) -> list[str]:
+        """``nodes`` nodes for the job: against ``prev`` (default: its previous attempt's), never both nodes of a
+        pair kept apart for it (a link a hang pointed at) while the placement fits without the second of them."""
+        prev = self._prev_attempt_nodes(job) if prev is None else prev
         apart = {b for _, b in self._nodes.apart.get(job.id, ())}
         if apart:
             try:
@@ -180,15 +188,50 @@ class Scheduler:
 
     def fits_full(self, job: JobRecord) -> bool:
         """Whether a shrunk elastic job would fit at its full size now: the free slots and its own nodes'."""
-        blocked = self._nodes.blocked(job.id)
-        free = self.free_slots()
-        for name in job.nodes:   # its own slots count as free for its next attempt
-            free[name] = free.get(name, 0) + job.slots_per_node
-        slots = [NodeSlots(name, n) for name, n in free.items()
-                 if name not in blocked and self._placement_pool(self._nodes.get(name).pool) == job.pool]
+        slots = self._slots(job, self._nodes.blocked(job.id), own=job.nodes)
         try:
             self._place(job, slots, job.spec.resources.nodes)
         except PlacementError:
+            return False
+        return True
+
+    def in_place(self, job: JobRecord) -> tuple[list[str], int] | None:
+        """Where the next attempt of a job whose attempt just failed starts at once (nodes, rendezvous port): on
+        every node of the attempt still connected, whose daemon stops the old ranks before it starts the new
+        (``NodeSession.replaces``), and free nodes for the rest, on a port the old attempt does not use. None:
+        a node leaves the job (blocked for it, kept apart), or nothing fits now: its stop is confirmed first."""
+        if job.pool or self._shutting_down():
+            return None
+        sessions = [self._nodes.get(name) for name in job.nodes]
+        kept = [s.name for s in sessions if s is not None and s.status is NodeStatus.READY]
+        if not all(self._nodes.get(name).replaces for name in kept):
+            return None
+        blocked = self._nodes.blocked(job.id)
+        try:
+            names = self._place_elastic(job, self._slots(job, blocked, own=kept), prev=job.nodes)
+        except PlacementError:
+            return None
+        if not set(kept) <= set(names):
+            return None
+        port = pick_port(self._nodes.get(names[0]).free_ports, self._ports_in_use(names[0]))
+        return None if port is None else (names, port)
+
+    def restart_in_place(self, job: JobRecord, names: list[str], port: int) -> bool:
+        """Queue and start the next attempt of a RESTARTING job on ``in_place``'s nodes and port at once; False
+        when the store refused it (memory is the store's again: the job is RESTARTING, nothing was sent)."""
+        previous = job.attempt
+        self.remember_nodes(job)
+        try:
+            with self._guard.consistent(), self._outgoing.after_commit(), \
+                    self._store.transaction(f"the next attempt of job {job.id}"):
+                job.attempt = previous + 1
+                self._book.transition(job, S.PENDING, f"queued as attempt {job.attempt}, in place: each node "
+                                                      f"stops attempt {previous}'s ranks before it starts its own")
+                self._start(job, names, port)
+        except StoreError as exc:
+            if self._store.in_transaction:  # inside another change's: it fails as a whole
+                raise
+            log.warning("restart_in_place.store_failed", job=job.id, error=str(exc))
             return False
         return True
 

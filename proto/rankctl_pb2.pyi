@@ -497,7 +497,7 @@ class Cancel(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port", "pool")
+    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port", "pool", "replaces")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +507,7 @@ class Register(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PEER_PORT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -516,7 +517,8 @@ class Register(_message.Message):
     session: str
     peer_port: int
     pool: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
+    replaces: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ..., pool: _Optional[str] = ..., replaces: _Optional[bool] = ...) -> None: ...
 
 class RunningJob(_message.Message):
     __slots__ = ("job_id", "attempt", "ranks")

@@ -62,11 +62,12 @@ class World:
     nodes: dict[str, FakeNode] = field(default_factory=dict)
 
     def connect(self, name: str, slots: int = 2, *, gpus: int = 0, ports: tuple[int, ...] = (29500, 29501),
-                running: tuple[RunningJob, ...] = (), session: str = "s1") -> FakeNode:
+                running: tuple[RunningJob, ...] = (), session: str = "s1", replaces: bool = False) -> FakeNode:
+        """``replaces``: the daemon stops an older attempt's ranks before a newer Assign (restarts go in place)."""
         node = self.nodes.setdefault(name, FakeNode(name))
         node.gpus = gpus
         hw = {"gpus": [{"index": i} for i in range(gpus)]}
-        hello = NodeHello(name, f"{name}.lan", slots, hw, ports, running, session)
+        hello = NodeHello(name, f"{name}.lan", slots, hw, ports, running, session, replaces=replaces)
         node.session = self.core.register(hello, node.sent.append)
         return node
 

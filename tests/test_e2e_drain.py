@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ProcCluster, ctl, rank_pids, status, stepping, wait_for
+from cluster import ProcCluster, ctl, events, rank_pids, status, stepping, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 NODES = ["node-0", "node-1", "node-2"]
@@ -122,20 +122,23 @@ time.sleep(600)
 """
 
 
-def test_a_cancel_while_an_attempt_stops_shows_the_stop_and_leaves_no_rank(three: ProcCluster, tmp_path: Path) -> None:
-    """Rank 0 fails; the others ignore SIGTERM, so attempt 1 stops only at the SIGKILL after the grace.
-    A cancel meanwhile is CANCELLED at once, shows the ranks not yet gone, and queues nothing."""
+def test_a_cancel_while_a_restart_waits_for_the_old_ranks_shows_the_stop_and_leaves_no_rank(
+        three: ProcCluster, tmp_path: Path) -> None:
+    """Rank 0 fails; the others ignore SIGTERM, so attempt 1's ranks go only at the SIGKILL after the grace. The
+    restart goes in place: attempt 2 is placed at once and its nodes hold its start until attempt 1's ranks are
+    gone. A cancel meanwhile is CANCELLED at once and shows attempt 2's ranks not yet gone; they never start:
+    each node reports them exited once attempt 1's are gone, and no rank of either attempt is left."""
     work = tmp_path / "stubborn"
     work.mkdir()
     (work / "main.py").write_text(SCRIPT)
     path = tmp_path / "stubborn.yaml"
     path.write_text(STUBBORN.replace("WORKDIR", str(work)))
     job = three.submit(str(path))
-    wait_for(lambda: status(three.address, job)["state"] == "RESTARTING", 120, "attempt 1 failing")
+    wait_for(lambda: status(three.address, job)["attempt"] == 2, 120, "attempt 1 failing, attempt 2 placed")
     out = ctl(three.address, "cancel", job)
     assert out.returncode == 0, out.stderr
     st = status(three.address, job)
-    assert st["state"] == "CANCELLED" and st["attempt"] == 1, st
+    assert st["state"] == "CANCELLED" and st["attempt"] == 2, st
     assert "; stopping: " in st["reason"] and "rank(s) not yet confirmed gone" in st["reason"], st["reason"]
     human = ctl(three.address, "status", job)
     assert "not yet confirmed gone" in human.stdout, human.stdout
@@ -143,5 +146,8 @@ def test_a_cancel_while_an_attempt_stops_shows_the_stop_and_leaves_no_rank(three
     wait_for(lambda: "stopping" not in status(three.address, job)["reason"], 60, "the stop confirmed")
     wait_for(lambda: not rank_pids(job), 30, "every rank of every attempt to exit")
     done = status(three.address, job)
-    assert done["state"] == "CANCELLED" and done["attempt"] == 1 and len(done["attempts"]) == 1, done
+    assert done["state"] == "CANCELLED" and done["attempt"] == 2 and len(done["attempts"]) == 2, done
+    assert any("queued as attempt 2, in place" in m for _, m in events(three.address, job))
+    errors = [r.get("error", "") for r in done["ranks"]]
+    assert errors and all("was cancelled before its ranks started" in e for e in errors), done["ranks"]
     print(f"\ncancel during a restart: the stop was confirmed {time.monotonic() - t0:.1f} s after the cancel")

@@ -175,3 +175,78 @@ def test_a_pair_whose_link_a_hang_pointed_at_is_kept_apart_until_a_pre_flight_pa
     progress.preflight = Preflight(figures={"tp": 0.1})             # rank 0's pre-flight: nothing excluded
     world.report(job.id, 0, "running")
     assert world.core.nodes.apart[job.id] == set()
+
+
+# -- restarts in place: daemons that stop an older attempt's ranks before a newer Assign's start --------------
+
+def test_a_lost_node_is_replaced_in_place_without_waiting_for_the_others_to_confirm(world: World) -> None:
+    for n in ("n0", "n1", "n2"):
+        world.connect(n, replaces=True)
+    job = world.core.submit(job_yaml(2))
+    for r in range(4):
+        world.report(job.id, r, "running")
+    first_port = job.rendezvous.rsplit(":", 1)[1]
+    world.core.disconnect(world.nodes["n1"].session)               # n1 is lost with its ranks
+    # at once: attempt 2 on n0 (kept, its ranks not confirmed gone) and the spare n2, on another port
+    assert job.attempt == 2 and job.state is S.STARTING and job.nodes == ["n0", "n2"]
+    assert job.rendezvous.rsplit(":", 1)[1] != first_port
+    assert not cancels(world, "n0", 1)                             # no Cancel: attempt 2's Assign replaces it
+    assign = [a for a in world.nodes["n0"].bodies("assign") if a.attempt == 2]
+    assert len(assign) == 1 and assign[0].restart
+    states = [(e.kind, e.state.value) for e in world.core.events(job.id) if e.kind == "transition"]
+    assert states[-4:] == [("transition", "RESTARTING"), ("transition", "PENDING"), ("transition", "PLACED"),
+                           ("transition", "STARTING")]
+    assert any("in place" in e.message for e in world.core.events(job.id))
+    fake = world.nodes["n0"]
+    for r in (0, 1):  # attempt 1's exits, had the daemon sent them, are ignored (an older attempt's)
+        fake.seq += 1
+        world.deliver(fake.session, RankUpdate(job.id, 1, RankRecord(r, "n0", "exited", exited=True, exit_code=-15),
+                                               "", fake.seq))
+    assert job.attempt == 2 and job.state is S.STARTING
+    world.run_all(job.id)
+    assert job.state is S.SUCCEEDED
+    attempts = world.store.attempts(job.id)
+    assert [a["attempt"] for a in attempts] == [1, 2] and "node n1 lost" in attempts[0]["reason"]
+
+
+def test_a_failed_rank_restarts_in_place_on_the_same_nodes(world: World) -> None:
+    for n in ("n0", "n1"):
+        world.connect(n, replaces=True)
+    job = world.core.submit(job_yaml(1))
+    for r in range(4):
+        world.report(job.id, r, "running")
+    world.report(job.id, 3, "failed", code=1, error="Traceback\nValueError: boom")
+    assert job.attempt == 2 and job.state is S.STARTING and job.nodes == ["n0", "n1"]
+    assert not cancels(world, "n0", 1) and not cancels(world, "n1", 1)
+
+
+def test_without_a_free_node_or_with_an_older_daemon_the_stop_is_confirmed_first(world: World) -> None:
+    for n in ("n0", "n1"):
+        world.connect(n, replaces=True)
+    job = world.core.submit(job_yaml(3))
+    world.core.disconnect(world.nodes["n1"].session)               # no spare: nothing to place attempt 2 on now
+    assert job.state is S.RESTARTING and job.attempt == 1 and cancels(world, "n0", 1)
+    exit_all(world, job, "n0")
+    assert job.state is S.PENDING and job.attempt == 2
+    world.connect("n2")                                            # an older daemon: it would run both attempts
+    assert job.attempt == 2 and job.nodes == ["n0", "n2"]          # (a spare: it had no old ranks)
+    world.core.disconnect(world.nodes["n0"].session)               # now: n2 survives, an older daemon
+    world.connect("n1", replaces=True)
+    assert job.state is S.RESTARTING and cancels(world, "n2", 2)   # stopped the confirmed way
+    exit_all(world, job, "n2")
+    assert job.attempt == 3 and job.state is S.STARTING and sorted(job.nodes) == ["n1", "n2"]
+
+
+def test_a_node_excluded_for_the_job_is_stopped_the_confirmed_way(world: World) -> None:
+    for n in ("n0", "n1", "n2"):
+        world.connect(n, replaces=True)
+    job = world.core.submit(job_yaml(3))
+    for attempt in (1, 2):
+        for r in range(4):
+            world.report(job.id, r, "running")
+        world.report(job.id, 3, "failed", code=1, error=f"Traceback\nValueError: boom {attempt}")
+    # the second failure on n1 excludes it: it leaves the job, so attempt 2 is stopped and confirmed first
+    assert job.attempt == 2 and job.state is S.RESTARTING and cancels(world, "n1", 2)
+    exit_all(world, job, "n0")
+    exit_all(world, job, "n1")
+    assert job.attempt == 3 and job.nodes == ["n0", "n2"]

@@ -22,6 +22,7 @@ from rankctl.worker import hangwatch, shm
 from rankctl.worker.assign import Admission
 from rankctl.worker.blobs import WorkdirCache
 from rankctl.worker.config import DaemonConfig
+from rankctl.worker.inplace import InPlace
 from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.metrics import DaemonFigures, DaemonStats
 from rankctl.worker.outbox import Outbox
@@ -87,6 +88,8 @@ class WorkerDaemon:
         self.admission = Admission(cfg, runs=self.runs, launcher=self.supervisor, replication=replication,
                                    workdirs=workdirs, roots=roots, fetch_blob=self.session.fetch_blob,
                                    outbox=self.outbox, log=node_log)
+        self.inplace = InPlace(node=cfg.name, runs=self.runs, kill=self.supervisor.kill, admit=self.admission.admit,
+                               outbox=self.outbox, log=node_log)
 
     @property
     def connected(self) -> asyncio.Event:
@@ -111,12 +114,21 @@ class WorkerDaemon:
 
     # -- the coordinator's requests (worker.session.Inbound) ---------------------------------
     async def assign(self, msg: pb.Assign) -> None:
-        await self.admission.admit(msg)
+        if not self.inplace.assign(msg):  # else a restart in place: the new ranks start once the old are gone
+            await self.admission.admit(msg)
 
     async def cancel(self, msg: pb.Cancel) -> None:
-        self._log.info("cancel", job=msg.job_id, reason=msg.reason)
+        """Stop the job's ranks here: of ``msg.attempt`` and older ones, never of a newer attempt assigned since
+        (a late Cancel of an attempt this node already replaced in place); every attempt's when it names none."""
+        self._log.info("cancel", job=msg.job_id, attempt=msg.attempt, reason=msg.reason)
+        self.inplace.cancel(msg)
+        live = self.runs.live_attempts(msg.job_id)
         try:
-            await self.supervisor.kill(msg.job_id)
+            if msg.attempt and any(a > msg.attempt for a in live):
+                for attempt in (a for a in live if a <= msg.attempt):
+                    await self.supervisor.kill(msg.job_id, attempt)
+            else:
+                await self.supervisor.kill(msg.job_id)
         except LauncherError:
             return  # no launcher, so none of its ranks is left
         self.runs.continue_stopped(msg.job_id)
@@ -157,6 +169,7 @@ class WorkerDaemon:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._background.cancel()
+            await self.inplace.close()
             await self.supervisor.close()
 
     def stop(self) -> None:

@@ -54,6 +54,18 @@ class Runs:
         return [pb.RunningJob(job_id=r.job_id, attempt=r.attempt, ranks=sorted(r.alive))
                 for r in self._runs.values() if r.alive]
 
+    def live_attempts(self, job_id: str) -> list[int]:
+        """The job's attempts with live ranks here."""
+        return sorted(r.attempt for r in self._runs.values() if r.job_id == job_id and r.alive)
+
+    def supersede(self, job_id: str, before: int) -> list[RunState]:
+        """A newer attempt ``before`` of the job is assigned here (a restart in place): its older runs with live
+        ranks say nothing more to the coordinator, which has moved on; those runs (to stop and wait for)."""
+        runs = [r for r in self._runs.values() if r.job_id == job_id and r.attempt < before and r.alive]
+        for run in runs:
+            run.superseded = True
+        return runs
+
     def live_phases(self) -> Counter[str | None]:
         """Live ranks by the phase of their last report (None: none yet)."""
         return Counter(run.phase.get(rank) for run in self._runs.values() for rank in run.alive)
@@ -91,6 +103,8 @@ class Runs:
                 self._report_record(run, rec)
 
     def _report_record(self, run: RunState, rec: RankStatusRecord) -> None:
+        if run.superseded:
+            return
         status, result_json = to_wire(rec, self._node)
         previous = run.phase.get(status.rank)
         run.phase[status.rank] = status.phase
@@ -129,7 +143,8 @@ class Runs:
             notes.append(f"rankctl: {leftovers} leftover process(es) of rank {rank} still ran after it ended; "
                          "they were killed")
         notes.extend(f"rankctl: {note}" for note in ev.get("notes") or [])  # e.g. the OOM killer at a limit
-        self._outbox.report(run.job_id, run.attempt, exit_status(rank, self._node, code, "\n".join(notes)))
+        if not run.superseded:
+            self._outbox.report(run.job_id, run.attempt, exit_status(rank, self._node, code, "\n".join(notes)))
         self._log.info("rank exited", job=run.job_id, rank=rank, code=code, leftovers_killed=leftovers)
         if code == 0:
             run.succeeded.add(rank)

@@ -34,6 +34,7 @@ class RunState:
     started: bool = False                                # every rank reported running (or ended)
     workdir_blob: str = ""                               # the shipped workdir its ranks run in (pinned in the cache)
     assigned_at: float = field(default_factory=time.monotonic)
+    superseded: bool = False                             # a newer attempt's Assign came: stopped, reported no more
 
     def starting(self) -> bool:
         """Some rank is on its way to running, within ``FAST_POLL_S`` of the assignment (a long rendezvous

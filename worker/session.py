@@ -163,7 +163,7 @@ class CoordinatorSession:
         return pb.NodeMessage(register=pb.Register(
             name=cfg.name, address=cfg.advertise_address, slots=cfg.slots, hardware=hardware_pb(self._hardware()),
             running=self._running(), session=self._session_id, peer_port=cfg.peer_port, pool=cfg.pool,
-            free_ports=free_ports(cfg.advertise_address, cfg.free_ports),
+            free_ports=free_ports(cfg.advertise_address, cfg.free_ports), replaces=True,
         ))
 
     async def _session_once(self) -> None:

@@ -68,9 +68,10 @@ class LauncherSupervisor:
         await self._up.wait()
         await self.launcher.launch(assignments, **kw)
 
-    async def kill(self, job_id: str) -> None:
-        """End the job's ranks here; LauncherError: no launcher, so none of its ranks is left."""
-        await self.launcher.kill(job_id)
+    async def kill(self, job_id: str, attempt: int | None = None) -> None:
+        """End the job's ranks here (of one ``attempt``; None: of every one); LauncherError: no launcher, so none
+        of its ranks is left."""
+        await self.launcher.kill(job_id, **({} if attempt is None else {"attempt": attempt}))
 
     async def run(self) -> None:
         """Launcher events in order, forever; when the launcher dies, tell the listener and start another."""

@@ -33,6 +33,8 @@ class ProcessWatch:
         """Report process state changes of every live rank, and the evidence of a running rank that stalled
         (``runs``: the daemon's runs by (job, attempt); evidence for a run replaced meanwhile is dropped)."""
         for run in runs.values():
+            if run.superseded:  # stopping for a newer attempt: the coordinator hears no more of it
+                continue
             for rank in run.alive:
                 pid = run.pids.get(rank)
                 state = process_state(pid) if pid else ""

@@ -1,0 +1,100 @@
+"""Restarts in place on this node: an Assign of a newer attempt of a job while an older attempt of it has live
+ranks here (the coordinator restarted the job without waiting for their stop: ``Register.replaces``).
+
+The older runs say nothing more to the coordinator, which has moved on; their ranks are signalled (SIGTERM,
+the stopped ones continued, SIGKILL after the launcher's grace) and the new ranks start once the old are gone,
+or ``WAIT_S`` passed. The wait runs beside the session's message loop, one chain per job (a later Assign of the
+job waits for an earlier one), so that a Cancel meanwhile is heard: an attempt cancelled before its start never
+starts, and its ranks are reported exited, which is what the coordinator's stop waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import Any, Awaitable, Callable
+
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.worker.assign import claimed_ranks
+from rankctl.worker.launcher_client import LauncherError
+from rankctl.worker.outbox import Outbox
+from rankctl.worker.reporting import exit_status
+from rankctl.worker.runs import Runs
+from rankctl.worker.runstate import RunState
+
+WAIT_S = 15.0      # an older attempt's ranks get this long to go before the newer one starts anyway
+POLL_S = 0.02      # (the launcher SIGKILLs them 10 s after its SIGTERM)
+
+
+class InPlace:
+    """``admit``: starts an Assign's ranks (``worker.assign.Admission.admit``); ``kill(job, attempt)``: the
+    launcher's (``LauncherSupervisor.kill``)."""
+
+    def __init__(self, *, node: str, runs: Runs, kill: Callable[[str, int], Awaitable[None]],
+                 admit: Callable[[pb.Assign], Awaitable[None]], outbox: Outbox, log: Any) -> None:
+        self._node, self._runs, self._kill, self._admit, self._outbox, self._log = node, runs, kill, admit, outbox, log
+        self._chains: dict[str, asyncio.Task] = {}    # job -> its newest Assign waiting for an older attempt
+        self._cancelled: dict[str, int] = {}          # job -> newest attempt cancelled while a chain runs
+
+    def assign(self, msg: pb.Assign) -> bool:
+        """Take the Assign if an older attempt of its job is live here or another of its Assigns waits; False:
+        nothing to wait for (the caller admits it at once)."""
+        older = self._runs.supersede(msg.job_id, msg.attempt)
+        before = self._chains.get(msg.job_id)
+        if not older and before is None:
+            return False
+        self._chains[msg.job_id] = asyncio.ensure_future(self._chain(msg, older, before))
+        return True
+
+    def cancel(self, msg: pb.Cancel) -> None:
+        """A Cancel came: an Assign of the job waiting here for ``msg.attempt`` or an older one never starts."""
+        if msg.job_id in self._chains:
+            attempt = msg.attempt or 1 << 30
+            self._cancelled[msg.job_id] = max(self._cancelled.get(msg.job_id, 0), attempt)
+
+    async def close(self) -> None:
+        for task in list(self._chains.values()):
+            task.cancel()
+        await asyncio.gather(*self._chains.values(), return_exceptions=True)
+
+    async def _chain(self, msg: pb.Assign, older: list[RunState], before: asyncio.Task | None) -> None:
+        try:
+            if before is not None:
+                with contextlib.suppress(Exception):
+                    await before
+            await self._stop(msg, older)
+            if self._cancelled.get(msg.job_id, 0) >= msg.attempt:
+                self._never_started(msg)
+            else:
+                await self._admit(msg)
+        finally:
+            if self._chains.get(msg.job_id) is asyncio.current_task():
+                del self._chains[msg.job_id]
+                self._cancelled.pop(msg.job_id, None)
+
+    async def _stop(self, msg: pb.Assign, older: list[RunState]) -> None:
+        if not older:
+            return
+        self._log.info("restart in place: stopping the older attempt", job=msg.job_id, attempt=msg.attempt,
+                       older=[r.attempt for r in older])
+        try:
+            for run in older:
+                await self._kill(msg.job_id, run.attempt)
+        except LauncherError:
+            return  # no launcher, so none of its ranks is left
+        self._runs.continue_stopped(msg.job_id)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + WAIT_S
+        while any(r.alive for r in older) and loop.time() < end:
+            await asyncio.sleep(POLL_S)
+        left = sum(len(r.alive) for r in older)
+        if left:
+            self._log.warning("older attempt not gone; starting the new one", job=msg.job_id, ranks_left=left)
+
+    def _never_started(self, msg: pb.Assign) -> None:
+        """The attempt was cancelled while its ranks waited for the older ones: each reported exited."""
+        self._log.info("cancelled before its ranks started", job=msg.job_id, attempt=msg.attempt)
+        note = f"rankctl: attempt {msg.attempt} was cancelled before its ranks started on node {self._node}"
+        for rank in claimed_ranks(msg):
+            self._outbox.report(msg.job_id, msg.attempt, exit_status(rank, self._node, -signal.SIGTERM, note))
