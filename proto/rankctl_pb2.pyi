@@ -120,7 +120,7 @@ class Node(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time", "figures", "notice", "preflight", "ranks")
+    __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time", "figures", "notice", "preflight", "ranks", "first_step")
     class FiguresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class RankStatus(_message.Message):
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     node: str
     phase: str
@@ -166,7 +167,8 @@ class RankStatus(_message.Message):
     notice: str
     preflight: str
     ranks: int
-    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., figures: _Optional[_Mapping[str, float]] = ..., notice: _Optional[str] = ..., preflight: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
+    first_step: bool
+    def __init__(self, rank: _Optional[int] = ..., node: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., metrics_json: _Optional[str] = ..., error: _Optional[str] = ..., exit_code: _Optional[int] = ..., exited: _Optional[bool] = ..., step_time_s: _Optional[float] = ..., process: _Optional[str] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., collectives: _Optional[str] = ..., stack: _Optional[str] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., figures: _Optional[_Mapping[str, float]] = ..., notice: _Optional[str] = ..., preflight: _Optional[str] = ..., ranks: _Optional[int] = ..., first_step: _Optional[bool] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("seq", "job_id", "state", "kind", "message", "rank", "step", "event_time", "metrics")

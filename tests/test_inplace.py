@@ -53,9 +53,11 @@ def test_the_new_ranks_start_only_once_the_older_attempts_are_gone() -> None:
         assert w.inplace.assign(assign(2))
         await asyncio.sleep(0.1)
         assert w.killed == [("j", 1)] and w.runs.continued == ["j"] and old.superseded and not w.admitted
+        # a registration meanwhile names attempt 2 as this node's: it is on its way, not missing
+        assert [(r.job_id, r.attempt, list(r.ranks)) for r in w.inplace.waiting()] == [("j", 2, [2, 3])]
         old.alive.clear()                                  # the launcher reported both exits
         await asyncio.sleep(0.1)
-        assert w.admitted == [("j", 2, [[]])] and not w.reports
+        assert w.admitted == [("j", 2, [[]])] and not w.reports and not w.inplace.waiting()
         assert not w.inplace.assign(assign(3))             # nothing older alive: the daemon admits it itself
     asyncio.run(main())
 
@@ -75,6 +77,7 @@ def test_a_cancel_while_the_old_ranks_go_keeps_the_new_ones_from_starting() -> N
         assert w.inplace.assign(assign(3))                 # a later Assign of the job waits behind the first
         await asyncio.sleep(0.05)
         w.inplace.cancel(pb.Cancel(job_id="j", attempt=3, reason="cancelled"))
+        assert not w.inplace.waiting()                     # cancelled: no longer this node's to run
         old.alive.clear()
         await asyncio.sleep(0.1)
         assert not w.admitted

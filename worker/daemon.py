@@ -81,7 +81,7 @@ class WorkerDaemon:
                                  stable_s=cfg.launcher_stable_s),
             on_change=self._update_health, stopping=self._stopping, stats=self.stats, log=node_log)
         self.session = CoordinatorSession(
-            cfg, outbox=self.outbox, inbound=self, running=self.runs.running_jobs,
+            cfg, outbox=self.outbox, inbound=self, running=self._running,
             hardware=lambda: self.supervisor.hardware, on_change=self._update_health, credentials=credentials,
             stats=self.stats, rng=rng or random.Random(), session_id=f"{cfg.name}-{os.getpid()}-{id(self):x}",
             log=node_log)
@@ -95,6 +95,10 @@ class WorkerDaemon:
     def connected(self) -> asyncio.Event:
         """Set while a session with the coordinator is registered."""
         return self.session.connected
+
+    def _running(self) -> list[pb.RunningJob]:
+        """What a registration lists: the attempts with live ranks here, and those whose start waits for them."""
+        return self.runs.running_jobs() + self.inplace.waiting()
 
     @property
     def online(self) -> bool:

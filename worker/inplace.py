@@ -35,6 +35,7 @@ class InPlace:
                  admit: Callable[[pb.Assign], Awaitable[None]], outbox: Outbox, log: Any) -> None:
         self._node, self._runs, self._kill, self._admit, self._outbox, self._log = node, runs, kill, admit, outbox, log
         self._chains: dict[str, asyncio.Task] = {}    # job -> its newest Assign waiting for an older attempt
+        self._waiting: dict[str, pb.Assign] = {}      # job -> that Assign
         self._cancelled: dict[str, int] = {}          # job -> newest attempt cancelled while a chain runs
 
     def assign(self, msg: pb.Assign) -> bool:
@@ -45,7 +46,14 @@ class InPlace:
         if not older and before is None:
             return False
         self._chains[msg.job_id] = asyncio.ensure_future(self._chain(msg, older, before))
+        self._waiting[msg.job_id] = msg
         return True
+
+    def waiting(self) -> list[pb.RunningJob]:
+        """The attempts assigned here whose ranks wait for an older attempt's to go, as a registration names the
+        attempts it runs (a reconnect meanwhile must not read as the node back without them)."""
+        return [pb.RunningJob(job_id=job_id, attempt=msg.attempt, ranks=claimed_ranks(msg))
+                for job_id, msg in self._waiting.items() if self._cancelled.get(job_id, 0) < msg.attempt]
 
     def cancel(self, msg: pb.Cancel) -> None:
         """A Cancel came: an Assign of the job waiting here for ``msg.attempt`` or an older one never starts."""
@@ -71,6 +79,7 @@ class InPlace:
         finally:
             if self._chains.get(msg.job_id) is asyncio.current_task():
                 del self._chains[msg.job_id]
+                self._waiting.pop(msg.job_id, None)
                 self._cancelled.pop(msg.job_id, None)
 
     async def _stop(self, msg: pb.Assign, older: list[RunState]) -> None:

@@ -3,8 +3,8 @@ the coordinator one report each, not one per rank.
 
 Two folds, both keeping every report's meaning and the batch's sequence order:
 
-1. A rank's *plain* reports (a phase or step of a live rank: no exit, error, result, notice, pre-flight or
-   hang evidence) that a newer plain report of the same rank supersedes within the batch are dropped: the
+1. A rank's *plain* reports (a phase or step of a live rank: no exit, error, result, notice, pre-flight,
+   hang evidence or first step of the attempt) that a newer plain report of the same rank supersedes within the batch are dropped: the
    coordinator learns the newest phase and step at once (``starting`` -> ``running`` at step 1 in one
    report). A report that is not plain is never dropped, and nothing crosses it: a rank's order is kept.
 2. Neighbouring reports (in sequence order) of consecutive ranks that say the same thing, every field but
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from rankctl.proto import rankctl_pb2 as pb
 
-_NOT_PLAIN_FIELDS = ("notice", "preflight", "collectives", "stack")
+_NOT_PLAIN_FIELDS = ("notice", "preflight", "collectives", "stack", "first_step")
 
 
 def _plain(rep: pb.RankReport) -> bool:

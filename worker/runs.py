@@ -115,6 +115,7 @@ class Runs:
         first_step = status.step > 0 and status.rank not in run.stepped
         if status.step > 0:
             run.stepped.add(status.rank)
+        status.first_step = first_step   # never folded away either (``worker.reportfold``)
         step_only = (status.phase == previous == "running" and not status.error and not result_json
                      and not status.notice and not first_step)
         self._outbox.report(run.job_id, run.attempt, status, result_json, step_only=step_only)
