@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ctl, events, highest_step, rank_pid, rank_pids, status, stepping, wait_for, wait_state
+from cluster import (ctl, events, highest_step, rank_pid, rank_pids, ready_nodes, status, stepping, wait_for,
+                     wait_state)
 from test_e2e_restart import HEARTBEAT_TIMEOUT, JOB, losses
 
 pytestmark = pytest.mark.timeout(900)
@@ -153,15 +154,18 @@ def test_a_killed_rank_process_restarts_the_job(nets, reference: dict, tmp_path:
 def test_a_node_with_a_slow_link_is_found_by_the_pre_flight_and_the_job_runs_on_the_spare(
         nets, reference: dict, tmp_path: Path) -> None:  # noqa: ANN001 - a NetnsCluster
     """200 ms of delay on one job node's link (``tc netem`` in its namespace; where the kernel lacks netem, a
-    ``tc tbf`` rate at which the pre-flight's 128 KiB message takes 200 ms), added as soon as the job is
-    placed: the pre-flight (on by default: two nodes) finds that node's messages slow, the coordinator
-    excludes it for the job and ends attempt 1 naming it; attempt 2 runs on the spare and the losses equal the
-    uninterrupted run's. ``ctl status`` shows the pre-flight's figures per group kind."""
-    job = submit(nets, tmp_path, "slow-link", 2)
-    placed = wait_for(lambda: (s := status(nets.address, job))["nodes"] and s, 60, "the job placed")
-    victim = placed["nodes"][1]
+    ``tc tbf`` rate at which the pre-flight's 128 KiB message takes 200 ms), added before the job is submitted
+    (placement takes READY nodes in name order: the second is the job's; slowed once the job was placed, the
+    pre-flight of a fast start could run before the delay did, as in one CI run): the pre-flight (on by
+    default: two nodes) finds that node's messages slow, the coordinator excludes it for the job and ends
+    attempt 1 naming it; attempt 2 runs on the spare and the losses equal the uninterrupted run's. ``ctl
+    status`` shows the pre-flight's figures per group kind."""
+    victim = sorted(ready_nodes(nets.address))[1]
     how = nets.slow_down(victim, 200)
     try:
+        job = submit(nets, tmp_path, "slow-link", 2)
+        placed = wait_for(lambda: (s := status(nets.address, job))["nodes"] and s, 60, "the job placed")
+        assert placed["nodes"][1] == victim, placed["nodes"]
         done = finish(nets, job)
     finally:
         nets.undelay(victim)

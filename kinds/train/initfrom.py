@@ -27,15 +27,9 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 def _newest_complete(root: str) -> tuple[int, dict[str, Any]]:
     """The newest step under ``root`` that every rank of one world finished, and its identity."""
-    for step in sorted(ckpt.list_steps(root), reverse=True):
-        by_fp: dict[str, list[dict[str, Any]]] = {}
-        for m in reshard.markers(root, step).values():
-            if m.get("fingerprint") and isinstance(m.get("identity"), dict):
-                by_fp.setdefault(m["fingerprint"], []).append(m)
-        for ms in by_fp.values():
-            world = ms[0]["identity"].get("world_size")
-            if isinstance(world, int) and {m["rank"] for m in ms} >= set(range(world)):
-                return step, ms[0]["identity"]
+    for step, _, ms, complete in reshard.worlds(root, lambda m: True):
+        if complete:
+            return step, ms[0]["identity"]
     raise ValueError(f"train.init_from: {root} holds no checkpoint step that every rank of one run finished")
 
 
@@ -70,20 +64,7 @@ def _from_checkpoint(t: Any, path: str, with_optimizer: bool, model: dict[str, A
     if identity.get("model") != model:
         diffs = ckpt.differences({"model": identity.get("model")}, {"model": model})
         raise ValueError(f"train.init_from: {path} was written by another model ({'; '.join(diffs)})")
-    old = reshard.OldStates(root, step, identity)
-    metas = t.meta()
-    named = list(t.named_parameters())
-    adam: dict[int, Any] = {}
-    index = reshard.optimizer_index([(n, p.dim()) for n, p in named])
-    for name, p in named:
-        p.copy_(old.param(name, metas[name], p.shape).to(p.device))
-        if with_optimizer:
-            st = old.adam(name, metas[name], p.shape)
-            if st is not None:
-                adam[index[name]] = {k: (v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v)
-                                     for k, v in st.items()}
-    if with_optimizer:
-        t.optimizer.load_state_dict({"state": adam, "param_groups": t.optimizer.state_dict()["param_groups"]})
+    reshard.fill(t, reshard.OldStates(root, step, identity), with_optimizer)
     return step
 
 

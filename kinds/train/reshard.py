@@ -28,7 +28,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -58,24 +58,30 @@ def markers(root: str, step: int) -> dict[int, dict[str, Any]]:
     return out
 
 
+def worlds(root: str, accept: Callable[[dict[str, Any]], bool]
+           ) -> Iterator[tuple[int, str, list[dict[str, Any]], bool]]:
+    """(step, fingerprint, markers, complete) of each world that wrote a step under ``root``, newest step first:
+    the ``accept``ed markers of one fingerprint, and whether every rank of that world finished (all of its markers
+    readable here)."""
+    for step in sorted(ckpt.list_steps(root), reverse=True):
+        by_fp: dict[str, list[dict[str, Any]]] = {}
+        for m in markers(root, step).values():
+            if m.get("fingerprint") and isinstance(m.get("identity"), dict) and accept(m):
+                by_fp.setdefault(m["fingerprint"], []).append(m)
+        for fp, ms in by_fp.items():
+            world = ms[0]["identity"].get("world_size")
+            yield step, fp, ms, isinstance(world, int) and {m["rank"] for m in ms} >= set(range(world))
+
+
 def complete_elsewhere(root: str, identity: dict[str, Any], job_id: str | None = None
                        ) -> tuple[list[tuple[int, str]], list[int]]:
     """(step, fingerprint) of the steps under ``root``, newest first, whose every rank of one world finished with
     an identity that is this run's but for its layout (all of that world's markers readable here; only files
     ``job_id`` wrote, when given); and the steps of such an identity of which only some ranks' markers are."""
     want, out, partial = layout_free(identity), [], []
-    for step in sorted(ckpt.list_steps(root), reverse=True):
-        by_fp: dict[str, list[dict[str, Any]]] = {}
-        for m in markers(root, step).values():
-            if m.get("fingerprint") and layout_free(m.get("identity")) == want and \
-                    (job_id is None or m.get("job_id") == job_id):
-                by_fp.setdefault(m["fingerprint"], []).append(m)
-        for fp, ms in by_fp.items():
-            world = (ms[0].get("identity") or {}).get("world_size")
-            if isinstance(world, int) and {m["rank"] for m in ms} >= set(range(world)):
-                out.append((step, fp))
-            else:
-                partial.append(step)
+    for step, fp, _, complete in worlds(root, lambda m: layout_free(m["identity"]) == want and
+                                        (job_id is None or m.get("job_id") == job_id)):
+        (out.append((step, fp)) if complete else partial.append(step))
     return out, partial
 
 
@@ -170,17 +176,19 @@ class OldStates:
             return init_key
         raise RuntimeError(f"the checkpoint holds no tensor {name!r} (nor {init_key!r}): another model?")
 
-    def param(self, name: str, new: Any, shape: torch.Size) -> Tensor:
+    def _located(self, name: str, new: Any) -> tuple[str, dict[int, int], dict[str, Any]]:
+        """The parameter's name in the old files, its holders (old tp rank -> old rank) and its old meta."""
         src = self.source_name(name, new.init_key)
         holders = self.where[src]
-        old = self.states[next(iter(holders.values()))]["meta"][src]
+        return src, holders, self.states[next(iter(holders.values()))]["meta"][src]
+
+    def param(self, name: str, new: Any, shape: torch.Size) -> Tensor:
+        src, holders, old = self._located(name, new)
         return reslice({k: self.states[r]["model"][src] for k, r in holders.items()}, old, new, shape)
 
     def adam(self, name: str, new: Any, shape: torch.Size) -> dict[str, Tensor] | None:
         """The parameter's AdamW state re-sliced (None: the old run had taken no step)."""
-        src = self.source_name(name, new.init_key)
-        holders = self.where[src]
-        old = self.states[next(iter(holders.values()))]["meta"][src]
+        src, holders, old = self._located(name, new)
         per: dict[int, dict[str, Any]] = {}
         for k, r in holders.items():
             idx = self._opt_index[r].get(src)
@@ -222,24 +230,30 @@ def _optimizer_names(state: dict[str, Any]) -> dict[str, int]:
 
 
 @torch.no_grad()
+def fill(t: Any, old: OldStates, with_optimizer: bool = True) -> None:
+    """Trainer ``t``'s parameters re-sliced from ``old``, and with ``with_optimizer`` its AdamW state."""
+    metas = t.meta()
+    named = list(t.named_parameters())
+    index = optimizer_index([(n, p.dim()) for n, p in named])
+    new_state: dict[int, Any] = {}
+    for name, p in named:
+        p.copy_(old.param(name, metas[name], p.shape).to(p.device))
+        adam = old.adam(name, metas[name], p.shape) if with_optimizer else None
+        if adam is not None:
+            new_state[index[name]] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() else v)
+                                      for k, v in adam.items()}
+    if with_optimizer:
+        t.optimizer.load_state_dict({"state": new_state, "param_groups": t.optimizer.state_dict()["param_groups"]})
+
+
+@torch.no_grad()
 def load_resharded(t: Any, root: str, step: int, identity: dict[str, Any]) -> None:
     """Fill trainer ``t``'s parameters, AdamW state, RNG and history from ``step`` written under ``identity``'s
     layout (``agree_reshard_step``)."""
     from rankctl.kinds.train.trainer import TrainState
 
     old = OldStates(root, step, identity)
-    metas = t.meta()
-    named = list(t.named_parameters())
-    opt_state = t.optimizer.state_dict()
-    index = optimizer_index([(n, p.dim()) for n, p in named])
-    new_state: dict[int, Any] = {}
-    for name, p in named:
-        p.copy_(old.param(name, metas[name], p.shape).to(p.device))
-        adam = old.adam(name, metas[name], p.shape)
-        if adam is not None:
-            new_state[index[name]] = {k: (v.to(p.device) if isinstance(v, Tensor) and v.dim() else v)
-                                      for k, v in adam.items()}
-    t.optimizer.load_state_dict({"state": new_state, "param_groups": opt_state["param_groups"]})
+    fill(t, old)
     rng = old.rng(t.ctx.assignment.rank, root, step)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and t.device.type == "cuda":
