@@ -125,12 +125,14 @@ class ReportApplier:
         notice = getattr(st, "notice", "")   # a wire report's (in-process RankRecords carry none)
         if notice:  # the rank asked for this on the job's record (a damaged checkpoint step passed over)
             self._book.event(job, "notice", f"rank {rank}: {notice[:NOTICE_CHARS]}")
-        if getattr(st, "preflight", "") and rank == 0 and progress.preflight is None:
+        judged = False   # rank 0's pre-flight outcome came: the job advances on it now (a node to exclude ends the
+        if getattr(st, "preflight", "") and rank == 0 and progress.preflight is None:   # attempt at once)
             self._preflight(job, progress, st.preflight)
+            judged = progress.preflight is not None
         if old is not None and not update.result_json and (st.phase or old.phase) == old.phase \
                 and st.exited == old.exited and st.exit_code == old.exit_code and st.error in ("", old.error):
             self._next_step(job, progress, old, st)
-            return False
+            return judged
         phase = st.phase or (old.phase if old else "pending")
         step = st.step or (old.step if old else 0)
         # an exit report carries no step or metrics: keep the last ones the rank reported

@@ -250,3 +250,24 @@ def test_a_node_excluded_for_the_job_is_stopped_the_confirmed_way(world: World) 
     exit_all(world, job, "n0")
     exit_all(world, job, "n1")
     assert job.attempt == 3 and job.nodes == ["n0", "n2"]
+
+
+def test_a_pre_flight_that_excludes_a_node_ends_the_attempt_as_soon_as_it_is_reported(world: World) -> None:
+    """Rank 0's outcome comes on a report that changes nothing else of it (it is running): the job advances on
+    it at once. Before, it waited for the next report that did (CI: 30 s, until the ranks gave up waiting)."""
+    import json
+
+    from rankctl.proto import rankctl_pb2 as pb
+
+    for n in ("n0", "n1", "n2"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(2))
+    for r in range(4):
+        world.report(job.id, r, "running")
+    outcome = json.dumps({"kinds_ms": {"tp": 0.2}, "exclude": {"1": "its link is slow"}})
+    report = pb.RankReport(job_id=job.id, attempt=1, seq=999, status=pb.RankStatus(
+        rank=0, node="n0", phase="running", preflight=outcome))
+    world.core.rank_reports(world.nodes["n0"].session, [report])
+    world.core.flush()
+    assert job.state is S.RESTARTING and job.reason.startswith("attempt 1 failed: pre-flight: node n1: its link is "
+                                                                "slow; it is excluded from this job"), job.reason
