@@ -41,7 +41,6 @@ class ReportApplier:
     def __init__(self, book: JobBook, clock: Callable[[], float]) -> None:
         self._book, self._clock = book, clock
         self.rejected: Counter[str] = Counter()
-        self.ignored = 0   # reports of an older attempt or a forgotten job
 
     def rank_rows(self) -> ContextManager[None]:
         """Around the ``apply`` calls of one group commit: their rank rows are stored together at its end."""
@@ -104,17 +103,18 @@ class ReportApplier:
         return changed
 
     def _reject(self, node: str, update: Report, job: JobRecord | None) -> None:
-        """Count (and log, sparingly) a report for a rank this node does not run in this attempt."""
-        if job is not None and update.attempt == job.attempt:
-            self.rejected[node] += 1
-            n = self.rejected[node]
-            if n == 1 or n % 1000 == 0:
-                rank = update.status.rank
-                owner = job.nodes[node_of_rank(rank, job.slots_per_node)] \
-                    if 0 <= rank < job.world_size and job.nodes else None
-                log.warning("report.not_owner", node=node, job=job.id, rank=rank, owner=owner, rejected=n)
-        else:  # an older attempt's or a forgotten job's report: normal after a restart or a cancel (no log line:
-            self.ignored += 1  # after a restart in place at 65,536 ranks, thousands arrive at once)
+        """Count (and log, sparingly) a report for a rank this node does not run in this attempt. An older
+        attempt's or a forgotten job's report is normal after a restart or a cancel: dropped without a word (after
+        a restart in place at 65,536 ranks, thousands arrive at once)."""
+        if job is None or update.attempt != job.attempt:
+            return
+        self.rejected[node] += 1
+        n = self.rejected[node]
+        if n == 1 or n % 1000 == 0:
+            rank = update.status.rank
+            owner = job.nodes[node_of_rank(rank, job.slots_per_node)] \
+                if 0 <= rank < job.world_size and job.nodes else None
+            log.warning("report.not_owner", node=node, job=job.id, rank=rank, owner=owner, rejected=n)
 
     def _apply_rank(self, job: JobRecord, ranks: dict[int, RankRecord], progress: JobProgress, node: str,
                     update: Report, rank: int, events: list[RankRecord] | None = None) -> bool:

@@ -112,14 +112,12 @@ class Restarts:
                 self._exclude_if_repeated(job, blamed)
         self._stats.restarts[cause] += 1
         self._drains.forget(job.id)
+        log.warning("job.restarting", job=job.id, attempt=job.attempt, reason=reason, cause=cause)
         placed = self._scheduler.in_place(job)
-        if placed is not None:  # its nodes stop the old ranks as they start the new: no stop to confirm first
-            log.warning("job.restarting", job=job.id, attempt=job.attempt, reason=reason, cause=cause, in_place=True)
-            if self._scheduler.restart_in_place(job, *placed):
-                return
+        if placed is not None and self._scheduler.restart_in_place(job, *placed):
+            return  # its nodes stop the old ranks as they start the new: no stop to confirm first
         self._stops.begin(job)
         self._outgoing.to_nodes(job.nodes, convert.cancel_message(job.id, job.attempt, headline), kind="cancel")
-        log.warning("job.restarting", job=job.id, attempt=job.attempt, reason=reason, cause=cause)
         self.requeue_when_stopped(job)
 
     def _exclude_if_repeated(self, job: JobRecord, node: str) -> None:

@@ -202,10 +202,10 @@ class Scheduler:
         a node leaves the job (blocked for it, kept apart), or nothing fits now: its stop is confirmed first."""
         if job.pool or self._shutting_down():
             return None
-        sessions = [self._nodes.get(name) for name in job.nodes]
-        kept = [s.name for s in sessions if s is not None and s.status is NodeStatus.READY]
-        if not all(self._nodes.get(name).replaces for name in kept):
+        alive = [s for s in map(self._nodes.get, job.nodes) if s is not None and s.status is NodeStatus.READY]
+        if not all(s.replaces for s in alive):
             return None
+        kept = [s.name for s in alive]
         blocked = self._nodes.blocked(job.id)
         try:
             names = self._place_elastic(job, self._slots(job, blocked, own=kept), prev=job.nodes)

@@ -42,13 +42,18 @@ class World:
         self.reports.append((job_id, attempt, status))
 
 
+def attempt_1(alive: set[int]) -> RunState:
+    """Attempt 1 of job j on this node (ranks 2 and 3), with ``alive`` of them still running."""
+    return RunState(job_id="j", attempt=1, run_dir="/x", ranks={2, 3}, alive=alive)
+
+
 def assign(attempt: int) -> pb.Assign:
     return pb.Assign(job_id="j", attempt=attempt, first_rank=2, rank_count=2, world_size=4)
 
 
 def test_the_new_ranks_start_only_once_the_older_attempts_are_gone() -> None:
     async def main() -> None:
-        old = RunState(job_id="j", attempt=1, run_dir="/x", ranks={2, 3}, alive={2, 3})
+        old = attempt_1(alive={2, 3})
         w = World([old])
         assert w.inplace.assign(assign(2))
         await asyncio.sleep(0.1)
@@ -64,14 +69,14 @@ def test_the_new_ranks_start_only_once_the_older_attempts_are_gone() -> None:
 
 def test_no_older_attempt_alive_is_admitted_by_the_caller() -> None:
     async def main() -> None:
-        w = World([RunState(job_id="j", attempt=1, run_dir="/x", ranks={2, 3}, alive=set())])
+        w = World([attempt_1(alive=set())])
         assert not w.inplace.assign(assign(2)) and not w.killed
     asyncio.run(main())
 
 
 def test_a_cancel_while_the_old_ranks_go_keeps_the_new_ones_from_starting() -> None:
     async def main() -> None:
-        old = RunState(job_id="j", attempt=1, run_dir="/x", ranks={2, 3}, alive={2, 3})
+        old = attempt_1(alive={2, 3})
         w = World([old])
         assert w.inplace.assign(assign(2))
         assert w.inplace.assign(assign(3))                 # a later Assign of the job waits behind the first
@@ -90,7 +95,7 @@ def test_a_cancel_while_the_old_ranks_go_keeps_the_new_ones_from_starting() -> N
 
 def test_a_cancel_of_an_older_attempt_does_not_stop_the_newer_ones_start() -> None:
     async def main() -> None:
-        old = RunState(job_id="j", attempt=1, run_dir="/x", ranks={2, 3}, alive={2, 3})
+        old = attempt_1(alive={2, 3})
         w = World([old])
         assert w.inplace.assign(assign(2))
         w.inplace.cancel(pb.Cancel(job_id="j", attempt=1, reason="late"))

@@ -34,8 +34,8 @@ class InPlace:
     def __init__(self, *, node: str, runs: Runs, kill: Callable[[str, int], Awaitable[None]],
                  admit: Callable[[pb.Assign], Awaitable[None]], outbox: Outbox, log: Any) -> None:
         self._node, self._runs, self._kill, self._admit, self._outbox, self._log = node, runs, kill, admit, outbox, log
-        self._chains: dict[str, asyncio.Task] = {}    # job -> its newest Assign waiting for an older attempt
-        self._waiting: dict[str, pb.Assign] = {}      # job -> that Assign
+        # job -> its newest Assign waiting for an older attempt, and the task that starts it
+        self._chains: dict[str, tuple[pb.Assign, asyncio.Task]] = {}
         self._cancelled: dict[str, int] = {}          # job -> newest attempt cancelled while a chain runs
 
     def assign(self, msg: pb.Assign) -> bool:
@@ -45,15 +45,14 @@ class InPlace:
         before = self._chains.get(msg.job_id)
         if not older and before is None:
             return False
-        self._chains[msg.job_id] = asyncio.ensure_future(self._chain(msg, older, before))
-        self._waiting[msg.job_id] = msg
+        self._chains[msg.job_id] = (msg, asyncio.ensure_future(self._chain(msg, older, before and before[1])))
         return True
 
     def waiting(self) -> list[pb.RunningJob]:
         """The attempts assigned here whose ranks wait for an older attempt's to go, as a registration names the
         attempts it runs (a reconnect meanwhile must not read as the node back without them)."""
         return [pb.RunningJob(job_id=job_id, attempt=msg.attempt, ranks=claimed_ranks(msg))
-                for job_id, msg in self._waiting.items() if self._cancelled.get(job_id, 0) < msg.attempt]
+                for job_id, (msg, _) in self._chains.items() if self._cancelled.get(job_id, 0) < msg.attempt]
 
     def cancel(self, msg: pb.Cancel) -> None:
         """A Cancel came: an Assign of the job waiting here for ``msg.attempt`` or an older one never starts."""
@@ -62,9 +61,10 @@ class InPlace:
             self._cancelled[msg.job_id] = max(self._cancelled.get(msg.job_id, 0), attempt)
 
     async def close(self) -> None:
-        for task in list(self._chains.values()):
+        tasks = [task for _, task in self._chains.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._chains.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _chain(self, msg: pb.Assign, older: list[RunState], before: asyncio.Task | None) -> None:
         try:
@@ -77,9 +77,8 @@ class InPlace:
             else:
                 await self._admit(msg)
         finally:
-            if self._chains.get(msg.job_id) is asyncio.current_task():
+            if self._chains.get(msg.job_id, (None, None))[1] is asyncio.current_task():
                 del self._chains[msg.job_id]
-                self._waiting.pop(msg.job_id, None)
                 self._cancelled.pop(msg.job_id, None)
 
     async def _stop(self, msg: pb.Assign, older: list[RunState]) -> None:

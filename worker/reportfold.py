@@ -4,9 +4,9 @@ the coordinator one report each, not one per rank.
 Two folds, both keeping every report's meaning and the batch's sequence order:
 
 1. A rank's *plain* reports (a phase or step of a live rank: no exit, error, result, notice, pre-flight,
-   hang evidence or first step of the attempt) that a newer plain report of the same rank supersedes within the batch are dropped: the
-   coordinator learns the newest phase and step at once (``starting`` -> ``running`` at step 1 in one
-   report). A report that is not plain is never dropped, and nothing crosses it: a rank's order is kept.
+   hang evidence or first step of the attempt) that a newer plain report of the same rank supersedes within
+   the batch are dropped: the coordinator learns the newest phase and step at once (``starting`` ->
+   ``running`` at step 1 in one report). A report that is not plain is never dropped, and nothing crosses it: a rank's order is kept.
 2. Neighbouring reports (in sequence order) of consecutive ranks that say the same thing, every field but
    ``rank`` and ``update_time``, become one report with ``RankStatus.ranks`` set to how many ranks it stands
    for (``update_time``: the newest). Exits of a stop, a start-up phase, the equal steps of a node's ranks.

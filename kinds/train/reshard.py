@@ -81,7 +81,10 @@ def complete_elsewhere(root: str, identity: dict[str, Any], job_id: str | None =
     want, out, partial = layout_free(identity), [], []
     for step, fp, _, complete in worlds(root, lambda m: layout_free(m["identity"]) == want and
                                         (job_id is None or m.get("job_id") == job_id)):
-        (out.append((step, fp)) if complete else partial.append(step))
+        if complete:
+            out.append((step, fp))
+        else:
+            partial.append(step)
     return out, partial
 
 
