@@ -41,7 +41,7 @@ class Pace:
     waiting: set[int] = field(default_factory=set)
     busy: set[int] = field(default_factory=set)
     stopped: set[int] = field(default_factory=set)
-    reported: set[int] = field(default_factory=set)   # ranks whose evidence is in (withdrawn: out again)
+    reported: set[int] = field(default_factory=set)   # ranks whose evidence and stack are in (withdrawn: out again)
 
     # -- updates ----------------------------------------------------------------------------
     def step_completed(self, step: int, now: float) -> None:
@@ -51,11 +51,12 @@ class Pace:
             self.intervals.append(max(0.0, now - self.last_step_at) / (step - self.last_step))
         self.last_step_at, self.last_step = now, step
 
-    def evidence(self, rank: int, collectives: str) -> None:
-        """A rank's hang evidence arrived, or was withdrawn (``{"moved":true}``)."""
+    def evidence(self, rank: int, collectives: str, stack: str = "") -> None:
+        """A rank's hang evidence arrived (its counters at once, then again with its ``stack``), or was
+        withdrawn (``{"moved":true}``)."""
         (self.waiting.add if WAITS in collectives else self.waiting.discard)(rank)
         (self.busy.add if BUSY in collectives else self.busy.discard)(rank)
-        (self.reported.discard if collectives == MOVED else self.reported.add)(rank)
+        (self.reported.add if stack and collectives != MOVED else self.reported.discard)(rank)
 
     def process(self, rank: int, state: str) -> None:
         """The daemon saw the rank's process stop ("stopped") or go on ("")."""
@@ -82,8 +83,9 @@ class Pace:
 
     def hung(self, idle: float, hang_timeout: float, live: int | None = None) -> bool:
         """Hung now: past ``hang_timeout``, or past the pace's limit while ranks wait; in the second case, while
-        some of the ``live`` ranks (not exited) have sent no evidence yet, up to ``EVIDENCE_GRACE_S`` more, so
-        that the reason can name the rank they wait for (a loaded node's daemon may send it a little later)."""
+        some of the ``live`` ranks (not exited) have sent no evidence or no stack yet, up to ``EVIDENCE_GRACE_S``
+        more, so that the reason can name the rank they wait for and show its stack (a loaded node's daemon may
+        send them a little later)."""
         if idle > hang_timeout:
             return True
         limit = self.limit(hang_timeout)

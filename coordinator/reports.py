@@ -190,7 +190,7 @@ class ReportApplier:
             progress.pace.process(old.rank, st.process)
         if st.collectives or st.stack:  # hang evidence: counters that stopped moving (memory only)
             old.collectives, old.stack = st.collectives, st.stack
-            progress.pace.evidence(old.rank, st.collectives)
+            progress.pace.evidence(old.rank, st.collectives, st.stack)
         progress.reports += 1
         step = st.step
         if step and step != old.step:

@@ -70,18 +70,22 @@ def test_the_rule_says_how_the_job_was_judged() -> None:
     assert "judged after 6 s" in text and "a step every 0.25 s" in text and "restart.hang_timeout=300" in text
 
 
-def test_a_judgement_waits_a_little_for_ranks_that_sent_no_evidence_yet() -> None:
-    """Past the limit with ranks waiting, but the rank they wait for has sent nothing (a loaded node's daemon):
-    up to EVIDENCE_GRACE_S more, so that the reason can name it; then judged without it."""
+def test_a_judgement_waits_a_little_for_ranks_that_sent_no_evidence_or_no_stack_yet() -> None:
+    """Past the limit with ranks waiting, but the rank they wait for has sent nothing (a loaded node's daemon), or
+    only its counters (its stack comes in a second report): up to EVIDENCE_GRACE_S more, so that the reason can
+    name it and show its stack; then judged without them."""
     from rankctl.coordinator.pace import EVIDENCE_GRACE_S
 
     p = paced(0.2)
     for r in (2, 3):
-        p.evidence(r, WAITING)
+        p.evidence(r, WAITING, "stack")
     assert not p.hung(PACE_FLOOR_S + 1, 300, live=4)                      # ranks 0, 1 not heard yet
     assert p.hung(PACE_FLOOR_S + EVIDENCE_GRACE_S + 0.1, 300, live=4)    # judged without them
     p.evidence(0, WAITING)
     p.evidence(1, SPINNING)
+    assert p.waits() and not p.hung(PACE_FLOOR_S + 1, 300, live=4)       # counters in, their stacks not yet
+    p.evidence(0, WAITING, "stack")
+    p.evidence(1, SPINNING, "stack")
     assert p.hung(PACE_FLOOR_S + 0.1, 300, live=4)                        # every live rank heard: at once
     p.evidence(1, '{"moved":true}')
     assert not p.hung(PACE_FLOOR_S + 1, 300, live=4)

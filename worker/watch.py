@@ -57,16 +57,18 @@ class ProcessWatch:
 
     def _stalled(self, runs: Mapping[tuple[str, int], RunState], run: RunState, rank: int, pid: int,
                  state: str) -> None:
-        """A rank's counters stopped moving: its counters now (read here), its stack off the loop, one report."""
+        """A rank's counters stopped moving: its counters now (read here) go out at once, in one report; its stack
+        follows in a second (taken off the loop), so that a slow dump on a loaded node never delays the naming."""
         still = run.hangs.still_for(rank) if run.hangs is not None else 0.0
         evidence = hangwatch.evidence_json(read_counters(run.run_dir, rank), still)
         self._log.warning("rank stalled", job=run.job_id, rank=rank, pid=pid, still_s=round(still, 1),
                           state=state or "running")
+        self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state, collectives=evidence))
         current = lambda: runs.get((run.job_id, run.attempt)) is run  # noqa: E731
-        self._background.spawn(self._send_evidence(run, rank, pid, state, evidence, current))
+        self._background.spawn(self._send_stack(run, rank, pid, state, evidence, current))
 
-    async def _send_evidence(self, run: RunState, rank: int, pid: int, state: str, evidence: str,
-                             current: Callable[[], bool]) -> None:
+    async def _send_stack(self, run: RunState, rank: int, pid: int, state: str, evidence: str,
+                          current: Callable[[], bool]) -> None:
         token = run.hangs.stalled(rank) if run.hangs is not None else None
         try:
             async with self._stacks:
