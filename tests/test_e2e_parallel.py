@@ -35,7 +35,7 @@ kind: train
 resources: {{nodes: {nodes}, slots_per_node: {slots}}}
 parallel: {parallel}
 model: {{layers: 4, hidden: 32, heads: 4, seq_len: 16, vocab: 256, position_embedding: {pos}}}
-train: {{steps: {steps}, global_batch: 16, micro_batch: 2, lr: {lr}, warmup: {warmup}, seed: 7, grad_clip: 0.5,
+train: {{steps: {steps}, global_batch: 8, micro_batch: 2, lr: {lr}, warmup: {warmup}, seed: 7, grad_clip: 0.5,
          eval_every: 5, checkpoint_every: {steps}, data: builtin:pydoc}}
 """
 # name -> (parallel section, (nodes, slots per node), position embedding)
