@@ -4,7 +4,9 @@ Each fake daemon speaks the real ``NodeService.Connect`` protocol (Register, Hea
 its own task, rank reports) and plays the ranks of an ``Assign`` through rendezvous, groups,
 running, ``--steps`` steps at ``--step-rate`` and an exit, without running anything. A restarted
 attempt (an Assign of attempt 2 or later) reports its phases and its first step at once, in one batch,
-as a daemon whose ranks start faster than it sends would; a Cancel is answered at once by an exit report
+as a daemon whose ranks start faster than it sends would; each rank's first step is marked
+``first_step`` as the daemon marks it, so the batch folds as the daemon's does (one ``running``
+report for the node's ranks, then one first-step report a rank); a Cancel is answered at once by an exit report
 of each of the attempt's ranks, as the real daemon reports the ranks it stopped. Per attempt, the last
 time an Assign or a Cancel was read and a stop confirmation or a first step was handed to gRPC are kept
 for ``bench/scale_fault.py``. Daemons
@@ -275,10 +277,10 @@ class Daemon:
                              status=exit_status(rank, self.name, -15, why))
 
     def report(self, job_id: str, attempt: int, rank: int, phase: str, step: int, metrics: str = "",
-               result: str = "", exited: bool = False) -> pb.RankReport:
+               result: str = "", exited: bool = False, first_step: bool = False) -> pb.RankReport:
         self.seq += 1
         status = pb.RankStatus(rank=rank, node=self.name, phase=phase, step=step, metrics_json=metrics,
-                               exited=exited, exit_code=0)
+                               exited=exited, exit_code=0, first_step=first_step)
         stamp_update(status, time.time())
         if metrics:  # the typed step figures, as the real daemon sets them
             step_figures(status, self.sim.parsed(metrics))
@@ -314,15 +316,17 @@ class Daemon:
             sim.lateness.append(max(0.0, time.time() - t))
 
         def step(k: int) -> list[pb.RankReport]:
-            return [self.report(job_id, attempt, r, "running", k, sim.metrics(k, r == first, r - first))
-                    for r in ranks]
+            # a rank's first step of the attempt is marked, as the daemon marks it (``worker.runs``): never folded
+            # away, and nothing folds across it (the ``running`` phase report before it stays in the batch)
+            return [self.report(job_id, attempt, r, "running", k, sim.metrics(k, r == first, r - first),
+                                first_step=k == 1) for r in ranks]
 
         k0 = 1
         if attempt > 1:  # a restart: its phases and first step go out as soon as the Assign is read
-            k0 = 2
             phases = [self.report(job_id, attempt, r, p, 0) for p in ("rendezvous", "groups", "running") for r in ranks]
             if not await self.send(phases + step(1), job_id, attempt, note="step1"):
                 return
+            k0 = 2
         for phase in ("rendezvous", "groups", "running") if k0 == 1 else ():
             await tick()
             if not await self.send([self.report(job_id, attempt, r, phase, 0) for r in ranks], job_id, attempt):
