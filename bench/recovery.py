@@ -200,6 +200,27 @@ def kill_node(pid: int) -> float:
     return t
 
 
+def unmount_left(root: Path) -> list[str]:
+    """What the SIGKILLed node's daemon left mounted: its jobs' ``/dev/shm`` tmpfs under its state dir and its
+    snapshot memory (``/dev/shm/rankctl-*``). A node whose daemon starts again unmounts them itself
+    (``worker.shm.unmount_stale``, ``worker.snapmem``); the bench's lost node never comes back. The mount points
+    undone (innermost first) and the snapshot directories removed."""
+    from rankctl.contract.checkpoints import memory_base
+    from rankctl.worker import shm
+
+    states = [p for p in (root / "rankctl").iterdir() if p.is_dir()] if (root / "rankctl").is_dir() else []
+    bases = {memory_base(str(state)) for state in states}
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        points = [fields[1] for fields in (line.split() for line in f) if len(fields) > 2 and fields[2] == "tmpfs"
+                  and (fields[1].startswith(f"{root}{os.sep}") or fields[1] in bases)]
+    for point in sorted(points, reverse=True):
+        shm.libc().umount2(point.encode(), shm.MNT_DETACH)
+    for base in bases:
+        if base.startswith("/dev/shm/"):
+            shutil.rmtree(base, ignore_errors=True)
+    return points
+
+
 def leftovers(root: Path) -> list[int]:
     """Processes (not this one) whose command line or stdout names the bench's directory."""
     out = []
@@ -507,6 +528,8 @@ def main() -> int:
         if stray:
             print(f"warning: {len(stray)} processes of this bench outlived it; killing them: {stray}")
             signal_all(stray, signal.SIGKILL)
+        if not ns.keep:
+            unmount_left(root)
         if not ok or ns.keep:
             print(f"(working directory kept: {root})")
         else:
