@@ -233,6 +233,21 @@ def test_hang_watch_reports_a_stall_once_and_its_end_once() -> None:
     assert hangwatch.stall_cap(None) == hangwatch.STALL_MAX_S
 
 
+def test_steps_read_before_the_first_look_at_the_counters_count() -> None:
+    """A fast job's ranks report all their steps, then stall, between two looks (0.5 s): judged on the floor, not
+    on the cap for ranks that never stepped."""
+    now = [0.0]
+    w = HangWatch(30.0, clock=lambda: now[0])
+    for _ in range(7):                                    # steps 1-7 in 0.35 s, read before any look
+        now[0] += 0.05
+        w.touch(2, stepped=True)
+    assert w.stall_after(2) == hangwatch.STALL_FLOOR_S
+    now[0] += 0.5
+    assert w.observe(2, b"in all_reduce #8") == ""        # the first look: its counters as they stay
+    now[0] += hangwatch.STALL_FLOOR_S
+    assert w.observe(2, b"in all_reduce #8") == STALLED
+
+
 def test_hang_watch_adapts_its_stall_time_to_the_rank_once_it_stepped() -> None:
     now = [0.0]
     w = HangWatch(30.0, clock=lambda: now[0])

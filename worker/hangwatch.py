@@ -97,11 +97,16 @@ class HangWatch:
         r.moved_at = now
 
     def touch(self, rank: int, stepped: bool = False) -> None:
-        """The rank wrote a status record (a step, ``stepped``, or a phase): it moved."""
+        """The rank wrote a status record (a step, ``stepped``, or a phase): it moved. A rank not looked at yet
+        is known from here on: a fast job's ranks may report every step they make before the stall within one
+        look (0.5 s), and those steps must count (CI saw a python job whose ranks stalled at step 8 after
+        0.4 s of steps judged on the 30 s cap, its evidence never sent)."""
         r = self._ranks.get(rank)
-        if r is not None:
-            self._moved(r, self._clock())
-            r.stepped = r.stepped or stepped
+        if r is None:
+            self._ranks[rank] = _Rank(None, self._clock(), stepped=stepped)
+            return
+        self._moved(r, self._clock())
+        r.stepped = r.stepped or stepped
 
     def observe(self, rank: int, sig: bytes | None) -> str:
         """One look at ``rank``'s counters: STALLED once per stall, MOVED once after a reported stall, else ""."""
