@@ -329,7 +329,8 @@ def run_rankctl(root: Path, ns: argparse.Namespace, key: str) -> Side:
                           f"{(set(NODES) - {p.relative_to(root).parts[0] for p in paths}).pop()} idle and READY")
         saved, copied = saves_at_fault(root, victim, key)
         side.notes.append(f"at the fault: rank 1's newest save on {victim}: step {saved or 'none'}; its newest copy "
-                          f"on a peer: step {copied or 'none'} (daemons push new saves to the next node every 0.1 s)")
+                          f"on a peer: step {copied or 'none'} (daemons push each save to the next node as its rank "
+                          f"completes it)")
         try:
             ts, first = wait_for(lambda: all_stepped(attempt_files("[2-9]")), ns.torchrun_cap,
                                  "rankctl's next attempt to complete a step", interval=POLL_S)

@@ -3,8 +3,10 @@
 ``rank-R.status.jsonl``: the rank appends one flushed line per status record (``contract.rankstatus``
 holds the record and its line); the daemon tails it, keeping a partial last line pending until its newline.
 ``rank-R.log``: the rank's stdout and stderr, with rankctl's own records among them, each marked
-(``contract.logrecords``). ``rank-R.control.json``: the daemon's requests to the rank, replaced whole by a
-rename; the rank polls its mtime once per step::
+(``contract.logrecords``). ``saved.fifo`` (one per run directory, made by the daemon): a rank writes a byte
+into it when one of its checkpoint or snapshot steps is complete, marker included; the daemon pushes the
+step to the job's replica peer at once instead of at its next poll turn. ``rank-R.control.json``: the
+daemon's requests to the rank, replaced whole by a rename; the rank polls its mtime once per step::
 
     {"checkpoint_at": 17}      # save a checkpoint at the end of step 17 (ctl drain)
 """
@@ -48,3 +50,22 @@ def read_control(path: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def saved_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "saved.fifo")
+
+
+def notify_saved(run_dir: str) -> None:
+    """Tell the node's daemon that a save of this rank is complete. Never blocks and never fails: without the
+    FIFO (an older daemon), a reader or room in the pipe, the daemon's poll turn finds the step anyway."""
+    try:
+        fd = os.open(saved_path(run_dir), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        os.write(fd, b"\1")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

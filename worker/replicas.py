@@ -327,6 +327,7 @@ class Replicator:
         self._pushed: dict[tuple[str, str, str, int], int] = {}  # (peer, job name, area, rank) -> newest step pushed
         self._refused: dict[tuple[str, str, str, int], int] = {}  # ... -> newest step the peer had no room for
         self._busy: set[str] = set()                             # peers with a push in flight
+        self._waiting: dict[str, dict[str, list[int]]] = {}      # peer -> job name -> ranks: rounds asked for
 
     def due(self, peer: str, name: str, ranks: Iterable[int]) -> list[tuple[str, int, int]]:
         """(area, rank, step) whose newest complete step has not reached ``peer`` (blocking: a thread).
@@ -343,10 +344,23 @@ class Replicator:
         return out
 
     async def push(self, peer: str, name: str, ranks: list[int]) -> None:
-        """One push round to ``peer`` (skipped while the last one is in flight)."""
+        """A push round of ``name``'s new steps to ``peer``. Asked for while a round to that peer is in flight,
+        it runs right after that one: a save's wake (``worker.savewake``) is never lost to a busy peer."""
+        waiting = self._waiting.setdefault(peer, {})
+        waiting[name] = sorted(ranks)
         if peer in self._busy:
             return
         self._busy.add(peer)
+        try:
+            while waiting:
+                await self._round(peer, *waiting.popitem())
+        finally:
+            self._busy.discard(peer)
+            if not waiting:
+                self._waiting.pop(peer, None)
+
+    async def _round(self, peer: str, name: str, ranks: list[int]) -> None:
+        due: list[tuple[str, int, int]] = []
         try:
             due = await asyncio.to_thread(self.due, peer, name, ranks)
             if not due:
@@ -368,8 +382,6 @@ class Replicator:
                 self._refuse(peer, name, due)
             log.warning("checkpoint replication failed", peer=peer, job_name=name,
                         error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
-        finally:
-            self._busy.discard(peer)
 
     def _refuse(self, peer: str, name: str, due: list[tuple[str, int, int]]) -> None:
         """The peer had no room for this push: its snapshot steps (the stream's first files), or its checkpoint

@@ -20,6 +20,7 @@ from rankctl.worker.outbox import Outbox
 from rankctl.worker.replication import Replication
 from rankctl.worker.reporting import exit_code, exit_status, process_state, to_wire
 from rankctl.worker.runstate import RunState
+from rankctl.worker.savewake import SaveWake
 from rankctl.worker.tasks import Background
 from rankctl.worker.watch import ProcessWatch
 
@@ -45,9 +46,11 @@ class Runs:
         self._start_poll_interval = start_poll_interval
         self._log = log
         self._runs: dict[tuple[str, int], RunState] = {}
+        self._wake = SaveWake(lambda run: replication.push([run]), log)
 
     def add(self, run: RunState) -> None:
         self._runs[(run.job_id, run.attempt)] = run
+        self._wake.open(run)   # its ranks' completed saves are pushed to its replica peer at once
 
     def running_jobs(self) -> list[pb.RunningJob]:
         """The attempts with live ranks here, as a registration names them."""
@@ -80,6 +83,7 @@ class Runs:
                 self._read_status_lines(run)
                 if not run.alive:
                     self._runs.pop(key, None)  # every exit reported (the outbox keeps them until stored)
+                    self._wake.close(run)
                     if run.workdir_blob:
                         self._release_workdir(run.workdir_blob)  # its tree may now be evicted
             starting = any(run.starting() for run in self._runs.values())

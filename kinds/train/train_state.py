@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from rankctl.contract.names import job_name_problem
-from rankctl.contract.rankfiles import control_path, read_control
+from rankctl.contract.rankfiles import control_path, notify_saved, read_control
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train import initfrom, reshard
 from rankctl.kinds.train.resume import agree_resume_step, intact_root
@@ -153,7 +153,10 @@ def save_checkpoint(t: Trainer, step: int) -> str:
         if ckpt.remove_rank_files(root, a.rank):
             t.ctx.log.info("removed stale checkpoint files", root=root)
     identity = identity_of(t)
-    return ckpt.save_rank(root, step, a.rank, state_dict(t, step), ckpt.fingerprint(identity), identity, a.job_id)
+    path = ckpt.save_rank(root, step, a.rank, state_dict(t, step), ckpt.fingerprint(identity), identity, a.job_id)
+    if a.run_dir:
+        notify_saved(a.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
+    return path
 
 
 class Snapshots:
@@ -162,7 +165,7 @@ class Snapshots:
 
     def __init__(self, t: Trainer, every: int) -> None:
         a = t.ctx.assignment
-        self.every, self.rank, self.job_id = every, a.rank, a.job_id
+        self.every, self.rank, self.job_id, self.run_dir = every, a.rank, a.job_id, a.run_dir
         self.root = snapshot_root_of(t)
         self.identity = identity_of(t) if every > 0 else {}
         self.fp = ckpt.fingerprint(self.identity)
@@ -184,6 +187,8 @@ class Snapshots:
     def _write(self, step: int, state: dict[str, Any]) -> None:
         try:
             ckpt.save_snapshot(self.root, step, self.rank, state, self.fp, self.identity, self.job_id)
+            if self.run_dir:
+                notify_saved(self.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
             ckpt.prune(self.root, [self.rank])
             self.written.append(step)
         except BaseException as exc:  # noqa: BLE001 - reported on the loop's thread (wait)
