@@ -26,7 +26,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import grpc
 import structlog

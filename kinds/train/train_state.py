@@ -47,11 +47,9 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from rankctl.contract.names import job_name_problem
 from rankctl.contract.rankfiles import control_path, notify_saved, read_control
 from rankctl.kinds.train import checkpoint as ckpt
