@@ -209,7 +209,9 @@ ReturnToService=2
 SlurmdTimeout=10
 InactiveLimit=0
 KillWait=2
-MinJobAge=2
+# Slurm's default: an ended job's record (CANCELLED, COMPLETED ...) stays for `scontrol show job` as on a real
+# cluster; at 2 s a coordinator's look at a cancelled allocation under load found it forgotten (GONE)
+MinJobAge=300
 """
 
 
