@@ -907,11 +907,13 @@ class PutShardsResponse(_message.Message):
     def __init__(self, files: _Optional[int] = ...) -> None: ...
 
 class GetShardsRequest(_message.Message):
-    __slots__ = ("job_name", "ranks", "root")
+    __slots__ = ("job_name", "ranks", "root", "job_id")
     JOB_NAME_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_name: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     root: str
-    def __init__(self, job_name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., root: _Optional[str] = ...) -> None: ...
+    job_id: str
+    def __init__(self, job_name: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., root: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...

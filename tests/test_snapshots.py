@@ -223,3 +223,28 @@ def test_a_push_after_the_run_ended_here_is_refused_until_the_name_runs_again(tm
     for file in ("pt", "done"):
         again.feed(pb.ShardChunk(job_name="j", step=2, rank=2, file=file, root=SNAPSHOTS, data=b"{}", last=True))
     assert layout.read_marker(store.replica_root("j", SNAPSHOTS), 2, 2) is not None
+
+
+def test_a_restore_takes_the_restarting_jobs_steps_not_an_earlier_jobs_newer_ones(tmp_path, shm) -> None:
+    """Peer b holds ranks 2-3 of job j-2 at step 8 and, from an earlier job j-1 of the same name, step 48 (CI: a
+    spare restored step 48 of another job, and the restart found no step every rank holds). A restore for j-2 takes
+    step 8; one for a job that wrote nothing there (a job resuming j-1's steps) takes the newest of any job."""
+    b = ShardStore(tmp_path / "b")
+    for rank in (2, 3):
+        save(b.own_root("gpt"), 48, rank, job_id="j-1")
+        save(b.replica_root("gpt"), 8, rank, job_id="j-2")
+
+    async def scenario(job_id: str, into: ShardStore) -> int | None:
+        server = grpc.aio.server()
+        pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(b), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await restore(into, f"127.0.0.1:{port}", "gpt", [2, 3], job_id=job_id)
+        finally:
+            await server.stop(None)
+
+    mine, other = ShardStore(tmp_path / "c"), ShardStore(tmp_path / "d")
+    assert asyncio.run(scenario("j-2", mine)) == 8
+    assert layout.complete_for(mine.own_root("gpt"), [2, 3]) == [8]
+    assert asyncio.run(scenario("j-3", other)) == 48

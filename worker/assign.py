@@ -149,7 +149,7 @@ class Admission:
         if name:
             self._replication.revive(name)
         if msg.restore_peer and name:
-            await self._replication.restore(msg.restore_peer, name, sorted(ranks))
+            await self._replication.restore(msg.restore_peer, name, sorted(ranks), msg.job_id)
         workdir = (blobs_of(spec)[:1] or [""])[0] if spec and assignments[0].workdir else ""
         return RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
                         alive=set(ranks),  # counted alive from the launch on; exits remove them

@@ -89,19 +89,26 @@ class ShardStore:
             return layout.snapshot_replica_root(self.state_dir, name)
         return os.path.join(self.state_dir, "replicas", name)
 
-    def newest(self, name: str, ranks: list[int], area: str = "") -> tuple[int, dict[int, str]] | None:
+    def newest(self, name: str, ranks: list[int], area: str = "", job_id: str = "") -> tuple[int, dict[int, str]] | None:
         """The newest step complete and intact for every rank in either root (each shard matches the checksum
         its marker recorded: ``contract.checkpoints.damage``; a damaged step is passed over for an older one),
-        and the root of each rank's files. Reads the shards it checks: call it off the event loop."""
+        and the root of each rank's files. ``job_id``: only steps whose markers name that job (a restart's: an
+        earlier job of the same name may have left newer steps of these ranks here). Reads the shards it checks:
+        call it off the event loop."""
         roots = (self.own_root(name, area), self.replica_root(name, area))
         steps = set()
         for root in roots:
             steps.update(layout.list_steps(root))
+
+        def usable(rt: str, step: int, r: int) -> bool:
+            marker = layout.read_marker(rt, step, r)
+            return marker is not None and (not job_id or marker.get("job_id") == job_id) \
+                and not layout.damage(rt, step, r)
+
         for step in sorted(steps, reverse=True):
             where = {}
             for r in ranks:
-                root = next((rt for rt in roots if layout.read_marker(rt, step, r) is not None
-                             and not layout.damage(rt, step, r)), None)
+                root = next((rt for rt in roots if usable(rt, step, r)), None)
                 if root is None:
                     break
                 where[r] = root
@@ -298,7 +305,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
                 _check(request.job_name, 0, r, "pt", area)
         except BadShard as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        found = await asyncio.to_thread(self.store.newest, request.job_name, ranks, area)
+        found = await asyncio.to_thread(self.store.newest, request.job_name, ranks, area, request.job_id)
         if found is None:
             return
         step, where = found
@@ -393,21 +400,29 @@ class Replicator:
 
 
 async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], timeout: float = 300.0,
-                  credentials: grpc.ChannelCredentials | None = None) -> int | None:
-    """Fetch, of checkpoints and of snapshots, the newest step ``peer`` holds for all of ``ranks`` into
-    this node's own roots; the newer of the two steps (None when the peer has neither)."""
+                  credentials: grpc.ChannelCredentials | None = None, job_id: str = "") -> int | None:
+    """Fetch, of checkpoints and of snapshots, the newest step ``peer`` holds for all of ``ranks`` into this node's
+    own roots; the newer of the two steps (None when the peer has neither). With ``job_id``, that job's newest
+    step, else (it wrote none there yet: a job resuming another's) any job's: an earlier job of the same name may
+    have left newer steps of these ranks on the peer, which the restarting ranks would not take."""
     writer = _Writer(store.own_root)
     steps: list[int] = []
     try:
         async with peer_channel(peer, credentials) as channel:
             stub = pb_grpc.PeerServiceStub(channel)
             for area in AREAS:
-                call = stub.GetShards(pb.GetShardsRequest(job_name=name, ranks=ranks, root=area), timeout=timeout)
-                async for chunk in call:
-                    if chunk.root != area:
-                        raise BadShard(f"asked for root={area!r}, got a chunk of root={chunk.root[:40]!r}")
-                    await asyncio.to_thread(writer.feed, chunk)
-                    steps.append(chunk.step)
+                for which in dict.fromkeys([job_id, ""]):
+                    call = stub.GetShards(pb.GetShardsRequest(job_name=name, ranks=ranks, root=area, job_id=which),
+                                          timeout=timeout)
+                    got = False
+                    async for chunk in call:
+                        if chunk.root != area:
+                            raise BadShard(f"asked for root={area!r}, got a chunk of root={chunk.root[:40]!r}")
+                        await asyncio.to_thread(writer.feed, chunk)
+                        steps.append(chunk.step)
+                        got = True
+                    if got:
+                        break
     except BaseException:
         writer.abort()
         raise

@@ -33,11 +33,11 @@ class Replication:
         """A run of ``name`` starts here: its peers' snapshot pushes are welcome again."""
         self.shards.revive(name)
 
-    async def restore(self, peer: str, name: str, ranks: list[int]) -> None:
-        """This node replaces the one that ran ``ranks``: fetch their newest checkpoint step from ``peer``
-        (a failure only means the ranks start over)."""
+    async def restore(self, peer: str, name: str, ranks: list[int], job_id: str = "") -> None:
+        """This node replaces the one that ran ``ranks`` of ``job_id``: fetch their newest checkpoint step of that
+        job from ``peer`` (a failure only means the ranks start over)."""
         try:
-            step = await restore(self.shards, peer, name, ranks, credentials=self._credentials)
+            step = await restore(self.shards, peer, name, ranks, credentials=self._credentials, job_id=job_id)
             self._log.info("checkpoint restored from peer", peer=peer, job_name=name, ranks=ranks, step=step)
         except (grpc.aio.AioRpcError, OSError, BadShard) as exc:
             self._log.warning("checkpoint restore failed; the ranks start over", peer=peer, job_name=name,
