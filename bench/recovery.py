@@ -203,22 +203,22 @@ def kill_node(pid: int) -> float:
 def unmount_left(root: Path) -> list[str]:
     """What the SIGKILLed node's daemon left mounted: its jobs' ``/dev/shm`` tmpfs under its state dir and its
     snapshot memory (``/dev/shm/rankctl-*``). A node whose daemon starts again unmounts them itself
-    (``worker.shm.unmount_stale``, ``worker.snapmem``); the bench's lost node never comes back. The mount points
-    undone (innermost first) and the snapshot directories removed."""
+    (``worker.shm.unmount_stale``, ``worker.snapmem``); the bench's lost node never comes back, so the bench
+    does the same for each node's state dir. The mount points undone; the snapshot directories removed."""
     from rankctl.contract.checkpoints import memory_base
     from rankctl.worker import shm
 
     states = [p for p in (root / "rankctl").iterdir() if p.is_dir()] if (root / "rankctl").is_dir() else []
+    points = [point for state in states for point in shm.unmount_stale(str(state))]
     bases = {memory_base(str(state)) for state in states}
     with open("/proc/self/mounts", encoding="utf-8") as f:
-        points = [fields[1] for fields in (line.split() for line in f) if len(fields) > 2 and fields[2] == "tmpfs"
-                  and (fields[1].startswith(f"{root}{os.sep}") or fields[1] in bases)]
-    for point in sorted(points, reverse=True):
-        shm.libc().umount2(point.encode(), shm.MNT_DETACH)
+        held = [fields[1] for fields in (line.split() for line in f) if len(fields) > 2 and fields[1] in bases]
+    for base in held:
+        shm.libc().umount2(base.encode(), shm.MNT_DETACH)
     for base in bases:
         if base.startswith("/dev/shm/"):
             shutil.rmtree(base, ignore_errors=True)
-    return points
+    return points + held
 
 
 def leftovers(root: Path) -> list[int]:

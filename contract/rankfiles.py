@@ -58,7 +58,10 @@ def saved_path(run_dir: str) -> str:
 
 def notify_saved(run_dir: str) -> None:
     """Tell the node's daemon that a save of this rank is complete. Never blocks and never fails: without the
-    FIFO (an older daemon), a reader or room in the pipe, the daemon's poll turn finds the step anyway."""
+    FIFO (an older daemon, or no run directory: a rank started by hand), a reader or room in the pipe, the
+    daemon's poll turn finds the step anyway."""
+    if not run_dir:
+        return
     try:
         fd = os.open(saved_path(run_dir), os.O_WRONLY | os.O_NONBLOCK)
     except OSError:

@@ -152,8 +152,7 @@ def save_checkpoint(t: Trainer, step: int) -> str:
             t.ctx.log.info("removed stale checkpoint files", root=root)
     identity = identity_of(t)
     path = ckpt.save_rank(root, step, a.rank, state_dict(t, step), ckpt.fingerprint(identity), identity, a.job_id)
-    if a.run_dir:
-        notify_saved(a.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
+    notify_saved(a.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
     return path
 
 
@@ -185,8 +184,7 @@ class Snapshots:
     def _write(self, step: int, state: dict[str, Any]) -> None:
         try:
             ckpt.save_snapshot(self.root, step, self.rank, state, self.fp, self.identity, self.job_id)
-            if self.run_dir:
-                notify_saved(self.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
+            notify_saved(self.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
             ckpt.prune(self.root, [self.rank])
             self.written.append(step)
         except BaseException as exc:  # noqa: BLE001 - reported on the loop's thread (wait)
