@@ -85,8 +85,10 @@ def test_a_drained_node_hands_its_train_job_to_the_spare_and_the_losses_equal_an
         assert abs(ours - theirs) <= 1e-5 * abs(theirs), (step, ours, theirs)
     resumed = done["result"].get("resumed_from") or 0
     saved = re.search(r"every rank passed step (\d+)", first["reason"])
-    # the drain checkpoint, or from scratch where the ranks do not save one on request (older train kind)
-    assert resumed in (0, int(saved.group(1)) if saved else -1), (resumed, first["reason"])
+    # the drain checkpoint is the floor: a newer step every rank holds intact (a snapshot taken between the
+    # drain's save and the stop, replicated by the save wake) is as good and loses less
+    # (with no checkpoint within the drain's wait, the newest step every rank holds, or a start from scratch)
+    assert resumed >= (int(saved.group(1)) if saved else 0), (resumed, first["reason"])
     print(f"\ndrain of {victim} at step {drained_at}: {first['reason']}; attempt 2 resumed from step {resumed}")
     wait_for(lambda: not rank_pids(job), 30, "every rank of both attempts to exit")
 

@@ -4,22 +4,75 @@ statuses, and ``to_wire``, the one conversion of a rank's status record to a ``R
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from rankctl.contract.rankstatus import RankStatusRecord, as_number
 from rankctl.proto import rankctl_pb2 as pb
 
 
-def free_ports(host: str, count: int) -> list[int]:
-    """Ports the OS hands out right now on ``host`` (a rendezvous store can bind one)."""
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 20000      # below: services' well-known and registered ports
+PROBES = 64              # binds tried per call at most
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE) -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections and to binds of port 0 (Linux's default where the
+    file cannot be read)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_candidates(low: int, high: int) -> range:
+    """Ports outside the ephemeral range ``low..high`` to offer for rendezvous stores: the wider of the gap below
+    it (from LOWEST_PORT) and the one above it. A port inside the range may be taken by any outgoing connection
+    between the heartbeat that offered it and rank 0's bind (a gloo link, a gRPC channel), as CI saw."""
+    below, above = range(LOWEST_PORT, low), range(high + 1, 65536)
+    return below if len(below) >= len(above) else above
+
+
+def bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the store's own bind: TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(host: str, count: int, keep: Sequence[int] = (), *, rng: random.Random | None = None,
+               low_high: tuple[int, int] | None = None) -> list[int]:
+    """``count`` ports a rendezvous store can bind on ``host`` now: those of ``keep`` (the last offer) that still
+    are, then random ones outside the ephemeral range; ports the OS hands out (port 0) only where that range
+    leaves too few (then a connection may still take one before the store binds it)."""
+    candidates = port_candidates(*(low_high or ephemeral_range()))
+    ports = [p for p in keep if p in candidates and bindable(host, p)][:count]
+    if len(candidates) >= 16 * max(count, 1):
+        pick = rng or random.SystemRandom()
+        for port in (pick.choice(candidates) for _ in range(PROBES)):
+            if len(ports) >= count:
+                return ports
+            if port not in ports and bindable(host, port):
+                ports.append(port)
+    return ports + ephemeral_ports(host, count - len(ports))
+
+
+def ephemeral_ports(host: str, count: int) -> list[int]:
+    """Ports the OS hands out right now on ``host`` (binds of port 0)."""
     ports, socks = [], []
     try:
         for _ in range(count):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
             socks.append(s)
+            s.bind((host, 0))
             ports.append(s.getsockname()[1])
     except OSError:
         pass

@@ -91,6 +91,7 @@ class CoordinatorSession:
         self._beat = asyncio.Event()                     # a heartbeat is due
         self._channel: grpc.aio.Channel | None = None    # the session's, for FetchBlob
         self._usage = UsageSampler()                     # CPU, memory and GPU use, sent with each heartbeat
+        self._ports: list[int] = []                      # the rendezvous ports last offered
         # the coordinators to try in turn (several: the coordinators of one replicated store; the leader serves)
         self._addresses = [a.strip() for a in cfg.coordinator.split(",") if a.strip()] or [cfg.coordinator]
         self.target = self._addresses[0]
@@ -163,7 +164,7 @@ class CoordinatorSession:
         return pb.NodeMessage(register=pb.Register(
             name=cfg.name, address=cfg.advertise_address, slots=cfg.slots, hardware=hardware_pb(self._hardware()),
             running=self._running(), session=self._session_id, peer_port=cfg.peer_port, pool=cfg.pool,
-            free_ports=free_ports(cfg.advertise_address, cfg.free_ports), replaces=True,
+            free_ports=self._offer_ports(), replaces=True,
         ))
 
     async def _session_once(self) -> None:
@@ -270,8 +271,14 @@ class CoordinatorSession:
             if buffer.unsent:
                 wake.set()
 
+    def _offer_ports(self) -> list[int]:
+        """The rendezvous ports offered to the coordinator: the last offer's that are still free, then new ones
+        (an unchanged offer asks nothing of the scheduler)."""
+        self._ports = free_ports(self.cfg.advertise_address, self.cfg.free_ports, self._ports)
+        return self._ports
+
     def _heartbeat(self, ts: float, *, with_ports: bool) -> pb.NodeMessage:
-        ports = free_ports(self.cfg.advertise_address, self.cfg.free_ports) if with_ports else []
+        ports = self._offer_ports() if with_ports else []
         return pb.NodeMessage(heartbeat=pb.Heartbeat(ts=ts, free_ports=ports, usage=self._usage.sample()))
 
     async def _tick(self, wait: float) -> None:
