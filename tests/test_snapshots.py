@@ -128,6 +128,22 @@ def test_a_damaged_step_is_passed_over_for_the_newest_intact_one(tmp_path) -> No
     assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-1") is None  # starts over
 
 
+def test_steps_of_the_runs_own_layout_are_never_taken_for_another_layouts(tmp_path) -> None:
+    """A restart whose own steps no rank set holds intact starts over (``agree_resume_step`` -> None); the
+    resume under another layout must not then see those same-layout steps and refuse them as another layout's."""
+    from rankctl.kinds.train.reshard import complete_elsewhere
+
+    def ident(world: int, tp: int) -> dict:
+        return {"seed": 1, "world_size": world, "parallel": {"tp": tp, "pp": 1}}
+    root = str(tmp_path)
+    mine, other = ident(2, 2), ident(1, 1)
+    ckpt.save_rank(root, 4, 0, {"step": 4}, ckpt.fingerprint(mine), mine, "j-1")   # rank 1's copy is gone
+    assert complete_elsewhere(root, mine) == ([], [])
+    ckpt.save_rank(root, 6, 0, {"step": 6}, ckpt.fingerprint(other), other, "j-1")  # a 1-rank attempt's step
+    assert complete_elsewhere(root, mine) == ([(6, ckpt.fingerprint(other))], [])
+    assert complete_elsewhere(root, other) == ([], [4])   # seen from that layout, ours is another's (partial)
+
+
 def test_snapshots_reach_the_peers_memory_and_a_replacement_node_fetches_them(tmp_path, shm) -> None:
     """Node a pushes its ranks' newest snapshot and checkpoint to peer b (a real PeerService on loopback);
     b keeps the snapshot in its memory root and the checkpoint on disk; node c, replacing a, fetches both."""

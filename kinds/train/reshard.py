@@ -77,9 +77,12 @@ def complete_elsewhere(root: str, identity: dict[str, Any], job_id: str | None =
                        ) -> tuple[list[tuple[int, str]], list[int]]:
     """(step, fingerprint) of the steps under ``root``, newest first, whose every rank of one world finished with
     an identity that is this run's but for its layout (all of that world's markers readable here; only files
-    ``job_id`` wrote, when given); and the steps of such an identity of which only some ranks' markers are."""
-    want, out, partial = layout_free(identity), [], []
-    for step, fp, _, complete in worlds(root, lambda m: layout_free(m["identity"]) == want and
+    ``job_id`` wrote, when given); and the steps of such an identity of which only some ranks' markers are.
+    Steps of this very layout are not another's: ``resume.agree_resume_step`` judged them (a restart whose own
+    steps are all damaged or not held by every rank starts over instead of being refused as another layout's)."""
+    want, own, out, partial = layout_free(identity), ckpt.fingerprint(identity), [], []
+    for step, fp, _, complete in worlds(root, lambda m: m["fingerprint"] != own and
+                                        layout_free(m["identity"]) == want and
                                         (job_id is None or m.get("job_id") == job_id)):
         if complete:
             out.append((step, fp))
