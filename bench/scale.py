@@ -620,6 +620,8 @@ def main() -> None:
                     help="--fault: seconds to wait for the next attempt's first step")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="--fault: py-spy the coordinator from the loss to the next attempt's first step, into DIR")
+    ap.add_argument("--profile-native", action="store_true",
+                    help="--profile: with the C frames too (gRPC's core, protobuf, SQLite)")
     ap.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy", help="the py-spy to run with --profile")
     ap.add_argument("--profile-format", default="raw", choices=("raw", "chrometrace", "speedscope"),
                     help="--profile: py-spy's output format (chrometrace has each sample's time)")

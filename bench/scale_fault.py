@@ -209,7 +209,7 @@ def start_profile(ns: argparse.Namespace, pid: int, nodes: int) -> subprocess.Po
     out = Path(ns.profile) / f"coordinator-{nodes}-nodes.{'txt' if ns.profile_format == 'raw' else 'json'}"
     out.parent.mkdir(parents=True, exist_ok=True)
     spy = subprocess.Popen([ns.py_spy, "record", "--pid", str(pid), "--format", ns.profile_format, "--rate", "100",
-                            "--output", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            "--output", str(out)] + (["--native"] if ns.profile_native else []), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)  # attached before the kill
     return spy
 
