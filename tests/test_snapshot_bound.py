@@ -200,6 +200,7 @@ def test_a_refused_snapshot_push_is_resource_exhausted_and_checkpoints_still_rep
             await replicator.push(peer, "gpt", [0])   # refused: the snapshot is not pushed again
             due = replicator.due(peer, "gpt", [0])
             await replicator.push(peer, "gpt", [0])   # the checkpoint alone
+            await replicator.channels.close()
             return info.value.code(), info.value.details(), due
 
     code, details, due = asyncio.run(scenario())

@@ -164,6 +164,7 @@ def test_snapshots_reach_the_peers_memory_and_a_replacement_node_fetches_them(tm
             replicator = Replicator(a)
             await replicator.push(peer, "gpt", [2, 3])
             assert replicator.due(peer, "gpt", [2, 3]) == []   # nothing new: nothing pushed again
+            await replicator.channels.close()
             return await restore(c, peer, "gpt", [2, 3])
         finally:
             await server.stop(None)
@@ -175,6 +176,44 @@ def test_snapshots_reach_the_peers_memory_and_a_replacement_node_fetches_them(tm
     assert layout.complete_for(c.own_root("gpt", SNAPSHOTS), [2, 3]) == [4]
     assert layout.complete_for(c.own_root("gpt"), [2, 3]) == [3]
     assert torch.equal(ckpt.load_rank(c.own_root("gpt", SNAPSHOTS), 4, 3)["x"], torch.full((4,), 4.0))
+
+
+def test_pushes_to_a_peer_share_one_channel_and_one_that_failed_is_dialled_afresh(tmp_path, shm) -> None:
+    """Push rounds reuse the channel to their peer; a round that fails (the peer went away) closes it, and the
+    next round, the peer back on its port, dials a new one and delivers."""
+    a, b = ShardStore(tmp_path / "a"), ShardStore(tmp_path / "b")
+    own = a.own_root("gpt", SNAPSHOTS)
+
+    async def serve(address: str) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(b), server)
+        port = server.add_insecure_port(address)
+        await server.start()
+        return server, port
+
+    async def scenario() -> list[int]:
+        server, port = await serve("127.0.0.1:0")
+        peer, replicator = f"127.0.0.1:{port}", Replicator(a)
+        save(own, 2, 0)
+        await replicator.push(peer, "gpt", [0])
+        first = replicator.channels.get(peer)
+        save(own, 4, 0)
+        await replicator.push(peer, "gpt", [0])
+        assert replicator.channels.get(peer) is first and len(replicator.channels) == 1
+        await server.stop(None)
+        save(own, 6, 0)
+        await replicator.push(peer, "gpt", [0])      # refused by nobody: logged, the channel closed
+        assert len(replicator.channels) == 0
+        server, _ = await serve(peer)
+        try:
+            await replicator.push(peer, "gpt", [0])  # step 6 again, on a new channel
+            assert replicator.channels.get(peer) is not first
+        finally:
+            await replicator.channels.close()
+            await server.stop(None)
+        return layout.complete_for(b.replica_root("gpt", SNAPSHOTS), [0])
+
+    assert asyncio.run(scenario())[-1] == 6
 
 
 def test_a_step_arriving_at_the_peer_drops_that_ranks_newer_steps_of_an_earlier_run(tmp_path, shm) -> None:

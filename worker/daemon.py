@@ -66,8 +66,8 @@ class WorkerDaemon:
         workdirs = WorkdirCache(cfg.state_dir, cfg.workdir_cache_mb << 20)
         self.outbox = Outbox(MAX_BUFFERED_REPORTS)
         self._background = Background()
-        replication = Replication(ShardStore(cfg.state_dir), credentials=credentials, background=self._background,
-                                  log=node_log)
+        self.replication = replication = Replication(ShardStore(cfg.state_dir), credentials=credentials,
+                                                     background=self._background, log=node_log)
         py_spy = hangwatch.find_py_spy() if cfg.py_spy is None else cfg.py_spy or None
         self.runs = Runs(
             node=cfg.name, outbox=self.outbox, replication=replication, background=self._background,
@@ -173,6 +173,7 @@ class WorkerDaemon:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._background.cancel()
+            await self.replication.close()
             await self.inplace.close()
             await self.supervisor.close()
 

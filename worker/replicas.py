@@ -37,6 +37,7 @@ from rankctl.contract import checkpoints as layout
 from rankctl.contract.names import job_name_problem
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+from rankctl.worker.peerchannels import PeerChannels, peer_channel
 
 if TYPE_CHECKING:
     from rankctl.worker.snapmem import Bound
@@ -314,23 +315,13 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
                 yield chunk
 
 
-PEER_NAME = "rankctl-node"  # security.certs.PEER_SAN: on every node certificate; peers check "a node of this CA"
-
-
-def peer_channel(peer: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
-    """A channel to another node's PeerService: mutual TLS with this node's certificate when
-    ``credentials`` (the peer is checked as a node of the same CA), plain text otherwise."""
-    if credentials is None:
-        return grpc.aio.insecure_channel(peer)
-    return grpc.aio.secure_channel(peer, credentials, options=(("grpc.ssl_target_name_override", PEER_NAME),))
-
-
 class Replicator:
     """Pushes the newest complete step of each of this node's ranks, checkpoints and snapshots, to
     their replica peer, once."""
 
     def __init__(self, store: ShardStore, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.store, self.credentials = store, credentials
+        self.channels = PeerChannels(credentials)                # one per peer, kept between rounds
         self._pushed: dict[tuple[str, str, str, int], int] = {}  # (peer, job name, area, rank) -> newest step pushed
         self._refused: dict[tuple[str, str, str, int], int] = {}  # ... -> newest step the peer had no room for
         self._busy: set[str] = set()                             # peers with a push in flight
@@ -377,8 +368,8 @@ class Replicator:
                 for area, r, step in due:
                     yield from _chunks(name, step, r, self.store.own_root(name, area), area)
 
-            async with peer_channel(peer, self.credentials) as channel:
-                await pb_grpc.PeerServiceStub(channel).PutShards(_threaded(all_chunks()), timeout=300)
+            channel = self.channels.get(peer, self._busy)
+            await pb_grpc.PeerServiceStub(channel).PutShards(_threaded(all_chunks()), timeout=300)
             for area, r, step in due:
                 self._pushed[(peer, name, area, r)] = step
             log.info("checkpoint replicated", peer=peer, job_name=name,
@@ -386,7 +377,9 @@ class Replicator:
                             if any(k == area for k, _, _ in due)})
         except (grpc.aio.AioRpcError, OSError) as exc:
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._refuse(peer, name, due)
+                self._refuse(peer, name, due)   # the peer answered: its channel is fine
+            else:
+                self.channels.forget(peer)
             log.warning("checkpoint replication failed", peer=peer, job_name=name,
                         error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
 

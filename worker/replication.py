@@ -29,6 +29,10 @@ class Replication:
             if run.replica_peer and run.job_name and run.alive:
                 self._background.spawn(self._replicator.push(run.replica_peer, run.job_name, sorted(run.ranks)))
 
+    async def close(self) -> None:
+        """The daemon stops: close the channels kept to replica peers."""
+        await self._replicator.channels.close()
+
     def revive(self, name: str) -> None:
         """A run of ``name`` starts here: its peers' snapshot pushes are welcome again."""
         self.shards.revive(name)
