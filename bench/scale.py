@@ -34,6 +34,7 @@ coordinator's share of each.
     python bench/scale.py --nodes 2048 --slots 8 --steps 30 [--step-rate 1] [--procs P] [--store etcd]
         [--coordinator-python PY] [--coordinator-pythonpath DIR] [--heartbeat-timeout S]
     python bench/scale.py --fault [--nodes 8192] [--small-nodes 64] [--spares 8] [--fault-step 3]
+        [--generators-nice 19] [--profile DIR [--profile-native]]
 """
 
 from __future__ import annotations
@@ -109,11 +110,12 @@ def fmt(x: float, digits: int = 2) -> str:
 class Generator:
     """One generator subprocess and what it last said (read on a thread)."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, nice: int = 0) -> None:
         self._err = open(log, "wb")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.p = subprocess.Popen([sys.executable, str(SIM), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=self._err, env=env, text=True, bufsize=1, start_new_session=True)
+                                  stderr=self._err, env=env, text=True, bufsize=1, start_new_session=True,
+                                  preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.progress: dict = {}
         self.final: dict | None = None
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -618,6 +620,9 @@ def main() -> None:
     ap.add_argument("--fault-step", type=int, default=3, help="--fault: kill a node once this step is stored")
     ap.add_argument("--recovery-timeout", type=float, default=300.0,
                     help="--fault: seconds to wait for the next attempt's first step")
+    ap.add_argument("--generators-nice", type=int, default=0, metavar="N",
+                    help="--fault: run the simulated daemons at this nice value (19: the coordinator is served first, "
+                         "nearer a cluster where they are other machines; the default shares the cores evenly)")
     ap.add_argument("--profile", metavar="DIR", default=None,
                     help="--fault: py-spy the coordinator from the loss to the next attempt's first step, into DIR")
     ap.add_argument("--profile-native", action="store_true",

@@ -79,7 +79,8 @@ def start_generators(ns: argparse.Namespace, nodes: int, address: str, root: Pat
     ranges = [(first, min(per, last - first)) for first in range(0, last, per)] + [(last, 1), (nodes, ns.spares)]
     common = ["--address", address, "--total", str(total), "--slots", str(ns.slots), "--steps", str(STEPS),
               "--step-rate", str(ns.step_rate), "--streams-per-channel", str(ns.streams_per_channel)]
-    gens = [Generator(common + ["--first", str(first), "--count", str(count)], root / f"gen{i}.log")
+    gens = [Generator(common + ["--first", str(first), "--count", str(count)], root / f"gen{i}.log",
+                      ns.generators_nice)
             for i, (first, count) in enumerate(ranges) if count > 0]
     victim = next(g for g in gens if g.p.args[g.p.args.index("--first") + 1] == str(last))
     return gens, victim
@@ -300,7 +301,8 @@ def fault_once(ns: argparse.Namespace, nodes: int) -> dict:
 
     r: dict = {"nodes": nodes, "ranks": nodes * ns.slots, "log": say}
     print(f"fault bench: {nodes} nodes x {ns.slots} slots = {nodes * ns.slots} ranks, {ns.spares} spare node(s), "
-          f"steps offered at {ns.step_rate:g}/s, node sim-{nodes - 1:05d} SIGKILLed at stored step {ns.fault_step}",
+          f"steps offered at {ns.step_rate:g}/s, node sim-{nodes - 1:05d} SIGKILLed at stored step {ns.fault_step}"
+          + (f", simulated daemons at nice {ns.generators_nice}" if ns.generators_nice else ""),
           flush=True)
     coord, address, env = start_coordinator(ns, ns.coordinator_python, ns.coordinator_pythonpath, root)
     say(f"code       : {which_code(ns.coordinator_python, env)}")
