@@ -135,6 +135,7 @@ class Daemon:
         self.was_registered = False
         self.folds = False
         self.heartbeat: asyncio.Task | None = None
+        self.interval = 2.0  # seconds between heartbeats: the coordinator's, from Registered or a retuning Ack
         self.last_batch = 0.0  # when the last ReportBatch went out
         self.tasks: dict[str, asyncio.Task] = {}  # job id -> its player
         self.playing: dict[str, tuple[int, list[int]]] = {}  # job id -> (attempt, ranks), for a re-Register
@@ -191,9 +192,11 @@ class Daemon:
                         self.connected.set()
                         if self.heartbeat is not None:
                             self.heartbeat.cancel()
-                        interval = msg.registered.heartbeat_interval or 2.0
+                        self.interval = msg.registered.heartbeat_interval or 2.0
                         self.folds = msg.registered.folds   # an older coordinator (--coordinator-pythonpath): never
-                        self.heartbeat = asyncio.create_task(self.heartbeats(interval))
+                        self.heartbeat = asyncio.create_task(self.heartbeats())
+                    elif body == "ack" and msg.ack.heartbeat_interval > 0:  # retuned, as the daemon is
+                        self.interval = msg.ack.heartbeat_interval
                     elif body == "assign":
                         self.on_assign(msg.assign, time.time(), msg.ByteSize())
                     elif body == "cancel":
@@ -229,18 +232,18 @@ class Daemon:
         for task in self.tasks.values():
             task.cancel()
 
-    async def heartbeats(self, interval: float) -> None:
+    async def heartbeats(self) -> None:
         beat = 0
-        await asyncio.sleep(interval * ((self.index * 0.618) % 1.0))  # spread beats too
+        await asyncio.sleep(self.interval * ((self.index * 0.618) % 1.0))  # spread beats too
         while True:
             beat += 1
             ports = self.ports if beat % 5 == 0 else []
             # as the real daemon does (worker/daemon.py): a batch within the interval already showed the
             # node alive, so only every fifth beat (free ports) goes
-            if ports or time.time() - self.last_batch >= interval:
+            if ports or time.time() - self.last_batch >= self.interval:
                 await self.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=time.time(), free_ports=ports)))
                 self.sim.counts["sent_heartbeat"] += 1
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.interval)
 
     def on_assign(self, assign: pb.Assign, t_recv: float, nbytes: int) -> None:
         sim = self.sim

@@ -84,6 +84,9 @@ async def _serve(listen: str, state_dir: Path, tls_dir: str | None, **options: o
                    "this host's name when that is 0.0.0.0 or [::]).")
 @click.option("--heartbeat-timeout", default=10.0, show_default=True, type=float,
               help="Seconds without a heartbeat before a node is lost.")
+@click.option("--max-heartbeat-rate", default=1000.0, show_default=True, type=click.FloatRange(min=1),
+              help="Heartbeats a second from all nodes together at most: a bigger fleet is asked to beat less often "
+                   "(a stopped or cut-off node is still lost within --heartbeat-timeout: HTTP/2 keepalive).")
 @click.option("--head-wait", default=60.0, show_default=True, type=float,
               help="Seconds the first job that cannot start holds back later jobs that could (then they backfill).")
 @click.option("--http-listen", default=None, metavar="HOST:PORT",
@@ -104,7 +107,8 @@ async def _serve(listen: str, state_dir: Path, tls_dir: str | None, **options: o
 @log_format
 @click.pass_context
 def coordinator(ctx: click.Context, listen: str, state_dir: Path | None, advertise_address: str | None,
-                heartbeat_timeout: float, head_wait: float, http_listen: str | None, metrics_per_rank: bool,
+                heartbeat_timeout: float, max_heartbeat_rate: float, head_wait: float, http_listen: str | None,
+                metrics_per_rank: bool,
                 blob_quota_mb: int, blob_retention_hours: float, event_retention_days: float,
                 store_url: str | None, etcd_ca: Path | None,
                 etcd_cert: Path | None, etcd_key: Path | None, lease_ttl: int, tls_dir: str | None, insecure: bool,
@@ -139,7 +143,8 @@ def coordinator(ctx: click.Context, listen: str, state_dir: Path | None, adverti
     tune_gc()
     try:
         asyncio.run(_serve(listen, state_dir, tls_dir, advertise=advertise_address,
-                           heartbeat_timeout=heartbeat_timeout, head_wait=head_wait, http_listen=http_listen,
+                           heartbeat_timeout=heartbeat_timeout, max_heartbeat_rate=max_heartbeat_rate,
+                           head_wait=head_wait, http_listen=http_listen,
                            metrics_per_rank=metrics_per_rank, blob_quota_bytes=blob_quota_mb << 20,
                            blob_retention_s=blob_retention_hours * 3600, store_url=str(url) if url else None,
                            etcd_tls=etcd_tls, lease_ttl=lease_ttl, event_retention_s=event_retention_days * 86400))

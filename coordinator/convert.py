@@ -219,6 +219,11 @@ def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0,
     return msg
 
 
+def retune_message(heartbeat_interval: float) -> pb.CoordinatorMessage:
+    """An Ack that acknowledges nothing and asks for heartbeats every ``heartbeat_interval`` seconds from now on."""
+    return pb.CoordinatorMessage(ack=pb.Ack(last_seq=0, heartbeat_interval=heartbeat_interval))
+
+
 def registered_message(node: str, heartbeat_interval: float, last_seq: int) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(
         registered=pb.Registered(node=node, heartbeat_interval=heartbeat_interval, last_seq=last_seq, folds=True)

@@ -46,7 +46,7 @@ from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankR
 from rankctl.coordinator.reports import Report, ReportApplier
 from rankctl.coordinator.restarts import Restarts
 from rankctl.coordinator.scheduler import HEAD_WAIT_S, Scheduler
-from rankctl.coordinator.sessions import Sessions, Streams
+from rankctl.coordinator.sessions import MAX_HEARTBEAT_RATE, Sessions, Streams
 from rankctl.coordinator.signals import Signals
 from rankctl.coordinator.states import JobState, is_terminal
 from rankctl.coordinator.stats import CoordinatorStats
@@ -69,7 +69,7 @@ class Coordinator:
 
     def __init__(self, store: Store, *, clock: Callable[[], float] = time.time,
                  heartbeat_timeout: float = 10.0, signals: Signals | None = None,
-                 head_wait: float = HEAD_WAIT_S) -> None:
+                 head_wait: float = HEAD_WAIT_S, max_heartbeat_rate: float = MAX_HEARTBEAT_RATE) -> None:
         self.store, self.clock = store, clock
         self.signals = signals or Signals()
         self.book = JobBook(store, clock, self.signals)
@@ -92,12 +92,12 @@ class Coordinator:
         self._restarts.hold_loss, self._scheduler.gathering = self.allocations.hold_loss, self.allocations.gathering
         self.pools = WorkerPools(self.nodes, store, clock, self.drain, self.undrain, self._scheduler.free_slots)
         self._scheduler.general = self.pools.general
-        self._assemble_node_side(heartbeat_timeout)
+        self._assemble_node_side(heartbeat_timeout, max_heartbeat_rate)
         for job in self.book.active():  # restarts under way before the coordinator stopped: confirm them again
             if job.state is S.RESTARTING:
                 self._stops.begin(job)
 
-    def _assemble_node_side(self, heartbeat_timeout: float) -> None:
+    def _assemble_node_side(self, heartbeat_timeout: float, max_heartbeat_rate: float) -> None:
         """The parts that hear nodes: report intake and node sessions."""
         streams = Streams(self.clock, self.logfetch)
         self._applier = ReportApplier(self.book, self.clock)
@@ -107,7 +107,7 @@ class Coordinator:
         self._sessions = Sessions(self.nodes, self.book, self.store, self.clock, self._guard, self._outgoing,
                                   streams, self._stops, self._drains, self._restarts, flush=self.flush,
                                   schedule=self.schedule, heartbeat_timeout=heartbeat_timeout,
-                                  shutting_down=self._is_shutting_down)
+                                  shutting_down=self._is_shutting_down, max_heartbeat_rate=max_heartbeat_rate)
 
     def _is_shutting_down(self) -> bool:
         return self.shutting_down

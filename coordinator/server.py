@@ -37,6 +37,7 @@ from rankctl.coordinator.intake import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
 from rankctl.coordinator.slurm import SlurmAllocator
 from rankctl.coordinator.store import Store, prune_events
+from rankctl.coordinator.transport import SERVER_OPTIONS, keepalive_options
 from rankctl.proto import rankctl_pb2_grpc
 
 if TYPE_CHECKING:
@@ -46,21 +47,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("rankctl.coordinator")
 SERVICES = ("", "rankctl.v1.ClientService", "rankctl.v1.NodeService")
-MAX_MESSAGE_BYTES = 16 << 20
 LEASE_TTL_S = 3  # a replicated store's leader lease: a dead leader is replaced within it
 EVENT_RETENTION_S = 30 * 86400  # a finished job's events are kept this long (its last one, and the job, always)
-# grpc enables SO_REUSEPORT by default: a second coordinator on a used address would start
-# silently and split the clients between the two. Bind exclusively instead.
-SERVER_OPTIONS = (
-    ("grpc.so_reuseport", 0),
-    # daemons ping every 2 s to find a stopped coordinator (SIGSTOP, a frozen host): let them
-    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-)
-
-
 @dataclass
 class Leading:
     """What a leading coordinator runs over its store: the core, the blob store and their tasks."""
@@ -295,8 +283,8 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
                             metrics_per_rank: bool = False, blob_quota_bytes: int = QUOTA_BYTES,
                             blob_retention_s: float = RETENTION_S, advertise: str | None = None,
                             store_url: str | None = None, etcd_tls: "EtcdTLS | None" = None,
-                            lease_ttl: int = LEASE_TTL_S, event_retention_s: float = EVENT_RETENTION_S
-                            ) -> CoordinatorServer:
+                            lease_ttl: int = LEASE_TTL_S, event_retention_s: float = EVENT_RETENTION_S,
+                            max_heartbeat_rate: float | None = None) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
     ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
 
@@ -306,20 +294,24 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     ``http_listen``: also serve the dashboard and ``/metrics`` (per-rank series with ``metrics_per_rank``) there,
     HTTPS under ``tls_dir`` (``coordinator.web``); the bound address goes to ``state_dir/http_address``.
     ``event_retention_s``: the events of jobs finished longer ago are pruned (each keeps its last).
+    ``max_heartbeat_rate``: heartbeats a second from the whole fleet at most (``sessions.MAX_HEARTBEAT_RATE``).
     ``store_url``: keep the state on etcd (``etcd://HOST:PORT[,...][/prefix]``, TLS with ``etcd_tls``) and lead
     only when elected (``coordinator.ha``); ``state_dir`` then holds this coordinator's local files only."""
     from rankctl.security.tls import load_identity_dir, server_credentials
 
     identity = load_identity_dir(tls_dir) if tls_dir else None  # before anything is locked or bound
     settings = LeaderSettings(listen, Path(state_dir), heartbeat_timeout, clock,
-                              {} if head_wait is None else {"head_wait": head_wait}, identity, http_listen,
+                              {**({} if head_wait is None else {"head_wait": head_wait}),
+                               **({} if max_heartbeat_rate is None else {"max_heartbeat_rate": max_heartbeat_rate})},
+                              identity, http_listen,
                               metrics_per_rank, blob_quota_bytes, blob_retention_s, advertise,
                               event_retention_s=event_retention_s)
     url = StoreURL.parse(store_url) if store_url else None
     store = Store(state_dir) if url is None else None  # the state dir's lock first: a second coordinator fails here
     client, node = ClientServiceServicer(None, None), NodeServiceServicer(None, None)
     holder: list[CoordinatorServer] = []
-    server, health = _grpc_server(client, node, identity, LeaderGate(lambda: holder[0].refusal()))
+    server, health = _grpc_server(client, node, identity, LeaderGate(lambda: holder[0].refusal()),
+                                  heartbeat_timeout)
     try:
         port = (server.add_secure_port(listen, server_credentials(identity)) if identity is not None
                 else server.add_insecure_port(listen))
@@ -403,12 +395,12 @@ async def _copy_blobs(coord: CoordinatorServer, period_s: float = 5.0) -> None:
 
 
 def _grpc_server(client: ClientServiceServicer, node: NodeServiceServicer, identity,  # noqa: ANN001 - tls.Identity
-                 gate: LeaderGate) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+                 gate: LeaderGate, heartbeat_timeout: float) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """The server with its services (client, node, health, reflection), every call through the Authorizer
     (enabled with an ``identity``), then the leader gate; not bound yet."""
     from rankctl.security.tls import peer_identity
 
-    server = grpc.aio.server(options=SERVER_OPTIONS,
+    server = grpc.aio.server(options=SERVER_OPTIONS + keepalive_options(heartbeat_timeout),
                              interceptors=[Authorizer(
                                  peer_identity, enabled=identity is not None,
                                  revocations=identity.revocations if identity is not None else None), gate])

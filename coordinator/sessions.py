@@ -31,6 +31,7 @@ from rankctl.coordinator.store import Store, StoreError
 
 RECONNECT_GRACE_S = 10.0  # at least this long for a DISCONNECTED node to come back: a daemon retries at
                           # least every 5 s (worker DaemonConfig.backoff_max), later on a loaded machine
+MAX_HEARTBEAT_RATE = 1000.0  # heartbeats a second from the whole fleet at most (ctl coordinator --max-heartbeat-rate)
 STORM_GRACES = 6          # after a start (a restart, a failover) nodes known from the store are waited for while any
                           # node still registers, up to this many graces: thousands re-register in a storm
 log = structlog.get_logger("rankctl.coordinator")
@@ -56,6 +57,18 @@ class Streams:
         self.close(session)
 
 
+def beat_interval(current: float, base: float, nodes: int, rate: float) -> float:
+    """The heartbeat interval for a fleet of ``nodes``: ``base``, doubled while the fleet would send more than ``rate``
+    heartbeats a second; halved again only once it would send at most 3/4 of ``rate`` at half of it, so that a fleet
+    hovering at a threshold does not retune its nodes back and forth (``current``: the interval in force)."""
+    interval = max(current, base)
+    while nodes / interval > rate:
+        interval *= 2
+    while interval > base and nodes / (interval / 2) <= 0.75 * rate:
+        interval /= 2
+    return interval
+
+
 def check_hello(hello: NodeHello) -> None:
     """ProtocolError naming the field when a Register cannot be a node's."""
     problem = node_name_problem(hello.name)
@@ -78,19 +91,32 @@ class Sessions:
     def __init__(self, nodes: NodeTable, book: JobBook, store: Store, clock: Callable[[], float],
                  guard: StoreGuard, outgoing: Outgoing, streams: Streams, stops: Stops, drains: Drains,
                  restarts: Restarts, *, flush: Callable[[], bool], schedule: Callable[[], None],
-                 heartbeat_timeout: float, shutting_down: Callable[[], bool]) -> None:
+                 heartbeat_timeout: float, shutting_down: Callable[[], bool],
+                 max_heartbeat_rate: float = MAX_HEARTBEAT_RATE) -> None:
         self._nodes, self._book, self._store, self._clock = nodes, book, store, clock
         self._guard, self._outgoing, self._streams = guard, outgoing, streams
         self._stops, self._drains, self._restarts = stops, drains, restarts
         self._flush, self._schedule, self._shutting_down = flush, schedule, shutting_down
-        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_timeout, self.max_heartbeat_rate = heartbeat_timeout, max_heartbeat_rate
+        self._interval = self.base_interval  # what nodes are asked for now (``retune``)
         self.started_at = clock()
         self.last_registration = 0.0  # when a node last registered (0: none since the start)
 
     @property
-    def heartbeat_interval(self) -> float:
-        """What nodes are asked for: four heartbeats per timeout, at most one every 2 s."""
+    def base_interval(self) -> float:
+        """Four heartbeats per timeout, at most one every 2 s."""
         return min(2.0, self.heartbeat_timeout / 4)
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """What nodes are asked for: ``base_interval``, longer in a fleet too big for ``max_heartbeat_rate``
+        (``beat_interval``; a node silent that long is still found by the transport's keepalive, ``server``)."""
+        return self._interval
+
+    def liveness_limit(self, session: NodeSession) -> float:
+        """Seconds without a heartbeat or a report before a READY node is lost: the heartbeat timeout, or four of
+        the intervals the node was asked for when that is longer."""
+        return max(self.heartbeat_timeout, 4 * session.beat)
 
     def register(self, hello: NodeHello, outbox: Outbox) -> NodeSession:
         """Open one node session (``register_many`` of one); raises what refused it."""
@@ -165,7 +191,8 @@ class Sessions:
         if old is not None and old.outbox is not None and old.status is NodeStatus.READY:
             self._streams.close(old)  # the same daemon's newer connection replaces this stream
         session = self._nodes.connect(record, hello, outbox, self._clock())
-        outbox(convert.registered_message(hello.name, self.heartbeat_interval, session.record.last_seq))
+        session.beat = self.heartbeat_interval
+        outbox(convert.registered_message(hello.name, session.beat, session.record.last_seq))
         log.info("node.registered", node=hello.name, slots=hello.slots, running=len(hello.running))
         try:
             with self._guard.consistent():
@@ -220,6 +247,9 @@ class Sessions:
         if not self._nodes.is_current(session) or session.status is not NodeStatus.READY:
             return
         session.last_heartbeat = session.record.last_seen = self._clock()
+        if session.beat != self._interval:  # the fleet grew or shrank past a step since this node was told
+            session.beat = self._interval
+            self._outgoing.send(session.name, convert.retune_message(session.beat))
         if session.unverified and self._flush():  # the replay came before this heartbeat: stored first
             with self._guard.consistent():
                 self._verify(session)
@@ -241,13 +271,19 @@ class Sessions:
         now, timeout = self._clock(), self.heartbeat_timeout
         grace = max(timeout, RECONNECT_GRACE_S)
         storm = now - self.started_at <= STORM_GRACES * grace and now - self.last_registration <= grace
+        fleet = 0  # nodes that beat, or will again: READY and DISCONNECTED ones
         for s in self._nodes.sessions.values():
-            if s.status is NodeStatus.READY and now - s.last_heartbeat > timeout:
-                self._node_lost(s, f"no heartbeat for {timeout:.1f} s")
+            fleet += s.status is not NodeStatus.LOST
+            if s.status is NodeStatus.READY and now - s.last_heartbeat > (limit := self.liveness_limit(s)):
+                self._node_lost(s, f"no heartbeat for {limit:.1f} s")
             elif (s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > grace
                   and not (s.since == 0 and storm)):
                 since = "of the coordinator start" if s.since == 0 else "of being asked to reconnect"
                 self._node_lost(s, f"did not reconnect within {grace:.1f} s {since}")
+        interval = beat_interval(self._interval, self.base_interval, fleet, self.max_heartbeat_rate)
+        if interval != self._interval:  # nodes are told at their next heartbeat
+            log.info("node.heartbeat_retuned", interval=interval, nodes=fleet, max_rate=self.max_heartbeat_rate)
+            self._interval = interval
 
     def settle(self) -> None:
         """Retry failing the jobs of lost nodes where the store refused it."""

@@ -463,10 +463,12 @@ class Assign(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ..., restart: _Optional[bool] = ..., replica_peer: _Optional[str] = ..., restore_peer: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("last_seq",)
+    __slots__ = ("last_seq", "heartbeat_interval")
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     last_seq: int
-    def __init__(self, last_seq: _Optional[int] = ...) -> None: ...
+    heartbeat_interval: float
+    def __init__(self, last_seq: _Optional[int] = ..., heartbeat_interval: _Optional[float] = ...) -> None: ...
 
 class FetchLogs(_message.Message):
     __slots__ = ("request_id", "job_id", "attempt", "rank", "offset", "tail", "max_lines", "records")

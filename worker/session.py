@@ -49,8 +49,11 @@ class Inbound(Protocol):
 
 # HTTP/2 pings every 2 s: a coordinator that stopped answering (SIGSTOP, a frozen host, a cut link) ends the
 # session within ~4 s, so the daemon moves to another coordinator instead of waiting on a silent stream
+# (gRPC 1.85 ends an unanswered ping on ``ping_timeout_ms`` only: with ``keepalive_timeout_ms`` alone a stopped
+# coordinator's stream stayed open, measured; tests/test_e2e_keepalive.py checks both directions)
 KEEPALIVE = (("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
-             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
+             ("grpc.http2.ping_timeout_ms", 2000), ("grpc.keepalive_permit_without_calls", 1),
+             ("grpc.http2.max_pings_without_data", 0))
 
 
 def reconnect_delay(previous: float, initial: float, cap: float, rng: random.Random) -> float:
@@ -225,6 +228,8 @@ class CoordinatorSession:
                 await self._inbound.cancel(msg.cancel)
             elif body == "ack":
                 self._outbox.buffer.acked(msg.ack.last_seq)
+                if msg.ack.heartbeat_interval > 0:  # the fleet changed size: beat at its pace from the next beat
+                    self.heartbeat_interval = msg.ack.heartbeat_interval
             elif body == "checkpoint":
                 self._inbound.checkpoint(msg.checkpoint)
             elif body == "release":
