@@ -98,7 +98,7 @@ class Sessions:
         self._stops, self._drains, self._restarts = stops, drains, restarts
         self._flush, self._schedule, self._shutting_down = flush, schedule, shutting_down
         self.heartbeat_timeout, self.max_heartbeat_rate = heartbeat_timeout, max_heartbeat_rate
-        self._interval = self.base_interval  # what nodes are asked for now (``retune``)
+        self._interval = self.base_interval  # what nodes are asked for now (set by ``check_liveness``)
         self.started_at = clock()
         self.last_registration = 0.0  # when a node last registered (0: none since the start)
 
@@ -110,7 +110,7 @@ class Sessions:
     @property
     def heartbeat_interval(self) -> float:
         """What nodes are asked for: ``base_interval``, longer in a fleet too big for ``max_heartbeat_rate``
-        (``beat_interval``; a node silent that long is still found by the transport's keepalive, ``server``)."""
+        (``beat_interval``; a node silent that long is still found by the keepalive pings, ``transport``)."""
         return self._interval
 
     def liveness_limit(self, session: NodeSession) -> float:
