@@ -44,6 +44,7 @@ class NodeSession:
     free_ports: tuple[int, ...] = ()
     last_heartbeat: float = 0.0
     beat: float = 0.0              # the heartbeat interval this session's daemon was last asked for
+    was_beat: float = 0.0          # the one before, until its next heartbeat (it was sleeping that long when told)
     detail: str = ""               # why LOST / since when DISCONNECTED
     unverified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) not listed on Register
     acked_at: float = 0.0          # when the last Ack was sent

@@ -116,7 +116,7 @@ class Sessions:
     def liveness_limit(self, session: NodeSession) -> float:
         """Seconds without a heartbeat or a report before a READY node is lost: the heartbeat timeout, or four of
         the intervals the node was asked for when that is longer."""
-        return max(self.heartbeat_timeout, 4 * session.beat)
+        return max(self.heartbeat_timeout, 4 * session.beat, session.was_beat + self.heartbeat_timeout)
 
     def register(self, hello: NodeHello, outbox: Outbox) -> NodeSession:
         """Open one node session (``register_many`` of one); raises what refused it."""
@@ -247,8 +247,9 @@ class Sessions:
         if not self._nodes.is_current(session) or session.status is not NodeStatus.READY:
             return
         session.last_heartbeat = session.record.last_seen = self._clock()
+        session.was_beat = 0.0
         if session.beat != self._interval:  # the fleet grew or shrank past a step since this node was told
-            session.beat = self._interval
+            session.was_beat, session.beat = session.beat, self._interval
             self._outgoing.send(session.name, convert.retune_message(session.beat))
         if session.unverified and self._flush():  # the replay came before this heartbeat: stored first
             with self._guard.consistent():

@@ -88,8 +88,32 @@ def test_a_shrunk_fleet_beats_faster_again_and_a_node_told_the_slow_pace_keeps_i
     world.core.tick()
     assert nodes[0].session.status is NodeStatus.READY
     world.core.heartbeat(nodes[0].session, [29500])
-    assert intervals(nodes[0])[-1] == 2.0         # now it is told the faster pace, and judged on the timeout
-    world.clock.t += 11
+    assert intervals(nodes[0])[-1] == 2.0         # now it is told the faster pace; until its next beat (its daemon
+    world.clock.t += 11                           # still sleeps the 8 s) it is judged on 8 s + the timeout
     world.core.tick()
-    assert nodes[0].session.status is NodeStatus.LOST and "no heartbeat for 10.0 s" in nodes[0].session.detail
+    assert nodes[0].session.status is NodeStatus.READY
+    world.clock.t += 8
+    world.core.tick()
+    assert nodes[0].session.status is NodeStatus.LOST and "no heartbeat for 18.0 s" in nodes[0].session.detail
+    world.store.close()
+
+
+def test_a_node_told_a_much_shorter_interval_is_judged_on_the_old_one_until_it_beats_again(tmp_path: Path) -> None:
+    world = make_world(tmp_path, rate=1.0)
+    nodes = [world.connect(f"n{i}", slots=2) for i in range(20)]
+    world.core.tick()
+    assert world.core.heartbeat_interval == 32.0
+    world.core.heartbeat(nodes[0].session, [29500])
+    for n in nodes[1:]:
+        world.core.disconnect(n.session)
+    world.core.tick()
+    assert world.core.heartbeat_interval == 2.0
+    world.core.heartbeat(nodes[0].session, [29500])   # told 2 s now, but its daemon sleeps the 32 s it was told
+    assert intervals(nodes[0])[-1] == 2.0
+    world.clock.t += 35
+    world.core.tick()
+    assert nodes[0].session.status is NodeStatus.READY   # within 32 s + the 10 s timeout
+    world.clock.t += 8
+    world.core.tick()
+    assert nodes[0].session.status is NodeStatus.LOST
     world.store.close()
