@@ -46,14 +46,15 @@ def real_messages() -> tuple[pb.CoordinatorMessage, pb.NodeMessage]:
     sys.path.insert(0, str(HERE.parent / "tests"))
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     from test_core import make_world  # the in-process core the pure tests drive
+
+    with tempfile.TemporaryDirectory(prefix="rankctl-bench-streams-") as root:
+        return _place_and_answer(make_world(Path(root)))
+
+
+def _place_and_answer(world) -> tuple[pb.CoordinatorMessage, pb.NodeMessage]:  # noqa: ANN001 - test_core.World
     from rankctl.worker.reportfold import fold
     from rankctl.worker.reporting import stamp_update, step_figures
 
-    with tempfile.TemporaryDirectory(prefix="rankctl-bench-streams-") as root:
-        return _place_and_answer(make_world(Path(root)), fold, stamp_update, step_figures)
-
-
-def _place_and_answer(world, fold, stamp_update, step_figures):  # noqa: ANN001, ANN202
     for i in range(64):
         world.connect(f"n{i:05d}", slots=8, replaces=True)
     job = world.core.submit("name: big\nkind: comm-check\nresources: {nodes: 64, slots_per_node: 8}\n"

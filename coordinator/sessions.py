@@ -28,6 +28,7 @@ from rankctl.coordinator.restarts import Restarts
 from rankctl.coordinator.states import JobState, is_active
 from rankctl.coordinator.stops import Stops
 from rankctl.coordinator.store import Store, StoreError
+from rankctl.coordinator.transport import base_heartbeat_interval
 
 RECONNECT_GRACE_S = 10.0  # at least this long for a DISCONNECTED node to come back: a daemon retries at
                           # least every 5 s (worker DaemonConfig.backoff_max), later on a loaded machine
@@ -104,8 +105,7 @@ class Sessions:
 
     @property
     def base_interval(self) -> float:
-        """Four heartbeats per timeout, at most one every 2 s."""
-        return min(2.0, self.heartbeat_timeout / 4)
+        return base_heartbeat_interval(self.heartbeat_timeout)
 
     @property
     def heartbeat_interval(self) -> float:

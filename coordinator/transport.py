@@ -21,10 +21,15 @@ SERVER_OPTIONS = (
 )
 
 
+def base_heartbeat_interval(heartbeat_timeout: float) -> float:
+    """Four heartbeats per timeout, at most one every 2 s: a small fleet's interval, and the coordinator's ping pace."""
+    return min(2.0, heartbeat_timeout / 4)
+
+
 def keepalive_options(heartbeat_timeout: float) -> tuple[tuple[str, int], ...]:
     """HTTP/2 pings to every connection, answered in gRPC's C core: a daemon stopped or cut off loses its stream
     within the heartbeat timeout even when a big fleet's heartbeats come seldom (``sessions.beat_interval``)."""
-    every = max(1.0, min(2.0, heartbeat_timeout / 4))
+    every = max(1.0, base_heartbeat_interval(heartbeat_timeout))
     every_ms, wait_ms = int(every * 1000), int(max(1.0, heartbeat_timeout - every) * 1000)
     return (("grpc.keepalive_time_ms", every_ms), ("grpc.keepalive_timeout_ms", wait_ms),
             ("grpc.http2.ping_timeout_ms", wait_ms),   # what ends an unanswered ping in the gRPC we pin
