@@ -13,7 +13,7 @@ import pytest
 import torch
 from rankctl.contract import checkpoints as layout
 from rankctl.kinds.train import checkpoint as ckpt
-from rankctl.kinds.train.resume import agree_resume_step, holding_root, intact_root
+from rankctl.kinds.train.resume import agree_resume_step, holding_root, holdings, intact_root
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.replicas import SNAPSHOTS, PeerServicer, Replicator, ShardStore, restore
 
@@ -95,6 +95,18 @@ def test_a_restart_takes_only_its_own_jobs_files(tmp_path) -> None:
     assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-mine") == 4
     assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-other") is None
     assert agree_resume_step([ckpts, snaps], 0, 1, identity) == 6    # train.resume: any run of this identity
+    why: list[str] = []
+    assert agree_resume_step([ckpts, snaps], 0, 1, identity, restart=True, job_id="j-other", held_by=why) is None
+    assert why == ["rank 0 holds no step of this run (and markers of another run or layout at 4, 6)"], why
+
+
+def test_what_each_group_of_ranks_holds_is_one_bounded_line() -> None:
+    # views as agree_resume_step all-gathers them: (held, marked, identity, root, other markers)
+    views = [([4, 6], True, None, "", [])] * 2 + [([], False, None, "", [])] * 2 + [([2], True, None, "", [8])]
+    assert holdings(views) == ("ranks 0, 1 hold steps 4, 6; ranks 2, 3 hold no step of this run; "
+                               "rank 4 holds step 2 (and markers of another run or layout at 8)")
+    many = [([s], True, None, "", []) for s in range(10)]
+    assert holdings(many).endswith("; 6 more group(s)") and holdings(many).count("holds") == 4
 
 
 def test_a_damaged_step_is_passed_over_for_the_newest_intact_one(tmp_path) -> None:

@@ -44,14 +44,15 @@ def refusal(root: str, saved: dict[str, Any] | None, identity: dict[str, Any]) -
 
 def agree_resume_step(roots: str | Sequence[str], rank: int, world_size: int, identity: dict[str, Any], *,
                       restart: bool = False, job_id: str | None = None,
-                      skipped: list[str] | None = None) -> int | None:
+                      skipped: list[str] | None = None, held_by: list[str] | None = None) -> int | None:
     """The latest step every rank has finished with this ``identity`` in any of ``roots`` (checkpoints,
     snapshots) and holds intact (``intact_root``), only files ``job_id`` wrote when it is given. A step some
     rank finds damaged is passed over by every rank (one line per step on ``skipped``, naming the step, the
     ranks and the first damage) and the next older common step is tried. None when there is no file at
     all, or (``restart``) when no step is held intact by every rank (a replacement node has none: the
     attempt starts over); RuntimeError naming what differs, or that every common step is damaged, otherwise.
-    One world collective per step tried."""
+    One world collective per step tried. ``held_by`` gets, when no step is common, one line naming what each
+    group of ranks holds (why a restart starts over)."""
     roots = [roots] if isinstance(roots, str) else list(roots)
     fp = ckpt.fingerprint(identity)
     held: set[int] = set()
@@ -61,8 +62,11 @@ def agree_resume_step(roots: str | Sequence[str], rank: int, world_size: int, id
         marked += [(s, root) for s in ckpt.complete_for(root, [rank])]
     newest = max(marked, default=None)
     saved = (ckpt.read_marker(newest[1], newest[0], rank) or {}).get("identity") if newest else None
-    views = _everyone((sorted(held), bool(marked), saved, newest[1] if newest else roots[0]), world_size)
+    others = sorted({s for s, _ in marked} - held)[-NEWER_CHECKED:]   # markers of another run, job or layout
+    views = _everyone((sorted(held), bool(marked), saved, newest[1] if newest else roots[0], others), world_size)
     common = set.intersection(*(set(v[0]) for v in views))
+    if not common and held_by is not None:
+        held_by.append(holdings(views))
     damaged: list[str] = []
     while common:
         step = max(common)
@@ -117,6 +121,20 @@ def _everyone(mine: Any, world_size: int) -> list[Any]:
     views: list[Any] = [None] * world_size
     dist.all_gather_object(views, mine)
     return views
+
+
+def holdings(views: list[Any], shown: int = 4) -> str:
+    """One line: the steps each group of ranks holds (ranks alike grouped, the ``shown`` largest groups)."""
+    groups: dict[tuple, list[int]] = {}
+    for r, v in enumerate(views):
+        groups.setdefault((tuple(v[0][-NEWER_CHECKED:]), tuple(v[4])), []).append(r)
+    parts = []
+    for (held, others), ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))[:shown]:
+        what = f"step{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}" if held else "no step of this run"
+        parts.append(f"{rank_list(ranks)} hold{'s' if len(ranks) == 1 else ''} {what}"
+                     + (f" (and markers of another run or layout at {', '.join(map(str, others))})" if others else ""))
+    more = f"; {len(groups) - shown} more group(s)" if len(groups) > shown else ""
+    return "; ".join(parts) + more
 
 
 def rank_list(ranks: list[int]) -> str:

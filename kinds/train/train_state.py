@@ -308,9 +308,10 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
         own = restart and not cfg.resume  # the job's own files only
         identity = identity_of(t)
         skipped: list[str] = []
+        held_by: list[str] = []
         try:
             step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own,
-                                     job_id=a.job_id if own else None, skipped=skipped)
+                                     job_id=a.job_id if own else None, skipped=skipped, held_by=held_by)
         except RuntimeError:  # every rank raises alike (its views are all-gathered): another layout's steps?
             if own or not _resharded(t, roots[0], identity):
                 raise
@@ -327,7 +328,10 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
             t.ctx.log.info("resumed", step=step, root=root, snapshot=root == roots[1], restart=restart)
             return
         if restart:
-            t.ctx.log.info("restart without a checkpoint or snapshot every rank has; starting over", roots=roots)
+            t.ctx.log.info("restart without a checkpoint or snapshot every rank has; starting over", roots=roots,
+                           held=held_by[0] if held_by else "")
+            if a.rank == 0 and held_by:   # why the steps run again, in the job's record
+                t.ctx.notice(f"restart starts over: no checkpoint or snapshot step every rank holds ({held_by[0]})")
         _init_from(t)   # nothing to go on from: the run starts as a fresh one does
         return
     _init_from(t)
