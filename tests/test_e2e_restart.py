@@ -195,7 +195,8 @@ def test_in_memory_snapshots_survive_a_killed_node_on_its_peer(three: ProcCluste
         assert_same_losses(done, reference)
         resumed = done["result"].get("resumed_from") or 0
         reached = highest_step(three.root, job, 1)
-        assert resumed >= 2 and resumed % SNAPSHOTS_EVERY == 0 and resumed <= reached, (resumed, reached)
+        assert resumed >= 2 and resumed % SNAPSHOTS_EVERY == 0 and resumed <= reached, \
+            (resumed, reached, [e for e in events(three.address, job) if "over" in str(e)])   # why it started over
         print(f"\nsnapshot_every {SNAPSHOTS_EVERY}, no checkpoint: ranks had reached step {reached}, attempt 2 resumed "
               f"from the snapshot of step {resumed}: {reached - resumed} step(s) lost")
         # a finished job's snapshots go from its nodes' memory (their own and the copies kept for their peer;

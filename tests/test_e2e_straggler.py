@@ -105,7 +105,8 @@ def test_a_rank_slowed_to_half_speed_is_the_only_straggler_named_with_its_node(c
         flagged = wait_for(lambda: seen.read()["summary"]["slow"], 90, f"rank {VICTIM} flagged")
         assert [(s["rank"], s["node"]) for s in flagged] == [(VICTIM, node)], flagged
         slow = flagged[0]
-        assert slow["compute_s"] > slow["median_s"] and slow["steps"] >= 3, slow
+        assert slow["steps"] >= 3, slow   # its figures are those of the latest judgement: while flagged
+        # (hysteresis) they may dip; the figures it was flagged on are checked on the event below
         text = ctl(cluster.address, "status", job)
         assert text.returncode == 0, text.stderr
         assert f"straggler: rank {VICTIM} on {node}: compute " in text.stdout, text.stdout
@@ -125,3 +126,7 @@ def test_a_rank_slowed_to_half_speed_is_the_only_straggler_named_with_its_node(c
     assert [e[1:] for e in events] == [(str(VICTIM), node, "a"), (str(VICTIM), node, "no longer a")], \
         watch_err[-3000:]
     assert slowed_at < int(events[0][0]) < int(events[1][0]), (slowed_at, events)
+    compute, median = map(float, re.search(r"is a straggler \(compute\): ([\d.]+) s vs median ([\d.]+) s",
+                                           watch_err).groups())
+    # over both margins (30 % and 10 ms), less the events' rounding to 1 ms
+    assert compute >= median * 1.3 - 0.001 and compute - median >= 0.009, (compute, median)
