@@ -94,6 +94,8 @@ class Sessions:
                  restarts: Restarts, *, flush: Callable[[], bool], schedule: Callable[[], None],
                  heartbeat_timeout: float, shutting_down: Callable[[], bool],
                  max_heartbeat_rate: float = MAX_HEARTBEAT_RATE) -> None:
+        if not max_heartbeat_rate > 0:   # the CLI refuses it too; a programmatic caller would loop for ever
+            raise ValueError(f"max_heartbeat_rate={max_heartbeat_rate!r}: must be more than 0 heartbeats a second")
         self._nodes, self._book, self._store, self._clock = nodes, book, store, clock
         self._guard, self._outgoing, self._streams = guard, outgoing, streams
         self._stops, self._drains, self._restarts = stops, drains, restarts

@@ -33,6 +33,16 @@ def test_a_fleet_hovering_at_a_step_is_not_retuned_back_and_forth() -> None:
     assert beat_interval(2.0, 0.5, 3, 1.0) == 4.0          # a base under 2 s (a short heartbeat timeout) doubles too
 
 
+@pytest.mark.parametrize("rate", [0.0, -5.0, float("nan")])
+def test_a_rate_that_is_not_positive_is_refused_naming_it(tmp_path: Path, rate: float) -> None:
+    store = Store(tmp_path)
+    try:
+        with pytest.raises(ValueError, match=r"max_heartbeat_rate=.*must be more than 0"):
+            Coordinator(store, clock=Clock(), heartbeat_timeout=10.0, max_heartbeat_rate=rate)
+    finally:
+        store.close()
+
+
 def make_world(path: Path, rate: float) -> World:
     clock, store = Clock(), Store(path)
     return World(Coordinator(store, clock=clock, heartbeat_timeout=10.0, max_heartbeat_rate=rate), clock, store)
