@@ -33,7 +33,7 @@ coordinator's share of each.
 
     python bench/scale.py --nodes 2048 --slots 8 --steps 30 [--step-rate 1] [--procs P] [--store etcd]
         [--coordinator-python PY] [--coordinator-pythonpath DIR] [--heartbeat-timeout S]
-    python bench/scale.py --fault [--nodes 8192] [--small-nodes 64] [--spares 8] [--fault-step 3]
+    python bench/scale.py --fault [--nodes 8192] [--small-nodes 64] [--spares 8] [--faults 3] [--fault-step 3]
         [--generators-nice 19] [--profile DIR [--profile-native]]
 """
 
@@ -617,6 +617,8 @@ def main() -> None:
                     help="measure recovery from a SIGKILLed node at --small-nodes and at --nodes, side by side")
     ap.add_argument("--small-nodes", type=int, default=64, help="--fault: the smaller job's nodes")
     ap.add_argument("--spares", type=int, default=8, help="--fault: spare nodes registered beside the job's")
+    ap.add_argument("--faults", type=int, default=3,
+                    help="--fault: nodes killed one after another in each job (medians printed; at most --spares)")
     ap.add_argument("--fault-step", type=int, default=3, help="--fault: kill a node once this step is stored")
     ap.add_argument("--recovery-timeout", type=float, default=300.0,
                     help="--fault: seconds to wait for the next attempt's first step")

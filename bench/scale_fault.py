@@ -2,15 +2,20 @@
 
 For each size, ``--small-nodes`` (64) then ``--nodes`` (8,192), with ``--slots`` ranks a node, one real
 ``ctl coordinator`` serves the job's simulated daemons (``bench/scale_sim.py``) and ``--spares`` spare ones.
-The job (``comm-check``, ``restart.max_restarts: 1``) is placed on the first nodes in name order; once its
-slowest rank stored step ``--fault-step``, the generator process that alone plays the job's last node is
+The job (``comm-check``, ``restart.max_restarts: --faults``) is placed on the first nodes in name order; once
+its slowest rank stored step ``--fault-step``, the generator process that alone plays the job's last node is
 SIGKILLed: its TCP connection closes and its heartbeats stop, as a killed daemon's do. From that moment t0
 (unix time; everything runs on this one machine), each on its own clock:
 
 (a) t0 -> the attempt failed: the coordinator's RESTARTING event;
-(b) t0 -> every Assign of attempt 2 read by the daemons (the dead node's part on a spare);
-(c) t0 -> attempt 2's first step stored: the coordinator's ``step`` event (and the first poll of GetJob's
+(b) t0 -> every Assign of the next attempt read by the daemons (the dead node's part on a spare);
+(c) t0 -> the next attempt's first step stored: the coordinator's ``step`` event (and the first poll of GetJob's
     summary that shows it, an upper bound).
+
+With ``--faults N`` (default 3) the same job loses N nodes, one after another (the last N, each played alone by
+its own process), each once the attempt before stored ``FAULT_GAP`` steps; every figure printed is the median
+of the N recoveries, and the coordinator's share of (c) is printed for each one (on a shared 2-core machine one
+recovery's figure swings by half between runs).
 
 The simulated daemons answer at once: a Cancel with its ranks' exit reports, attempt 2's Assign with its
 phases and first step in one batch. What the daemons add to the critical path is the last of them: from the
@@ -45,18 +50,19 @@ from scale import (CLIENT_OPTIONS, CLK_TCK, JOB, NAN, Generator, event_s, fmt, p
 
 STEPS = 1_000_000          # the job runs until the bench cancels it
 COORD_TARGET_S = 2.0       # the issue's bound on the coordinator's share at 65,536 ranks
+FAULT_GAP = 2              # steps the attempt after a recovery stores before the next node is killed
 TERMINAL = ("FAILED", "CANCELLED", "SUCCEEDED")
 ROWS = [  # (key, label): every time from the node's loss, t0
     ("a", "(a) attempt failed (RESTARTING)"),
     ("cancel_handed", "    last Cancel handed to gRPC"),
     ("cancel", "    last Cancel read by a daemon"),
     ("confirm", "    last stop confirmation sent"),
-    ("queued", "    attempt 2 queued (PENDING)"),
-    ("placed", "    attempt 2 placed (Assigns queued)"),
+    ("queued", "    next attempt queued (PENDING)"),
+    ("placed", "    next attempt placed (Assigns queued)"),
     ("assign_handed", "    last Assign handed to gRPC"),
-    ("b", "(b) every Assign of attempt 2 read"),
+    ("b", "(b) every Assign of the next attempt read"),
     ("step1", "    last first step sent"),
-    ("c", "(c) first step of attempt 2 stored"),
+    ("c", "(c) first step of the next attempt stored"),
     ("c_poll", "    GetJob shows it (poll, 0.1 s)"),
     ("sims", "daemons' share of (c)"),
     ("coord_b", "coordinator's share of (b)"),
@@ -67,23 +73,26 @@ ROWS = [  # (key, label): every time from the node's loss, t0
 ]
 
 
-def fault_job(nodes: int, slots: int) -> str:
-    return JOB.format(nodes=nodes, slots=slots) + "restart: {max_restarts: 1}\n"
+def fault_job(nodes: int, slots: int, faults: int) -> str:
+    return JOB.format(nodes=nodes, slots=slots) + f"restart: {{max_restarts: {faults}}}\n"
 
 
-def start_generators(ns: argparse.Namespace, nodes: int, address: str, root: Path) -> tuple[list[Generator], Generator]:
-    """The job's nodes but its last, split over the generator processes; the last alone (the victim); the spares."""
-    last, total = nodes - 1, nodes + ns.spares
+def start_generators(ns: argparse.Namespace, nodes: int, address: str, root: Path
+                     ) -> tuple[list[Generator], list[Generator]]:
+    """The job's nodes but its last ``--faults``, split over the generator processes; each of those alone (the
+    victims, in the order they die: the last node first); the spares."""
+    kept, total = nodes - ns.faults, nodes + ns.spares
     procs = ns.procs or min(4, math.ceil(nodes / 1024))
-    per = max(1, math.ceil(last / procs))
-    ranges = [(first, min(per, last - first)) for first in range(0, last, per)] + [(last, 1), (nodes, ns.spares)]
+    per = max(1, math.ceil(kept / procs))
+    ranges = [(first, min(per, kept - first)) for first in range(0, kept, per)] \
+        + [(nodes - 1 - i, 1) for i in range(ns.faults)] + [(nodes, ns.spares)]
     common = ["--address", address, "--total", str(total), "--slots", str(ns.slots), "--steps", str(STEPS),
               "--step-rate", str(ns.step_rate), "--streams-per-channel", str(ns.streams_per_channel)]
     gens = [Generator(common + ["--first", str(first), "--count", str(count)], root / f"gen{i}.log",
                       ns.generators_nice)
             for i, (first, count) in enumerate(ranges) if count > 0]
-    victim = next(g for g in gens if g.p.args[g.p.args.index("--first") + 1] == str(last))
-    return gens, victim
+    first_of = {g.p.args[g.p.args.index("--first") + 1]: g for g in gens}
+    return gens, [first_of[str(nodes - 1 - i)] for i in range(ns.faults)]
 
 
 def sim_attempt(gens: list[Generator], attempt: int, what: str) -> tuple[int, float]:
@@ -145,7 +154,7 @@ async def ready_and_running(ns: argparse.Namespace, client, gens: list[Generator
     if not await wait_until(all_ready, ns.ready_timeout or 60 + 0.02 * total, 0.5):
         say(f"registered : not every one of {total} nodes READY in time")
         return None
-    job_id = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=fault_job(nodes, ns.slots),
+    job_id = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=fault_job(nodes, ns.slots, ns.faults),
                                                          source="scale-fault.yaml"), timeout=600)).job.id
     r["job_id"] = job_id
 
@@ -177,27 +186,29 @@ async def steady(ns: argparse.Namespace, client, job_id: str, r: dict) -> bool: 
 
 
 async def recover(ns: argparse.Namespace, client, job_id: str, coord: subprocess.Popen, nodes: int,  # noqa: ANN001
-                  gens: list[Generator], victim: Generator, r: dict) -> float:
-    """SIGKILL the victim; wait until attempt 2 stored its first step and every daemon of it sent one. Returns t0.
-    With ``--profile``, py-spy samples the coordinator from just before the kill until then."""
-    spy = start_profile(ns, coord.pid, r["nodes"])
-    cpu0, gens0 = proc_cpu_ticks(coord.pid), sum(proc_cpu_ticks(g.p.pid) for g in gens if g is not victim)
+                  alive: list[Generator], victim: Generator, k: int, r: dict) -> float:
+    """SIGKILL the victim of fault ``k`` (attempt k fails); wait until attempt k + 1 stored its first step and every
+    daemon of it sent one. Returns t0. With ``--profile``, py-spy samples the coordinator from just before the kill
+    until then (the first fault only)."""
+    spy = start_profile(ns, coord.pid, r["nodes"]) if k == 1 else None
+    alive = [g for g in alive if g is not victim]
+    cpu0, gens0 = proc_cpu_ticks(coord.pid), sum(proc_cpu_ticks(g.p.pid) for g in alive)
     t0 = time.time()
     victim.p.send_signal(signal.SIGKILL)
 
     async def stepped() -> bool:
         attempt, state, step = await summary(client, job_id)
-        if attempt >= 2 and state in ("STARTING", "RUNNING") and step >= 1 and "c_poll" not in r:
+        if attempt > k and state in ("STARTING", "RUNNING") and step >= 1 and "c_poll" not in r:
             r["c_poll"] = time.time() - t0
             r["coord_cpu"] = (proc_cpu_ticks(coord.pid) - cpu0) / CLK_TCK
-            r["gens_cpu"] = (sum(proc_cpu_ticks(g.p.pid) for g in gens if g is not victim) - gens0) / CLK_TCK
+            r["gens_cpu"] = (sum(proc_cpu_ticks(g.p.pid) for g in alive) - gens0) / CLK_TCK
         r["final_attempt"], r["final_state"], r["final_step"] = attempt, state, step
         return "c_poll" in r or state in TERMINAL
     await wait_until(stepped, ns.recovery_timeout, 0.1)
     stop_profile(spy, r)
 
     async def all_sent() -> bool:  # the generators' next progress lines carry their last times
-        return sim_attempt(gens, 2, "step1")[0] >= nodes
+        return sim_attempt(alive, k + 1, "step1")[0] >= nodes
     await wait_until(all_sent, 5.0, 0.1)
     await asyncio.sleep(0.6)
     return t0
@@ -241,17 +252,18 @@ def handed(root: Path, t0: float, r: dict) -> None:
     for line in text.splitlines():
         if line.startswith("rankctl_coordinator_fanout_end_time_seconds{"):
             kind = line.split('message="', 1)[1].split('"', 1)[0]
-            r[f"{kind}_handed"] = float(line.rsplit(" ", 1)[1]) - t0
+            at = float(line.rsplit(" ", 1)[1]) - t0
+            r[f"{kind}_handed"] = at if at >= 0 else NAN   # an earlier fault's fan-out: none in this one
 
 
-def shares(r: dict, gens: list[Generator], nodes: int, t0: float) -> None:
+def shares(r: dict, gens: list[Generator], nodes: int, t0: float, k: int = 1) -> None:
     """The daemons' times on the critical path, and what is left of (b) and (c): the coordinator's. Of that, its
     own work: until its last Cancel was handed to gRPC, from the last stop confirmation sent until its last Assign
     was handed to gRPC, and from the last first step sent until (c); the rest is the daemons reading (on this
     machine, generator processes that share its cores). A restart in place (no Cancel, no confirmation) counts
     from t0 to the last Assign handed to gRPC instead of the first two."""
-    for key, attempt, what, want in (("cancel", 1, "cancel", nodes - 1), ("confirm", 1, "confirm", nodes - 1),
-                                     ("b", 2, "assign", nodes), ("step1", 2, "step1", nodes)):
+    for key, attempt, what, want in (("cancel", k, "cancel", nodes - 1), ("confirm", k, "confirm", nodes - 1),
+                                     ("b", k + 1, "assign", nodes), ("step1", k + 1, "step1", nodes)):
         count, last = sim_attempt(gens, attempt, what)
         r[key] = last - t0 if count >= want else NAN
         r[key + "_count"] = count
@@ -267,22 +279,55 @@ def shares(r: dict, gens: list[Generator], nodes: int, t0: float) -> None:
 
 
 async def drive_fault(ns: argparse.Namespace, address: str, coord: subprocess.Popen, nodes: int,
-                      gens: list[Generator], victim: Generator, r: dict, root: Path) -> None:
+                      gens: list[Generator], victims: list[Generator], r: dict, root: Path) -> None:
+    """The job running, then its faults one by one: each one's figures in ``r["each"]``, their medians in ``r``."""
     channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
     client = rankctl_pb2_grpc.ClientServiceStub(channel)
     try:
         job_id = await ready_and_running(ns, client, gens, nodes, r)
         if job_id is None:
             return
-        t0 = await recover(ns, client, job_id, coord, nodes, gens, victim, r)
-        await milestones(client, job_id, t0, r)
-        handed(root, t0, r)
-        shares(r, gens, nodes, t0)
+        alive, r["each"] = list(gens), []
+        for k, victim in enumerate(victims, 1):
+            one = {"nodes": nodes, "log": r["log"]}
+            t0 = await recover(ns, client, job_id, coord, nodes, alive, victim, k, one)
+            alive.remove(victim)
+            await milestones(client, job_id, t0, one)
+            handed(root, t0, one)
+            shares(one, alive, nodes, t0, k)
+            r["each"].append(one)
+            r["log"](f"fault {k}    : node {nodes - k} ({len(alive)} generator processes left): coordinator's share "
+                     f"of (c) {fmt(one.get('coord_c', NAN), 3)} s, (c) {fmt(one.get('c', NAN), 3)} s")
+            if one.get("final_attempt") != k + 1 or one.get("final_state") in TERMINAL:
+                break   # no recovery: the next fault would measure nothing
+            if k < len(victims) and not await next_steady(ns, client, job_id, k + 1):
+                r["log"](f"steps      : attempt {k + 1} stored no {FAULT_GAP} steps in time; no more faults")
+                break
+        r.update(medians(r["each"]))
         listed = (await client.ListNodes(pb.ListNodesRequest(), timeout=60)).nodes
         r["lost"] = sorted(x.name for x in listed if x.state == pb.NODE_STATE_LOST)
         await client.CancelJob(pb.CancelJobRequest(job_id=job_id, reason="bench done"), timeout=60)
     finally:
         await channel.close()
+
+
+async def next_steady(ns: argparse.Namespace, client, job_id: str, attempt: int) -> bool:  # noqa: ANN001
+    """Attempt ``attempt`` RUNNING with ``FAULT_GAP`` steps stored: the next fault hits a job in its stride."""
+    async def stepped() -> bool:
+        now, state, step = await summary(client, job_id)
+        return now == attempt and state == "RUNNING" and step >= FAULT_GAP
+    return await wait_until(stepped, 60 + 10 * FAULT_GAP / ns.step_rate, 0.5)
+
+
+def medians(each: list[dict]) -> dict:
+    """Per figure, the median over the faults that have it; the last fault's attempt, state and step."""
+    out: dict = {k: each[-1][k] for k in ("final_attempt", "final_state", "final_step", "in_place") if k in each[-1]}
+    for key, _ in ROWS:
+        values = sorted(v for one in each if not math.isnan(v := one.get(key, NAN)))
+        if values:
+            out[key] = values[(len(values) - 1) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1:
+                                                                                          len(values) // 2 + 1]) / 2
+    return out
 
 
 def lost_nodes(r: dict) -> str:
@@ -302,14 +347,15 @@ def fault_once(ns: argparse.Namespace, nodes: int) -> dict:
     r: dict = {"nodes": nodes, "ranks": nodes * ns.slots, "log": say}
     print(f"fault bench: {nodes} nodes x {ns.slots} slots = {nodes * ns.slots} ranks, {ns.spares} spare node(s), "
           f"steps offered at {ns.step_rate:g}/s, node sim-{nodes - 1:05d} SIGKILLed at stored step {ns.fault_step}"
+          + (f", then {ns.faults - 1} more node(s) one by one" if ns.faults > 1 else "")
           + (f", simulated daemons at nice {ns.generators_nice}" if ns.generators_nice else ""),
           flush=True)
     coord, address, env = start_coordinator(ns, ns.coordinator_python, ns.coordinator_pythonpath, root)
     say(f"code       : {which_code(ns.coordinator_python, env)}")
     gens: list[Generator] = []
     try:
-        gens, victim = start_generators(ns, nodes, address, root)
-        asyncio.run(drive_fault(ns, address, coord, nodes, gens, victim, r, root))
+        gens, victims = start_generators(ns, nodes, address, root)
+        asyncio.run(drive_fault(ns, address, coord, nodes, gens, victims, r, root))
         r["rss_mib"] = proc_status_kib(coord.pid, "VmHWM") / 1024
     finally:
         for g in gens:
@@ -349,14 +395,21 @@ def table(results: list[dict]) -> list[str]:
 
 def fault_main(ns: argparse.Namespace) -> None:
     sizes = list(dict.fromkeys([ns.small_nodes, ns.nodes]))
+    if ns.faults < 1 or ns.spares < ns.faults or min(sizes) <= ns.faults:
+        raise SystemExit(f"--faults={ns.faults}: must be at least 1, at most --spares ({ns.spares}) and fewer than "
+                         f"the smaller job's nodes ({min(sizes)})")
     results = [fault_once(ns, n) for n in sizes]
     print()
+    print(f"median of {ns.faults} recover{'y' if ns.faults == 1 else 'ies'} each" if ns.faults > 1 else "one recovery each")
     for line in table(results):
         print(line)
+    for r in results:
+        each = ", ".join(fmt(one.get("coord_c", NAN), 3) for one in r.get("each", []))
+        print(f"coordinator's share of (c) at {r['ranks']} ranks, each fault: {each or '-'}")
     big = results[-1]
     verdict = "met" if big.get("coord_c", NAN) < COORD_TARGET_S else "NOT met"
     print(f"target: the coordinator's share of (c) under {COORD_TARGET_S:g} s at {big['ranks']} ranks: {verdict} "
-          f"({fmt(big.get('coord_c', NAN))} s; its own work {fmt(big.get('coord_own', NAN))} s)")
+          f"(median {fmt(big.get('coord_c', NAN))} s; its own work {fmt(big.get('coord_own', NAN))} s)")
     print("restart: " + ", ".join(f"{r['nodes']} nodes " + ("in place (no Cancel, no stop confirmed)" if
                                  r.get("in_place") else "stop confirmed, then requeued") for r in results))
     for r in results:
