@@ -68,6 +68,18 @@ def name_taken(exc: grpc.aio.AioRpcError) -> bool:
     return exc.code() == grpc.StatusCode.ALREADY_EXISTS and (exc.details() or "").startswith("node name")
 
 
+async def raise_ended(call: Any) -> None:
+    """The stream ended while this side wrote (grpc.aio's ``InvalidStateError: RPC already finished``, e.g. the
+    coordinator refused a revoked certificate just as a heartbeat went out): raise what a read would have, the
+    coordinator's status as an ``AioRpcError``, or ``ConnectionError`` for a stream it closed without one. Either
+    way the session ends and the daemon reconnects, instead of dying of the race."""
+    code = await call.code()
+    if code == grpc.StatusCode.OK:
+        raise ConnectionError("the coordinator closed the stream")
+    raise grpc.aio.AioRpcError(code, await call.initial_metadata(), await call.trailing_metadata(),
+                               await call.details())
+
+
 class CoordinatorSession:
     """``running()`` and ``hardware()`` fill each registration; ``on_change`` hears when ``online`` changed."""
 
@@ -175,11 +187,14 @@ class CoordinatorSession:
             self._channel = channel
             try:
                 call = pb_grpc.NodeServiceStub(channel).Connect()
-                await self._register(call)
                 try:
-                    await self._serve(call)
-                finally:
-                    await self._ended(call)
+                    await self._register(call)
+                    try:
+                        await self._serve(call)
+                    finally:
+                        await self._ended(call)
+                except asyncio.InvalidStateError:   # a write raced the stream's end: what ended it is the error
+                    await raise_ended(call)
             finally:
                 self._channel = None
 
