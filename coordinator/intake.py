@@ -143,8 +143,7 @@ class ReportIntake:
                             applied += self._applier.apply(session, updates, touched)
                         if session.record.last_seq:
                             seqs[session.name] = (session, session.record.last_seq)
-                for name, (session, seq) in seqs.items():
-                    self._store.set_node_seq(name, seq)
+                self._store.set_node_seqs((name, seq) for name, (_, seq) in seqs.items())   # one statement
                 for job in touched.values():
                     self._advance(job)
         return applied, list(seqs.values())

@@ -370,8 +370,10 @@ class Store:
             (n.name, n.address, n.slots, json.dumps(n.hardware), n.session, n.last_seq, n.last_seen),
         )
 
-    def set_node_seq(self, name: str, last_seq: int) -> None:
-        self._write("UPDATE nodes SET last_seq=? WHERE name=?", (last_seq, name))
+    def set_node_seqs(self, seqs: Iterable[tuple[str, int]]) -> None:
+        """Many nodes' last stored report numbers, (name, last_seq), in one statement (a group commit's)."""
+        with self.transaction():
+            self._db.executemany("UPDATE nodes SET last_seq=? WHERE name=?", ((seq, name) for name, seq in seqs))
 
     def load_nodes(self) -> list[NodeRecord]:
         rows = self._db.execute("SELECT * FROM nodes ORDER BY name").fetchall()
