@@ -333,11 +333,7 @@ class Store:
 
     # -- ranks ---------------------------------------------------------------
     def put_rank(self, job_id: str, r: RankRecord) -> None:
-        self._write(
-            f"INSERT OR REPLACE INTO ranks (job_id, {_RANK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            (job_id, r.rank, r.node, r.phase, r.step, r.metrics_json, r.error, r.exit_code, int(r.exited),
-             r.updated_at, r.result_json),
-        )
+        self.put_ranks([(job_id, r)])
 
     def put_ranks(self, rows: Iterable[tuple[str, RankRecord]]) -> None:
         """Many ranks' records (job id, record) in one statement."""
