@@ -35,6 +35,7 @@ import asyncio
 import math
 import shutil
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -187,11 +188,10 @@ async def steady(ns: argparse.Namespace, client, job_id: str, r: dict) -> bool: 
 
 async def recover(ns: argparse.Namespace, client, job_id: str, coord: subprocess.Popen, nodes: int,  # noqa: ANN001
                   alive: list[Generator], victim: Generator, k: int, r: dict) -> float:
-    """SIGKILL the victim of fault ``k`` (attempt k fails); wait until attempt k + 1 stored its first step and every
+    """SIGKILL the victim of fault ``k`` (attempt k fails; ``alive``: the other generators); wait until attempt k + 1 stored its first step and every
     daemon of it sent one. Returns t0. With ``--profile``, py-spy samples the coordinator from just before the kill
     until then (the first fault only)."""
     spy = start_profile(ns, coord.pid, r["nodes"]) if k == 1 else None
-    alive = [g for g in alive if g is not victim]
     cpu0, gens0 = proc_cpu_ticks(coord.pid), sum(proc_cpu_ticks(g.p.pid) for g in alive)
     t0 = time.time()
     victim.p.send_signal(signal.SIGKILL)
@@ -290,8 +290,8 @@ async def drive_fault(ns: argparse.Namespace, address: str, coord: subprocess.Po
         alive, r["each"] = list(gens), []
         for k, victim in enumerate(victims, 1):
             one = {"nodes": nodes, "log": r["log"]}
-            t0 = await recover(ns, client, job_id, coord, nodes, alive, victim, k, one)
             alive.remove(victim)
+            t0 = await recover(ns, client, job_id, coord, nodes, alive, victim, k, one)
             await milestones(client, job_id, t0, one)
             handed(root, t0, one)
             shares(one, alive, nodes, t0, k)
@@ -323,10 +323,9 @@ def medians(each: list[dict]) -> dict:
     """Per figure, the median over the faults that have it; the last fault's attempt, state and step."""
     out: dict = {k: each[-1][k] for k in ("final_attempt", "final_state", "final_step", "in_place") if k in each[-1]}
     for key, _ in ROWS:
-        values = sorted(v for one in each if not math.isnan(v := one.get(key, NAN)))
+        values = [v for one in each if not math.isnan(v := one.get(key, NAN))]
         if values:
-            out[key] = values[(len(values) - 1) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1:
-                                                                                          len(values) // 2 + 1]) / 2
+            out[key] = statistics.median(values)
     return out
 
 
@@ -400,7 +399,7 @@ def fault_main(ns: argparse.Namespace) -> None:
                          f"the smaller job's nodes ({min(sizes)})")
     results = [fault_once(ns, n) for n in sizes]
     print()
-    print(f"median of {ns.faults} recover{'y' if ns.faults == 1 else 'ies'} each" if ns.faults > 1 else "one recovery each")
+    print(f"median of {ns.faults} recoveries each" if ns.faults > 1 else "one recovery each")
     for line in table(results):
         print(line)
     for r in results:

@@ -62,7 +62,7 @@ def agree_resume_step(roots: str | Sequence[str], rank: int, world_size: int, id
         marked += [(s, root) for s in ckpt.complete_for(root, [rank])]
     newest = max(marked, default=None)
     saved = (ckpt.read_marker(newest[1], newest[0], rank) or {}).get("identity") if newest else None
-    others = sorted({s for s, _ in marked} - held)[-NEWER_CHECKED:]   # markers of another run, job or layout
+    others = sorted({s for s, _ in marked} - held)[-HELD_SHOWN:]   # markers of another run, job or layout
     views = _everyone((sorted(held), bool(marked), saved, newest[1] if newest else roots[0], others), world_size)
     common = set.intersection(*(set(v[0]) for v in views))
     if not common and held_by is not None:
@@ -93,6 +93,7 @@ def agree_resume_step(roots: str | Sequence[str], rank: int, world_size: int, id
 
 
 NEWER_CHECKED = 2   # steps newer than the one agreed on, checked on each rank for damage (to name it)
+HELD_SHOWN = 2      # each rank's newest steps named when a restart starts over (``holdings``)
 
 
 def _newer_damage(roots: Sequence[str], held: set[int], chosen: int | None, rank: int, fp: str, world_size: int,
@@ -127,7 +128,7 @@ def holdings(views: list[Any], shown: int = 4) -> str:
     """One line: the steps each group of ranks holds (ranks alike grouped, the ``shown`` largest groups)."""
     groups: dict[tuple, list[int]] = {}
     for r, v in enumerate(views):
-        groups.setdefault((tuple(v[0][-NEWER_CHECKED:]), tuple(v[4])), []).append(r)
+        groups.setdefault((tuple(v[0][-HELD_SHOWN:]), tuple(v[4])), []).append(r)
     parts = []
     for (held, others), ranks in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))[:shown]:
         what = f"step{'s' if len(held) > 1 else ''} {', '.join(map(str, held))}" if held else "no step of this run"
