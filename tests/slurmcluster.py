@@ -292,7 +292,7 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.dead():
-                raise ClusterError(self._failure(self.dead()[0], f"exited (while waiting for {what})"))
+                raise ClusterError(self._failure(self._first_dead(), f"exited (while waiting for {what})"))
             if ready():
                 return
             time.sleep(0.2)
@@ -306,6 +306,15 @@ class SlurmCluster:
         for r in [role] if role else [r for r in self.procs if r != "munged"]:
             parts += [f"--- {self.base / 'log' / r}.out:", _tail(self.base / "log" / f"{r}.out")]
         return "\n".join(parts)
+
+    def _first_dead(self, settle: float = 2.0) -> str:
+        """The first started of the daemons that exited, once the others had ``settle`` s to exit too: a bad
+        config kills slurmctld and every slurmd alike, and under load a slurmd may go first; the controller,
+        started before them, is the one that says why."""
+        deadline = time.monotonic() + settle
+        while time.monotonic() < deadline and len(self.dead()) < len(self.procs):
+            time.sleep(0.05)
+        return self.dead()[0]
 
     def dead(self) -> list[str]:
         """The roles whose daemon has exited."""
