@@ -212,6 +212,19 @@ class JobProgress:
             return self.moved_step(new.rank, o_step, new.step)
         return None
 
+    def started(self, count: int, phase: str) -> None:
+        """``count`` ranks never heard in this attempt reported ``phase``, alive at step 0: ``moved(None, new)``
+        for each of them at once."""
+        self.reports += count
+        if phase != "pending":
+            self.phases["pending"] -= count
+            if not self.phases["pending"]:
+                del self.phases["pending"]
+            self.phases[phase] += count
+        if _passed_running(phase, False):
+            self.passed_running += count
+            self.running += count
+
     def step_figures(self, step: int, st: pb.RankStatus | RankRecord, rank: int | None = None) -> None:
         """Fold rank ``rank``'s (default: ``st.rank``'s) figures of ``step`` into that step's aggregate (kept
         for a window of steps).

@@ -24,14 +24,16 @@ def status(rank: int, phase: str, step: int = 0, metrics: dict | None = None, ts
     return st
 
 
-def start_up(buf: ReportBuffer, job: str, ranks: range, loss_rank: int | None = None) -> None:
-    """What a node's daemon makes for a start-up: three phases of each rank, then step 1 (a loss on one rank)."""
+def start_up(buf: ReportBuffer, job: str, ranks: range, loss_rank: int | None = None, marked: bool = False) -> None:
+    """What a node's daemon makes for a start-up: three phases of each rank, then step 1 (a loss on one rank;
+    ``marked``: each rank's first step of the attempt, as the daemon marks it in ``worker.runs``)."""
     for phase in ("rendezvous", "groups", "running"):
         for r in ranks:
             buf.add(job, 1, status(r, phase, ts=100.0 + r))
     for r in ranks:
-        buf.add(job, 1, status(r, "running", 1, {"step_time": 0.5, **({"loss": 2.0} if r == loss_rank else {})},
-                               ts=101.0 + r), step_only=True)
+        st = status(r, "running", 1, {"step_time": 0.5, **({"loss": 2.0} if r == loss_rank else {})}, ts=101.0 + r)
+        st.first_step = marked
+        buf.add(job, 1, st, step_only=True)
 
 
 def test_a_start_up_folds_to_the_newest_step_and_equal_ranks_to_one_report() -> None:
@@ -78,16 +80,23 @@ def test_exits_fold_unless_they_differ_and_nothing_merges_across_an_exit() -> No
     assert len(fold(other)) == 2                                  # another attempt is another rank
 
 
-def _play(w: World, job, names: list[str], folded: bool) -> None:
+def _play(w: World, job, names: list[str], folded: bool) -> tuple:
+    """Start-up then stop of every node's ranks; what the coordinator said after the start-up."""
     bufs = {n: ReportBuffer() for n in names}
     for k, n in enumerate(names):
-        start_up(bufs[n], job.id, range(k * 8, k * 8 + 8), loss_rank=0 if k == 0 else None)
+        start_up(bufs[n], job.id, range(k * 8, k * 8 + 8), loss_rank=0 if k == 0 else None, marked=True)
         w.nodes[n].seq = 0
     for n in names:
         taken = bufs[n].take(1000)
         w.core.rank_reports(w.nodes[n].session, fold(taken) if folded else taken)
     w.core.flush()
     assert w.core.get(job.id).state is JobState.RUNNING
+    s = w.core.summary(job.id)
+    started = (dict(s.phases), s.running, s.exited, s.min_step, s.max_step,
+               [(x.phase, x.step, x.node) for x in w.core.book.rank_page(job, 0, 16)])
+    if folded:   # one event a node's start-up, not one a rank
+        assert [e.message for e in w.core.events(job.id) if e.kind == "rank"] == ["ranks 0-7 running",
+                                                                                  "ranks 8-15 running"]
     w.core.cancel(job.id, "done here")
     for k, n in enumerate(names):
         for r in range(k * 8, k * 8 + 8):
@@ -95,6 +104,7 @@ def _play(w: World, job, names: list[str], folded: bool) -> None:
         taken = bufs[n].take(1000)
         w.core.rank_reports(w.nodes[n].session, fold(taken) if folded else taken)
     w.core.flush()
+    return started
 
 
 def test_the_coordinator_ends_the_same_from_folded_and_from_single_reports(tmp_path: Path) -> None:
@@ -102,18 +112,19 @@ def test_the_coordinator_ends_the_same_from_folded_and_from_single_reports(tmp_p
     for folded in (False, True):
         w = make_world(tmp_path / str(folded))
         job, names = start(w, 2)
-        _play(w, job, names, folded)
+        started = _play(w, job, names, folded)
         stored = {r: (x.phase, x.step, x.exited, x.exit_code, x.error, x.node) for r, x in w.store.ranks(job.id).items()}
         memory = [(x.rank, x.phase, x.step, x.exited, x.exit_code, x.error, x.node, x.metrics_json)
                   for x in w.core.book.rank_page(job, 0, 16)]
         s = w.core.summary(job.id)
-        worlds.append((stored, memory, (s.phases, s.running, s.exited, s.failed, s.min_step, s.max_step),
+        worlds.append((started, stored, memory, (s.phases, s.running, s.exited, s.failed, s.min_step, s.max_step),
                        w.core.get(job.id).state, [e.step for e in w.core.events(job.id) if e.kind == "step"],
                        {n: w.nodes[n].session.record.last_seq for n in names}))
         w.store.close()
     single, folded = worlds
     assert folded == single
-    stored, memory, counts, state, steps, seqs = folded
+    started, stored, memory, counts, state, steps, seqs = folded
+    assert started[0] == {"running": 16} and started[1] == 16 and started[3] == 1   # counted once a rank
     assert len(stored) == 16 and all(v[2] and v[3] == -15 for v in stored.values())
     assert steps == [1] and seqs == {"n0000": 32 + 8, "n0001": 32 + 8}
     assert counts[2] == 16 and state is JobState.CANCELLED
