@@ -7,6 +7,7 @@ sections; ``kinds.spec.build_spec`` validates a document against it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,12 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     except _NotYaml:
         value = raw
     return path, value
+
+
+def literal_override(key: str, value: str) -> str:
+    """The override that sets ``key`` to the string ``value`` as it is (a path): a YAML double-quoted scalar, so
+    that nothing in it (`` #``, ``: ``, a trailing ``:``, a leading ``&``) is read as YAML."""
+    return f"{key}={json.dumps(str(value), ensure_ascii=False)}"
 
 
 def apply_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -30,10 +30,11 @@ class StoreGuard:
             yield
         except StoreError:
             if not self._store.in_transaction:  # else the outermost block, once rolled back, resyncs
-                self._resync()
+                self.resync()
             raise
 
-    def _resync(self) -> None:
+    def resync(self) -> None:
+        """Memory back to what the store holds (after a block that raised and rolled back)."""
         store, nodes = self._store, self._nodes
         self._book.resync()
         stored = {r.name: r.last_seq for r in store.load_nodes()}

@@ -119,11 +119,12 @@ class ReportIntake:
         try:
             applied, seqs = self._commit(batch)
         except StoreError as exc:
-            self._refused_at = self._clock()
-            self._held = [(s, u) for s, u in batch if self._nodes.is_current(s)]
-            self._check_held()
-            log.warning("reports.store_failed", held=self.held, error=str(exc))
+            self._refuse(batch, exc)
             return False
+        except Exception:  # noqa: BLE001 - a bug on one node's reports must not lose everyone's
+            log.exception("reports.commit_failed", nodes=len(batch))
+            self._guard.resync()
+            applied, seqs = self._commit_each(batch)
         self._stats.rank_reports += applied
         self._ack(seqs)
         self._catch_up()  # a job finished inside the transaction: its slots are free now
@@ -147,6 +148,32 @@ class ReportIntake:
                 for job in touched.values():
                     self._advance(job)
         return applied, list(seqs.values())
+
+    def _refuse(self, batch: list[Queued], exc: StoreError) -> None:
+        """The store refused: the batch is held, in order, and retried."""
+        self._refused_at = self._clock()
+        self._held = [(s, u) for s, u in batch if self._nodes.is_current(s)] + self._held
+        self._check_held()
+        log.warning("reports.store_failed", held=self.held, error=str(exc))
+
+    def _commit_each(self, batch: list[Queued]) -> tuple[int, list[tuple[NodeSession, int]]]:
+        """A group commit raised (not the store: a bug): each node's reports in a transaction of their own, so
+        that only those that raise are left out (logged; the node's stored report number stays where it was, and
+        its later reports' Ack covers them). The rest is stored as the group commit would have."""
+        applied, seqs = 0, []
+        for k, item in enumerate(batch):
+            try:
+                done, stored = self._commit([item])
+            except StoreError as exc:
+                self._refuse(batch[k:], exc)
+                break
+            except Exception:  # noqa: BLE001
+                log.exception("reports.dropped", node=item[0].name, reports=len(item[1]))
+                self._guard.resync()
+                continue
+            applied += done
+            seqs += stored
+        return applied, seqs
 
     def _hold_inbox(self) -> None:
         self._held.extend(self._inbox)

@@ -155,9 +155,9 @@ def test_a_rank_takes_its_share_of_the_nodes_cores_whatever_the_jobs_size(jobs) 
 def test_ctl_makes_a_relative_workdir_absolute_against_the_job_files_directory(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir("/")  # where ctl runs does not matter
     spec = build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "t.py", "workdir": "sub"}})
-    assert absolute_workdir(spec, tmp_path) == [f"python.workdir={tmp_path / 'sub'}"]
+    assert absolute_workdir(spec, tmp_path) == [f'python.workdir="{tmp_path / "sub"}"']
     spec = build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "t.py"}})
-    assert absolute_workdir(spec, tmp_path) == [f"python.workdir={tmp_path}"]
+    assert absolute_workdir(spec, tmp_path) == [f'python.workdir="{tmp_path}"']
     assert absolute_workdir(build_spec({"name": "w", "kind": "python", "python": {"entrypoint": "m:f"}}), tmp_path) == []
 
 

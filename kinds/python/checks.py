@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from rankctl.contract.jobfile import literal_override
 from rankctl.contract.names import shown
 from rankctl.contract.spec import JobSpec
 from rankctl.kinds.python.spec import PythonSpec
@@ -38,10 +39,11 @@ def absolute_workdir(spec: JobSpec, job_dir: Path) -> list[str]:
     if cfg is None:
         return []
     if cfg.workdir is not None:
-        return [] if Path(cfg.workdir).is_absolute() else [f"python.workdir={(job_dir / cfg.workdir).resolve()}"]
+        return [] if Path(cfg.workdir).is_absolute() else [literal_override("python.workdir",
+                                                                            (job_dir / cfg.workdir).resolve())]
     if is_function(cfg.entrypoint) or Path(cfg.entrypoint).is_absolute():
         return []
-    return [f"python.workdir={job_dir}"]
+    return [literal_override("python.workdir", job_dir)]
 
 
 def shipment(spec: JobSpec) -> Shipment | None:

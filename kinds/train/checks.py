@@ -114,12 +114,15 @@ def absolute_data(spec: JobSpec, job_dir: Path | None = None) -> list[str]:
     """``ctl``'s overrides making a relative ``train.data``, ``train.checkpoint_dir`` or ``train.init_from``
     path absolute against the directory ``ctl`` runs in (daemons do not share it); ``job_dir`` is not used:
     data paths predate job-relative paths."""
+    from rankctl.contract.jobfile import literal_override
+
     data = spec.train.data if spec.train else "builtin:"
-    out = [] if data.startswith("builtin:") or Path(data).is_absolute() else [f"train.data={Path(data).resolve()}"]
+    out = [] if data.startswith("builtin:") or Path(data).is_absolute() else [
+        literal_override("train.data", Path(data).resolve())]
     for field in ("checkpoint_dir", "init_from"):   # likewise, against the directory ctl runs in
         value = getattr(spec.train, field) if spec.train else None
         if value and not Path(value).is_absolute():
-            out.append(f"train.{field}={Path(value).resolve()}")
+            out.append(literal_override(f"train.{field}", Path(value).resolve()))
     return out
 
 
