@@ -21,6 +21,7 @@ from rankctl.coordinator.errors import ProtocolError
 from rankctl.coordinator.nodes import NodeSession
 from rankctl.coordinator.ratelimit import StreamBudget
 from rankctl.coordinator.servicer import _abort
+from rankctl.coordinator.sessions import MAX_GPUS
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
 from rankctl.security.revocation import serial_of_pem
@@ -123,6 +124,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
                 if wait > 0:
                     if budget.waited == wait:  # the first time only
                         log.warning("node.rate_limited", node=session.name, wait_s=round(wait, 3))
+                    held_back(session, self.core.clock(), wait)
                     await asyncio.sleep(wait)
                 try:
                     self._handle(session, msg)
@@ -137,7 +139,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
     def _handle(self, session: NodeSession, msg: pb.NodeMessage) -> None:
         body = msg.WhichOneof("body")
         if body == "heartbeat":
-            if msg.heartbeat.HasField("usage"):
+            if msg.heartbeat.HasField("usage") and len(msg.heartbeat.usage.gpus) <= MAX_GPUS:   # shown by ListNodes
                 session.usage = msg.heartbeat.usage
             self.core.heartbeat(session, list(msg.heartbeat.free_ports))
         elif body == "batch":
@@ -147,6 +149,12 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
         else:
             log.warning("node.unexpected_message", node=session.name, body=body)
 
+
+
+def held_back(session: NodeSession, now: float, seconds: float) -> None:
+    """The node's stream is read ``seconds`` later than its messages came (``coordinator.ratelimit``): its heartbeats
+    wait behind them, so that silence is the coordinator's, not the node's; its liveness counts from the end of it."""
+    session.last_heartbeat = max(session.last_heartbeat, now + seconds)
 
 
 class RevokedStreams:

@@ -18,6 +18,7 @@ import structlog
 
 from rankctl.contract.preflight import line as preflight_line
 from rankctl.contract.rankstatus import NOTICE_CHARS
+from rankctl.coordinator import rankbounds as bounds
 from rankctl.coordinator.convert import update_seconds
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession
@@ -38,7 +39,8 @@ Report = RankUpdate | pb.RankReport
 def _starts_up(st: pb.RankStatus, update: pb.RankReport) -> bool:
     """A live rank's plain start-up phase: no step, exit, error, result or anything the record keeps apart."""
     return not (st.step or st.exited or st.error or update.result_json or st.notice or st.preflight
-                or st.collectives or st.stack or st.phase == "failed")
+                or st.collectives or st.stack or st.phase == "failed") and st.phase in bounds.KNOWN_PHASES \
+        and len(st.metrics_json) <= bounds.METRICS_CHARS and len(st.process) <= bounds.PROCESS_CHARS
 
 
 class ReportApplier:
@@ -154,21 +156,24 @@ class ReportApplier:
         if notice:  # the rank asked for this on the job's record (a damaged checkpoint step passed over)
             self._book.event(job, "notice", f"rank {rank}: {notice[:NOTICE_CHARS]}")
         judged = False   # rank 0's pre-flight outcome came: the job advances on it now (a node to exclude ends the
-        if getattr(st, "preflight", "") and rank == 0 and progress.preflight is None:   # attempt at once)
+        if getattr(st, "preflight", "") and rank == 0 and progress.preflight is None \
+                and len(st.preflight) <= bounds.PREFLIGHT_CHARS:   # attempt at once)
             self._preflight(job, progress, st.preflight)
             judged = progress.preflight is not None
         if old is not None and not update.result_json and (st.phase or old.phase) == old.phase \
                 and st.exited == old.exited and st.exit_code == old.exit_code and st.error in ("", old.error):
             self._next_step(job, progress, old, st)
             return judged
-        phase = st.phase or (old.phase if old else "pending")
+        phase = bounds.phase(st.phase) or (old.phase if old else "pending")
         step = st.step or (old.step if old else 0)
         # an exit report carries no step or metrics: keep the last ones the rank reported
-        metrics = st.metrics_json if st.metrics_json not in ("", "{}") or old is None else old.metrics_json
-        error = st.error or (old.error if old else "")
+        metrics = bounds.metrics(st.metrics_json) if st.metrics_json not in ("", "{}") or old is None \
+            else old.metrics_json
+        error = bounds.error(st.error) or (old.error if old else "")
+        result = bounds.result(update.result_json) or (old.result_json if old else "")
         new = RankRecord(rank=rank, node=node, phase=phase, step=step, metrics_json=metrics, error=error,
                          exit_code=st.exit_code, exited=st.exited, updated_at=update_seconds(st) or self._clock(),
-                         result_json=update.result_json or (old.result_json if old else ""), process=st.process)
+                         result_json=result, process=bounds.process(st.process))
         progress.advanced_at = self._clock()
         if new.exited:
             progress.pace.gone(new.rank)
@@ -209,16 +214,16 @@ class ReportApplier:
         """The common case, a running rank's next step: in memory only, no row, no event."""
         metrics = st.metrics_json
         if metrics and metrics != "{}":
-            old.metrics_json = metrics
+            old.metrics_json = bounds.metrics(metrics)
         updated = update_seconds(st)
         if updated:
             old.updated_at = updated
         if st.process != old.process:  # the daemon saw the process stop or go on (memory only)
-            old.process = st.process
-            progress.pace.process(old.rank, st.process)
+            old.process = bounds.process(st.process)
+            progress.pace.process(old.rank, old.process)
         if st.collectives or st.stack:  # hang evidence: counters that stopped moving (memory only)
-            old.collectives, old.stack = st.collectives, st.stack
-            progress.pace.evidence(old.rank, st.collectives, st.stack)
+            old.collectives, old.stack = bounds.collectives(st.collectives), bounds.stack(st.stack)
+            progress.pace.evidence(old.rank, old.collectives, old.stack)
         progress.reports += 1
         step = st.step
         if step and step != old.step:

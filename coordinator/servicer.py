@@ -35,7 +35,7 @@ from rankctl.coordinator.nodes import NodeNotFound, NodeSession
 from rankctl.coordinator.pools import pool_to_pb
 from rankctl.coordinator.records import EventRecord, JobRecord
 from rankctl.contract.jobfile import SpecError
-from rankctl.coordinator.states import is_terminal
+from rankctl.coordinator.states import JobState, is_terminal
 from rankctl.coordinator.store import StoreError
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.kinds import registry
@@ -102,10 +102,18 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the coordinator log")
 
 
+def _job_state(value: int) -> JobState:
+    """A ``ListJobs`` state filter; InvalidRequest naming it when it is no job state."""
+    names = [n for n in pb.JobState.keys() if n != "JOB_STATE_UNSPECIFIED"]
+    if value not in [pb.JobState.Value(n) for n in names]:
+        raise InvalidRequest(f"states: {value} is not a job state; one of {', '.join(n[10:] for n in names)}")
+    return convert.job_state_from_pb(value)
+
+
 def _page_token(token: str) -> int:
     if not token:
         return 0
-    if not token.isdigit() or len(token) > 18:
+    if not (token.isascii() and token.isdigit()) or len(token) > 18:
         raise InvalidRequest(f"page_token {token[:20]!r} is not one this coordinator gave out")
     return int(token)
 
@@ -222,7 +230,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
                 raise InvalidRequest(f"page_size={request.page_size} must not be negative")
             size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
             before = _page_token(request.page_token)
-            states = [convert.job_state_from_pb(s) for s in request.states]
+            states = [_job_state(s) for s in request.states]
             jobs, cursor = self.core.book.page(size, before, states)
             out, used = pb.ListJobsResponse(), 0
             for i, job in enumerate(jobs):

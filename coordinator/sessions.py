@@ -32,6 +32,9 @@ from rankctl.coordinator.transport import base_heartbeat_interval
 
 RECONNECT_GRACE_S = 10.0  # at least this long for a DISCONNECTED node to come back: a daemon retries at
                           # least every 5 s (worker DaemonConfig.backoff_max), later on a loaded machine
+MAX_HELLO_TEXT = 256         # characters of a Register's address, session, hostname, GPU name
+MAX_FREE_PORTS = 4096        # free ports a node offers at most (a Register's or a heartbeat's)
+MAX_GPUS = 256               # GPUs of one node at most
 MAX_HEARTBEAT_RATE = 1000.0  # heartbeats a second from the whole fleet at most (ctl coordinator --max-heartbeat-rate)
 STORM_GRACES = 6          # after a start (a restart, a failover) nodes known from the store are waited for while any
                           # node still registers, up to this many graces: thousands re-register in a storm
@@ -78,8 +81,33 @@ def check_hello(hello: NodeHello) -> None:
     if not 1 <= hello.slots <= MAX_SLOTS_PER_NODE:
         raise ProtocolError(f"Register: slots={hello.slots} must be between 1 and {MAX_SLOTS_PER_NODE}")
     problem = node_name_problem(hello.pool, "pool") if hello.pool else None
+    if problem is None:
+        problem = _hello_bounds(hello)
     if problem is not None:
         raise ProtocolError(f"Register: {problem}")
+
+
+def _hello_bounds(hello: NodeHello) -> str | None:
+    """What of a Register is out of its bounds (every node's record goes into each ``ListNodes``), or None."""
+    hw = hello.hardware
+    texts = [("address", hello.address), ("session", hello.session), ("hardware.hostname", hw.get("hostname", ""))]
+    texts += [(f"hardware.gpus[{i}].name", g.get("name", "")) for i, g in enumerate(hw.get("gpus", [])[:MAX_GPUS])]
+    for field, text in texts:
+        if len(text) > MAX_HELLO_TEXT:
+            return f"{field} ({len(text)} characters) must be at most {MAX_HELLO_TEXT} characters"
+    counts = [("free_ports", len(hello.free_ports), MAX_FREE_PORTS), ("hardware.gpus", len(hw.get("gpus", [])), MAX_GPUS),
+              ("running", len(hello.running), MAX_SLOTS_PER_NODE)]
+    counts += [(f"running[{i}].ranks", len(r.ranks), MAX_SLOTS_PER_NODE) for i, r in enumerate(hello.running)]
+    for field, n, most in counts:
+        if n > most:
+            return f"{field} has {n} entries; at most {most}"
+    bad = next((p for p in (*hello.free_ports, hello.peer_port or 1) if not 1 <= p <= 65535), None)
+    if bad is not None:
+        return f"port {bad} (free_ports or peer_port) must be between 1 and 65535"
+    for field in ("cpu_count", "memory_bytes"):
+        if hw.get(field, 0) < 0:
+            return f"hardware.{field}={hw[field]} must not be negative"
+    return None
 
 
 class Sessions:
@@ -256,6 +284,8 @@ class Sessions:
         if session.unverified and self._flush():  # the replay came before this heartbeat: stored first
             with self._guard.consistent():
                 self._verify(session)
+        if free_ports:   # a Register's bounds: ports beyond them go unused
+            free_ports = [p for p in free_ports[:MAX_FREE_PORTS] if 1 <= p <= 65535]
         if free_ports and tuple(free_ports) != session.free_ports:
             session.free_ports = tuple(free_ports)
             self._schedule()

@@ -24,3 +24,20 @@ def test_a_node_replaying_many_reports_is_slowed_not_dropped() -> None:
     assert wait == pytest.approx(1.0)
     assert s.delay(1, BYTES_BURST, 10.0) == 0.0 and s.delay(1, 8 << 20, 10.0) == pytest.approx(1.0)
     assert s.waited == pytest.approx(2.0)
+
+
+def test_the_time_a_stream_is_held_back_is_not_the_nodes_silence(tmp_path) -> None:  # noqa: ANN001
+    from rankctl.coordinator.node_service import held_back
+    from rankctl.coordinator.nodes import NodeStatus
+    from test_core import make_world
+
+    world = make_world(tmp_path, timeout=10.0)
+    node = world.connect("n0", slots=2)
+    held_back(node.session, world.clock(), 40.0)   # a replay read 40 s late: its heartbeats wait behind it
+    world.clock.t += 45.0
+    world.core.tick()
+    assert node.session.status is NodeStatus.READY
+    world.clock.t += 10.0                      # 10 s of real silence after the hold: lost
+    world.core.tick()
+    assert node.session.status is NodeStatus.LOST
+    world.store.close()

@@ -113,10 +113,13 @@ def test_invalid_and_unknown_map_to_status_codes(tmp_path: Path) -> None:
         plan = await client.PlanJob(pb.PlanJobRequest(spec_yaml=JOB, overrides=["parallel.tp=2"]))
         assert from_struct(plan.layout)["groups"]["tp"] == [[0, 1]] and from_struct(plan.spec)["parallel"]["tp"] == 2
         assert (await client.ListJobs(pb.ListJobsRequest())).jobs == []
-        for bad in (pb.ListJobsRequest(page_size=-1), pb.ListJobsRequest(page_token="../x")):
+        for bad in (pb.ListJobsRequest(page_size=-1), pb.ListJobsRequest(page_token="../x"),
+                    pb.ListJobsRequest(page_token="\u00b2"), pb.ListJobsRequest(page_token="\u0663\u0663"),
+                    pb.ListJobsRequest(states=[99]), pb.ListJobsRequest(states=[0])):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await client.ListJobs(bad)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "states: 0 is not a job state; one of PENDING, PLACED" in err.value.details()
     run(test, tmp_path)
 
 
