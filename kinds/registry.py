@@ -195,7 +195,9 @@ def blob_limit_of(spec: "JobSpec") -> int | None:
 
 
 def unknown_kind(name: str) -> str:
-    return f"unknown job kind {name!r}; known kinds: {', '.join(sorted(kinds()))}"
+    from rankctl.contract.names import shown
+
+    return f"unknown job kind {shown(name)}; known kinds: {', '.join(sorted(kinds()))}"
 
 
 def get(name: str) -> JobKind:

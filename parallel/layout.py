@@ -24,11 +24,14 @@ from typing import Iterator
 import numpy as np
 
 from rankctl.contract.limits import MAX_PARALLEL_SIZE, MAX_VPP, MAX_WORLD_SIZE
+from rankctl.contract.names import shown
 from rankctl.contract.spec import DEFAULT_ORDER
 
 TOKENS = ("tp", "cp", "ep", "dp", "pp")
 # Megatron's RankGenerator appends tokens missing from ``order`` in this order.
 _APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp")
+MAX_ORDER_CHARS = 32   # "tp-cp-ep-dp-pp" is 14
+
 
 class GroupName(StrEnum):
     """The name of a kind of process group: one closed set, defined here and imported everywhere else.
@@ -215,7 +218,10 @@ class ParallelConfig:
                 raise LayoutError(f"{name}={value} exceeds the maximum of {most}"
                                   + (" ranks" if name == "world_size" else ""))
         if not isinstance(self.order, str):
-            raise LayoutError(f"order={self.order!r} must be a string such as 'tp-cp-ep-dp-pp'")
+            raise LayoutError(f"order={shown(self.order)} must be a string such as 'tp-cp-ep-dp-pp'")
+        if len(self.order) > MAX_ORDER_CHARS:   # every later message quotes it
+            raise LayoutError(f"order={shown(self.order)} must be at most {MAX_ORDER_CHARS} characters: the tokens "
+                              f"{', '.join(TOKENS)} joined by '-'")
 
     def _check_order(self) -> tuple[str, ...]:
         given = tuple(self.order.split("-"))
@@ -259,6 +265,8 @@ class ParallelConfig:
                 f"but expert_dp={self.expert_dp} and dp={self.dp} "
                 f"({_fmt(tp=self.tp, cp=self.cp, etp=self.expert_tp, ep=self.ep, pp=self.pp)})"
             )
+        if self.pp == 1 or self._tokens_given[-1] == "pp":
+            return   # pp outermost in both grids (or pipelines of one rank): the same pipelines, without building them
         dense_pp = self.dense_grid.groups(("pp",))
         expert_pp = self.expert_grid.groups(("pp",))
         if not np.array_equal(dense_pp, expert_pp):

@@ -237,3 +237,13 @@ def test_a_file_of_many_problems_lists_the_first_few() -> None:
     text = "name: x\n" + "".join(f"k{i}: {'x' * 40}\n" for i in range(4000))
     message = refused(text, "unknown field", "... and 3980 more problems")
     assert message.count("unknown field") == L.MAX_ERRORS_SHOWN
+
+
+@pytest.mark.parametrize("doc", [{"name": "k", "kind": "a" * 200_000},
+                                 {"name": "k", "kind": "comm-check", "parallel": {"order": "x" * 200_000}}])
+def test_a_long_kind_or_order_is_quoted_by_a_prefix_only(doc: dict) -> None:
+    with pytest.raises(SpecError) as err:
+        from rankctl.kinds.spec import check_job
+
+        check_job(build_spec(doc))
+    assert "(200000 characters)" in str(err.value) and len(str(err.value)) < 600

@@ -176,3 +176,26 @@ def test_config_is_immutable() -> None:
     with pytest.raises(Exception):
         cfg.tp = 4  # type: ignore[misc]
     assert cfg.dp == 4 and cfg.expert_dp == 4
+
+
+def test_pipelines_are_the_same_in_both_grids_whenever_pp_is_outermost() -> None:
+    """``_check_expert_grid`` skips building the pp groups when the order ends in pp (so that an elastic job's
+    check at every world size stays linear): over every small layout, they are indeed equal then."""
+    import itertools
+
+    checked = 0
+    for world, tp, cp, ep, etp, pp in itertools.product((8, 12, 16, 24), (1, 2), (1, 2), (1, 2, 4), (1, 2), (1, 2, 4)):
+        for order in ("tp-cp-ep-dp-pp", "tp-ep-cp-dp-pp", "cp-tp-dp-ep-pp", "tp-dp-cp-ep-pp"):
+            try:
+                cfg = ParallelConfig(world_size=world, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, order=order)
+            except LayoutError:
+                continue
+            assert np.array_equal(cfg.dense_grid.groups(("pp",)), cfg.expert_grid.groups(("pp",)))
+            checked += 1
+    assert checked > 100
+
+
+def test_an_order_too_long_is_refused_quoting_a_short_prefix() -> None:
+    with pytest.raises(LayoutError, match=r"order='x{40}'\.\.\. \(200000 characters\) must be at most 32") as err:
+        ParallelConfig(world_size=8, order="x" * 200_000)
+    assert len(str(err.value)) < 300
