@@ -162,7 +162,7 @@ def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None,
             if overrides:
                 raise CtlError("--set needs a job file")
             cfg, gpn = _config_from_flags(flags), 8
-        gpn = gpus_per_node or gpn
+        gpn = gpn if gpus_per_node is None else gpus_per_node  # 0 is refused below, not the default
         if not 1 <= gpn <= MAX_SLOTS_PER_NODE:
             raise CtlError(f"--gpus-per-node={gpn} must be between 1 and {MAX_SLOTS_PER_NODE}")
         layout = RankLayout(cfg)

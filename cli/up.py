@@ -22,7 +22,8 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
     from rankctl.contract.limits import MAX_SLOTS_PER_NODE, MAX_WORLD_SIZE
 
     res = spec.resources
-    n, s = nodes or res.nodes, slots or res.slots_per_node
+    n = res.nodes if nodes is None else nodes  # a flag given as 0 is refused below, not the default
+    s = res.slots_per_node if slots is None else slots
     if n < 1 or s < 1:
         raise CtlError(f"--nodes={n} and --slots={s} must be at least 1")
     if s > MAX_SLOTS_PER_NODE or n * s > MAX_WORLD_SIZE:

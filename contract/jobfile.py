@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,32 @@ class _Shape:
             self._add(self.anchored.get(event.anchor, 1), None, event)
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping (YAML's loaders keep the last silently)."""
+
+
+class _StrictLoader(_Loader):
+    """The safe loader, refusing a key that appears twice in one mapping, at any depth."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict[Any, str] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # a collection key is refused as unhashable; merged keys are YAML's defaults
+            key, mark = self.construct_object(key_node), key_node.start_mark
+            where = f"line {mark.line + 1}, column {mark.column + 1}"
+            if key in first:
+                raise _DuplicateKey(f"{brief(key)}: duplicate key ({where}; first at {first[key]}); "
+                                    f"a key may appear once in a mapping")
+            first[key] = where
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's exponent floats (1e3, 3e-4, 1.0e3): YAML 1.1 reads them as strings, which strict number fields refuse
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 class _NotYaml(SpecError):
     """Text that does not parse as YAML (``--set`` then takes it as a plain string)."""
 
@@ -170,7 +197,8 @@ def _yaml_error(exc: Exception, source: str) -> SpecError:
 
 
 def bounded_yaml(text: str, source: str) -> Any:
-    """``yaml.safe_load`` of ``text`` after checking its size, depth, aliases and expanded size."""
+    """``yaml.safe_load`` of ``text`` after checking its size, depth, aliases and expanded size; a key given twice
+    in one mapping (at any depth) is refused, not overwritten."""
     source = _clip(source, 256)  # a client names the source; keep the echo short
     if len(text) > L.MAX_JOB_FILE_BYTES or len(text.encode("utf-8", "surrogatepass")) > L.MAX_JOB_FILE_BYTES:
         raise _too_big(source, len(text.encode("utf-8", "surrogatepass")))
@@ -178,7 +206,9 @@ def bounded_yaml(text: str, source: str) -> Any:
         shape = _Shape(source)
         for event in yaml.parse(text, Loader=_Loader):
             shape.feed(event)
-        return yaml.load(text, Loader=_Loader)
+        return yaml.load(text, Loader=_StrictLoader)
+    except _DuplicateKey as exc:
+        raise SpecError([f"{source}: {exc}"]) from None
     except (yaml.YAMLError, ValueError, RecursionError) as exc:  # ValueError: e.g. an int of 5,000 digits
         if isinstance(exc, SpecError):
             raise

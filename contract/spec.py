@@ -2,7 +2,8 @@
 
 A kind's own sections (``model``/``train``, ``comm_check``, ...) are declared by the kind
 (``kinds/<kind>/``); ``kinds.spec`` composes them with these. Unknown fields are errors,
-integers are strict, numbers finite, and every size is bounded (``contract.limits``).
+numbers are strict (``StrictInt`` takes an integer, ``StrictFloat`` an integer or a float;
+neither a bool nor a string) and finite, and every size is bounded (``contract.limits``).
 The defaults here are the only definition of each default.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 
 from rankctl.contract import limits as L
 from rankctl.contract.names import JOB_NAME_RULE, job_name_problem
@@ -80,9 +81,9 @@ class ParallelSpec(Section):
 class RestartSpec(Section):
     max_restarts: StrictInt = Field(0, ge=0, le=L.MAX_RESTARTS)
     # seconds every rank's process groups wait in one collective before giving up
-    collective_timeout: float = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
+    collective_timeout: StrictFloat = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
     # seconds a RUNNING job may go without any rank advancing a step before the attempt is declared hung
-    hang_timeout: float = Field(DEFAULT_HANG_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
+    hang_timeout: StrictFloat = Field(DEFAULT_HANG_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
     # before the first step of each attempt: a few seconds over the job's groups and links (runtime.preflight);
     # None: on for multi-node jobs
     preflight: StrictBool | None = None

@@ -129,7 +129,7 @@ def test_plan_and_submit_read_a_job_file_through_one_function_with_the_kinds_ove
     monkeypatch.chdir(tmp_path)
     read = read_job_file(str(tmp_path / "job.yaml"), ("train.steps=3",))
     assert read.spec.train.data == str(tmp_path / "corpus.txt") and read.spec.train.steps == 3
-    assert read.sets == ["train.steps=3", f"train.data={tmp_path / 'corpus.txt'}"]
+    assert read.sets == ["train.steps=3", f'train.data="{tmp_path / "corpus.txt"}"']
     assert read.layout.world_size == 1
     out = run("plan", str(tmp_path / "job.yaml"), "--json")
     assert out.exit_code == 0, out.output

@@ -215,13 +215,17 @@ def test_name_rules_have_one_home() -> None:
 
 
 @pytest.mark.parametrize("text, field", [
-    ("train: {lr: .inf}", "train.lr"), ("train: {lr: .nan}", "train.lr"), ("train: {lr: 'inf'}", "train.lr"),
+    ("train: {lr: .inf}", "train.lr"), ("train: {lr: .nan}", "train.lr"),
     ("train: {grad_clip: .inf}", "train.grad_clip"), ("comm_check: {duration: .nan}", "comm_check.duration"),
     ("model: {moe: {experts: 2, aux_loss: .inf}}", "model.moe.aux_loss"),
     ("restart: {collective_timeout: .inf}", "restart.collective_timeout"),
 ])
 def test_non_finite_numbers_are_refused_naming_the_field(text: str, field: str) -> None:
     refused(f"name: x\n{text}\n", f"{field} (got", "must be a finite number")
+
+
+def test_a_number_written_as_a_string_is_refused_naming_the_field() -> None:
+    refused("name: x\ntrain: {lr: 'inf'}\n", "train.lr (got 'inf')", "must be a number")
 
 
 # -- restart.collective_timeout -----------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import Field, StrictStr, StringConstraints, field_validator
+from pydantic import Field, StrictInt, StrictStr, StringConstraints, field_validator
 
 from rankctl.contract.names import shown
 from rankctl.contract.spec import Section
@@ -32,8 +32,8 @@ class PythonSpec(Section):
     workdir: StrictStr | None = Field(None, min_length=1, max_length=MAX_TEXT)
     # set by ctl: the packed workdir on the coordinator; ranks then run in the node's extracted copy
     workdir_blob: Blob | None = None
-    workdir_max_mb: int = Field(100, ge=1, le=MAX_WORKDIR_MB)  # ctl refuses to ship a larger packed workdir
-    workdir_max_unpacked_mb: int | None = Field(None, ge=1, le=UNPACKED_PER_PACKED * MAX_WORKDIR_MB)
+    workdir_max_mb: StrictInt = Field(100, ge=1, le=MAX_WORKDIR_MB)  # ctl refuses to ship a larger packed workdir
+    workdir_max_unpacked_mb: StrictInt | None = Field(None, ge=1, le=UNPACKED_PER_PACKED * MAX_WORKDIR_MB)
     """The most a node extracts of the shipped workdir (MiB, counted as bytes arrive); None: 4 x workdir_max_mb."""
 
     def unpacked_limit_mb(self) -> int:

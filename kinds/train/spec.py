@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictInt
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from rankctl.contract import limits as L
 from rankctl.contract import model as D
@@ -17,8 +17,8 @@ class MoeSpec(Section):
     experts: StrictInt = Field(ge=1, le=L.MAX_EXPERTS)
     top_k: StrictInt = Field(D.MOE_TOP_K, ge=1, le=L.MAX_EXPERTS)
     every: StrictInt = Field(D.MOE_EVERY, ge=1, le=L.MAX_LAYERS)
-    aux_loss: float = Field(D.MOE_AUX_LOSS, ge=0)
-    capacity_factor: float | None = Field(D.MOE_CAPACITY_FACTOR, gt=0, le=L.MAX_CAPACITY_FACTOR)
+    aux_loss: StrictFloat = Field(D.MOE_AUX_LOSS, ge=0)
+    capacity_factor: StrictFloat | None = Field(D.MOE_CAPACITY_FACTOR, gt=0, le=L.MAX_CAPACITY_FACTOR)
 
 
 class ModelSpec(Section):
@@ -37,9 +37,9 @@ class TrainSpec(Section):
     steps: StrictInt = Field(20, ge=1, le=L.MAX_STEPS)
     global_batch: StrictInt = Field(16, ge=1, le=L.MAX_BATCH)
     micro_batch: StrictInt = Field(2, ge=1, le=L.MAX_BATCH)
-    lr: float = Field(3.0e-4, gt=0)
+    lr: StrictFloat = Field(3.0e-4, gt=0)
     warmup: StrictInt = Field(2, ge=0, le=L.MAX_STEPS)
-    grad_clip: float = Field(1.0, ge=0)
+    grad_clip: StrictFloat = Field(1.0, ge=0)
     seed: StrictInt = Field(1234, ge=L.MIN_SEED, le=L.MAX_SEED)
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     data: str = BUILTIN_PYDOC
