@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Iterator
 
 from rankctl.cli.errors import CtlError
+from rankctl.contract.names import shown
 
 if TYPE_CHECKING:
     from rankctl.cli.client import Client
     from rankctl.contract.spec import JobSpec
+    from rankctl.kinds.registry import Shipment
 
 IGNORE_FILES = (".rankctlignore", ".gitignore")
 CHUNK = 1 << 20
@@ -105,18 +107,30 @@ class IgnoreRules:
         return out
 
 
-def walk(workdir: Path, rules: IgnoreRules, prefix: str = "") -> Iterator[tuple[str, os.DirEntry]]:
-    """(relative path, entry) of everything kept, depth first in name order (parents first)."""
-    with os.scandir(workdir / prefix if prefix else workdir) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for e in entries:
-        rel = f"{prefix}{e.name}"
+def walk(workdir: Path, rules: IgnoreRules) -> Iterator[tuple[str, os.DirEntry]]:
+    """(relative path, entry) of everything kept, depth first in name order (parents first); a stack, not
+    recursion, so any depth the file system allows is walked."""
+    stack: list[Iterator[os.DirEntry]] = []
+    prefixes: list[str] = []
+
+    def enter(prefix: str) -> None:
+        with os.scandir(workdir / prefix if prefix else workdir) as it:
+            stack.append(iter(sorted(it, key=lambda e: e.name)))
+        prefixes.append(prefix)
+    enter("")
+    while stack:
+        e = next(stack[-1], None)
+        if e is None:
+            stack.pop()
+            prefixes.pop()
+            continue
+        rel = f"{prefixes[-1]}{e.name}"
         is_dir = e.is_dir(follow_symlinks=False)
         if rules.ignored(rel, is_dir):
             continue
         yield rel, e
         if is_dir:
-            yield from walk(workdir, rules, f"{rel}/")
+            enter(f"{rel}/")
 
 
 class _Sink:
@@ -142,7 +156,12 @@ def _tarinfo(workdir: Path, rel: str, entry: os.DirEntry) -> tarfile.TarInfo:
     info.mode, info.mtime, info.uid, info.gid, info.uname, info.gname = st.st_mode & 0o7777, 0, 0, 0, "", ""
     if entry.is_symlink():
         target = os.readlink(entry.path)
-        if not Path(entry.path).resolve().is_relative_to(workdir.resolve()) or os.path.isabs(target):
+        try:
+            inside = Path(entry.path).resolve().is_relative_to(workdir.resolve())
+        except RuntimeError:   # a loop of links
+            raise CtlError(f"python.workdir {workdir}: symlink {rel} -> {target} is a loop of links; remove it or "
+                           "ignore it in .rankctlignore") from None
+        if not inside or os.path.isabs(target):
             raise CtlError(f"python.workdir {workdir}: symlink {rel} -> {target} leads outside the workdir; "
                            "ignore it in .rankctlignore or copy what it points to")
         info.type, info.linkname = tarfile.SYMTYPE, target
@@ -191,11 +210,20 @@ def pack_workdir(spec: "JobSpec") -> Packed | None:
     if what is None:
         return None
     workdir = Path(what.directory)
-    if not workdir.is_dir():
+    try:
+        is_dir = workdir.is_dir()
+    except (OSError, ValueError) as exc:
+        raise CtlError(f"{what.source} {shown(str(workdir))} cannot be read here: {exc}") from None
+    if not is_dir:
         raise CtlError(f"{what.source} {workdir} is not a directory here; ctl packs it and ships it to the nodes")
+    if what.inside is not None:
+        _check_inside(workdir, what)
     f = tempfile.TemporaryFile(prefix="rankctl-workdir-")
     try:
         digest, size = pack(workdir, f, what.max_mb * MB)
+    except OSError as exc:
+        f.close()
+        raise CtlError(f"{what.source} {workdir} cannot be packed: {shown(str(exc), 300)}") from None
     except TooLarge:
         f.close()
         raise CtlError(f"{what.source} {workdir} packs to more than {what.max_mb} MiB (packing stopped "
@@ -205,6 +233,21 @@ def pack_workdir(spec: "JobSpec") -> Packed | None:
         f.close()
         raise
     return Packed(workdir, digest, size, f, what.field)
+
+
+def _check_inside(workdir: Path, what: "Shipment") -> None:
+    """The file the job runs (``Shipment.inside``) is a file inside the workdir ``ctl`` ships: ranks see nothing
+    else of this machine."""
+    field, rel = what.inside
+    root = workdir.resolve()
+    try:
+        target = (root / rel).resolve()
+        ok = target.is_relative_to(root) and target.is_file()
+    except (OSError, RuntimeError, ValueError):
+        ok = False
+    if not ok:
+        raise CtlError(f"{field} {shown(rel)} is not a file inside {what.source} {workdir}: ctl ships only the "
+                       "workdir, so the script must be in it (or give an absolute path that exists on the nodes)")
 
 
 def ship(client: "Client", packed: Packed | None) -> list[str]:

@@ -99,6 +99,7 @@ class Shipment:
     field: str      # the spec field that references the blob, e.g. "python.workdir_blob"
     source: str     # the spec field that named the directory, e.g. "python.workdir"
     cap: str        # the spec field of max_mb, e.g. "python.workdir_max_mb"
+    inside: tuple[str, str] | None = None   # (field, relative path) of a file that must be in it: the script run
 
 
 _KINDS: dict[str, JobKind] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tarfile
 import time
 from pathlib import Path
@@ -256,3 +257,39 @@ def test_the_node_cache_evicts_the_least_recently_used_tree_but_never_a_pinned_o
     assert cache.pinned() == {a.removeprefix("sha256:"): 1, c.removeprefix("sha256:"): 1}
     cache.unpin(a)
     assert cache.evict(set()) == [] and cache.evict({c.removeprefix("sha256:")}) == []  # 2 MiB: fits
+
+
+def spec_of(workdir: Path, entry: str = "t.py", **python) -> object:
+    return build_spec({"name": "w", "kind": "python", "python": {"entrypoint": entry, "workdir": str(workdir), **python}})
+
+
+@pytest.mark.parametrize("entry", ["nothere.py", "../outside.py", "sub"])
+def test_a_script_that_is_not_a_file_in_the_shipped_workdir_is_refused(tmp_path: Path, entry: str) -> None:
+    tree(tmp_path, {"w/t.py": "", "w/sub/x.py": "", "outside.py": ""})
+    with pytest.raises(CtlError, match=rf"python.entrypoint '{re.escape(entry)}' is not a file inside python.workdir "
+                                       rf"{tmp_path / 'w'}: ctl ships only the workdir"):
+        pack_workdir(spec_of(tmp_path / "w", entry))
+    assert pack_workdir(spec_of(tmp_path / "w", "sub/x.py")) is not None   # in a subdirectory: fine
+    assert pack_workdir(spec_of(tmp_path / "w", "pkg.mod:main")) is not None   # a function names no file
+
+
+def test_a_loop_of_links_and_any_depth_are_told_apart_from_a_bug(tmp_path: Path) -> None:
+    tree(tmp_path, {"w/t.py": ""})
+    (tmp_path / "w" / "a").symlink_to("b")
+    (tmp_path / "w" / "b").symlink_to("a")
+    with pytest.raises(CtlError, match=r"python.workdir .*: symlink a -> b is a loop of links"):
+        pack_workdir(spec_of(tmp_path / "w"))
+    deep = tmp_path / "deep"
+    tree(deep, {"t.py": ""})
+    level = deep
+    for _ in range(1200):   # deeper than Python's recursion limit (os.makedirs recurses too)
+        level = level / "d"
+        level.mkdir()
+    try:
+        packed = pack_workdir(spec_of(deep))
+        assert packed is not None and packed.size > 0
+        packed.file.close()
+    finally:
+        while level != deep:   # pytest's clean-up recurses: leave it a shallow tree
+            level.rmdir()
+            level = level.parent

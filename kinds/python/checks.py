@@ -8,12 +8,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rankctl.contract.jobfile import literal_override
+from rankctl.contract.jobfile import SpecError, literal_override
 from rankctl.contract.names import shown
 from rankctl.contract.spec import JobSpec
 from rankctl.kinds.python.spec import PythonSpec
 from rankctl.kinds.registry import Shipment
 
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 FUNCTION_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -29,18 +30,29 @@ def errors(spec: JobSpec, cfg) -> list[str]:  # noqa: ANN001 - ParallelConfig, u
     if "\x00" in entry or (":" in entry and not is_function(entry) and not entry.endswith(".py")):
         return [f"python.entrypoint {shown(entry)} is neither a script path (ending in .py) "
                 "nor package.module:function"]
-    return []
+    cfg = spec.python
+    paths = [(f, t) for f, t in (("python.entrypoint", entry), ("python.workdir", cfg.workdir or ""))
+             if CONTROL_RE.search(t)]
+    envs = [(f"python.env {shown(k, 40)}", v) for k, v in cfg.env.items() if "\x00" in k + str(v)]
+    return [f"{field} {shown(text)} holds a control character; a path may not" for field, text in paths] \
+        + [f"{field} = {shown(text)} holds a NUL character, which no process environment can carry"
+           for field, text in envs]
 
 
 def absolute_workdir(spec: JobSpec, job_dir: Path) -> list[str]:
     """``ctl``'s overrides: a relative ``python.workdir`` made absolute against the job file's directory
     (``job_dir``); a relative script with no workdir gets that directory as its workdir."""
     cfg = spec.python
-    if cfg is None:
-        return []
+    if cfg is None or CONTROL_RE.search(cfg.workdir or ""):
+        return []   # refused by ``errors`` (the check that follows)
     if cfg.workdir is not None:
-        return [] if Path(cfg.workdir).is_absolute() else [literal_override("python.workdir",
-                                                                            (job_dir / cfg.workdir).resolve())]
+        if Path(cfg.workdir).is_absolute():
+            return []
+        try:
+            return [literal_override("python.workdir", (job_dir / cfg.workdir).resolve())]
+        except (OSError, RuntimeError) as exc:   # a loop of links, a name too long
+            raise SpecError([f"python.workdir {shown(cfg.workdir)} cannot be resolved here: {shown(str(exc))}"]) \
+                from None
     if is_function(cfg.entrypoint) or Path(cfg.entrypoint).is_absolute():
         return []
     return [literal_override("python.workdir", job_dir)]
@@ -51,8 +63,11 @@ def shipment(spec: JobSpec) -> Shipment | None:
     cfg: PythonSpec | None = getattr(spec, "python", None)
     if cfg is None or not cfg.workdir or cfg.workdir_blob:
         return None
+    entry = cfg.entrypoint
+    script = not is_function(entry) and not os.path.isabs(entry) and not entry.startswith("~")
     return Shipment(directory=cfg.workdir, max_mb=cfg.workdir_max_mb, field="python.workdir_blob",
-                    source="python.workdir", cap="python.workdir_max_mb")
+                    source="python.workdir", cap="python.workdir_max_mb",
+                    inside=("python.entrypoint", entry) if script else None)
 
 
 def blobs(spec: JobSpec) -> list[str]:
