@@ -74,8 +74,20 @@ def stored_spec(doc: dict[str, Any], name: str, kind: str) -> JobSpec:
 
 
 def build_spec(doc: dict[str, Any], overrides: list[str] = ()) -> JobSpec:
-    """Validate a job document after applying ``--set`` overrides (schema only; see ``check_job``)."""
-    return parse_spec(apply_overrides(copy.deepcopy(doc), list(overrides)))
+    """Validate a job document after applying ``--set`` overrides (schema only; see ``check_job``). A section of
+    another kind (``train:`` in a comm-check job) is refused: it would be stored and never read."""
+    full = apply_overrides(copy.deepcopy(doc), list(overrides))
+    spec = parse_spec(full)
+    own = registry.get(spec.kind).sections
+    stray = [name for name in full if name not in own and name not in JobSpec.model_fields]
+    if stray:
+        raise SpecError([f"{name}: a section of kind {_owner(name)}, not of kind {spec.kind} (whose sections are "
+                         f"{', '.join(own) or 'none'} and the common ones)" for name in stray])
+    return spec
+
+
+def _owner(section: str) -> str:
+    return " or ".join(n for n, k in registry.kinds().items() if section in k.sections) or "no kind"
 
 
 def with_overrides(spec: JobSpec, overrides: list[str]) -> JobSpec:

@@ -251,3 +251,12 @@ def test_a_long_kind_or_order_is_quoted_by_a_prefix_only(doc: dict) -> None:
 
         check_job(build_spec(doc))
     assert "(200000 characters)" in str(err.value) and len(str(err.value)) < 600
+
+
+@pytest.mark.parametrize("text, section, owner", [
+    ("kind: comm-check\ntrain: {steps: 5}\n", "train", "train"),
+    ("kind: comm-check\npython: {entrypoint: t.py}\n", "python", "python"),
+    ("kind: python\npython: {entrypoint: t.py}\ncomm_check: {iters: 2}\n", "comm_check", "comm-check"),
+])
+def test_a_section_of_another_kind_is_refused_not_stored(text: str, section: str, owner: str) -> None:
+    refused(f"name: x\n{text}", f"{section}: a section of kind {owner}, not of kind")

@@ -157,16 +157,16 @@ def test_get_job_answers_a_summary_and_one_bounded_page_of_an_8192_rank_job(tmp_
 
 def test_a_page_of_ranks_with_long_errors_stops_near_a_mebibyte(tmp_path: Path) -> None:
     async def test(c: Cluster) -> None:
-        job = await c.submit(2, 64)
+        job = await c.submit(4, 64)   # errors are cut to 8,000 characters at intake: 256 of them pass 1 MiB
         error = "Traceback (most recent call last):\n" + "  frame\n" * 8000 + "RuntimeError: boom\n"
-        c.report(job.id, range(128), "failed", code=1, error=error)
-        page = await c.get(job.id, rank_limit=128)
-        assert page.state == pb.JOB_STATE_FAILED and 0 < len(page.ranks) < 128
+        c.report(job.id, range(256), "failed", code=1, error=error)
+        page = await c.get(job.id, rank_limit=256)
+        assert page.state == pb.JOB_STATE_FAILED and 0 < len(page.ranks) < 256
         assert page.next_rank_offset == len(page.ranks) and page.ByteSize() < 2 * servicer.RANK_PAGE_BYTES
-        rest = await c.get(job.id, rank_offset=page.next_rank_offset, rank_limit=128)
+        rest = await c.get(job.id, rank_offset=page.next_rank_offset, rank_limit=256)
         assert rest.ranks[0].rank == len(page.ranks)
         s = page.summary
-        assert s.failed == 128 and [r.rank for r in s.failing] == list(range(16))
+        assert s.failed == 256 and [r.rank for r in s.failing] == list(range(16))
         assert all(r.error.endswith("RuntimeError: boom\n") and len(r.error) < len(error) for r in s.failing)
     run(test, tmp_path)
 
