@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from rankctl.coordinator import convert
 from rankctl.coordinator.auth import caller, caller_certificate
@@ -29,6 +30,7 @@ from rankctl.security.tls import revoked_problem
 
 log = structlog.get_logger("rankctl.coordinator")
 REVOCATION_CHECK_S = 1.0  # how often one watcher asks whether the revocation list changed
+REGISTER_WAIT_S = 30.0    # a node stream's first message (Register) comes within this, or the stream is closed
 
 
 class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
@@ -65,9 +67,13 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.CoordinatorMessage]:
         messages = request_iterator.__aiter__()
         try:
-            first = await anext(messages)
+            first = await asyncio.wait_for(anext(messages), REGISTER_WAIT_S)
         except StopAsyncIteration:
             return
+        except asyncio.TimeoutError:
+            await _abort(context, ProtocolError(f"no Register within {REGISTER_WAIT_S:g} s of opening the node stream"))
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the first message is not a NodeMessage: {exc}")
         if first.WhichOneof("body") != "register":
             await _abort(context, ProtocolError("the first message on a node stream must be Register"))
         who = caller()
@@ -81,8 +87,8 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
                 session = await self.registrations.register(convert.hello_from_pb(first.register), outbox.put_nowait)
             except Exception as exc:
                 await _abort(context, exc)
-            revoked: list[str] = []
-            reader = asyncio.create_task(self._read(messages, session, outbox))
+            revoked: list[tuple] = []   # (status, why, node detail): the coordinator closed it (revoked, undecodable)
+            reader = asyncio.create_task(self._read(messages, session, outbox, revoked))
             watch = self._watch(who, outbox, revoked)
             try:
                 fanouts = self.core.fanouts
@@ -92,11 +98,11 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             finally:
                 reader.cancel()
                 watch()
-                self.core.disconnect(session, "certificate revoked" if revoked else "stream closed")
+                self.core.disconnect(session, revoked[0][2] if revoked else "stream closed")
             if revoked:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, revoked[0])
+                await context.abort(*revoked[0][:2])
 
-    def _watch(self, who, outbox: asyncio.Queue, revoked: list[str]):  # noqa: ANN001, ANN202
+    def _watch(self, who, outbox: asyncio.Queue, revoked: list[tuple]):  # noqa: ANN001, ANN202
         """Close this stream (a reason in ``revoked``, None in ``outbox``) if its certificate is revoked later;
         returns the call that stops watching it."""
         held = caller_certificate()
@@ -107,13 +113,14 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             self.revoked = RevokedStreams(revocations)
 
         def close() -> None:
-            revoked.append(revoked_problem(revocations, pem, who) or f"the certificate of {who} is revoked")
-            log.warning("node.certificate_revoked", reason=revoked[0])
+            why = revoked_problem(revocations, pem, who) or f"the certificate of {who} is revoked"
+            revoked.append((grpc.StatusCode.UNAUTHENTICATED, why, "certificate revoked"))
+            log.warning("node.certificate_revoked", reason=why)
             outbox.put_nowait(None)
         return self.revoked.add(serial_of_pem(pem), close)
 
     async def _read(self, messages: AsyncIterator[pb.NodeMessage], session: NodeSession,
-                    outbox: asyncio.Queue) -> None:
+                    outbox: asyncio.Queue, closed: list) -> None:
         """Feed the daemon's messages to the core; end the stream when they stop. A stream over its
         report or byte budget (``coordinator.ratelimit``) is read more slowly, never dropped."""
         budget, loop = StreamBudget(), asyncio.get_running_loop()
@@ -132,6 +139,10 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
                     log.exception("node.message_failed", node=session.name, body=msg.WhichOneof("body"))
         except asyncio.CancelledError:
             raise
+        except DecodeError as exc:   # not a NodeMessage: the daemon is told why its stream ends
+            closed.append((grpc.StatusCode.INVALID_ARGUMENT, f"a message on the node stream is not a NodeMessage: {exc}",
+                           "sent a message that is not a NodeMessage"))
+            log.warning("node.bad_message", node=session.name, error=str(exc))
         except Exception as exc:  # the stream broke: the session ends
             log.warning("node.stream_error", node=session.name, error=str(exc) or type(exc).__name__)
         outbox.put_nowait(None)

@@ -311,3 +311,33 @@ def test_a_heartbeat_without_usage_keeps_the_last_sample_and_one_with_usage_repl
     assert convert.node_to_pb(session, free_slots=2).usage.cpu_percent == 50.0
     service._handle(session, pb.NodeMessage(heartbeat=pb.Heartbeat(usage=pb.NodeUsage(cpu_percent=5.0))))
     assert session.usage.cpu_percent == 5.0
+
+
+def raw_stream(channel: grpc.aio.Channel):  # noqa: ANN201 - a Connect call that writes bytes as they are
+    return channel.stream_stream("/rankctl.v1.NodeService/Connect", request_serializer=lambda b: b,
+                                 response_deserializer=pb.CoordinatorMessage.FromString)()
+
+
+def test_a_node_stream_that_sends_no_node_message_is_told_so(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankctl.coordinator import node_service
+
+    monkeypatch.setattr(node_service, "REGISTER_WAIT_S", 0.5)
+    register = pb.NodeMessage(register=pb.Register(name="n0", address="127.0.0.1", slots=2, session="s1"))
+
+    async def test(coord: CoordinatorServer, channel: grpc.aio.Channel) -> None:
+        first = raw_stream(channel)
+        await first.write(b"\xff\xff\xff\xff")                    # not a NodeMessage
+        assert await first.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the first message is not a NodeMessage" in await first.details()
+        later = raw_stream(channel)
+        await later.write(register.SerializeToString())
+        assert (await later.read()).WhichOneof("body") == "registered"
+        await later.write(b"\xff\xff\xff\xff")
+        assert await later.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "a message on the node stream is not a NodeMessage" in await later.details()
+        await node_when(rankctl_pb2_grpc.ClientServiceStub(channel), lambda n: n.state == pb.NODE_STATE_LOST)
+        silent = raw_stream(channel)                               # opened, never a Register
+        assert await silent.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no Register within 0.5 s" in await silent.details()
+    run(test, tmp_path)
