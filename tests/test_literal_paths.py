@@ -35,3 +35,20 @@ def test_train_paths_relative_to_where_ctl_runs_are_taken_literally(tmp_path: Pa
     spec = read_job_file(str(job), []).spec
     assert spec.train.data == str(tmp_path / f"{name}.txt")
     assert spec.train.checkpoint_dir == str(tmp_path / f"{name}-ck")
+
+
+@pytest.mark.parametrize("train, words", [
+    ({"data": ""}, "train.data is empty"),
+    ({"checkpoint_dir": "/tmp/a\x00b"}, "train.checkpoint_dir='/tmp/a\\x00b': a path cannot hold a NUL character"),
+    ({"checkpoint_dir": "ck\x00"}, "train.checkpoint_dir='ck\\x00': a path cannot hold a NUL character"),
+    ({"init_from": "x\x00"}, "train.init_from='x\\x00': a path cannot hold a NUL character"),
+])
+def test_an_empty_data_path_or_a_nul_in_a_train_path_is_refused_by_ctl(tmp_path: Path, train: dict,
+                                                                       words: str) -> None:
+    from rankctl.cli.errors import CtlError
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"name": "t", "kind": "train", "train": train}))
+    with pytest.raises(CtlError) as err:
+        read_job_file(str(job), [])
+    assert words in str(err.value)

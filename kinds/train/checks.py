@@ -97,12 +97,18 @@ def _data_errors(spec: JobSpec) -> list[str]:
     """``train.data`` by its text alone: where the job is checked (the coordinator, ``ctl``) is not where it
     reads its data, and the coordinator's answer must not depend on the files of its host. The node checks
     the file, inside its sandbox (``worker.sandbox``), before the ranks read it."""
+    from rankctl.contract.names import shown
     from rankctl.kinds.train.data import data_problem  # numpy only, no torch
 
     if spec.train is None:
         return []
     problem = data_problem(spec.train.data)
-    return [problem] if problem else []
+    out = [problem] if problem else []
+    for field in ("checkpoint_dir", "init_from"):   # node paths too, by their text alone
+        value = getattr(spec.train, field)
+        if value and "\x00" in value:
+            out.append(f"train.{field}={shown(value)}: a path cannot hold a NUL character")
+    return out
 
 
 def errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
@@ -117,11 +123,11 @@ def absolute_data(spec: JobSpec, job_dir: Path | None = None) -> list[str]:
     from rankctl.contract.jobfile import literal_override
 
     data = spec.train.data if spec.train else "builtin:"
-    out = [] if data.startswith("builtin:") or Path(data).is_absolute() else [
-        literal_override("train.data", Path(data).resolve())]
+    out = [] if not data or "\x00" in data or data.startswith("builtin:") or Path(data).is_absolute() else [
+        literal_override("train.data", Path(data).resolve())]   # empty or NUL: refused by the check that follows
     for field in ("checkpoint_dir", "init_from"):   # likewise, against the directory ctl runs in
         value = getattr(spec.train, field) if spec.train else None
-        if value and not Path(value).is_absolute():
+        if value and "\x00" not in value and not Path(value).is_absolute():
             out.append(literal_override(f"train.{field}", Path(value).resolve()))
     return out
 
