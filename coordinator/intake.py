@@ -30,6 +30,7 @@ FLUSH_S = 0.05                # group commit period
 RETRY_S = 1.0                 # while the store refuses, retry this often
 MAX_INBOX = 200_000           # reports queued between two flushes before one is forced
 MAX_HELD = 1_000_000          # reports held while the store refuses, before nodes are asked to replay
+MAX_DROPPED = 3               # nodes' reports left out of one group commit (a bug) before the rest is held instead
 ACK_EVERY_S = 30.0            # at most one Ack per node this often (the buffer it trims is coalesced anyway)
 Queued = tuple[NodeSession, Sequence[Report]]
 
@@ -160,7 +161,7 @@ class ReportIntake:
         """A group commit raised (not the store: a bug): each node's reports in a transaction of their own, so
         that only those that raise are left out (logged; the node's stored report number stays where it was, and
         its later reports' Ack covers them). The rest is stored as the group commit would have."""
-        applied, seqs = 0, []
+        applied, seqs, failed = 0, [], 0
         for k, item in enumerate(batch):
             try:
                 done, stored = self._commit([item])
@@ -170,6 +171,12 @@ class ReportIntake:
             except Exception:  # noqa: BLE001
                 log.exception("reports.dropped", node=item[0].name, reports=len(item[1]))
                 self._guard.resync()
+                failed += 1
+                if failed >= MAX_DROPPED and k + 1 < len(batch):   # not one node's reports: held and retried, as a
+                    self._refused_at = self._clock()                # store refusal, so a resync a node never runs
+                    self._held = [(s, u) for s, u in batch[k + 1:] if self._nodes.is_current(s)] + self._held
+                    self._check_held()                              # for thousands of them at once
+                    break
                 continue
             applied += done
             seqs += stored

@@ -78,3 +78,27 @@ def test_a_bug_on_one_nodes_reports_stores_the_others_and_never_acknowledges_its
     world.core.flush()
     assert sorted(world.store.ranks(job.id)) == [0, 1, 2, 3] and stored_seq(world, "n0") == 4
     assert world.core.get(job.id).state is JobState.RUNNING
+
+
+def test_a_bug_on_every_nodes_reports_holds_them_after_a_few_instead_of_resyncing_for_each(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rankctl.coordinator import intake
+    from rankctl.coordinator.jobs import JobBook
+
+    names = [f"n{i}" for i in range(6)]
+    for n in names:
+        world.connect(n, slots=2)
+    job = world.core.submit(job_yaml(nodes=6))
+    resyncs = []
+    real_resync = JobBook.resync
+    monkeypatch.setattr(JobBook, "resync", lambda self: (resyncs.append(1), real_resync(self))[1])
+    real = ReportApplier.apply
+    monkeypatch.setattr(ReportApplier, "apply", lambda self, s, u, t: (_ for _ in ()).throw(RuntimeError("bug")))
+    for k, n in enumerate(names):
+        queue(world, job.id, n, range(2 * k, 2 * k + 2), "running")
+    world.core.flush()
+    assert len(resyncs) == 1 + intake.MAX_DROPPED          # the group's, then one per node until the limit
+    assert world.core.held_reports == 2 * (len(names) - intake.MAX_DROPPED)   # the rest held, not dropped
+    monkeypatch.setattr(ReportApplier, "apply", real)
+    assert world.core.flush(force=True)                     # the bug gone: the held reports go in
+    assert sorted(world.store.ranks(job.id)) == list(range(2 * intake.MAX_DROPPED, 12))
