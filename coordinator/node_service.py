@@ -127,6 +127,10 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
         try:
             async for msg in messages:
                 body = msg.WhichOneof("body")
+                if body == "register":   # a stream registers once; the daemon opens a new stream to register again
+                    closed.append((grpc.StatusCode.FAILED_PRECONDITION, "a second Register on one node stream: a "
+                                   "stream registers once (open a new one)", "registered twice on one stream"))
+                    break
                 wait = budget.delay(len(msg.batch.reports) + 1 if body == "batch" else 1, msg.ByteSize(), loop.time())
                 if wait > 0:
                     if budget.waited == wait:  # the first time only

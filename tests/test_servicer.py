@@ -337,6 +337,12 @@ def test_a_node_stream_that_sends_no_node_message_is_told_so(tmp_path: Path,
         assert await later.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "a message on the node stream is not a NodeMessage" in await later.details()
         await node_when(rankctl_pb2_grpc.ClientServiceStub(channel), lambda n: n.state == pb.NODE_STATE_LOST)
+        twice = raw_stream(channel)
+        await twice.write(register.SerializeToString())
+        assert (await twice.read()).WhichOneof("body") == "registered"
+        await twice.write(register.SerializeToString())
+        assert await twice.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "a second Register on one node stream" in await twice.details()
         silent = raw_stream(channel)                               # opened, never a Register
         assert await silent.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "no Register within 0.5 s" in await silent.details()
