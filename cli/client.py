@@ -110,6 +110,9 @@ class Client:
         if not _listening(self.address):
             return CtlError(f"cannot reach the coordinator at {self.address} (start one with `ctl coordinator`, "
                             "or set --coordinator / RANKCTL_COORDINATOR)", EXIT_UNREACHABLE)
+        if not _answers(self.address):
+            return CtlError(f"the coordinator at {self.address} accepts connections but does not answer (stopped, "
+                            "hung or overloaded); check its process and its log", EXIT_UNREACHABLE)
         if not self.tls_dir:
             return CtlError(f"the coordinator at {self.address} accepts no plain-text connection: it serves mutual "
                             "TLS; pass --tls-dir DIR (or set RANKCTL_TLS_DIR) with your certificate from "
@@ -253,6 +256,23 @@ def _listening(address: str, timeout: float = 2.0) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"   # + an empty SETTINGS
+
+
+def _answers(address: str, timeout: float = 2.0) -> bool:
+    """Whether what listens at ``address`` answers an HTTP/2 client's first bytes at all: a gRPC server sends its
+    SETTINGS, a TLS one an alert or a close; a stopped or hung process (the kernel still accepts) says nothing."""
+    try:
+        with socket.create_connection(_host_port(address), timeout=timeout) as sock:
+            sock.sendall(H2_PREFACE)
+            sock.recv(1)   # bytes or b"" (closed): an answer either way
+            return True
+    except socket.timeout:
+        return False
+    except (OSError, ValueError):
+        return True   # reset or refused: something decided, not silence
 
 
 HTTP_PROBE = b"HEAD / HTTP/1.0\r\n\r\n"

@@ -123,6 +123,9 @@ class Store:
         self._depth = 0
         self.replica = replica
         try:
+            if replica is None and self.path.exists() and self.path.stat().st_size == 0:
+                raise StoreUnusable(f"{self.path} is empty (0 bytes): a truncated database, not a new one (a new state "
+                                    "dir has none); move it away to start with an empty state, or restore a backup")
             self._db = sqlite3.connect(":memory:" if replica else self.path, isolation_level=None,
                                        check_same_thread=False)
             if replica is None:

@@ -190,6 +190,12 @@ def test_the_store_refuses_a_corrupt_or_newer_database_and_a_second_opener(tmp_p
     for _ in range(2):  # the lock is released when opening fails (else the second try says "in use")
         with pytest.raises(StoreUnusable, match="not a usable rankctl database|is corrupt"):
             Store(bad)
+    (bad / "coordinator.db").write_bytes(b"")   # truncated to nothing: SQLite would take it for a new database
+    for _ in range(2):
+        with pytest.raises(StoreUnusable, match=r"coordinator.db is empty \(0 bytes\): a truncated database"):
+            Store(bad)
+    assert (bad / "coordinator.db").stat().st_size == 0   # left as it was
+    Store(tmp_path / "new").close()                         # a new state dir still starts empty
 
 
 def test_a_log_line_that_cannot_be_written_is_dropped_not_raised() -> None:

@@ -157,3 +157,19 @@ def test_logs_follow_reads_every_rank_from_its_node_until_the_job_ends(cluster: 
         assert any("done" in line for line in mine), (rank, mine[-5:])
     tail = ctl(cluster.address, "logs", job, "--rank", "5", "--tail", "1", "--records")
     assert tail.returncode == 0 and len(tail.stdout.splitlines()) == 1 and "done" in tail.stdout, tail.stdout
+
+
+def test_a_coordinator_that_accepts_but_never_answers_is_told_apart_from_tls() -> None:
+    """A stopped (SIGSTOP) or hung coordinator: the kernel still accepts connections, nothing answers. ``ctl``
+    says so (exit 3), not that the coordinator serves TLS (which a plain-text one was taken for)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)   # never accept()ed nor read: what a stopped process's socket does
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        out = subprocess.run(CTL + ["--coordinator", address, "jobs"],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "accepts connections but does not answer (stopped, hung or overloaded)" in out.stderr
+    assert "TLS" not in out.stderr and "Traceback" not in out.stderr

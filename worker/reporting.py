@@ -167,6 +167,9 @@ def hardware_pb(facts: dict[str, Any]) -> pb.Hardware:
 def how_launcher_ended(launcher: Any) -> str:
     """How a dead launcher ended, in words (``killed by SIGKILL``, ``exit 1``)."""
     rc = getattr(getattr(launcher, "proc", None), "returncode", None)
-    if rc is None:
-        return "exit status unknown"
+    return "exit status unknown" if rc is None else how_ended(rc)
+
+
+def how_ended(rc: int) -> str:
+    """A process's return code in words: ``killed by SIGKILL`` for -9, else ``exit N``."""
     return f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else f"exit {rc}"

@@ -18,7 +18,7 @@ from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker import shm
 from rankctl.worker.outbox import Outbox
 from rankctl.worker.replication import Replication
-from rankctl.worker.reporting import exit_code, exit_status, process_state, to_wire
+from rankctl.worker.reporting import exit_code, exit_status, how_ended, process_state, to_wire
 from rankctl.worker.runstate import RunState
 from rankctl.worker.savewake import SaveWake
 from rankctl.worker.tasks import Background
@@ -144,6 +144,8 @@ class Runs:
         code = exit_code(ev)
         leftovers = int(ev.get("leftovers_killed") or 0)
         notes = ["\n".join(ev.get("log_tail") or [])] if code != 0 else []
+        if code < -1:   # the log's last line is whatever the rank printed before the signal: say what ended it
+            notes.append(f"rankctl: rank {rank} ended: {how_ended(code)} (its log's last lines above)")
         if leftovers:
             notes.append(f"rankctl: {leftovers} leftover process(es) of rank {rank} still ran after it ended; "
                          "they were killed")
