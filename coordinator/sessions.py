@@ -30,6 +30,7 @@ from rankctl.coordinator.stops import Stops
 from rankctl.coordinator.store import Store, StoreError
 from rankctl.coordinator.transport import base_heartbeat_interval
 
+FROZEN_S = 3.0   # a coordinator stall this long may have made daemons drop their streams (they ping every 2 s, 2 s wait)
 RECONNECT_GRACE_S = 10.0  # at least this long for a DISCONNECTED node to come back: a daemon retries at
                           # least every 5 s (worker DaemonConfig.backoff_max), later on a loaded machine
 MAX_HELLO_TEXT = 256         # characters of a Register's address, session, hostname, GPU name
@@ -130,7 +131,8 @@ class Sessions:
         self._flush, self._schedule, self._shutting_down = flush, schedule, shutting_down
         self.heartbeat_timeout, self.max_heartbeat_rate = heartbeat_timeout, max_heartbeat_rate
         self._interval = self.base_interval  # what nodes are asked for now (set by ``check_liveness``)
-        self.started_at = clock()
+        self.started_at = self.checked_at = clock()   # checked_at: the last liveness check (the loop ran then)
+        self.frozen_until = 0.0   # streams closing before this closed for the coordinator's own stall
         self.last_registration = 0.0  # when a node last registered (0: none since the start)
 
     @property
@@ -270,6 +272,14 @@ class Sessions:
         """The session's stream ended: the node is LOST unless a newer session replaced it."""
         if self._shutting_down() or not self._nodes.is_current(session) or session.status is not NodeStatus.READY:
             return
+        now = self._clock()
+        if now < self.frozen_until or now - self.checked_at > FROZEN_S:
+            # the coordinator itself stood still (SIGSTOP, a frozen VM): daemons drop a stream whose pings go
+            # unanswered for 4 s; theirs closed for that, not because they died. Each gets a grace to come back.
+            session.status, session.since = NodeStatus.DISCONNECTED, now
+            session.detail = f"{detail} while the coordinator stood still; waiting for it to reconnect"
+            log.warning("node.disconnected_by_stall", node=session.name, detail=detail)
+            return
         self._node_lost(session, detail)
 
     def heartbeat(self, session: NodeSession, free_ports: Sequence[int] = ()) -> None:
@@ -291,7 +301,11 @@ class Sessions:
             self._schedule()
 
     def stalled(self, loop_lag: float) -> None:
-        """The event loop was stalled ``loop_lag`` seconds: that time is not held against any node."""
+        """The event loop was stalled ``loop_lag`` seconds: that time is not held against any node, and after a
+        stall long enough for daemons to drop their streams (``FROZEN_S``), a stream that closes within a grace
+        is waited for instead of lost (``disconnect``)."""
+        if loop_lag >= FROZEN_S:
+            self.frozen_until = self._clock() + max(self.heartbeat_timeout, RECONNECT_GRACE_S)
         for s in self._nodes.sessions.values():
             s.last_heartbeat += loop_lag
         self.started_at += loop_lag
@@ -302,6 +316,7 @@ class Sessions:
         grace from when it was asked to; or, known from the store at the start, a grace with no node registering
         at all (at most ``STORM_GRACES`` graces from the start)."""
         now, timeout = self._clock(), self.heartbeat_timeout
+        self.checked_at = now
         grace = max(timeout, RECONNECT_GRACE_S)
         storm = now - self.started_at <= STORM_GRACES * grace and now - self.last_registration <= grace
         fleet = 0  # nodes that beat, or will again: READY and DISCONNECTED ones
@@ -311,7 +326,7 @@ class Sessions:
                 self._node_lost(s, f"no heartbeat for {limit:.1f} s")
             elif (s.status is NodeStatus.DISCONNECTED and now - max(self.started_at, s.since) > grace
                   and not (s.since == 0 and storm)):
-                since = "of the coordinator start" if s.since == 0 else "of being asked to reconnect"
+                since = "of the coordinator start" if s.since == 0 else "of its stream closing"
                 self._node_lost(s, f"did not reconnect within {grace:.1f} s {since}")
         interval = beat_interval(self._interval, self.base_interval, fleet, self.max_heartbeat_rate)
         if interval != self._interval:  # nodes are told at their next heartbeat

@@ -216,3 +216,58 @@ def test_a_log_line_that_cannot_be_written_is_dropped_not_raised() -> None:
     finally:
         configure_logging()
     assert SafePrintLogger.dropped == before + 1
+
+
+def test_streams_that_close_because_the_coordinator_stood_still_are_waited_for(tmp_path: Path) -> None:
+    """SIGSTOP of the coordinator for 20 s failed a healthy job: daemons drop a stream whose pings go unanswered
+    (4 s), and on SIGCONT every closed stream read as a lost node. A stream closing while the coordinator stood
+    still, or within a grace after, leaves its node DISCONNECTED; it comes back, or is lost after the grace."""
+    from rankctl.coordinator.nodes import NodeStatus
+    from rankctl.coordinator.records import RunningJob
+    from test_core import job_yaml, make_world
+
+    world = make_world(tmp_path, timeout=10.0)
+    n0, n1 = world.connect("n0"), world.connect("n1")
+    job = world.core.submit(job_yaml())
+    for r in range(4):
+        world.report(job.id, r, "running")
+    world.core.tick()
+    world.clock.t += 20.0                       # stopped: no tick ran
+    world.core.disconnect(n1.session)           # its stream closed meanwhile
+    assert n1.session.status is NodeStatus.DISCONNECTED and job.state is JobState.RUNNING
+    world.core.tick(loop_lag=20.0)              # the loop's first turn after it: the stall is known
+    world.core.disconnect(n0.session)           # a close read after the first tick, within the grace
+    assert n0.session.status is NodeStatus.DISCONNECTED and job.state is JobState.RUNNING
+    world.connect("n1", running=(RunningJob(job.id, job.attempt, (2, 3)),))   # the daemons come back
+    world.connect("n0", running=(RunningJob(job.id, job.attempt, (0, 1)),))
+    assert job.state is JobState.RUNNING
+    assert {world.nodes[n].session.status for n in ("n0", "n1")} == {NodeStatus.READY}
+    world.clock.t += 30.0                       # long after the grace: a close is a lost node again
+    world.core.heartbeat(world.nodes["n0"].session)
+    world.core.heartbeat(world.nodes["n1"].session)
+    world.core.tick()
+    world.core.disconnect(world.nodes["n1"].session)
+    assert world.nodes["n1"].session.status is NodeStatus.LOST and job.state is JobState.FAILED
+    world.store.close()
+
+
+def test_a_node_that_does_not_come_back_after_the_coordinator_stood_still_is_lost_after_the_grace(
+        tmp_path: Path) -> None:
+    from rankctl.coordinator.nodes import NodeStatus
+    from test_core import job_yaml, make_world
+
+    world = make_world(tmp_path, timeout=10.0)
+    n0, n1 = world.connect("n0"), world.connect("n1")
+    job = world.core.submit(job_yaml())
+    world.core.tick()
+    world.clock.t += 20.0
+    world.core.disconnect(n1.session)
+    world.core.tick(loop_lag=20.0)
+    world.core.heartbeat(n0.session)
+    assert n1.session.status is NodeStatus.DISCONNECTED
+    world.clock.t += 11.0                       # the grace (10 s) passed without it
+    world.core.heartbeat(n0.session)
+    world.core.tick()
+    assert n1.session.status is NodeStatus.LOST and "did not reconnect within 10.0 s" in n1.session.detail
+    assert job.state is JobState.FAILED and "n1" in job.reason
+    world.store.close()

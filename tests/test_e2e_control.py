@@ -173,3 +173,19 @@ def test_a_coordinator_that_accepts_but_never_answers_is_told_apart_from_tls() -
     assert out.returncode == 3, out.stderr
     assert "accepts connections but does not answer (stopped, hung or overloaded)" in out.stderr
     assert "TLS" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_coordinator_stopped_for_seconds_fails_no_job(cluster: ProcCluster) -> None:
+    """SIGSTOP of the coordinator for 8 s (a frozen VM, a debugger): the daemons drop its streams after 4 s of
+    unanswered pings, and used to be taken for lost nodes on SIGCONT, failing a healthy job. They reconnect;
+    the job goes on in its first attempt."""
+    job = long_job(cluster, 25)
+    cluster.wait_state(job, {"RUNNING"}, 60)
+    cluster.coord.p.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(8.0)
+    finally:
+        cluster.coord.p.send_signal(signal.SIGCONT)
+    st = cluster.wait_state(job, {"SUCCEEDED", "FAILED"}, 120)
+    assert st["state"] == "SUCCEEDED" and st["attempt"] == 1, (st["state"], st["reason"], st.get("attempt"))
+    cluster.wait_ready()
