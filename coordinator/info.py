@@ -24,6 +24,11 @@ def coordinator_info(coord: Any) -> pb.GetInfoResponse:
                              version=VERSION)
     if ha is None:
         out.store_kind, out.store, out.leader_address = "sqlite", str(coord.settings.state_dir), coord.address
+        held = coord.leading.core.held_reports if leading else 0
+        if held:   # the store refuses writes (a full disk): what the nodes report waits in memory, retried
+            out.store_problem = (f"the store refuses writes: {held} rank report(s) held in memory and retried every "
+                                 "second (is its file system full? the coordinator's log says why: "
+                                 "reports.store_failed)")
         out.members.append(pb.CoordinatorMember(id=coord.member_id, address=coord.address, version=VERSION,
                                                 leading=True))
         return out

@@ -79,10 +79,11 @@ def _lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
-def _store_error(exc: sqlite3.Error, what: str) -> StoreError:
+def _store_error(exc: sqlite3.Error, what: str, path: Path) -> StoreError:
     text = str(exc)
     full = "full" in text.lower() or getattr(exc, "sqlite_errorcode", None) == 13  # SQLITE_FULL
-    return StoreError(f"the coordinator could not store {what}: {text}; nothing was changed", full=full)
+    where = f" (the file system of {path} is full)" if full else f" ({path})"
+    return StoreError(f"the coordinator could not store {what}: {text}{where}; nothing was changed", full=full)
 
 
 def _job_from_row(row: tuple) -> JobRecord:
@@ -178,7 +179,7 @@ class Store:
             if outer:
                 self._rollback()
             if isinstance(exc, sqlite3.Error):
-                raise _store_error(exc, what) from None
+                raise _store_error(exc, what, self.path) from None
             raise
         self._depth -= 1
         if outer:
@@ -188,7 +189,7 @@ class Store:
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
                 self._rollback()
-                raise _store_error(exc, what) from None
+                raise _store_error(exc, what, self.path) from None
             except BaseException:
                 self._rollback()
                 raise
@@ -202,7 +203,7 @@ class Store:
         try:
             self._db.execute(sql)
         except sqlite3.Error as exc:
-            raise _store_error(exc, what) from None
+            raise _store_error(exc, what, self.path) from None
 
     def _rollback(self) -> None:
         if self._db.in_transaction:

@@ -7,6 +7,7 @@ of step on a refused write, jobs that can never fit, unbounded lists and errors.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def test_a_refused_submit_leaves_nothing_in_memory_or_store(world: World) -> Non
     world.connect("n0"), world.connect("n1")
     disk = full_disk(world)
     disk.full = True
-    with pytest.raises(StoreError, match="could not store the new job: database or disk is full"):
+    with pytest.raises(StoreError, match=r"could not store the new job: database or disk is full \(the file system "
+                                         rf"of {re.escape(str(world.store.path))} is full\)"):
         world.core.submit(job_yaml())
     assert world.core.list() == [] and world.store.load_jobs() == []
     disk.full = False

@@ -156,13 +156,17 @@ def test_a_full_state_disk_refuses_submits_cleanly_and_loses_nothing(tmpfs: Path
         assert refused is not None, f"{WAL_SUBMITS} submits stored on a full disk"
         assert refused.returncode == 1, refused.stderr
         assert "could not store the new job" in refused.stderr and "full" in refused.stderr, refused.stderr
+        assert f"the file system of {tmpfs / 'coord'}" in refused.stderr, refused.stderr   # where to make room
         assert "Traceback" not in refused.stderr
         listed = json.loads(ctl(address, "jobs", "--json").stdout)
         assert sorted(j["id"] for j in listed) == sorted([running, *accepted]), listed   # nothing phantom, nothing lost
         time.sleep(8)                                             # the running job ends while the disk is full
         assert status(address, running)["state"] == "RUNNING"      # its exits are held, not lost
+        problem = json.loads(ctl(address, "info", "--json").stdout)["store"]["problem"] or ""
+        assert "the store refuses writes" in problem and "held in memory" in problem, problem
         os.unlink(tmpfs / "filler")
         assert wait_state(address, running, {"SUCCEEDED", "FAILED"}, 30)["state"] == "SUCCEEDED"
+        assert json.loads(ctl(address, "info", "--json").stdout)["store"]["problem"] is None
         for job in accepted:
             assert ctl(address, "cancel", job).returncode == 0
         later = comm_check(address, 0, "--set", "resources.nodes=1")
