@@ -8,6 +8,11 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
+# gRPC's C core logs INFO lines ("chttp2_transport.cc ... Got goaway") to stderr by default since it moved to absl
+# logging: between the structured lines of a coordinator's or a daemon's log they break --log-format json. Errors
+# still show; GRPC_VERBOSITY set in the environment wins. Set before anything imports grpc.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import click
 
 from rankctl.cli.context import Ctx
