@@ -81,14 +81,34 @@ class JobBook:
         stored = {j.id: j for j in self.store.load_jobs()}
         for job_id in [j for j in self.jobs if j not in stored]:
             del self.jobs[job_id]  # added in memory, never committed
+        before = {j.id: (j.attempt, self._ranks.get(j.id, {})) for j in self._active.values()}
         for job_id, fresh in stored.items():
             job = self.jobs.setdefault(job_id, fresh)
             if job is not fresh:
                 job.__dict__.update(fresh.__dict__)
         self._load()
+        self._keep_steps(before)
         for job_id in self.jobs:
             self.signals.notify(job_id)
         log.warning("store.resynced", jobs=len(self.jobs))
+
+    def _keep_steps(self, before: dict[str, tuple[int, dict[int, RankRecord]]]) -> None:
+        """After a resync: a rank whose stored row says what memory said (phase, exit, error) keeps what only memory
+        held (its step, metrics, hang evidence); one whose change the store refused keeps the step it had reached.
+        A refused write does not show a running job back at step 0 while the disk stays full."""
+        for job_id, (attempt, old) in before.items():
+            job, ranks = self.jobs.get(job_id), self._ranks.get(job_id)
+            if job is None or ranks is None or job.attempt != attempt or not old:
+                continue
+            for rank, row in ranks.items():
+                mem = old.get(rank)
+                if mem is None:
+                    continue
+                if (mem.phase, mem.exited, mem.exit_code, mem.error) == (row.phase, row.exited, row.exit_code, row.error):
+                    ranks[rank] = mem
+                elif mem.step > row.step:   # a change the store refused (held, retried): the step it had reached stays
+                    row.step, row.metrics_json = mem.step, mem.metrics_json
+            self._progress[job_id] = self._rebuild(job)
 
     # -- lookup --------------------------------------------------------------
     def get(self, id_or_name: str) -> JobRecord:

@@ -117,6 +117,34 @@ def test_reports_the_store_refused_are_stored_once_it_writes_again(world: World)
     assert world.core.held_reports == 0
 
 
+def test_a_refused_write_does_not_show_a_running_job_back_at_step_0(world: World) -> None:
+    """A rank's step lives in memory (no row per step); the resync after a refused write rebuilt the ranks from
+    their rows, so ``ctl status`` showed steps 0-0 for as long as the disk stayed full (fault-injection probe)."""
+    from test_scale_core import batch
+
+    world.connect("n0", slots=8), world.connect("n1", slots=8)
+    job = world.core.submit("name: big\nkind: comm-check\nresources: {nodes: 2, slots_per_node: 8}\n"
+                            "parallel: {tp: 8}\n")
+    for n in ("n0", "n1"):
+        batch(world, job, n, "running")
+    world.core.flush()                                 # the rows: running at step 0; the steps then live in memory
+    for step in range(1, 6):
+        for n in ("n0", "n1"):
+            batch(world, job, n, "running", step, {"loss": 2.0, "step_time": 0.1})
+    world.core.flush()
+    assert world.core.summary(job.id).min_step == 5
+    disk = full_disk(world)
+    disk.full = True
+    batch(world, job, "n0", "failed", 5)              # a phase change: flushed, and refused by the store
+    assert not world.core.flush()                      # refused: memory back to the store
+    s = world.core.summary(job.id)
+    assert (s.min_step, s.max_step) == (5, 5) and s.phases == {"running": 16}, (s.min_step, s.phases)
+    disk.full = False
+    world.clock.t += 2
+    world.core.tick()                                  # the held reports go in
+    assert world.core.summary(job.id).phases == {"running": 8, "failed": 8}
+
+
 def test_a_transition_the_store_refused_is_retried(world: World) -> None:
     world.connect("n0"), world.connect("n1")
     job = world.core.submit(job_yaml())
