@@ -152,10 +152,15 @@ class ReportIntake:
 
     def _refuse(self, batch: list[Queued], exc: StoreError) -> None:
         """The store refused: the batch is held, in order, and retried."""
+        self._hold(batch)
+        log.warning("reports.store_failed", held=self.held, error=str(exc))
+
+    def _hold(self, batch: list[Queued]) -> None:
+        """Hold ``batch`` (its current streams' reports, in order, before anything held already) for the retry
+        ``RETRY_S`` from now."""
         self._refused_at = self._clock()
         self._held = [(s, u) for s, u in batch if self._nodes.is_current(s)] + self._held
         self._check_held()
-        log.warning("reports.store_failed", held=self.held, error=str(exc))
 
     def _commit_each(self, batch: list[Queued]) -> tuple[int, list[tuple[NodeSession, int]]]:
         """A group commit raised (not the store: a bug): each node's reports in a transaction of their own, so
@@ -173,10 +178,8 @@ class ReportIntake:
                 self._guard.resync()
                 failed += 1
                 if failed >= MAX_DROPPED and k + 1 < len(batch):   # not one node's reports: held and retried, as a
-                    self._refused_at = self._clock()                # store refusal, so a resync a node never runs
-                    self._held = [(s, u) for s, u in batch[k + 1:] if self._nodes.is_current(s)] + self._held
-                    self._check_held()                              # for thousands of them at once
-                    break
+                    self._hold(batch[k + 1:])                       # store refusal, so a resync a node never runs
+                    break                                           # for thousands of them at once
                 continue
             applied += done
             seqs += stored

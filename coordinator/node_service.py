@@ -87,9 +87,9 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
                 session = await self.registrations.register(convert.hello_from_pb(first.register), outbox.put_nowait)
             except Exception as exc:
                 await _abort(context, exc)
-            revoked: list[tuple] = []   # (status, why, node detail): the coordinator closed it (revoked, undecodable)
-            reader = asyncio.create_task(self._read(messages, session, outbox, revoked))
-            watch = self._watch(who, outbox, revoked)
+            closed: list[tuple] = []   # (status, why, node detail): the coordinator ended it (revoked, undecodable)
+            reader = asyncio.create_task(self._read(messages, session, outbox, closed))
+            watch = self._watch(who, outbox, closed)
             try:
                 fanouts = self.core.fanouts
                 while (msg := await outbox.get()) is not None:
@@ -98,12 +98,12 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             finally:
                 reader.cancel()
                 watch()
-                self.core.disconnect(session, revoked[0][2] if revoked else "stream closed")
-            if revoked:
-                await context.abort(*revoked[0][:2])
+                self.core.disconnect(session, closed[0][2] if closed else "stream closed")
+            if closed:
+                await context.abort(*closed[0][:2])
 
-    def _watch(self, who, outbox: asyncio.Queue, revoked: list[tuple]):  # noqa: ANN001, ANN202
-        """Close this stream (a reason in ``revoked``, None in ``outbox``) if its certificate is revoked later;
+    def _watch(self, who, outbox: asyncio.Queue, closed: list[tuple]):  # noqa: ANN001, ANN202
+        """Close this stream (a reason in ``closed``, None in ``outbox``) if its certificate is revoked later;
         returns the call that stops watching it."""
         held = caller_certificate()
         if held is None:
@@ -114,7 +114,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
 
         def close() -> None:
             why = revoked_problem(revocations, pem, who) or f"the certificate of {who} is revoked"
-            revoked.append((grpc.StatusCode.UNAUTHENTICATED, why, "certificate revoked"))
+            closed.append((grpc.StatusCode.UNAUTHENTICATED, why, "certificate revoked"))
             log.warning("node.certificate_revoked", reason=why)
             outbox.put_nowait(None)
         return self.revoked.add(serial_of_pem(pem), close)

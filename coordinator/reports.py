@@ -36,8 +36,9 @@ LIVE = (JobState.PLACED, JobState.STARTING, JobState.RUNNING)   # a large job's 
 Report = RankUpdate | pb.RankReport
 
 
-def _starts_up(st: pb.RankStatus, update: pb.RankReport) -> bool:
+def _starts_up(update: pb.RankReport) -> bool:
     """A live rank's plain start-up phase: no step, exit, error, result or anything the record keeps apart."""
+    st = update.status
     return not (st.step or st.exited or st.error or update.result_json or st.notice or st.preflight
                 or st.collectives or st.stack or st.phase == "failed") and st.phase in bounds.KNOWN_PHASES \
         and len(st.metrics_json) <= bounds.METRICS_CHARS and len(st.process) <= bounds.PROCESS_CHARS
@@ -99,7 +100,7 @@ class ReportApplier:
                      update: Report, first: int, count: int) -> bool:
         """A report that stands for ranks ``first .. first + count - 1`` (``worker.reportfold``): each rank
         folded as if it had reported alone, with one event for the lot; True when the job may advance."""
-        if _starts_up(update.status, update) and not any(rank in ranks for rank in range(first, first + count)):
+        if _starts_up(update) and not any(rank in ranks for rank in range(first, first + count)):
             self._start_range(job, progress, node, update, first, count)
             return True
         changed = False
