@@ -11,11 +11,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
+import structlog
+
 from rankctl.coordinator.fanout import Fanout, Fanouts
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeTable
 from rankctl.coordinator.store import Store, StoreError
 from rankctl.proto import rankctl_pb2 as pb
+
+log = structlog.get_logger("rankctl.coordinator")
 
 
 class StoreGuard:
@@ -30,7 +34,10 @@ class StoreGuard:
             yield
         except StoreError:
             if not self._store.in_transaction:  # else the outermost block, once rolled back, resyncs
-                self.resync()
+                try:
+                    self.resync()
+                except Exception:  # noqa: BLE001 - the store itself gone (a leader stepping down closes it):
+                    log.warning("store.resync_failed", exc_info=True)   # the refusal is what the caller must hear
             raise
 
     def resync(self) -> None:

@@ -301,3 +301,20 @@ def test_a_node_that_does_not_come_back_after_the_coordinator_stood_still_is_los
     assert n1.session.status is NodeStatus.LOST and "did not reconnect within 10.0 s" in n1.session.detail
     assert job.state is JobState.FAILED and "n1" in job.reason
     world.store.close()
+
+
+def test_a_refusal_is_what_the_caller_hears_even_when_memory_cannot_be_resynced(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader stepping down closes its store: the resync after a refused write then fails too (CI once answered
+    a submit during an etcd outage with INTERNAL 'ProgrammingError' instead of the store's refusal)."""
+    from rankctl.coordinator.jobs import JobBook
+
+    world.connect("n0"), world.connect("n1")
+    disk = full_disk(world)
+    disk.full = True
+
+    def closed(self) -> None:  # noqa: ANN001
+        raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
+    monkeypatch.setattr(JobBook, "resync", closed)
+    with pytest.raises(StoreError, match="could not store the new job: database or disk is full"):
+        world.core.submit(job_yaml())
