@@ -5,9 +5,9 @@ stores it in one transaction: a group commit, every ``FLUSH_S`` from the server'
 phase change, exit or error is flushed on the event loop's next turn instead, together with whatever
 else came in that turn, so that a job's state never waits for the commit period. What a node learns is
 stored (``Ack``, and ``Registered.last_seq`` after a reconnect) is only ever what a committed transaction
-holds. When the store refuses the commit, memory goes back to what the store holds, the batch is held, in
-order, and retried (backing off ``RETRY_S``); a node whose held reports pass ``MAX_HELD`` is asked to
-reconnect, and replays.
+holds; Acks go out at their own pace (``coordinator.acks``). When the store refuses the commit, memory goes
+back to what the store holds, the batch is held, in order, and retried (backing off ``RETRY_S``); a node
+whose held reports pass ``MAX_HELD`` is asked to reconnect, and replays.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 
 import structlog
 
+from rankctl.coordinator.acks import AckPacer
 from rankctl.coordinator.commit import Outgoing, StoreGuard
 from rankctl.coordinator.nodes import NodeSession, NodeTable
 from rankctl.coordinator.records import JobRecord
@@ -31,7 +32,6 @@ RETRY_S = 1.0                 # while the store refuses, retry this often
 MAX_INBOX = 200_000           # reports queued between two flushes before one is forced
 MAX_HELD = 1_000_000          # reports held while the store refuses, before nodes are asked to replay
 MAX_DROPPED = 3               # nodes' reports left out of one group commit (a bug) before the rest is held instead
-ACK_EVERY_S = 30.0            # at most one Ack per node this often (the buffer it trims is coalesced anyway)
 Queued = tuple[NodeSession, Sequence[Report]]
 
 
@@ -62,6 +62,7 @@ class ReportIntake:
         self._queued = 0
         self._flush_due = False                          # a flush is set for the loop's next turn (a phase change)
         self._refused_at = 0.0
+        self.acks = AckPacer(nodes, clock)               # what nodes learn is stored (``coordinator.acks``)
 
     @property
     def held(self) -> int:
@@ -69,8 +70,8 @@ class ReportIntake:
         return sum(len(u) for _, u in self._held)
 
     def pending(self) -> bool:
-        """Whether a flush has reports to store."""
-        return bool(self._inbox or self._held)
+        """Whether a flush has reports to store or Acks to send."""
+        return bool(self._inbox or self._held or len(self.acks))
 
     def accept(self, session: NodeSession, updates: Sequence[Report]) -> int:
         """Queue one node's reports for the next group commit; the number queued (0: stale stream).
@@ -109,8 +110,10 @@ class ReportIntake:
             log.exception("reports.flush_failed")
 
     def flush(self, *, force: bool = False) -> bool:
-        """Apply and store every queued report in one transaction; False when the store refused."""
+        """Apply and store every queued report in one transaction; False when the store refused. Acks due go out
+        at their pace (``coordinator.acks``) on every call."""
         if not self._inbox and not self._held:
+            self.acks.send()
             return True
         if self._held and not force and self._clock() - self._refused_at < RETRY_S:
             self._hold_inbox()
@@ -127,7 +130,7 @@ class ReportIntake:
             self._guard.resync()
             applied, seqs = self._commit_each(batch)
         self._stats.rank_reports += applied
-        self._ack(seqs)
+        self.acks.due(seqs)
         self._catch_up()  # a job finished inside the transaction: its slots are free now
         return True
 
@@ -198,10 +201,3 @@ class ReportIntake:
             self._resync(session)
         log.warning("reports.hold_full", nodes=len({s.name for s, _ in self._held}))
         self._held = []
-
-    def _ack(self, stored: Iterable[tuple[NodeSession, int]]) -> None:
-        now = self._clock()
-        for session, seq in stored:
-            if now - session.acked_at >= ACK_EVERY_S and self._nodes.is_current(session):
-                session.acked_at = now
-                self._nodes.send(session.name, pb.CoordinatorMessage(ack=pb.Ack(last_seq=seq)))

@@ -48,6 +48,8 @@ class NodeSession:
     detail: str = ""               # why LOST / since when DISCONNECTED
     unverified: set[tuple[str, int]] = field(default_factory=set)  # (job, attempt) not listed on Register
     acked_at: float = 0.0          # when the last Ack was sent
+    ack_seq: int = 0               # its newest report number stored (the next Ack's; ``coordinator.acks``)
+    ack_queued: bool = False       # waiting for its Ack in the pacer's queue
     peer_port: int = 0             # its PeerService port (checkpoint replication); 0: none
     usage: pb.NodeUsage | None = None  # the newest usage its heartbeats carried (None: none yet)
     pool: str = ""                 # the allocation it was started for ("": the general pool; from its Register)
