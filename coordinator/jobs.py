@@ -265,6 +265,16 @@ class JobBook:
             self.store.put_rank(job.id, r)
         self.ranks(job.id)[r.rank] = r
 
+    def put_ranks(self, job: JobRecord, records: list[RankRecord]) -> None:
+        """``put_rank`` of each of ``records`` (a node's ranks starting alike: ``ReportApplier._start_range``)."""
+        ranks, rows, job_id = self.ranks(job.id), self._rows, job.id
+        for r in records:
+            ranks[r.rank] = r
+            if rows is not None:
+                rows[(job_id, r.rank)] = r
+        if rows is None:
+            self.store.put_ranks((job_id, r) for r in records)
+
     @contextmanager
     def rank_rows(self) -> Iterator[None]:
         """Collect the rank rows ``put_rank`` writes in the block and store them at its end in one statement

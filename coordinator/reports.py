@@ -118,16 +118,16 @@ class ReportApplier:
                      count: int) -> None:
         """A start-up phase of ranks none of which reported in this attempt (a node's ranks at the start of every
         attempt): what ``_apply_rank`` does for each, in one pass (at 65,536 ranks a restart is 8,192 of these)."""
-        st, put = update.status, self._book.put_rank
-        phase, process = st.phase or "pending", st.process
+        st = update.status
+        phase, process, metrics, code = st.phase or "pending", st.process, st.metrics_json, st.exit_code
         updated = update_seconds(st) or self._clock()
-        new = None
-        for rank in range(first, first + count):
-            new = RankRecord(rank=rank, node=node, phase=phase, metrics_json=st.metrics_json,
-                             exit_code=st.exit_code, updated_at=updated, process=process)
-            put(job, new)
-            if process:
+        records = [RankRecord(rank=rank, node=node, phase=phase, metrics_json=metrics, exit_code=code,
+                              updated_at=updated, process=process) for rank in range(first, first + count)]
+        self._book.put_ranks(job, records)
+        if process:
+            for rank in range(first, first + count):
                 progress.pace.process(rank, process)
+        new = records[-1]
         progress.advanced_at = self._clock()
         progress.started(count, phase)
         if job.world_size <= ROUTINE_EVENTS_MAX_WORLD:
