@@ -29,9 +29,11 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
     if s > MAX_SLOTS_PER_NODE or n * s > MAX_WORLD_SIZE:
         raise CtlError(f"--nodes={n} x --slots={s}: at most {MAX_SLOTS_PER_NODE} slots per node "
                        f"and {MAX_WORLD_SIZE} in all")
-    if n < res.nodes or s < res.slots_per_node:
+    least = res.fewest_nodes   # an elastic job (resources.min_nodes) starts on fewer nodes
+    if n < least or s < res.slots_per_node:
+        need = f"{least}..{res.nodes}" if least < res.nodes else f"{res.nodes}"
         raise CtlError(
-            f"the job needs resources.nodes={res.nodes} x resources.slots_per_node={res.slots_per_node}, "
+            f"the job needs resources.nodes={need} x resources.slots_per_node={res.slots_per_node}, "
             f"but up would start {n} node(s) x {s} slot(s); raise --nodes/--slots or use --set resources..."
         )
     return n, s

@@ -78,7 +78,9 @@ def test_flag_errors_exit_2(args: list[str], words: list[str]) -> None:
         (["model.heads=3", "parallel.tp=2"], ["model.heads=3", "parallel.tp=2"]),
         (["model.layers=3", "parallel.pp=2"], ["model.layers=3", "pp*vpp=2"]),
         (["parallel.cp=2", "parallel.pp=1", "model.seq_len=126"], ["model.seq_len=126", "2*parallel.cp=4"]),
-        (["parallel.ep=2", "model.moe={experts: 3, top_k: 1}"], ["model.moe.experts=3", "parallel.ep=2"]),
+        (["parallel.ep=2", "model.moe={experts: 3, top_k: 1}"], ["model.moe.experts=3", "parallel.ep=2",
+                                                                 "the same number of whole experts"]),
+        (["model.vocab=100"], ["model.vocab=100", "read as bytes", "at least 256 tokens"]),   # failed at run time
         (["train.global_batch=10", "train.micro_batch=4"], ["train.global_batch=10", "micro_batch*dp=8"]),
         (["parallel.tp=three"], ["parallel.tp", "'three'", "must be an integer"]),
         (["model.colour=red"], ["model.colour", "unknown field"]),

@@ -116,3 +116,30 @@ def test_init_from_an_exported_serial_state_dict_or_a_checkpoint_under_tp2_pp2_e
     other = cluster.run(job("other-model", 1, 1, nodes=1, slots=1, steps=2, init_from=full).replace("hidden: 32",
                                                                                                   "hidden: 64"))
     assert other["state"] == "FAILED" and "has shape" in other["reason"] and "another model?" in other["reason"], other
+
+
+def test_a_newer_step_of_another_layout_wins_and_a_damaged_one_is_passed_over(cluster: Cluster, tmp_path: Path) -> None:
+    """An outside probe: under another layout a shard with flipped bytes was loaded without a check (wrong losses),
+    a truncated one failed the job, and `train.resume` took this layout's older step over another layout's newer
+    one (training steps again and overwriting part of the newer step)."""
+    shared, steps = tmp_path / "mixed-checkpoints", 10
+    whole = losses(cluster.run(job("mixed-whole", 2, 1, steps=steps)))                               # tp2 dp2
+    first = cluster.run(job("mixed", 2, 1, steps=steps, stop_at=4, checkpoint_every=2, checkpoint_dir=shared))
+    assert_same(losses(first), whole, range(1, 5))                                                  # steps 2, 4
+    second = cluster.run(job("mixed", 1, 2, steps=steps, resume=True, stop_at=6, checkpoint_every=2,
+                             checkpoint_dir=shared))                                                # tp1 pp2: 6
+    assert second["result"]["resumed_from"] == 4, second["result"]
+    shard = shared / "mixed" / "step-00000006" / "rank-00002.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                      # same size, done-marker kept
+    shard.write_bytes(bytes(data))
+    third = cluster.run(job("mixed", 1, 1, cp=2, steps=steps, resume=True, stop_at=8, checkpoint_every=2,
+                            checkpoint_dir=shared))                                                 # tp1 cp2: 6, 8
+    assert third["result"]["resumed_from"] == 4, third["result"]
+    notes = [m for k, m in events(cluster.cluster.address, third["id"]) if k == "notice"]
+    assert any(n.startswith("rank 0: checkpoint step 6 (written by 4 rank(s) under another layout) is damaged (")
+               and "rank-00002.pt does not match the SHA-256" in n and n.endswith("passed over") for n in notes), notes
+    assert_same(losses(third), whole, range(5, 9))
+    fourth = cluster.run(job("mixed", 2, 1, steps=steps, resume=True, checkpoint_dir=shared))      # tp2 dp2 again
+    assert fourth["result"]["resumed_from"] == 8, fourth["result"]   # not its own layout's older step 4
+    assert_same(losses(fourth), whole, range(9, steps + 1))

@@ -53,6 +53,16 @@ def test_up_takes_the_job_file_shape_only_for_a_flag_not_given() -> None:
     assert _cluster_shape(SPEC, None, 4) == (2, 4)
 
 
+def test_up_starts_an_elastic_job_on_as_few_nodes_as_it_may_run_on() -> None:
+    """``ctl up --nodes 1`` of a job with ``nodes: 2, min_nodes: 1`` was refused (an outside probe)."""
+    elastic = build_spec({"name": "j", "kind": "comm-check", "resources": {"nodes": 4, "slots_per_node": 2,
+                                                                           "min_nodes": 2}})
+    assert _cluster_shape(elastic, 2, None) == (2, 2)
+    with pytest.raises(CtlError, match=r"needs resources.nodes=2..4 x resources.slots_per_node=2, but up would "
+                                       r"start 1 node\(s\) x 2 slot\(s\)"):
+        _cluster_shape(elastic, 1, None)
+
+
 @pytest.mark.parametrize("flag", ["--nodes", "--slots"])
 def test_ctl_up_with_a_zero_flag_exits_2_and_starts_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            flag: str) -> None:

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from rankctl.contract.checkpoints import (
-    complete_for, list_steps, marker_file, prune, rank_file, read_marker, remove_rank_step, root_in, snapshot_root,
-    state_dir_of, step_dir,
+    RANK_FILE_RE, STEP_RE, complete_for, damage, list_steps, marker_file, prune, rank_file, read_marker,
+    remove_rank_step, root_in, snapshot_root, state_dir_of, step_dir,
 )
 
 # the layout's helpers live in contract.checkpoints (the daemon replicates these files); re-exported here
@@ -224,7 +224,19 @@ def _load_all(step_paths: list[str]) -> list[dict[str, Any]]:
     by_name = {os.path.basename(f): f for p in step_paths for f in glob.glob(os.path.join(p, "rank-*.pt"))}
     if not by_name:
         raise FileNotFoundError(f"no rank files in checkpoint directory {', '.join(step_paths)}")
-    states = [torch.load(by_name[n], map_location="cpu", weights_only=True) for n in sorted(by_name)]
+    states = []
+    for name in sorted(by_name):
+        path = by_name[name]
+        step_path, rank_match = os.path.dirname(path), RANK_FILE_RE.match(name)
+        step_match = STEP_RE.match(os.path.basename(step_path))
+        if step_match and rank_match:   # its marker's size and SHA-256 (``contract.checkpoints.damage``)
+            why = damage(os.path.dirname(step_path), int(step_match.group(1)), int(rank_match.group(1)))
+            if why:
+                raise ValueError(f"rank {int(rank_match.group(1))}'s shard is damaged: {why}")
+        try:
+            states.append(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as exc:  # noqa: BLE001 - torch.load's errors name no file
+            raise ValueError(f"{path} cannot be loaded: {type(exc).__name__}: {str(exc)[:200]}") from None
     world = states[0]["world_size"]
     if len(states) != world:
         raise ValueError(f"{', '.join(step_paths)} hold {len(states)} rank files, "

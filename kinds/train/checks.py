@@ -44,7 +44,8 @@ def _model_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
         errors.append(f"model.seq_len={m.seq_len} is not divisible by parallel.tp*cp={p.tp * p.cp} (sequence_parallel)")
     if m.moe is not None:
         if m.moe.experts % p.ep:
-            errors.append(f"model.moe.experts={m.moe.experts} is not divisible by parallel.ep={p.ep}")
+            errors.append(f"model.moe.experts={m.moe.experts} is not divisible by parallel.ep={p.ep}: "
+                          f"each expert-parallel rank holds the same number of whole experts")
         if m.moe.top_k > m.moe.experts:
             errors.append(f"model.moe.top_k={m.moe.top_k} exceeds model.moe.experts={m.moe.experts}")
         etp = p.etp if p.etp is not None else p.tp
@@ -98,12 +99,16 @@ def _data_errors(spec: JobSpec) -> list[str]:
     reads its data, and the coordinator's answer must not depend on the files of its host. The node checks
     the file, inside its sandbox (``worker.sandbox``), before the ranks read it."""
     from rankctl.contract.names import shown
-    from rankctl.kinds.train.data import data_problem  # numpy only, no torch
+    from rankctl.kinds.train.data import TOKEN_SUFFIXES, VOCAB, data_problem, is_token_file  # numpy only, no torch
 
     if spec.train is None:
         return []
     problem = data_problem(spec.train.data)
     out = [problem] if problem else []
+    vocab = getattr(spec.model, "vocab", VOCAB) if spec.model is not None else VOCAB
+    if not problem and isinstance(vocab, int) and vocab < VOCAB and not is_token_file(spec.train.data):
+        out.append(f"model.vocab={vocab}: train.data={shown(spec.train.data)} is read as bytes, so the vocabulary "
+                   f"must hold at least {VOCAB} tokens (a token file, {'/'.join(TOKEN_SUFFIXES)}, may use fewer)")
     for field in ("checkpoint_dir", "init_from"):   # node paths too, by their text alone
         value = getattr(spec.train, field)
         if value and "\x00" in value:

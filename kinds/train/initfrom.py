@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rankctl.contract.checkpoints import damage
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train import reshard
 from rankctl.models.shard import shard_slice
@@ -26,11 +27,18 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def _newest_complete(root: str) -> tuple[int, dict[str, Any]]:
-    """The newest step under ``root`` that every rank of one world finished, and its identity."""
+    """The newest step under ``root`` that every rank of one world finished and whose files that a load reads match
+    their markers (``contract.checkpoints.damage``), and its identity."""
+    damaged = []
     for step, _, ms, complete in reshard.worlds(root, lambda m: True):
         if complete:
-            return step, ms[0]["identity"]
-    raise ValueError(f"train.init_from: {root} holds no checkpoint step that every rank of one run finished")
+            identity = ms[0]["identity"]
+            why = next((w for r in reshard.sources(reshard.old_layout(identity)) if (w := damage(root, step, r))), "")
+            if not why:
+                return step, identity
+            damaged.append(f"step {step} is damaged ({why})")
+    raise ValueError(f"train.init_from: {root} holds no intact checkpoint step that every rank of one run finished"
+                     + (f": {'; '.join(damaged[:3])}" if damaged else ""))
 
 
 def _from_state_dict(t: Any, path: str) -> None:
@@ -64,7 +72,11 @@ def _from_checkpoint(t: Any, path: str, with_optimizer: bool, model: dict[str, A
     if identity.get("model") != model:
         diffs = ckpt.differences({"model": identity.get("model")}, {"model": model})
         raise ValueError(f"train.init_from: {path} was written by another model ({'; '.join(diffs)})")
-    reshard.fill(t, reshard.OldStates(root, step, identity), with_optimizer)
+    try:
+        old = reshard.OldStates(root, step, identity, verify=True)
+    except ValueError as exc:
+        raise ValueError(f"train.init_from: {exc}") from None
+    reshard.fill(t, old, with_optimizer)
     return step
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rankctl.contract.checkpoints import damage
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.parallel.tensor import padded
@@ -58,12 +59,14 @@ def markers(root: str, step: int) -> dict[int, dict[str, Any]]:
     return out
 
 
-def worlds(root: str, accept: Callable[[dict[str, Any]], bool]
+def worlds(root: str, accept: Callable[[dict[str, Any]], bool], newer_than: int | None = None
            ) -> Iterator[tuple[int, str, list[dict[str, Any]], bool]]:
-    """(step, fingerprint, markers, complete) of each world that wrote a step under ``root``, newest step first:
-    the ``accept``ed markers of one fingerprint, and whether every rank of that world finished (all of its markers
-    readable here)."""
+    """(step, fingerprint, markers, complete) of each world that wrote a step under ``root`` (after ``newer_than``
+    when given), newest step first: the ``accept``ed markers of one fingerprint, and whether every rank of that
+    world finished (all of its markers readable here)."""
     for step in sorted(ckpt.list_steps(root), reverse=True):
+        if newer_than is not None and step <= newer_than:
+            break
         by_fp: dict[str, list[dict[str, Any]]] = {}
         for m in markers(root, step).values():
             if m.get("fingerprint") and isinstance(m.get("identity"), dict) and accept(m):
@@ -73,17 +76,18 @@ def worlds(root: str, accept: Callable[[dict[str, Any]], bool]
             yield step, fp, ms, isinstance(world, int) and {m["rank"] for m in ms} >= set(range(world))
 
 
-def complete_elsewhere(root: str, identity: dict[str, Any], job_id: str | None = None
+def complete_elsewhere(root: str, identity: dict[str, Any], job_id: str | None = None, newer_than: int | None = None
                        ) -> tuple[list[tuple[int, str]], list[int]]:
     """(step, fingerprint) of the steps under ``root``, newest first, whose every rank of one world finished with
     an identity that is this run's but for its layout (all of that world's markers readable here; only files
     ``job_id`` wrote, when given); and the steps of such an identity of which only some ranks' markers are.
     Steps of this very layout are not another's: ``resume.agree_resume_step`` judged them (a restart whose own
-    steps are all damaged or not held by every rank starts over instead of being refused as another layout's)."""
+    steps are all damaged or not held by every rank starts over instead of being refused as another layout's).
+    ``newer_than``: only steps after it (those of this layout's newest step and before lose to it)."""
     want, own, out, partial = layout_free(identity), ckpt.fingerprint(identity), [], []
     for step, fp, _, complete in worlds(root, lambda m: m["fingerprint"] != own and
                                         layout_free(m["identity"]) == want and
-                                        (job_id is None or m.get("job_id") == job_id)):
+                                        (job_id is None or m.get("job_id") == job_id), newer_than):
         if complete:
             out.append((step, fp))
         else:
@@ -91,18 +95,32 @@ def complete_elsewhere(root: str, identity: dict[str, Any], job_id: str | None =
     return out, partial
 
 
-def agree_reshard_step(root: str, identity: dict[str, Any], world_size: int, job_id: str | None = None
+def agree_reshard_step(root: str, identity: dict[str, Any], world_size: int, job_id: str | None = None, *,
+                       newer_than: int | None = None, skipped: list[str] | None = None
                        ) -> tuple[int, dict[str, Any]] | None:
-    """The newest step every rank of this world can load under its own layout, and the identity it was written
-    with; None when no rank sees one. One all-gather. RuntimeError when some ranks see one and others cannot
-    (node-local roots). ``job_id``: only that job's files (a restart's)."""
+    """The newest intact step (after ``newer_than`` when given) that every rank of this world can load under its own
+    layout, and the identity it was written with; None when no rank sees one, or every one seen is damaged (one
+    line each on ``skipped``). One all-gather, then one a step checked: the old ranks' files are checked against
+    their markers' SHA-256 (``contract.checkpoints.damage``), each by one rank (rank k: old ranks k, k + world,
+    ...; resharding reads a filesystem every rank shares). RuntimeError when some ranks see a step and others
+    cannot (node-local roots). ``job_id``: only that job's files (a restart's)."""
     views: list[Any] = [None] * world_size
-    dist.all_gather_object(views, complete_elsewhere(root, identity, job_id))
+    dist.all_gather_object(views, complete_elsewhere(root, identity, job_id, newer_than))
     common = set.intersection(*(set(map(tuple, v[0])) for v in views))
-    if common:
-        step, fp = max(common)
+    for step, fp in sorted(common, reverse=True):
         marker = next(m for m in markers(root, step).values() if m.get("fingerprint") == fp)
-        return step, marker["identity"]
+        old_world, rank = int(marker["identity"]["world_size"]), dist.get_rank()
+        mine = next((why for r in range(rank, old_world, world_size) if (why := damage(root, step, r))), "")
+        found: list[Any] = [None] * world_size
+        dist.all_gather_object(found, mine)
+        bad = [why for why in found if why]
+        if not bad:
+            return step, marker["identity"]
+        if skipped is not None:
+            skipped.append(f"checkpoint step {step} (written by {old_world} rank(s) under another layout) is damaged "
+                           f"({bad[0]}); passed over")
+    if common:
+        return None
     seen = sorted({s for complete, partial in views for s in [*(s for s, _ in complete), *partial]})
     if seen:
         raise RuntimeError(f"checkpoint steps {', '.join(map(str, seen[-5:]))} under {root} were written under "
@@ -163,10 +181,13 @@ def reslice(parts: dict[int, Tensor], old: dict[str, Any], new: Any, shape: torc
 class OldStates:
     """The old rank files one rank needs, opened lazily (``mmap``), with where each tensor lives."""
 
-    def __init__(self, root: str, step: int, identity: dict[str, Any]) -> None:
+    def __init__(self, root: str, step: int, identity: dict[str, Any], verify: bool = False) -> None:
+        """``verify``: check each file against its marker first (ValueError naming the damage)."""
         self.layout = old_layout(identity)
         self.states: dict[int, dict[str, Any]] = {}
         for r in sources(self.layout):
+            if verify and (why := damage(root, step, r)):
+                raise ValueError(f"checkpoint step {step} under {root} is damaged: {why}")
             self.states[r] = torch.load(ckpt.rank_file(root, step, r), map_location="cpu", weights_only=True,
                                         mmap=True)
         self.where: dict[str, dict[int, int]] = {}   # name -> old tp rank -> old rank

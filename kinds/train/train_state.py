@@ -266,10 +266,13 @@ def load_state(t: Trainer, state: dict[str, Any]) -> None:
                          val_losses=list(state["history"]["val_losses"]), resumed_from=state["step"])
 
 
-def _resharded(t: Trainer, root: str, identity: dict[str, Any], job_id: str | None = None) -> bool:
-    """Resume from the newest step written under another layout of this run (``kinds.train.reshard``; only
-    ``job_id``'s files when given: a restart's); False when there is none. A collective: every rank calls it."""
-    found = reshard.agree_reshard_step(root, identity, t.ctx.assignment.world_size, job_id)
+def _resharded(t: Trainer, root: str, identity: dict[str, Any], job_id: str | None = None, *,
+               newer_than: int | None = None, skipped: list[str] | None = None) -> bool:
+    """Resume from the newest intact step written under another layout of this run (``kinds.train.reshard``; only
+    ``job_id``'s files when given: a restart's; only one after ``newer_than``, this layout's newest, when given);
+    False when there is none. Damaged steps passed over go on ``skipped``. A collective: every rank calls it."""
+    found = reshard.agree_reshard_step(root, identity, t.ctx.assignment.world_size, job_id, newer_than=newer_than,
+                                       skipped=skipped)
     if found is None:
         return False
     step, old = found
@@ -282,6 +285,15 @@ def _resharded(t: Trainer, root: str, identity: dict[str, Any], job_id: str | No
         t.ctx.notice(f"resumed from checkpoint step {step}, written by {old['world_size']} rank(s) "
                      f"({was or 'no model parallelism'}), re-sliced for this layout")
     return True
+
+
+def _passed_over(t: Trainer, skipped: list[str]) -> None:
+    """One log line and (from rank 0, which knows every rank's findings) one job event per damaged step."""
+    for line in skipped:
+        t.ctx.log.warning("checkpoint passed over", detail=line)
+        if t.ctx.assignment.rank == 0:
+            t.ctx.notice(line)
+    skipped.clear()
 
 
 def _init_from(t: Trainer) -> None:
@@ -313,15 +325,17 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
             step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own,
                                      job_id=a.job_id if own else None, skipped=skipped, held_by=held_by)
         except RuntimeError:  # every rank raises alike (its views are all-gathered): another layout's steps?
-            if own or not _resharded(t, roots[0], identity):
+            if own or not _resharded(t, roots[0], identity, skipped=skipped):
+                _passed_over(t, skipped)
                 raise
+            _passed_over(t, skipped)
             return
-        if step is None and _resharded(t, roots[0], identity, a.job_id if own else None):
-            return   # written under another layout (an elastic job's attempt on another number of nodes)
-        for line in skipped:
-            t.ctx.log.warning("checkpoint passed over", detail=line)
-            if a.rank == 0:  # one job event per damaged step (rank 0 knows every rank's findings)
-                t.ctx.notice(line)
+        # a newer step written under another layout (an elastic job's attempt on another number of nodes, or a run
+        # resumed on another layout) wins over this layout's newest
+        resharded = _resharded(t, roots[0], identity, a.job_id if own else None, newer_than=step, skipped=skipped)
+        _passed_over(t, skipped)
+        if resharded:
+            return
         if step is not None:
             root = intact_root(roots, step, a.rank, ckpt.fingerprint(identity)) or roots[0]
             load_state(t, ckpt.load_rank(root, step, a.rank))
