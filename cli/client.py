@@ -20,7 +20,13 @@ CONNECT_TIMEOUT = 5.0
 PAGE_SIZE = 500
 MAX_RANK_PAGE = 4096  # the most ranks one GetJob answers
 # as the coordinator's own limit: a finished job's result (per-step losses) may pass gRPC's 4 MiB default
-CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 16 << 20),)
+# HTTP/2 pings every 5 s on a call that waits (ctl watch, ctl logs -f): a coordinator that stops answering mid-stream
+# (SIGSTOP, a frozen host, a cut link) ends the stream within ~10 s, and the follow loop reconnects or gives up
+# (exit 3) instead of waiting on a silent stream for ever; the coordinator permits pings every 1 s
+# (``coordinator.transport.SERVER_OPTIONS``)
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 16 << 20),
+                   ("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 5000),
+                   ("grpc.http2.ping_timeout_ms", 5000), ("grpc.http2.max_pings_without_data", 0))
 
 
 class Unimplemented(CtlError):

@@ -168,7 +168,10 @@ def selected(config: Config, name: str | None, path: Path) -> Context | None:
 
 def resolve(coordinator: str | None, tls_dir: str | None, context: str | None) -> tuple[str, str | None]:
     """The coordinator address and TLS directory, each: given (flag or env) > the selected context > default.
-    The file is read only when something is missing or a context is named."""
+    The file is read only when something is missing or a context is named. A given address that cannot be one is
+    refused naming where it came from (it waited ~5 s for a connection before)."""
+    if coordinator is not None and (problem := address_problem(coordinator)):
+        raise CtlError(f"--coordinator (or env RANKCTL_COORDINATOR): {problem}")
     if coordinator and tls_dir and not context:
         return coordinator, tls_dir
     path = config_path()

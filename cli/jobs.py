@@ -13,6 +13,8 @@ from rankctl.cli.options import example, json_flag, json_option, output_format, 
 
 job_id_argument = click.argument("job_id", shell_complete=complete_job_ids)
 
+MAX_RANK = 2**31 - 1   # what the wire's int32 fields hold (a larger --rank/--tail/--ranks was 'internal error')
+
 
 @click.command("submit", epilog=example("ctl submit examples/comm-check.yaml --set resources.nodes=2 --wait"))
 @click.argument("job_file", type=click.Path(dir_okay=False))
@@ -52,7 +54,8 @@ def submit(ctx: Ctx, job_file: str, overrides: tuple[str, ...], watch_: bool, wa
 
 
 @click.command("jobs", epilog=example("ctl jobs --state RUNNING --state PENDING --limit 20 -o wide"))
-@click.option("--limit", type=int, default=0, help="Newest N jobs (0: all, fetched page by page).")
+@click.option("--limit", type=click.IntRange(0, MAX_RANK), default=0,
+              help="Newest N jobs (0: all, fetched page by page).")
 @click.option("--state", "states", multiple=True, metavar="STATE",
               type=click.Choice(["PENDING", "PLACED", "STARTING", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED",
                                  "RESTARTING"], case_sensitive=False),
@@ -95,8 +98,9 @@ def _rank_span(ctx: click.Context, param: click.Parameter, value: str | None) ->
     if value is None:
         return None
     first, _, last = value.partition("-")
-    if not (first.isdigit() and (last.isdigit() or not last)) or int(last or first) < int(first):
-        raise click.BadParameter(f"{value!r} is not a rank range A-B with 0 <= A <= B (or one rank A)")
+    if not (first.isascii() and first.isdigit() and (last.isdigit() and last.isascii() or not last)) \
+            or int(last or first) < int(first) or int(last or first) > MAX_RANK:
+        raise click.BadParameter(f"{value!r} is not a rank range A-B with 0 <= A <= B <= {MAX_RANK} (or one rank A)")
     return int(first), int(last or first)
 
 
@@ -145,9 +149,11 @@ def watch(ctx: Ctx, job_id: str, as_json: bool) -> None:
 
 @click.command("logs", epilog=example("ctl logs train-0a1b2c --rank 0 --follow | grep loss"))
 @job_id_argument
-@click.option("--rank", type=int, default=None, help="Only this rank (default: all ranks, each line after [rank R]).")
+@click.option("--rank", type=click.IntRange(0, MAX_RANK), default=None,
+              help="Only this rank (default: all ranks, each line after [rank R]).")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the job ends.")
-@click.option("--tail", type=int, default=0, help="Only the last N lines per rank (0: all kept).")
+@click.option("--tail", type=click.IntRange(0, MAX_RANK), default=0,
+              help="Only the last N lines per rank (0: all kept).")
 @click.option("--records", is_flag=True,
               help="Also rankctl's own records (phases, steps, errors) among the lines, as [rankctl LEVEL] EVENT key=value.")
 @json_flag('One JSON object a line: {"rank", "attempt", "line"}; a record (--records): {"rank", "attempt", "record"}.')

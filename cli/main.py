@@ -147,9 +147,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str] | None) -> int | str | None:
     """Run ``ctl``; its exit code, after stdout is flushed (a reader that left early is no failure)."""
-    try:
-        cli.main(args=argv, prog_name="ctl", standalone_mode=True)
-        code: int | str | None = 0
+    try:   # not click's standalone mode: it turns Ctrl-C into "Aborted!" and exit 1, which means "the job failed"
+        returned = cli.main(args=argv, prog_name="ctl", standalone_mode=False)
+        code: int | str | None = returned if isinstance(returned, int) else 0
+    except click.exceptions.Abort:   # Ctrl-C (or EOF at a prompt)
+        click.echo("interrupted", err=True)
+        code = 130
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
     except SystemExit as exc:
         code = exc.code
     except BrokenPipeError:

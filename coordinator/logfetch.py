@@ -24,6 +24,7 @@ PIPELINE = 8                # ranks whose first chunk is requested ahead of the 
 FIRST_PASS_CHUNKS = 1024    # chunks read from one rank in a call's first pass (~1 GiB), then on
 FOLLOW_CHUNKS = 8           # chunks read from one rank per follow round: a chatty rank starves none
 FOLLOW_POLL_S = 0.5         # a follow round at most this often
+SLICE_S = 1.0               # a node's answer is waited for in slices of this (``LogFetcher._answer``)
 
 Send = Callable[[str, pb.CoordinatorMessage], bool]
 
@@ -71,12 +72,23 @@ class LogFetcher:
                 max_lines=max_lines, records=records))
             if not self._send(node, msg):
                 raise LogsUnavailable(f"node {node} is LOST")
-            try:
-                return await asyncio.wait_for(future, self.timeout)
-            except asyncio.TimeoutError:
-                raise LogsUnavailable(f"node {node} did not answer within {self.timeout:g}s") from None
+            return await self._answer(node, future)
         finally:
             self._pending.pop(rid, None)
+
+    async def _answer(self, node: str, future: asyncio.Future) -> pb.LogChunk:
+        """The node's answer, waited for in slices of ``SLICE_S``: a slice stretched by the coordinator's own stall
+        (SIGSTOP, a blocked loop) counts as ``SLICE_S`` only, so that an answer that waits in the socket while the
+        coordinator stood still is not taken for a node that did not answer."""
+        loop, left = asyncio.get_running_loop(), self.timeout
+        while True:
+            began = loop.time()
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), min(SLICE_S, left))
+            except asyncio.TimeoutError:
+                left -= min(loop.time() - began, SLICE_S)
+                if left <= 1e-3:
+                    raise LogsUnavailable(f"node {node} did not answer within {self.timeout:g}s") from None
 
     def deliver(self, node: str, chunk: pb.LogChunk) -> None:
         """A node's LogChunk: it resolves its request only if that request went to ``node``."""
@@ -101,8 +113,11 @@ class LogFetcher:
 class _Reading:
     """One GetLogs call: the job as last read, each rank's next offset, what could not be read.
 
-    ``tail`` applies to the call's first pass only. A rank marked unreachable (``gone``) is not
-    asked again; a node that could not be asked (``down``) is not asked for its other ranks.
+    ``tail`` applies to the call's first pass only. Within a pass, a rank marked unreachable (``gone``) is not
+    asked again and a node that could not be asked (``down``) is not asked for its other ranks; a follow round
+    (``refresh``) asks again those whose node is connected, and a rank's marker lines come once an outage
+    (``marked``) (before, one node answer late, or a coordinator that stood still for 10 s, ended following that
+    rank for the rest of the call).
     """
 
     core: Any                   # get(), book.ranks(), logfetch
@@ -112,6 +127,7 @@ class _Reading:
     offsets: dict[int, int] = field(default_factory=dict)
     gone: set[int] = field(default_factory=set)
     down: dict[str, LogsUnavailable] = field(default_factory=dict)
+    marked: set[int] = field(default_factory=set)   # ranks whose marker was sent and whose log has not come back
 
     def node_of(self, rank: int) -> str | None:
         k = node_of_rank(rank, self.job.slots_per_node)
@@ -123,8 +139,14 @@ class _Reading:
         if job.attempt != self.job.attempt:
             self.offsets.clear()
             self.gone.clear()
-            self.down.clear()
+            self.marked.clear()
+        self.down.clear()
         self.job = job
+        self.gone = {r for r in self.gone if not self._connected(self.node_of(r))}
+
+    def _connected(self, node: str | None) -> bool:
+        session = self.core.nodes.get(node) if node is not None else None
+        return session is not None and getattr(session.status, "value", session.status) == "READY"
 
     async def first(self, rank: int) -> pb.LogChunk | LogsUnavailable:
         """The rank's first chunk of a pass."""
@@ -158,6 +180,7 @@ class _Reading:
                 for text in self._marker(rank, chunk):
                     yield self._line(rank, text)
                 return
+            self.marked.discard(rank)
             for text in chunk.lines:
                 yield self._line(rank, text)
             before, self.offsets[rank] = self.offsets.get(rank, 0), chunk.next_offset
@@ -169,8 +192,12 @@ class _Reading:
         return pb.LogLine(rank=rank, line=text, attempt=self.job.attempt)
 
     def _marker(self, rank: int, why: pb.LogChunk | LogsUnavailable) -> list[str]:
-        """Why the rank's log cannot be shown, and the last error the rank reported; asked no more."""
+        """Why the rank's log cannot be shown, and the last error the rank reported (once an outage); asked no more
+        in this pass."""
         self.gone.add(rank)
+        if rank in self.marked:
+            return []
+        self.marked.add(rank)
         node = self.node_of(rank)
         if isinstance(why, LogsUnavailable):
             out = [f"[rankctl: {why}; the log of rank {rank} is on that node]"]

@@ -544,3 +544,37 @@ def test_with_tls_the_dashboards_port_is_named_and_the_grpc_port_still_asks_for_
         assert out.returncode == 2 and "it serves mutual TLS" in out.stderr, out.stderr
     finally:
         proc.stop()
+
+
+def _interrupted() -> None:
+    raise KeyboardInterrupt
+
+
+INTERRUPTED = click.Command("interrupted-here", callback=_interrupted)
+
+
+def test_ctrl_c_exits_130_saying_interrupted(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """click's standalone mode printed "Aborted!" and exited 1, which ctl's exit codes read as "the job failed"."""
+    from rankctl.cli import main as ctl_main
+
+    monkeypatch.setitem(COMMANDS, "interrupted-here", (__name__, "INTERRUPTED", ""))
+    assert ctl_main._run(["interrupted-here"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted" and "Aborted" not in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--coordinator", "bogus", "jobs"], ["--coordinator (or env RANKCTL_COORDINATOR)", "'bogus'", "HOST:PORT"]),
+    (["--coordinator", "127.0.0.1:99999", "jobs"], ["'127.0.0.1:99999'", "a port 1-65535"]),
+    (["logs", "j", "--rank", "2147483648"], ["--rank", "2147483648 is not in the range 0<=x<=2147483647"]),
+    (["logs", "j", "--tail", "4294967296"], ["--tail", "4294967296 is not in the range"]),
+    (["status", "j", "--ranks", "99999999999999999999"], ["--ranks", "0 <= A <= B <= 2147483647"]),
+    (["jobs", "--limit", "-1"], ["--limit", "-1 is not in the range"]),
+])
+def test_addresses_and_numbers_ctl_cannot_send_are_refused_before_any_call(args: list[str], words: list[str]) -> None:
+    """Each waited ~5 s for a connection or said "internal error: ValueError: Value out of range" (an outside probe)."""
+    res = run(*args)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output and "internal error" not in res.output
+    for w in words:
+        assert w in res.output, (w, res.output)

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,10 @@ class Outboxes:
     sent: dict[str, list[pb.CoordinatorMessage]] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)
 
+    def get(self, node: str) -> Any:
+        """The node's session as get_logs reads it (``NodeTable.get``): its status."""
+        return type("Session", (), {"status": "LOST" if node in self.lost else "READY"})()
+
     def send(self, node: str, msg: pb.CoordinatorMessage) -> bool:
         if node in self.lost:
             return False
@@ -347,6 +352,10 @@ class FakeNodes:
         self.on_answer = lambda chunk: None  # runs as the daemon answers, before the coordinator has it
         self.fetcher = LogFetcher(self.send, timeout=1.0)
 
+    def get(self, node: str) -> Any:
+        """The node's session as get_logs reads it (``NodeTable.get``): its status."""
+        return type("Session", (), {"status": "LOST" if node in self.lost else "READY"})()
+
     def send(self, node: str, msg: pb.CoordinatorMessage) -> bool:
         if node in self.lost:
             return False
@@ -374,6 +383,7 @@ class FakeCore:
     job: JobRecord
     logfetch: LogFetcher
     book: FakeBook = field(default_factory=FakeBook)
+    nodes: Any = None
 
     def get(self, id_or_name: str) -> JobRecord:
         if id_or_name not in (self.job.id, self.job.name):
@@ -389,7 +399,7 @@ def cluster(tmp_path: Path, lost: set[str] = frozenset(),
                     slots_per_node=2, created_at=0.0, nodes=["n0", "n1"])
     for r in range(4):
         log_file(nodes.dirs[job.nodes[r // 2]], r).write_text("".join(f"rank {r} line {i}\n" for i in range(3)))
-    return FakeCore(job, nodes.fetcher), nodes
+    return FakeCore(job, nodes.fetcher, nodes=nodes), nodes
 
 
 def collect(core: FakeCore, **req: Any) -> list[tuple[int, str, int]]:
@@ -600,3 +610,50 @@ def test_ctl_nodes_shows_each_nodes_use_or_a_dash(printed) -> None:
         assert re.search(r"│ \d+% │", row), (node["usage"], row)
         total = node["usage"]["memory_total_bytes"] / 2**30
         assert re.search(rf"│ \d+\.\d/{total:.1f} GiB │", row), (node["usage"], row)
+
+
+def test_follow_reads_on_once_a_node_that_did_not_answer_answers_and_marks_the_outage_once(tmp_path: Path) -> None:
+    """One late answer (or a coordinator that stood still 10 s) ended `ctl logs -f` of that rank for good, with a
+    marker blaming a healthy node (an outside probe); a connected node is asked again each follow round."""
+    core, nodes = cluster(tmp_path)
+    nodes.fetcher.timeout = 0.05
+    nodes.silent.add("n1")
+    path = log_file(nodes.dirs["n1"], 2)
+
+    async def main() -> list[str]:
+        seen: list[str] = []
+
+        async def read() -> None:
+            async for ln in get_logs(core, pb.GetLogsRequest(job_id=JOB, rank=2, follow=True), poll_s=0.01):
+                seen.append(ln.line)
+        reader = asyncio.ensure_future(read())
+        while nodes.asked.count("n1") < 4:     # the first pass and follow rounds, all unanswered
+            await asyncio.sleep(0.01)
+        nodes.silent.clear()
+        while "rank 2 line 2" not in seen:
+            await asyncio.sleep(0.01)
+        append(path, b"step 9\n")
+        core.job.state = JobState.SUCCEEDED
+        await asyncio.wait_for(reader, 2)
+        return seen
+    assert asyncio.run(asyncio.wait_for(main(), 5)) == [
+        "[rankctl: node n1 did not answer within 0.05s; the log of rank 2 is on that node]",
+        "rank 2 line 0", "rank 2 line 1", "rank 2 line 2", "step 9"]
+
+
+def test_a_coordinator_that_stood_still_does_not_take_a_waiting_answer_for_silence(monkeypatch) -> None:
+    from rankctl.coordinator import logfetch
+
+    monkeypatch.setattr(logfetch, "SLICE_S", 0.1)
+
+    async def main() -> pb.LogChunk:
+        boxes = Outboxes()
+        fetcher = LogFetcher(boxes.send, timeout=0.3)
+        task = asyncio.ensure_future(fetcher.fetch("n1", JOB, 1, 0))
+        await asyncio.sleep(0)
+        rid = boxes.sent["n1"][0].fetch_logs.request_id
+        loop = asyncio.get_running_loop()
+        loop.call_soon(time.sleep, 0.6)             # the loop stands still past the timeout (SIGSTOP, a blocked loop)
+        loop.call_later(0.65, fetcher.deliver, "n1", pb.LogChunk(request_id=rid, lines=["waited in the socket"]))
+        return await task
+    assert list(asyncio.run(main()).lines) == ["waited in the socket"]
