@@ -89,8 +89,10 @@ def _job_row(j: dict, wide: bool) -> dict:
         return {"id": j["id"], "state": j["state"], "world": j["world_size"], "created": when(j["created_at"]),
                 "reason": j["reason"][:60]}
     nodes = j["nodes"][:NODES_IN_ROW] + ([f"+{len(j['nodes']) - NODES_IN_ROW}"] if len(j["nodes"]) > NODES_IN_ROW else [])
+    count = j.get("node_count") or 0   # ListJobs names no nodes (its pages stay bounded): how many, then
     return {"id": j["id"], "name": j["name"], "kind": j["kind"], "state": j["state"], "attempt": j["attempt"],
-            "world": j["world_size"], "nodes": ",".join(nodes) or "-", "created": when(j["created_at"]),
+            "world": j["world_size"], "nodes": ",".join(nodes) or (str(count) if count else "-"),
+            "created": when(j["created_at"]),
             "finished": when(j["finished_at"]), "by": j["submitted_by"] or "-", "reason": j["reason"]}
 
 
@@ -173,7 +175,7 @@ def logs(ctx: Ctx, job_id: str, rank: int | None, follow: bool, tail: int, recor
 
 @click.command("cancel", epilog=example("ctl cancel train-0a1b2c --reason 'wrong data path'"))
 @job_id_argument
-@click.option("--reason", default="cancelled by user", show_default=True)
+@click.option("--reason", default="", help="Why (in the job's reason: \"cancelled: REASON\"; default \"cancelled by user\").")
 @json_option
 @pass_ctx
 def cancel(ctx: Ctx, job_id: str, reason: str, as_json: bool) -> None:
@@ -183,6 +185,8 @@ def cancel(ctx: Ctx, job_id: str, reason: str, as_json: bool) -> None:
 
     with ctx.client() as client:
         job = client.cancel(job_id, reason)
+    if state_name(job.state) != "CANCELLED":   # it had ended: the coordinator leaves an ended job as it is
+        click.echo(f"{job.id} had already ended {state_name(job.state)}: nothing to cancel", err=True)
     if as_json:
         print_json(job_to_dict(job))
     else:

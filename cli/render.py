@@ -54,6 +54,7 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
         "stopping": job.stopping,
         "submitted_by": job.submitted_by,
         "nodes": list(job.nodes),
+        "node_count": job.node_count,
         "ranks": [rank_to_dict(r) for r in job.ranks],
         "summary": summary_to_dict(job.summary) if job.HasField("summary") else None,
         "attempts": [{"attempt": a.attempt, "state": a.state or None, "reason": a.reason or None,

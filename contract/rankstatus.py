@@ -17,6 +17,7 @@ UNREADABLE_CHARS = 200  # of a line that is not a record, kept in the record's e
 
 
 NOTICE_CHARS = 1000   # a notice's length at most
+STOPPED = "stopped: "   # how the exit of a rank its daemon stopped on the coordinator's request begins (a Cancel)
 PREFLIGHT_CHARS = 4000   # a pre-flight outcome's
 
 

@@ -112,8 +112,10 @@ class Allocation:
         return self.state in ENDED
 
     def describe(self) -> str:
-        """``slurm job 1234 (RUNNING)``."""
-        return f"{self.request.scheduler} job {self.id or '(not yet submitted)'} ({self.state})"
+        """``slurm job 1234 (RUNNING)``; a pending one with the scheduler's reason: ``(PENDING: PartitionNodeLimit)``
+        (a request the partition cannot hold stays pending in Slurm: its reason is what says so)."""
+        why = f": {self.detail}" if self.state == "PENDING" and self.detail not in ("", "None") else ""
+        return f"{self.request.scheduler} job {self.id or '(not yet submitted)'} ({self.state}{why})"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

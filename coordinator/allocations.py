@@ -182,6 +182,7 @@ class Allocations:
                     self._losses.pop(job.id, None)   # the allocation's end is the reason, not its nodes'
                     self._held_since.pop(job.id, None)
                     self._ended(job)
+            self._schedule()   # a pending job's reason shows what the scheduler now says (its pending reason)
         if job.id in self._losses and not job.allocation.ended \
                 and self._clock() - self._held_since.get(job.id, 0.0) < LOSS_GRACE_S:
             self._watched[key] = 0.0   # it may still end: ask again at the next due

@@ -124,7 +124,8 @@ def summary_to_pb(s: "JobSummary") -> pb.JobSummary:
 def job_summary_pb(job: JobRecord) -> pb.Job:
     """A job for lists: no ranks, no result, no node list (their size grows with the job)."""
     msg = pb.Job(id=job.id, name=job.name, state=job_state(job.state), reason=job.reason, attempt=job.attempt,
-                 world_size=job.world_size, kind=job.kind, spec=to_struct(public_spec(job.spec.to_dict())))
+                 world_size=job.world_size, kind=job.kind, spec=to_struct(public_spec(job.spec.to_dict())),
+                 node_count=len(job.nodes))
     stamp(msg.create_time, job.created_at)
     stamp(msg.finish_time, job.finished_at)
     if job.allocation is not None:

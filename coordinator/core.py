@@ -220,7 +220,7 @@ class Coordinator:
         job = self.book.get(id_or_name)
         if not is_terminal(job.state):
             with self._guard.consistent():
-                self._restarts.finish(job, S.CANCELLED, f"cancelled: {reason}" if reason else "cancelled by user")
+                self._restarts.finish(job, S.CANCELLED, cancel_reason(reason))
         return job
 
     def node_views(self) -> list[tuple[NodeSession, int]]:
@@ -359,3 +359,11 @@ class Coordinator:
         self._sessions.settle()
         self._advancer.settle()
         self._scheduler.catch_up()
+
+
+def cancel_reason(reason: str) -> str:
+    """A cancelled job's reason: ``cancelled: REASON`` (a reason that already says "cancelled" as it is, so an older
+    ctl's default "cancelled by user" is not "cancelled: cancelled by user"), "cancelled by user" for none."""
+    if not reason:
+        return "cancelled by user"
+    return reason if reason.lower().startswith("cancelled") else f"cancelled: {reason}"

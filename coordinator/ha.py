@@ -20,7 +20,7 @@ import structlog
 
 from rankctl.coordinator.etcd import Etcd, Unreachable, prefix_end
 from rankctl.coordinator.journal import Journal
-from rankctl.coordinator.leadership import Leadership, Member
+from rankctl.coordinator.leadership import Leadership, Member, store_problem
 from rankctl.coordinator.store import Store, replicated
 
 log = structlog.get_logger("rankctl.coordinator")
@@ -126,7 +126,7 @@ class HighAvailability:
                 break
             except (Unreachable, grpc.RpcError) as exc:
                 log.warning("store.load_failed", error=str(exc))
-                self.leadership.problem = str(exc)  # ctl info and the standby's refusals say why
+                self.leadership.problem = store_problem(exc)  # ctl info and the standby's refusals say why
                 await asyncio.sleep(RETRY_S)
         self._revision = loaded.revision
         self.journal.seq = loaded.seq

@@ -32,6 +32,13 @@ POLL_S = 0.25
 MARGIN_S = 0.5
 
 
+def store_problem(exc: Exception) -> str:
+    """What ``ctl info`` and a standby's refusals say when etcd failed a call: one line, never a Python repr."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"etcd answered {exc.code().name}: {exc.details()}"
+    return str(exc)
+
+
 @dataclass(frozen=True)
 class Member:
     id: str
@@ -94,7 +101,7 @@ class Leadership:
                     self.problem = ""
                     self._on_change()
             except (Unreachable, grpc.RpcError) as exc:
-                problem = str(exc) if isinstance(exc, Unreachable) else f"etcd answered {exc.code().name}: {exc.details()}"
+                problem = store_problem(exc)
                 if problem != self.problem:
                     log.warning("store.unreachable", error=problem)
                     self.problem = problem

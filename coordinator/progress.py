@@ -184,8 +184,10 @@ class JobProgress:
             self.skew = ComputeSkew(self.world_size, stride, pp, node_of)
         self.skew.sample(rank, compute_s)
 
-    def moved(self, old: RankRecord | None, new: RankRecord) -> int | None:
-        """Account for one rank going from ``old`` (None: never reported) to ``new``.
+    def moved(self, old: RankRecord | None, new: RankRecord, stopped: bool = False) -> int | None:
+        """Account for one rank going from ``old`` (None: never reported) to ``new``; ``stopped``: its exit is its
+        daemon's stop on the coordinator's request after the attempt ended (a cancel): counted neither failed nor
+        exited 0.
 
         Returns the new slowest step when it advanced (a job-level step event is due), else None.
         """
@@ -202,7 +204,9 @@ class JobProgress:
         self.running += (n_run and not new.exited) - (o_run and not o_exited)
         if new.exited and not o_exited:
             self.exited += 1
-            if is_failed(new):
+            if stopped:
+                pass
+            elif is_failed(new):
                 self.failed[new.rank] = new
                 heapq.heappush(self._failed_heap, new.rank)
                 heapq.heappush(self._causes, (failure_weight(new), new.rank))

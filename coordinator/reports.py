@@ -17,7 +17,7 @@ from typing import Callable, ContextManager, Sequence
 import structlog
 
 from rankctl.contract.preflight import line as preflight_line
-from rankctl.contract.rankstatus import NOTICE_CHARS
+from rankctl.contract.rankstatus import NOTICE_CHARS, STOPPED
 from rankctl.coordinator import rankbounds as bounds
 from rankctl.coordinator.convert import update_seconds
 from rankctl.coordinator.jobs import JobBook
@@ -182,7 +182,8 @@ class ReportApplier:
             progress.pace.process(new.rank, new.process)
         if step != (old.step if old else 0):
             progress.step_figures(step, st, rank)
-        self._stepped(job, progress, progress.moved(old, new))
+        stopped = new.exited and job.state not in LIVE and new.error.startswith(STOPPED)   # a cancel's, not a failure
+        self._stepped(job, progress, progress.moved(old, new, stopped))
         if new.exited and job.state is JobState.RESTARTING:
             ranks[rank] = new   # memory only: the next attempt's placement clears the rows (``start_ranks``)
         else:

@@ -139,7 +139,7 @@ class Scheduler:
         try:
             names = self._place_elastic(job, slots)
         except PlacementError as exc:
-            if job.allocation is not None:
+            if job.allocation is not None:   # (the scheduler's own reason, when it says one, in ``describe``)
                 return (f"waiting for the workers of its allocation, {job.allocation.describe()}: "
                         f"{len(slots)} of {job.nodes_needed} node(s) ready")
             shown = "; ".join(f"{name} {why}" for name, why in sorted(blocked.items())[:8])

@@ -45,8 +45,14 @@ def loss_tables(result: dict[str, Any], rows_table: Callable) -> list[tuple[str 
     for key in ("losses", "val_losses"):
         value = result.get(key)
         if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
-            out.append((key, rows_table(f"{key.replace('_', ' ')} ({len(value)} steps)", sample(value, SAMPLED_ROWS))))
+            rows = [_step_first(r) for r in sample(value, SAMPLED_ROWS)]   # a Struct's keys come in any order
+            out.append((key, rows_table(f"{key.replace('_', ' ')} ({len(value)} steps)", rows)))
     return out
+
+
+def _step_first(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with ``step`` first and the rest by name: the same columns in the same order on every call."""
+    return {**({"step": row["step"]} if "step" in row else {}), **{k: row[k] for k in sorted(row) if k != "step"}}
 
 
 def sample(rows: list, n: int) -> list:

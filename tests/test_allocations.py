@@ -210,3 +210,15 @@ def test_an_ended_jobs_rank_logs_are_kept_and_read_back_as_a_node_would_answer(w
     assert archive.chunk(job.id, job.attempt, 2, 0, 0) is None                # its node could not be asked
     monkeypatch.setattr(logarchive, "JOB_BYTES", 30_000)
     assert asyncio.run(LogArchive(tmp_path / "small").take(Fetcher(), job, world.clock)) == 1   # past the budget
+
+
+def test_a_pending_allocation_shows_the_schedulers_reason_in_the_jobs(world: World) -> None:
+    """A request the partition cannot hold stays PENDING in Slurm (PartitionNodeLimit): the job read "waiting for the
+    workers of its allocation, slurm job (not yet submitted) (REQUESTING)" for minutes (an outside probe)."""
+    job = submitted(world, spares=5)
+    answer_request(world, job)
+    world.clock.t += 10
+    (work,) = world.core.allocations.due()
+    world.core.allocations.seen(work, Seen("PENDING", (), "PartitionNodeLimit"))
+    assert job.state is S.PENDING
+    assert "slurm job 77 (PENDING: PartitionNodeLimit): 0 of 2 node(s) ready" in job.reason, job.reason

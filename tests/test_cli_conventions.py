@@ -578,3 +578,31 @@ def test_addresses_and_numbers_ctl_cannot_send_are_refused_before_any_call(args:
     assert "Traceback" not in res.output and "internal error" not in res.output
     for w in words:
         assert w in res.output, (w, res.output)
+
+
+def test_the_losses_table_has_step_first_whatever_order_the_wire_gave() -> None:
+    """A result's rows come from a protobuf Struct, whose keys come in any order: `ctl status` showed `loss | step`
+    on one call and `step | loss` on the next (an outside probe)."""
+    from rankctl.cli.render import rows_table
+    from rankctl.kinds.common import loss_tables
+
+    for rows in ([{"loss": 2.5, "step": 1}], [{"step": 1, "loss": 2.5}], [{"tokens": 3, "loss": 2.5, "step": 1}]):
+        (_, table), = loss_tables({"losses": rows}, rows_table)
+        assert [c.header for c in table.columns][:2] == ["step", "loss"], rows
+
+
+def test_jobs_wide_shows_how_many_nodes_a_listed_job_runs_on() -> None:
+    """ListJobs names no nodes (its pages stay bounded): `ctl jobs -o wide` showed '-' for every job (a probe)."""
+    from rankctl.cli.jobs import _job_row
+    from rankctl.cli.render import job_to_dict
+    from rankctl.coordinator.convert import job_summary_pb
+    from rankctl.coordinator.records import JobRecord
+    from rankctl.coordinator.states import JobState
+    from rankctl.kinds.spec import build_spec
+
+    job = JobRecord(id="cc-0a1b2c", name="cc", kind="comm-check", spec=build_spec({"name": "cc"}),
+                    state=JobState.RUNNING, reason="", world_size=4, slots_per_node=2, created_at=0.0,
+                    nodes=["n1", "n2"])
+    listed = job_to_dict(job_summary_pb(job))
+    assert listed["nodes"] == [] and listed["node_count"] == 2
+    assert _job_row(listed, wide=True)["nodes"] == "2"

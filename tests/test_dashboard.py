@@ -182,6 +182,15 @@ def test_metrics_answer_503_until_the_module_exists(tmp_path: Path, monkeypatch:
     serve(test, tmp_path)
 
 
+def test_head_is_answered_wherever_get_is(tmp_path: Path) -> None:
+    """`curl -I /metrics` got 405 Method Not Allowed (an outside probe; HTTP requires HEAD where GET is served)."""
+    async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
+        for path in ("/metrics", "/", "/nodes"):
+            async with s.head(coord.http_url + path) as r:
+                assert r.status == 200 and await r.read() == b"", path
+    serve(test, tmp_path)
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pki")

@@ -93,8 +93,16 @@ def test_cancel_stops_every_rank(cluster: ProcCluster) -> None:
     out = ctl(cluster.address, "cancel", job)
     assert out.returncode == 0, out.stderr
     st = cluster.wait_state(job, {"CANCELLED"}, 10)
-    assert st["reason"]
+    assert st["reason"] == "cancelled by user", st["reason"]   # was "cancelled: cancelled by user"
     wait_for(lambda: not rank_pids(job), 15, "every rank of the cancelled job to exit")
+    # the ranks the cancel stopped are not failures (an outside probe saw "failed 8 of 8", each "killed by SIGTERM
+    # (its log's last lines above)" with no lines above)
+    wait_for(lambda: status(cluster.address, job)["summary"]["exited"] == 8, 15, "every rank's exit reported")
+    st = status(cluster.address, job)
+    assert st["summary"]["failed"] == 0 and not st["summary"]["failing"], st["summary"]
+    assert {r["error"] for r in st["ranks"]} == {"stopped: cancelled by user"}, st["ranks"]
+    again = ctl(cluster.address, "cancel", job)
+    assert again.returncode == 0 and "nothing to cancel" not in again.stderr      # cancelled already: as asked
 
 
 def test_coordinator_restart_mid_job(cluster: ProcCluster) -> None:

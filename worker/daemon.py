@@ -127,8 +127,10 @@ class WorkerDaemon:
         self._log.info("cancel", job=msg.job_id, attempt=msg.attempt, reason=msg.reason)
         self.inplace.cancel(msg)
         live = self.runs.live_attempts(msg.job_id)
+        newer = msg.attempt and any(a > msg.attempt for a in live)
+        self.runs.stopping(msg.job_id, [a for a in live if a <= msg.attempt] if newer else None, msg.reason)
         try:
-            if msg.attempt and any(a > msg.attempt for a in live):
+            if newer:
                 for attempt in (a for a in live if a <= msg.attempt):
                     await self.supervisor.kill(msg.job_id, attempt)
             else:

@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from rankctl.contract.rankfiles import write_control
-from rankctl.contract.rankstatus import RankStatusRecord
+from rankctl.contract.rankstatus import STOPPED, RankStatusRecord
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker import shm
 from rankctl.worker.outbox import Outbox
@@ -60,6 +60,13 @@ class Runs:
     def live_attempts(self, job_id: str) -> list[int]:
         """The job's attempts with live ranks here."""
         return sorted(r.attempt for r in self._runs.values() if r.job_id == job_id and r.alive)
+
+    def stopping(self, job_id: str, attempts: list[int] | None, reason: str) -> None:
+        """The coordinator asked to stop the job's ranks (of ``attempts``; None: every attempt here): their exits
+        say ``stopped: REASON`` instead of a signal and a log tail that explain nothing."""
+        for run in self._runs.values():
+            if run.job_id == job_id and (attempts is None or run.attempt in attempts):
+                run.stop_reason = reason or "cancelled"
 
     def supersede(self, job_id: str, before: int) -> list[RunState]:
         """A newer attempt ``before`` of the job is assigned here (a restart in place): its older runs with live
@@ -143,8 +150,10 @@ class Runs:
         self._read_status_lines(run)  # status lines written before the exit go first
         code = exit_code(ev)
         leftovers = int(ev.get("leftovers_killed") or 0)
-        notes = ["\n".join(ev.get("log_tail") or [])] if code != 0 else []
-        if code < -1:   # the log's last line is whatever the rank printed before the signal: say what ended it
+        notes = ["\n".join(ev.get("log_tail") or [])] if code != 0 and not run.stop_reason else []
+        if code != 0 and run.stop_reason:   # stopped on the coordinator's request (a Cancel): no failure of its own
+            notes.append(f"{STOPPED}{run.stop_reason}")
+        elif code < -1:  # the log's last line is whatever the rank printed before the signal: say what ended it
             notes.append(f"rankctl: rank {rank} ended: {how_ended(code)} (its log's last lines above)")
         if leftovers:
             notes.append(f"rankctl: {leftovers} leftover process(es) of rank {rank} still ran after it ended; "

@@ -35,6 +35,7 @@ class RunState:
     workdir_blob: str = ""                               # the shipped workdir its ranks run in (pinned in the cache)
     assigned_at: float = field(default_factory=time.monotonic)
     superseded: bool = False                             # a newer attempt's Assign came: stopped, reported no more
+    stop_reason: str = ""                                # the coordinator's Cancel stops it: why (its ranks' exits say)
 
     def starting(self) -> bool:
         """Some rank is on its way to running, within ``FAST_POLL_S`` of the assignment (a long rendezvous

@@ -225,7 +225,10 @@ def build_app(dash: Dashboard, tls: bool, revocations: Any = None) -> web.Applic
         ("GET", "/static/{name}", dash.static, ANY_CERT),
     ]
     for verb, path, handler, method in routes:
-        app.router.add_route(verb, path, guarded(method, tls, _answers(handler), revocations))
+        route = guarded(method, tls, _answers(handler), revocations)
+        app.router.add_route(verb, path, route)
+        if verb == "GET":   # HTTP: a server that answers GET answers HEAD (aiohttp sends the head, no body)
+            app.router.add_route("HEAD", path, route)
     return app
 
 
