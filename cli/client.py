@@ -335,8 +335,13 @@ class _Following:
         yield from it
 
     def _follow(self, attempt):  # noqa: ANN001, ANN202
+        """``attempt()`` on the leader: a refusal naming another moves there, else the next address; after a round of
+        every address, again for ``NO_LEADER_WAIT_S``. A round that itself took half of that (a member that stood
+        still through the call: SIGSTOP, a frozen host) earns one more wait: the others may lead by now (a submit
+        caught in a stopped leader said "no coordinator leads" while the standby had led for 9 s)."""
         client, end = self._client, time.monotonic() + NO_LEADER_WAIT_S
         tried: set[str] = set()
+        began, extended = time.monotonic(), False
         while True:
             try:
                 return attempt()
@@ -352,10 +357,14 @@ class _Following:
                 if rest:
                     client.switch(rest[0])
                     continue
-                if time.monotonic() > end:
-                    raise
+                now = time.monotonic()
+                if now > end:
+                    if extended or now - began < NO_LEADER_WAIT_S / 2:
+                        raise
+                    extended, end = True, now + NO_LEADER_WAIT_S
                 time.sleep(0.25)
                 tried.clear()
+                began = time.monotonic()
 
 
 def _started(it: Iterator) -> Iterator:

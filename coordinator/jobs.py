@@ -265,6 +265,24 @@ class JobBook:
             self.store.put_rank(job.id, r)
         self.ranks(job.id)[r.rank] = r
 
+    def ranks_gone(self, job: JobRecord, node: str, why: str) -> None:
+        """The ranks of ``node`` in the job's attempt that never reported an exit are recorded exited (code -1,
+        ``why``; failed): their node is gone and will not say. Rows only for a terminal job (a RESTARTING one's
+        next placement clears them, as its other exits). O(slots)."""
+        ranks, progress, now = self.ranks(job.id), self.progress(job), self.clock()
+        for rank in job.ranks_on(node):
+            old = ranks.get(rank)
+            if old is not None and old.exited:
+                continue
+            new = RankRecord(rank=rank, node=node, phase="exited", step=old.step if old else 0, exited=True,
+                             exit_code=-1, error=why, updated_at=now,
+                             metrics_json=old.metrics_json if old else "")
+            progress.moved(old, new)
+            if job.state is JobState.RESTARTING:
+                ranks[rank] = new
+            else:
+                self.put_rank(job, new)
+
     def put_ranks(self, job: JobRecord, records: list[RankRecord]) -> None:
         """``put_rank`` of each of ``records`` (a node's ranks starting alike: ``ReportApplier._start_range``)."""
         ranks, rows, job_id = self.ranks(job.id), self._rows, job.id

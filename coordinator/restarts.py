@@ -200,10 +200,13 @@ class Restarts:
 
     # -- nodes that go away -----------------------------------------------------------------
     def node_lost(self, name: str, detail: str) -> None:
-        """Every active job with ranks on the lost node ``name`` fails its attempt (a drained one moves)."""
-        self._stops.node_gone(name)
-        for job in self._book.active():
-            if not job.runs_on(name) or job.state is S.RESTARTING:
+        """Every active job with ranks on the lost node ``name`` fails its attempt (a drained one moves); then the
+        node's ranks that never said they exited, of those jobs and of ended attempts still stopping, are recorded
+        gone with it (a failed job showed them running for ever)."""
+        stopping = self._stops.node_gone(name)
+        touched = [job for job in self._book.active() if job.runs_on(name)]
+        for job in touched:
+            if job.state is S.RESTARTING:
                 continue  # a restart's stop is checked below: the node's ranks there are gone too
             gone = _gone(job.ranks_on(name))
             if name in self._nodes.draining:  # drained, then taken away: still no failure
@@ -211,6 +214,9 @@ class Restarts:
             elif not (job.pool and self.hold_loss is not None and self.hold_loss(job, name, f"node {name} lost "
                                                                                        f"({detail}); {gone}")):
                 self.fail_attempt(job, f"node {name} lost ({detail}); {gone}", node=name)
+        for job in {j.id: j for j in touched + stopping}.values():
+            if job.state not in (S.PLACED, S.STARTING, S.RUNNING):   # (a held loss waits for its allocation)
+                self._book.ranks_gone(job, name, f"gone with node {name} (lost: {detail})")
         self.check_stops()
 
     def node_back_without(self, job: JobRecord, name: str, missing: list[int]) -> None:

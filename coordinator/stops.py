@@ -88,10 +88,14 @@ class Stops:
                 jobs.append(job)
         return jobs
 
-    def node_gone(self, name: str) -> None:
-        """``name`` is lost (or came back without its ranks): its ranks count as gone in every stop."""
+    def node_gone(self, name: str) -> list[JobRecord]:
+        """``name`` is lost (or came back without its ranks): its ranks count as gone in every stop; the jobs of
+        those stops."""
+        jobs = []
         for job, k, _ in self._on_node(name):
             self._stops[job.id].gone.add(k)
+            jobs.append(job)
+        return jobs
 
     def node_back(self, name: str, listed: Iterable[tuple[str, int]]) -> list[JobRecord]:
         """Node ``name`` registered listing (job, attempt) pairs: a stopping attempt it does not list counts

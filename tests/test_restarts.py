@@ -271,3 +271,31 @@ def test_a_pre_flight_that_excludes_a_node_ends_the_attempt_as_soon_as_it_is_rep
     world.core.flush()
     assert job.state is S.RESTARTING and job.reason.startswith("attempt 1 failed: pre-flight: node n1: its link is "
                                                                 "slow; it is excluded from this job"), job.reason
+
+
+def test_the_ranks_of_a_lost_node_are_recorded_gone_not_running_for_ever(world: World) -> None:
+    """A job failed by a lost node (or by its allocation's end, then its workers vanishing) showed the node's ranks
+    `running` for good: nothing will ever report them exited (an outside probe, `ctl status` 15 s after the end)."""
+    world.connect("n0"), world.connect("n1")
+    job = world.core.submit(job_yaml(0))
+    for r in range(4):
+        world.report(job.id, r, "running")
+    world.core.disconnect(world.nodes["n1"].session, "stream closed")
+    assert job.state is S.FAILED
+    exit_all(world, job, "n0", code=-15)                      # n0 confirms its stop
+    s = world.core.summary(job.id)
+    assert (s.phases, s.running, s.exited) == ({"exited": 4}, 0, 4), s
+    gone = {r.rank: r for r in world.core.book.rank_page(job, 0, 4)}
+    assert [gone[r].error for r in (2, 3)] == ["gone with node n1 (lost: stream closed)"] * 2
+    assert {r: (x.phase, x.exited) for r, x in world.store.ranks(job.id).items() if r in (2, 3)} == \
+        {2: ("exited", True), 3: ("exited", True)}            # stored: a restarted coordinator says the same
+    # a job cancelled whose node is lost before it confirmed its ranks stopped
+    world.connect("n1")
+    second = world.core.submit(job_yaml(0))
+    for r in range(4):
+        world.report(second.id, r, "running")
+    world.core.cancel(second.id)
+    exit_all(world, second, second.nodes[0], code=-15)
+    world.core.disconnect(world.nodes[second.nodes[1]].session, "stream closed")
+    s = world.core.summary(second.id)
+    assert s.running == 0 and s.exited == 4, s
