@@ -113,8 +113,9 @@ class Allocation:
 
     def describe(self) -> str:
         """``slurm job 1234 (RUNNING)``; a pending one with the scheduler's reason: ``(PENDING: PartitionNodeLimit)``
-        (a request the partition cannot hold stays pending in Slurm: its reason is what says so)."""
-        why = f": {self.detail}" if self.state == "PENDING" and self.detail not in ("", "None") else ""
+        (a request the partition cannot hold stays pending in Slurm: its reason is what says so), one not yet
+        submitted with why (``(REQUESTING: sbatch could not reach the Slurm controller: ...)``)."""
+        why = f": {self.detail}" if self.state in ("PENDING", REQUESTING) and self.detail not in ("", "None") else ""
         return f"{self.request.scheduler} job {self.id or '(not yet submitted)'} ({self.state}{why})"
 
     def to_dict(self) -> dict[str, Any]:

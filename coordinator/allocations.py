@@ -126,6 +126,8 @@ class Allocations:
                 if is_terminal(job.state):
                     self._set(job, replace(a, state=NOT_SUBMITTED))
                     continue
+                if key in self._watched and now - self._watched[key] < WATCH_S:
+                    continue   # the last request could not be made (``failed_call``): again every WATCH_S
                 work = Work("request", job.id, a, Ask(job.id, job.name, a, self.nodes_of(job),
                                                      job.slots_per_node, self.address, tls=self.tls))
             elif a.ended:
@@ -154,7 +156,7 @@ class Allocations:
             return
         a = job.allocation
         with self._guard.consistent():
-            self._set(job, replace(a, id=allocation_id, output=output, state="PENDING"))
+            self._set(job, replace(a, id=allocation_id, output=output, state="PENDING", detail=""))
             self._book.event(job, "allocation", f"asked {a.request.scheduler} for {self.nodes_of(job)} node(s): "
                                                 f"job {allocation_id}, batch output {output}")
         log.info("allocation.requested", job=job.id, pool=a.pool, id=allocation_id)
@@ -232,6 +234,10 @@ class Allocations:
         job = self._answered(work)
         if job is not None and work.action == "watch":
             self._fail_held(job)   # the scheduler did not answer: a lost node is a lost node
+        elif job is not None and work.action == "request" and not is_terminal(job.state):
+            with self._guard.consistent():   # why it is not asked yet, in the job's reason (``Allocation.describe``)
+                self._set(job, replace(job.allocation, detail=f"{error[:300]}; asked again every {WATCH_S:g} s"))
+            self._schedule()
 
     # -- nodes ------------------------------------------------------------------------------------
     def gathering(self, job: JobRecord, ready: int) -> str | None:

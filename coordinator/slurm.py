@@ -125,7 +125,10 @@ class SlurmAllocator:
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise AllocationRefused(f"sbatch could not run: {exc}") from None
         if done.returncode != 0:
-            raise AllocationRefused(f"sbatch exited {done.returncode}: {done.stderr.strip()[-500:]}")
+            words = done.stderr.strip()[-500:]
+            if unreachable(words):   # a controller restarting or busy: asked again, not a refusal (OSError)
+                raise OSError(f"sbatch could not reach the Slurm controller: {words}")
+            raise AllocationRefused(f"sbatch exited {done.returncode}: {words}")
         return done.stdout.strip().split(";")[0], output
 
     def state(self, allocation: Allocation) -> Seen:
@@ -144,6 +147,18 @@ class SlurmAllocator:
     def release(self, allocation: Allocation) -> None:
         if allocation.id:
             _run(["scancel", allocation.id])
+
+
+# sbatch's words when the controller could not be reached or could not take a job now (slurmctld restarting, failing
+# over, overloaded): the request is made again; a job failed on them for good (an outside probe stopped slurmctld)
+UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "temporarily unable to accept job",
+               "connection refused", "transport endpoint is not connected", "zero bytes were transmitted")
+
+
+def unreachable(words: str) -> bool:
+    """Whether sbatch's error says the controller was not reached (or was busy), not that it refused the job."""
+    low = words.lower()
+    return any(w in low for w in UNREACHABLE)
 
 
 @functools.lru_cache(maxsize=256)   # a watch asks every 5 s; an allocation's node list does not change

@@ -222,3 +222,24 @@ def test_a_pending_allocation_shows_the_schedulers_reason_in_the_jobs(world: Wor
     world.core.allocations.seen(work, Seen("PENDING", (), "PartitionNodeLimit"))
     assert job.state is S.PENDING
     assert "slurm job 77 (PENDING: PartitionNodeLimit): 0 of 2 node(s) ready" in job.reason, job.reason
+
+
+def test_a_controller_that_cannot_be_reached_is_asked_again_not_taken_for_a_refusal(world: World) -> None:
+    """slurmctld down for a moment failed the job for good: "slurm refused its allocation: ... Unable to contact slurm
+    controller" (an outside probe). Such words are an unanswered call: the request is made again every WATCH_S."""
+    from rankctl.coordinator.allocations import WATCH_S
+    from rankctl.coordinator.slurm import unreachable
+
+    assert unreachable("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect "
+                       "failure)") and unreachable("sbatch: error: Slurm temporarily unable to accept job, sleeping")
+    assert not unreachable("sbatch: error: Batch job submission failed: Invalid partition name specified")
+    job = submitted(world)
+    (work,) = world.core.allocations.due()
+    world.core.allocations.failed_call(work, "OSError: sbatch could not reach the Slurm controller: Unable to "
+                                             "contact slurm controller (connect failure)")
+    assert job.state is S.PENDING
+    assert "(REQUESTING: OSError: sbatch could not reach the Slurm controller" in job.reason, job.reason
+    assert world.core.allocations.due() == []                        # not again at once
+    world.clock.t += WATCH_S
+    answer_request(world, job)                                       # asked again, and answered this time
+    assert job.state is S.PENDING and job.allocation.id == "77" and job.allocation.detail == ""
