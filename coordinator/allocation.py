@@ -12,12 +12,14 @@ the adapter off the event loop.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 SCHEDULERS = ("slurm",)
 MAX_SPARES = 1024
 # the scheduler's states in which an allocation's workers run no more (Slurm's names; GONE: it forgot the job)
+SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|unlimited|infinite", re.IGNORECASE)   # sbatch --time
 REQUESTING = "REQUESTING"   # asked for, no answer from the scheduler yet
 UNAVAILABLE = "UNAVAILABLE"  # the scheduler refused it (sbatch failed): the job fails with its words
 NOT_SUBMITTED = "NOT_SUBMITTED"  # the job ended before the allocation was asked for
@@ -55,6 +57,13 @@ class AllocationRequest:
             value = getattr(self, name)
             if len(value) > 200 or any(c in value for c in "\n\r\0"):
                 out.append(f"--{name} (got {value[:40]!r}): at most 200 characters on one line")
+        for name in ("partition", "account", "qos"):   # a directive's value: a space cuts it (sbatch: "Invalid
+            value = getattr(self, name)                  # directive found in batch script")
+            if any(c.isspace() for c in value):
+                out.append(f"--{name} (got {value[:40]!r}): a Slurm {name} name holds no spaces (several: a,b)")
+        if self.time and not SLURM_TIME.fullmatch(self.time):
+            out.append(f"--time (got {self.time[:40]!r}): a Slurm time limit: MINUTES, MINUTES:SECONDS, "
+                       "HOURS:MINUTES:SECONDS, DAYS-HOURS[:MINUTES[:SECONDS]] or UNLIMITED")
         for option, args in (("--sbatch-arg", self.extra_args), ("--worker-arg", self.worker_args)):
             for arg in args:
                 if len(arg) > 1000 or any(c in arg for c in "\n\r\0"):

@@ -3,6 +3,8 @@ nodes and the answers an ``Allocator`` would bring back, and the Slurm adapter's
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,16 @@ def test_a_request_names_each_bad_field_and_stores_nothing(world: World) -> None
         world.core.submit_spec(spec, allocation=bad)
     text = str(err.value)
     assert "--spares (got -1)" in text and "--partition" in text and "--worker-state-dir" in text, text
+    assert world.core.list() == []
+    # sbatch refused these only once the job was stored (an outside probe): refused at submit, naming the rule
+    for bad, words in ((AllocationRequest(partition="a b"), "--partition (got 'a b'): a Slurm partition name holds "
+                                                            "no spaces"),
+                       (AllocationRequest(time="two hours"), "--time (got 'two hours'): a Slurm time limit"),
+                       (AllocationRequest(time="1:00:00:00"), "--time (got '1:00:00:00')")):
+        with pytest.raises(InvalidRequest, match=re.escape(words)):
+            world.core.submit_spec(spec, allocation=bad)
+    for good in ("30", "30:00", "1:00:00", "2-0", "2-12:30", "2-12:30:00", "UNLIMITED"):
+        assert not AllocationRequest(time=good, partition="gpu,cpu").problems(), good
     assert world.core.list() == []
 
 
