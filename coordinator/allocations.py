@@ -235,9 +235,11 @@ class Allocations:
         if job is not None and work.action == "watch":
             self._fail_held(job)   # the scheduler did not answer: a lost node is a lost node
         elif job is not None and work.action == "request" and not is_terminal(job.state):
-            with self._guard.consistent():   # why it is not asked yet, in the job's reason (``Allocation.describe``)
-                self._set(job, replace(job.allocation, detail=f"{error[:300]}; asked again every {WATCH_S:g} s"))
-            self._schedule()
+            detail = f"{error[:300]}; asked again every {WATCH_S:g} s"
+            if detail != job.allocation.detail:   # why it is not asked yet, in the job's reason (``describe``)
+                with self._guard.consistent():
+                    self._set(job, replace(job.allocation, detail=detail))
+                self._schedule()
 
     # -- nodes ------------------------------------------------------------------------------------
     def gathering(self, job: JobRecord, ready: int) -> str | None:

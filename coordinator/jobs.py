@@ -267,8 +267,7 @@ class JobBook:
 
     def ranks_gone(self, job: JobRecord, node: str, why: str) -> None:
         """The ranks of ``node`` in the job's attempt that never reported an exit are recorded exited (code -1,
-        ``why``; failed): their node is gone and will not say. Rows only for a terminal job (a RESTARTING one's
-        next placement clears them, as its other exits). O(slots)."""
+        ``why``; failed): their node is gone and will not say (``put_exit``). O(slots)."""
         ranks, progress, now = self.ranks(job.id), self.progress(job), self.clock()
         for rank in job.ranks_on(node):
             old = ranks.get(rank)
@@ -278,10 +277,15 @@ class JobBook:
                              exit_code=-1, error=why, updated_at=now,
                              metrics_json=old.metrics_json if old else "")
             progress.moved(old, new)
-            if job.state is JobState.RESTARTING:
-                ranks[rank] = new
-            else:
-                self.put_rank(job, new)
+            self.put_exit(job, new)
+
+    def put_exit(self, job: JobRecord, r: RankRecord) -> None:
+        """A rank's exit: ``put_rank``, but in memory only while the job is RESTARTING (the next attempt's placement
+        clears its rows: ``start_ranks``)."""
+        if job.state is JobState.RESTARTING:
+            self.ranks(job.id)[r.rank] = r
+        else:
+            self.put_rank(job, r)
 
     def put_ranks(self, job: JobRecord, records: list[RankRecord]) -> None:
         """``put_rank`` of each of ``records`` (a node's ranks starting alike: ``ReportApplier._start_range``)."""

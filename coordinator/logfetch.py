@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from rankctl.coordinator.errors import InvalidRequest, ProtocolError
+from rankctl.coordinator.nodes import NodeStatus
 from rankctl.coordinator.states import is_terminal
 from rankctl.parallel.placement import node_of_rank
 from rankctl.proto import rankctl_pb2 as pb
@@ -146,7 +147,7 @@ class _Reading:
 
     def _connected(self, node: str | None) -> bool:
         session = self.core.nodes.get(node) if node is not None else None
-        return session is not None and getattr(session.status, "value", session.status) == "READY"
+        return session is not None and session.status == NodeStatus.READY
 
     async def first(self, rank: int) -> pb.LogChunk | LogsUnavailable:
         """The rank's first chunk of a pass."""

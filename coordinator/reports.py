@@ -26,13 +26,12 @@ from rankctl.coordinator.preflight import parse as parse_preflight
 from rankctl.coordinator.progress import JobProgress, rank_span
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
 from rankctl.coordinator.skew import SLOW_EVENTS, SlowRank
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.states import LIVE
 from rankctl.parallel.placement import node_of_rank
 from rankctl.proto import rankctl_pb2 as pb
 
 log = structlog.get_logger("rankctl.coordinator")
 ROUTINE_EVENTS_MAX_WORLD = 256  # above this, routine per-rank phase changes get no event of their own
-LIVE = (JobState.PLACED, JobState.STARTING, JobState.RUNNING)   # a large job's rank exits are news only then
 Report = RankUpdate | pb.RankReport
 
 
@@ -184,8 +183,8 @@ class ReportApplier:
             progress.step_figures(step, st, rank)
         stopped = new.exited and job.state not in LIVE and new.error.startswith(STOPPED)   # a cancel's, not a failure
         self._stepped(job, progress, progress.moved(old, new, stopped))
-        if new.exited and job.state is JobState.RESTARTING:
-            ranks[rank] = new   # memory only: the next attempt's placement clears the rows (``start_ranks``)
+        if new.exited:
+            self._book.put_exit(job, new)
         else:
             self._book.put_rank(job, new)
         if job.world_size <= ROUTINE_EVENTS_MAX_WORLD or (

@@ -31,7 +31,7 @@ from rankctl.coordinator.restart_decision import (
     AttemptFacts, Decision, Fail, Failure, JobFacts, Requeue, Restart, StopFacts, Wait, decide,
 )
 from rankctl.coordinator.scheduler import Scheduler
-from rankctl.coordinator.states import JobState, is_terminal
+from rankctl.coordinator.states import LIVE, JobState, is_terminal
 from rankctl.coordinator.stats import CoordinatorStats
 from rankctl.coordinator.stops import Stops
 from rankctl.coordinator.store import Store
@@ -215,7 +215,7 @@ class Restarts:
                                                                                        f"({detail}); {gone}")):
                 self.fail_attempt(job, f"node {name} lost ({detail}); {gone}", node=name)
         for job in {j.id: j for j in touched + stopping}.values():
-            if job.state not in (S.PLACED, S.STARTING, S.RUNNING):   # (a held loss waits for its allocation)
+            if job.state not in LIVE:   # (a held loss waits for its allocation)
                 self._book.ranks_gone(job, name, f"gone with node {name} (lost: {detail})")
         self.check_stops()
 

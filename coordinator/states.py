@@ -42,6 +42,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 
 # states in which a job holds slots on its nodes
 ACTIVE: frozenset[JobState] = frozenset({S.PLACED, S.STARTING, S.RUNNING, S.RESTARTING})
+LIVE: frozenset[JobState] = ACTIVE - {S.RESTARTING}   # an attempt under way: its ranks' exits and failures are news
 
 
 class IllegalTransition(ValueError):

@@ -127,11 +127,13 @@ class WorkerDaemon:
         self._log.info("cancel", job=msg.job_id, attempt=msg.attempt, reason=msg.reason)
         self.inplace.cancel(msg)
         live = self.runs.live_attempts(msg.job_id)
-        newer = msg.attempt and any(a > msg.attempt for a in live)
-        self.runs.stopping(msg.job_id, [a for a in live if a <= msg.attempt] if newer else None, msg.reason)
+        # None: every attempt here; else only those up to the Cancel's (a newer one was assigned since)
+        attempts = [a for a in live if a <= msg.attempt] if msg.attempt and any(a > msg.attempt for a in live) \
+            else None
+        self.runs.stopping(msg.job_id, attempts, msg.reason)
         try:
-            if newer:
-                for attempt in (a for a in live if a <= msg.attempt):
+            if attempts is not None:
+                for attempt in attempts:
                     await self.supervisor.kill(msg.job_id, attempt)
             else:
                 await self.supervisor.kill(msg.job_id)

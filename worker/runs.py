@@ -150,11 +150,12 @@ class Runs:
         self._read_status_lines(run)  # status lines written before the exit go first
         code = exit_code(ev)
         leftovers = int(ev.get("leftovers_killed") or 0)
-        notes = ["\n".join(ev.get("log_tail") or [])] if code != 0 and not run.stop_reason else []
         if code != 0 and run.stop_reason:   # stopped on the coordinator's request (a Cancel): no failure of its own
-            notes.append(f"{STOPPED}{run.stop_reason}")
-        elif code < -1:  # the log's last line is whatever the rank printed before the signal: say what ended it
-            notes.append(f"rankctl: rank {rank} ended: {how_ended(code)} (its log's last lines above)")
+            notes = [f"{STOPPED}{run.stop_reason}"]
+        else:
+            notes = ["\n".join(ev.get("log_tail") or [])] if code != 0 else []
+            if code < -1:  # the log's last line is whatever the rank printed before the signal: say what ended it
+                notes.append(f"rankctl: rank {rank} ended: {how_ended(code)} (its log's last lines above)")
         if leftovers:
             notes.append(f"rankctl: {leftovers} leftover process(es) of rank {rank} still ran after it ended; "
                          "they were killed")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rankctl.contract.checkpoints import damage
+from rankctl.contract.checkpoints import first_damage
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train import reshard
 from rankctl.models.shard import shard_slice
@@ -33,7 +33,7 @@ def _newest_complete(root: str) -> tuple[int, dict[str, Any]]:
     for step, _, ms, complete in reshard.worlds(root, lambda m: True):
         if complete:
             identity = ms[0]["identity"]
-            why = next((w for r in reshard.sources(reshard.old_layout(identity)) if (w := damage(root, step, r))), "")
+            why = first_damage(root, step, reshard.sources(reshard.old_layout(identity)))
             if not why:
                 return step, identity
             damaged.append(f"step {step} is damaged ({why})")
@@ -60,7 +60,8 @@ def _from_state_dict(t: Any, path: str) -> None:
 
 def _from_checkpoint(t: Any, path: str, with_optimizer: bool, model: dict[str, Any]) -> int:
     base = os.path.basename(os.path.normpath(path))
-    if (match := _STEP_DIR.match(base)) is not None:
+    named = (match := _STEP_DIR.match(base)) is not None   # one step named: checked as it loads (a root's newest
+    if named:                                              # intact step was checked as it was chosen)
         root, step = os.path.dirname(os.path.normpath(path)), int(match.group(1))
         identity = next((m["identity"] for m in reshard.markers(root, step).values()
                          if isinstance(m.get("identity"), dict)), None)
@@ -73,7 +74,7 @@ def _from_checkpoint(t: Any, path: str, with_optimizer: bool, model: dict[str, A
         diffs = ckpt.differences({"model": identity.get("model")}, {"model": model})
         raise ValueError(f"train.init_from: {path} was written by another model ({'; '.join(diffs)})")
     try:
-        old = reshard.OldStates(root, step, identity, verify=True)
+        old = reshard.OldStates(root, step, identity, verify=named)
     except ValueError as exc:
         raise ValueError(f"train.init_from: {exc}") from None
     reshard.fill(t, old, with_optimizer)

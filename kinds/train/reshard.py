@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rankctl.contract.checkpoints import damage
+from rankctl.contract.checkpoints import first_damage
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.parallel.tensor import padded
@@ -110,7 +110,7 @@ def agree_reshard_step(root: str, identity: dict[str, Any], world_size: int, job
     for step, fp in sorted(common, reverse=True):
         marker = next(m for m in markers(root, step).values() if m.get("fingerprint") == fp)
         old_world, rank = int(marker["identity"]["world_size"]), dist.get_rank()
-        mine = next((why for r in range(rank, old_world, world_size) if (why := damage(root, step, r))), "")
+        mine = first_damage(root, step, range(rank, old_world, world_size))
         found: list[Any] = [None] * world_size
         dist.all_gather_object(found, mine)
         bad = [why for why in found if why]
@@ -185,9 +185,9 @@ class OldStates:
         """``verify``: check each file against its marker first (ValueError naming the damage)."""
         self.layout = old_layout(identity)
         self.states: dict[int, dict[str, Any]] = {}
+        if verify and (why := first_damage(root, step, sources(self.layout))):
+            raise ValueError(f"checkpoint step {step} under {root} is damaged: {why}")
         for r in sources(self.layout):
-            if verify and (why := damage(root, step, r)):
-                raise ValueError(f"checkpoint step {step} under {root} is damaged: {why}")
             self.states[r] = torch.load(ckpt.rank_file(root, step, r), map_location="cpu", weights_only=True,
                                         mmap=True)
         self.where: dict[str, dict[int, int]] = {}   # name -> old tp rank -> old rank

@@ -325,10 +325,10 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
             step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own,
                                      job_id=a.job_id if own else None, skipped=skipped, held_by=held_by)
         except RuntimeError:  # every rank raises alike (its views are all-gathered): another layout's steps?
-            if own or not _resharded(t, roots[0], identity, skipped=skipped):
-                _passed_over(t, skipped)
-                raise
+            resharded = not own and _resharded(t, roots[0], identity, skipped=skipped)
             _passed_over(t, skipped)
+            if not resharded:
+                raise
             return
         # a newer step written under another layout (an elastic job's attempt on another number of nodes, or a run
         # resumed on another layout) wins over this layout's newest
