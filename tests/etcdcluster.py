@@ -82,11 +82,15 @@ class EtcdCluster:
         """Until a write through the cluster succeeds (a leader exists)."""
         end = time.monotonic() + timeout
         while True:
-            r = self.ctl("put", f"{self.prefix}-probe", "1", check=False, timeout=5)
-            if r.returncode == 0:
+            try:   # etcdctl gives up after its --command-timeout (5 s); the process is killed only past that
+                r = self.ctl("put", f"{self.prefix}-probe", "1", check=False, timeout=8)
+                ok, why = r.returncode == 0, r.stderr.strip()
+            except subprocess.TimeoutExpired:   # a put waiting on an election: not healthy yet (CI saw it escape)
+                ok, why = False, "etcdctl put did not return within 8 s"
+            if ok:
                 return
             if time.monotonic() > end:
-                raise RuntimeError(f"etcd cluster not healthy after {timeout} s: {r.stderr.strip()}")
+                raise RuntimeError(f"etcd cluster not healthy after {timeout} s: {why}")
             time.sleep(0.2)
 
     def ctl(self, *args: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
