@@ -158,6 +158,8 @@ def start_coordinator(ns: argparse.Namespace, python: str, pythonpath: str | Non
             "--log-level", "warning", "--http-listen", "127.0.0.1:0"]   # /metrics: the fault bench's fan-out times
     if ns.heartbeat_timeout is not None:
         args += ["--heartbeat-timeout", str(ns.heartbeat_timeout)]
+    if getattr(ns, "relay_width", None) is not None:
+        args += ["--relay-width", str(ns.relay_width)]
     if store:
         args += ["--store", store]
     log = open(root / f"{name}.log", "wb")
@@ -607,6 +609,8 @@ def main() -> None:
     ap.add_argument("--coordinator-python", default=sys.executable)
     ap.add_argument("--coordinator-pythonpath", default=None, help="PYTHONPATH for the coordinator (an older checkout)")
     ap.add_argument("--heartbeat-timeout", type=float, default=None, help="default: the coordinator's (10 s)")
+    ap.add_argument("--relay-width", type=int, default=None,
+                    help="the coordinator's --relay-width (default: its own, 64; 0: every Assign direct, for a comparison)")
     ap.add_argument("--ready-timeout", type=float, default=0, help="default: 60 s + 20 ms per node")
     ap.add_argument("--assign-timeout", type=float, default=120.0)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, state)")

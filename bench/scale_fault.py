@@ -23,7 +23,12 @@ last Cancel read to the last stop confirmation handed to gRPC, and from the last
 first step handed to gRPC. The coordinator's share of (b) and (c) is the rest: noticing the loss, stopping
 the attempt, waiting for and storing the confirmations, the requeue, the placement, the Assigns, storing
 attempt 2's reports. Reading a Cancel or an Assign is counted as the coordinator's, though the generators'
-loops take part in it. On a small machine the generators also take CPU from the coordinator: its CPU seconds
+loops take part in it. A job of more than ``--relay-width`` nodes gets its Assigns through relay heads
+(``coordinator.relay``): one Relay a group of 64 nodes, which the head (a generator playing it) hands to the
+group's daemons in its own process, checked as the real daemon checks them; such an Assign counts as read off
+the coordinator's stream when its head read the Relay, and the hand-over is the daemons' share (on a cluster it
+runs on the heads' machines; the real daemon's PeerService hop is tested end to end). ``--relay-width 0``
+sends every Assign direct, for a comparison. On a small machine the generators also take CPU from the coordinator: its CPU seconds
 over t0 -> (c), and theirs, are printed beside the wall times. Steps are offered at 0.1/s by default, which
 this 2-core machine stores at 65,536 ranks (at 1/s it falls behind and a recovery measures the backlog).
 """
@@ -60,7 +65,8 @@ ROWS = [  # (key, label): every time from the node's loss, t0
     ("confirm", "    last stop confirmation sent"),
     ("queued", "    next attempt queued (PENDING)"),
     ("placed", "    next attempt placed (Assigns queued)"),
-    ("assign_handed", "    last Assign handed to gRPC"),
+    ("assign_handed", "    last Assign handed to gRPC (a relay: its Relay)"),
+    ("read", "    every one read off the coordinator's streams"),
     ("b", "(b) every Assign of the next attempt read"),
     ("step1", "    last first step sent"),
     ("c", "(c) first step of the next attempt stored"),
@@ -261,9 +267,12 @@ def shares(r: dict, gens: list[Generator], nodes: int, t0: float, k: int = 1) ->
     own work: until its last Cancel was handed to gRPC, from the last stop confirmation sent until its last Assign
     was handed to gRPC, and from the last first step sent until (c); the rest is the daemons reading (on this
     machine, generator processes that share its cores). A restart in place (no Cancel, no confirmation) counts
-    from t0 to the last Assign handed to gRPC instead of the first two."""
+    from t0 to the last Assign handed to gRPC instead of the first two. An Assign that came through a relay head
+    (``coordinator.relay``) counts as read off the coordinator's stream when its head read the Relay: from there
+    to the node's first step sent is the daemons' (the head's hand-over, the node's start)."""
     for key, attempt, what, want in (("cancel", k, "cancel", nodes - 1), ("confirm", k, "confirm", nodes - 1),
-                                     ("b", k + 1, "assign", nodes), ("step1", k + 1, "step1", nodes)):
+                                     ("b", k + 1, "assign", nodes), ("read", k + 1, "read", nodes),
+                                     ("step1", k + 1, "step1", nodes)):
         count, last = sim_attempt(gens, attempt, what)
         r[key] = last - t0 if count >= want else NAN
         r[key + "_count"] = count
@@ -272,8 +281,8 @@ def shares(r: dict, gens: list[Generator], nodes: int, t0: float, k: int = 1) ->
         stop, own_stop, placing_from = 0.0, 0.0, 0.0
     else:
         stop, own_stop, placing_from = r["confirm"] - r["cancel"], r.get("cancel_handed", NAN), r["confirm"]
-    r["sims"] = stop + (r["step1"] - r["b"])
-    r["coord_b"] = r["b"] - stop
+    r["sims"] = stop + (r["step1"] - r["read"])   # a relay head's hand-over to its group is the daemons'
+    r["coord_b"] = r["read"] - stop
     r["coord_c"] = r.get("c", NAN) - r["sims"]
     r["coord_own"] = own_stop + (r.get("assign_handed", NAN) - placing_from) + (r.get("c", NAN) - r["step1"])
 

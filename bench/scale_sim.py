@@ -34,6 +34,7 @@ from typing import Callable
 
 import grpc
 
+from rankctl.contract.relaymac import relay_mac_ok
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.reportfold import fold
 from rankctl.worker.reporting import exit_status, stamp_update, step_figures
@@ -79,6 +80,7 @@ class Sim:
         self._metrics: dict[tuple[int, bool], str] = {}
         self._parsed: dict[str, dict] = {}
         self.daemons: list[Daemon] = []
+        self.by_name: dict[str, Daemon] = {}   # a relay head's group: its nodes are played by this process
         self.failed: list[tuple[int, float, str]] = []  # (daemon index, seconds since start, debug text)
         self.attempts: dict[int, Counter[str]] = {}  # attempt -> counts and last times (unix s) of its events
         self.t0 = time.monotonic()
@@ -138,6 +140,7 @@ class Daemon:
         self.interval = 2.0  # seconds between heartbeats: the coordinator's, from Registered or a retuning Ack
         self.last_batch = 0.0  # when the last ReportBatch went out
         self.tasks: dict[str, asyncio.Task] = {}  # job id -> its player
+        self.relay_key, self.relay_seq = b"", 0   # this session's relay key (Registered), the last item taken
         self.playing: dict[str, tuple[int, list[int]]] = {}  # job id -> (attempt, ranks), for a re-Register
 
     async def write(self, msg: pb.NodeMessage, handed: Callable[[], None] | None = None) -> None:
@@ -175,7 +178,7 @@ class Daemon:
                 await call.write(pb.NodeMessage(register=pb.Register(
                     name=self.name, address="127.0.0.1", slots=sim.ns.slots, hardware=hw,
                     free_ports=self.ports, session=self.session, running=running,
-                    replaces=True)))   # as the daemon: a newer Assign stops the older attempt's player first
+                    replaces=True, relays=True, peer_port=1)))   # heads hand items over in this process   # as the daemon: a newer Assign stops the older attempt's player first
                 while True:
                     msg = await call.read()
                     if msg is grpc.aio.EOF:
@@ -194,6 +197,7 @@ class Daemon:
                             self.heartbeat.cancel()
                         self.interval = msg.registered.heartbeat_interval or 2.0
                         self.folds = msg.registered.folds   # an older coordinator (--coordinator-pythonpath): never
+                        self.relay_key, self.relay_seq = msg.registered.relay_key, 0
                         self.heartbeat = asyncio.create_task(self.heartbeats())
                     elif body == "ack" and msg.ack.heartbeat_interval > 0:  # retuned, as the daemon is
                         self.interval = msg.ack.heartbeat_interval
@@ -201,6 +205,8 @@ class Daemon:
                         self.on_assign(msg.assign, time.time(), msg.ByteSize())
                     elif body == "cancel":
                         self.on_cancel(msg.cancel, time.time())
+                    elif body == "relay":
+                        self.on_relay(msg.relay)
                     elif body == "fetch_logs":
                         asyncio.create_task(self.write(pb.NodeMessage(log_chunk=pb.LogChunk(
                             request_id=msg.fetch_logs.request_id, lines=[], next_offset=0))))
@@ -245,7 +251,9 @@ class Daemon:
                 self.sim.counts["sent_heartbeat"] += 1
             await asyncio.sleep(self.interval)
 
-    def on_assign(self, assign: pb.Assign, t_recv: float, nbytes: int) -> None:
+    def on_assign(self, assign: pb.Assign, t_recv: float, nbytes: int, t_read: float | None = None) -> None:
+        """``t_read``: when the message was read off the coordinator's stream (its relay head's read; else
+        ``t_recv``)."""
         sim = self.sim
         if assign.rank_count:
             ranks = list(range(assign.first_rank, assign.first_rank + assign.rank_count))
@@ -257,8 +265,32 @@ class Daemon:
         sim.assign_last = max(sim.assign_last, t_recv)
         sim.assign_bytes_max = max(sim.assign_bytes_max, nbytes)
         sim.note(assign.attempt, "assign", t_recv)
+        sim.note(assign.attempt, "read", t_recv if t_read is None else t_read)
         self.playing[assign.job_id] = (assign.attempt, ranks)  # an older attempt's player sees it and returns
         self.tasks[assign.job_id] = asyncio.create_task(self.play(assign.job_id, assign.attempt, ranks, t_recv))
+
+    def on_relay(self, relay: pb.Relay) -> None:
+        """A relay head: each item to its daemon, checked as ``worker.relay`` checks it. The daemons of a group are
+        played by this process (the coordinator groups consecutive job nodes), so the hand-over is a call here where
+        the real daemon's is a PeerService.Deliver: on a cluster that hop runs on the heads' machines, not on the
+        coordinator's. A node not played here or an item that fails the check goes back in the RelayDone."""
+        failed, t_read = [], time.time()
+        for item in relay.items:
+            d = self.sim.by_name.get(item.node)
+            if d is None or not d.take_relayed(item, t_read):
+                failed.append(item.node)
+        self.sim.counts["relayed_items"] += len(relay.items) - len(failed)
+        asyncio.create_task(self.write(pb.NodeMessage(relay_done=pb.RelayDone(bundle=relay.bundle, failed=failed))))
+
+    def take_relayed(self, item: pb.Relayed, t_read: float) -> bool:
+        if item.seq <= self.relay_seq or not relay_mac_ok(self.relay_key, item.node, item.seq, item.message, item.mac):
+            return False
+        self.relay_seq = item.seq
+        msg = pb.CoordinatorMessage.FromString(item.message)
+        if msg.WhichOneof("body") != "assign":
+            return False
+        self.on_assign(msg.assign, time.time(), len(item.message), t_read)
+        return True
 
     def on_cancel(self, cancel: pb.Cancel, t_recv: float) -> None:
         """Stop the attempt's player and confirm each of its ranks gone (an exit report), as the real daemon does.
@@ -375,6 +407,7 @@ async def amain(ns: argparse.Namespace) -> None:
     for i in range(ns.count):
         d = Daemon(sim, ns.first + i, channels[i // ns.streams_per_channel])
         sim.daemons.append(d)
+        sim.by_name[d.name] = d
         tasks.append(asyncio.create_task(d.run()))
         if i % 64 == 63:
             await asyncio.sleep(0.01)  # a connection storm, but a paced one

@@ -97,6 +97,9 @@ async def _serve(listen: str, state_dir: Path, tls_dir: str | None, **options: o
               help="MiB of uploaded workdirs each submitter may store (an upload past it is refused, naming the use).")
 @click.option("--blob-retention-hours", default=168.0, show_default=True, type=click.FloatRange(min=0),
               help="Keep a workdir blob this long after the last job using it finished or it was last uploaded.")
+@click.option("--relay-width", default=64, show_default=True, type=click.IntRange(min=0, max=1024),
+              help="An Assign fan-out to more nodes than this goes through relay heads, each forwarding to this "
+                   "many nodes (0: always direct).")
 @click.option("--event-retention-days", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="Keep the events of a finished job this long (then only its last one; the job itself stays).")
 @with_store
@@ -109,7 +112,7 @@ async def _serve(listen: str, state_dir: Path, tls_dir: str | None, **options: o
 def coordinator(ctx: click.Context, listen: str, state_dir: Path | None, advertise_address: str | None,
                 heartbeat_timeout: float, max_heartbeat_rate: float, head_wait: float, http_listen: str | None,
                 metrics_per_rank: bool,
-                blob_quota_mb: int, blob_retention_hours: float, event_retention_days: float,
+                blob_quota_mb: int, blob_retention_hours: float, event_retention_days: float, relay_width: int,
                 store_url: str | None, etcd_ca: Path | None,
                 etcd_cert: Path | None, etcd_key: Path | None, lease_ttl: int, tls_dir: str | None, insecure: bool,
                 log_level: str, log_format: str) -> None:
@@ -147,7 +150,8 @@ def coordinator(ctx: click.Context, listen: str, state_dir: Path | None, adverti
                            head_wait=head_wait, http_listen=http_listen,
                            metrics_per_rank=metrics_per_rank, blob_quota_bytes=blob_quota_mb << 20,
                            blob_retention_s=blob_retention_hours * 3600, store_url=str(url) if url else None,
-                           etcd_tls=etcd_tls, lease_ttl=lease_ttl, event_retention_s=event_retention_days * 86400))
+                           etcd_tls=etcd_tls, lease_ttl=lease_ttl, event_retention_s=event_retention_days * 86400,
+                           relay_width=relay_width))
     except (StateDirInUse, StoreUnusable, CertError) as exc:
         raise CtlError(str(exc)) from None
     except OSError as exc:

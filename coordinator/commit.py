@@ -16,6 +16,8 @@ import structlog
 from rankctl.coordinator.fanout import Fanout, Fanouts
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeTable
+from rankctl.coordinator.relay import Relays
+from rankctl.coordinator.states import is_terminal
 from rankctl.coordinator.store import Store, StoreError
 from rankctl.proto import rankctl_pb2 as pb
 
@@ -51,11 +53,17 @@ class StoreGuard:
 
 
 class Outgoing:
-    """Messages to nodes; inside ``after_commit()`` they wait until the block completes."""
+    """Messages to nodes; inside ``after_commit()`` they wait until the block completes. A big fan-out of Assigns
+    goes through relay heads (``relays``)."""
 
-    def __init__(self, nodes: NodeTable, fanouts: Fanouts) -> None:
+    def __init__(self, nodes: NodeTable, fanouts: Fanouts, book: JobBook | None = None) -> None:
         self._nodes, self.fanouts = nodes, fanouts
         self._held: list[tuple[str, pb.CoordinatorMessage, Fanout | None]] | None = None
+
+        def current(msg: pb.CoordinatorMessage) -> bool:   # an Assign of an attempt still under way
+            job = book.jobs.get(msg.assign.job_id) if book is not None else None
+            return job is not None and job.attempt == msg.assign.attempt and not is_terminal(job.state)
+        self.relays = Relays(nodes, lambda name, msg: self._send_now(name, msg, None), current=current)
 
     @contextmanager
     def after_commit(self) -> Iterator[None]:
@@ -67,6 +75,8 @@ class Outgoing:
             yield
         except BaseException:
             if outer:
+                for _, msg, _ in self._held:
+                    self.relays.dropped(msg)
                 self._held = None
             raise
         if outer:
@@ -81,8 +91,11 @@ class Outgoing:
             self._send_now(name, msg, fan)
 
     def _send_now(self, name: str, msg: pb.CoordinatorMessage, fan: Fanout | None) -> None:
-        if self._nodes.send(name, msg) and fan is not None:
+        ok = self._nodes.send(name, msg)
+        if ok and fan is not None:
             self.fanouts.sent(fan, msg)
+        if fan is not None:
+            self.relays.handed(msg, ok)
 
     def to_nodes(self, names: list[str], msg: pb.CoordinatorMessage, kind: str = "") -> None:
         """``msg`` to each of ``names`` once (a job's nodes, in order); ``kind``: timed as a fan-out of it."""
@@ -93,5 +106,5 @@ class Outgoing:
     def fan_out(self, kind: str, messages: Iterable[tuple[str, pb.CoordinatorMessage]]) -> None:
         """One message to each node, timed as one fan-out of ``kind`` (``coordinator.fanout``)."""
         fan = self.fanouts.begin(kind)
-        for name, msg in messages:
+        for name, msg in self.relays.plan(kind, messages):
             self.send(name, msg, fan)

@@ -225,10 +225,9 @@ def retune_message(heartbeat_interval: float) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(ack=pb.Ack(last_seq=0, heartbeat_interval=heartbeat_interval))
 
 
-def registered_message(node: str, heartbeat_interval: float, last_seq: int) -> pb.CoordinatorMessage:
-    return pb.CoordinatorMessage(
-        registered=pb.Registered(node=node, heartbeat_interval=heartbeat_interval, last_seq=last_seq, folds=True)
-    )
+def registered_message(node: str, heartbeat_interval: float, last_seq: int, relay_key: bytes = b"") -> pb.CoordinatorMessage:
+    return pb.CoordinatorMessage(registered=pb.Registered(
+        node=node, heartbeat_interval=heartbeat_interval, last_seq=last_seq, folds=True, relay_key=relay_key))
 
 
 def cancel_message(job_id: str, attempt: int, reason: str) -> pb.CoordinatorMessage:
@@ -252,7 +251,7 @@ def hello_from_pb(reg: pb.Register) -> NodeHello:
         name=reg.name, address=reg.address, slots=reg.slots, hardware=hardware_from_pb(reg.hardware),
         free_ports=tuple(reg.free_ports), session=reg.session, peer_port=reg.peer_port,
         running=tuple(RunningJob(r.job_id, r.attempt, tuple(r.ranks)) for r in reg.running), pool=reg.pool,
-        replaces=reg.replaces,
+        replaces=reg.replaces, relays=reg.relays,
     )
 
 

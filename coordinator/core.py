@@ -79,7 +79,8 @@ class Coordinator:
         self.logarchive = LogArchive(store.path.parent)   # logs of ranks whose allocation's nodes left
         self.shutting_down = False
         self.fanouts = Fanouts()   # fan-outs of messages to many nodes, timed (``coordinator.fanout``)
-        self._guard, self._outgoing = StoreGuard(store, self.book, self.nodes), Outgoing(self.nodes, self.fanouts)
+        self._outgoing = Outgoing(self.nodes, self.fanouts, self.book)
+        self._guard, self.relays = StoreGuard(store, self.book, self.nodes), self._outgoing.relays   # relay heads
         self._stops = Stops(self.book, self.nodes, clock)
         self._drains = Drains(self.book, clock, self._outgoing)
         self._scheduler = Scheduler(self.book, self.nodes, store, clock, self._guard, self._outgoing, self.stats,
@@ -247,8 +248,7 @@ class Coordinator:
         return moved
 
     def undrain(self, name: str) -> list[str]:
-        """``ctl undrain``: the node takes work again and is placed again for the jobs it was excluded from;
-        those jobs' ids."""
+        """``ctl undrain``: the node takes work again, placed again for the jobs it was excluded from; their ids."""
         self._node_request(name, "")
         cleared = self.nodes.exclusions_by_node().get(name, [])
         with self._guard.consistent():

@@ -99,6 +99,7 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
                 reader.cancel()
                 watch()
                 self.core.disconnect(session, closed[0][2] if closed else "stream closed")
+                self.core.relays.head_lost(session.name)   # what it was to forward goes direct
             if closed:
                 await context.abort(*closed[0][:2])
 
@@ -161,6 +162,8 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             self.core.rank_reports(session, msg.batch.reports)  # read in place: no copy per report
         elif body == "log_chunk":
             self.core.logfetch.deliver(session.name, msg.log_chunk)
+        elif body == "relay_done":
+            self.core.relays.done(session.name, msg.relay_done)
         else:
             log.warning("node.unexpected_message", node=session.name, body=body)
 

@@ -12,6 +12,7 @@ and, per job, the nodes it is not placed on again (its ranks there failed twice 
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterator
@@ -54,6 +55,9 @@ class NodeSession:
     usage: pb.NodeUsage | None = None  # the newest usage its heartbeats carried (None: none yet)
     pool: str = ""                 # the allocation it was started for ("": the general pool; from its Register)
     replaces: bool = False         # its daemon stops an older attempt's ranks before a newer Assign's start
+    relays: bool = False           # its daemon heads a relay tree's group when asked (``coordinator.relay``)
+    relay_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # signs Relayed items for it
+    relay_seq: int = 0             # the last Relayed item's number for it
 
     @property
     def peer(self) -> str:
@@ -129,7 +133,8 @@ class NodeTable:
     def connect(self, record: NodeRecord, hello: NodeHello, outbox: Outbox, now: float) -> NodeSession:
         """Open a new session (``record`` from ``record_for``, already stored)."""
         session = NodeSession(record, NodeStatus.READY, outbox, tuple(hello.free_ports), now,
-                              peer_port=hello.peer_port, pool=hello.pool, replaces=hello.replaces)
+                              peer_port=hello.peer_port, pool=hello.pool, replaces=hello.replaces,
+                              relays=hello.relays)
         self.sessions[hello.name] = session
         return session
 

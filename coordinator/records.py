@@ -146,6 +146,7 @@ class NodeHello:
     peer_port: int = 0         # the daemon's PeerService (checkpoint replication); 0: none
     pool: str = ""             # the allocation it was started for ("": the general pool)
     replaces: bool = False     # a newer attempt's Assign stops the older one's ranks there first (``Register.replaces``)
+    relays: bool = False       # it forwards a Relay's items as a relay tree's head (``coordinator.relay``)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from rankctl.coordinator.etcd import StoreURL
 from rankctl.coordinator.gate import LeaderGate
 from rankctl.coordinator.info import VERSION, coordinator_info
 from rankctl.coordinator.node_service import NodeServiceServicer
+from rankctl.coordinator.relay import WIDTH as RELAY_WIDTH
 from rankctl.coordinator.intake import FLUSH_S
 from rankctl.coordinator.servicer import ClientServiceServicer
 from rankctl.coordinator.slurm import SlurmAllocator
@@ -124,6 +125,7 @@ class CoordinatorServer:
         """Lead on ``store``: assemble the core over it and serve (see ``LeaderSettings``)."""
         s = self.settings
         core = Coordinator(store, clock=s.clock, heartbeat_timeout=s.heartbeat_timeout, **s.core_extra)
+        core.relays.width = s.relay_width
         blobs = await asyncio.to_thread(BlobStore, s.state_dir, quota_bytes=s.blob_quota_bytes,
                                         retention_s=s.blob_retention_s, backing=s.blob_backing)
         self.client.core = self.node.core = core
@@ -200,6 +202,7 @@ class LeaderSettings:
     advertise: str | None
     blob_backing: object = None   # where blobs also go on a replicated store (``coordinator.blobs``)
     event_retention_s: float = EVENT_RETENTION_S  # events of jobs finished longer ago are pruned
+    relay_width: int = RELAY_WIDTH   # nodes a relay head serves in a big Assign fan-out (``coordinator.relay``)
 
 
 LAG_FLOOR_S = 0.25  # loop lag below this is noise, not a stall
@@ -232,6 +235,7 @@ async def _monitor(core: Coordinator, period: float) -> None:
                 core.flush()
             if now - last_tick >= period:
                 core.tick(loop_lag=stalled)  # stalled time is not held against the nodes
+                core.relays.due()            # relays whose head did not answer: their nodes' messages direct
                 last_tick, stalled = now, 0.0
         except Exception:
             log.exception("coordinator.monitor_failed")
@@ -284,7 +288,7 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
                             blob_retention_s: float = RETENTION_S, advertise: str | None = None,
                             store_url: str | None = None, etcd_tls: "EtcdTLS | None" = None,
                             lease_ttl: int = LEASE_TTL_S, event_retention_s: float = EVENT_RETENTION_S,
-                            max_heartbeat_rate: float | None = None) -> CoordinatorServer:
+                            max_heartbeat_rate: float | None = None, relay_width: int = RELAY_WIDTH) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
     ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
 
@@ -295,6 +299,7 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
     HTTPS under ``tls_dir`` (``coordinator.web``); the bound address goes to ``state_dir/http_address``.
     ``event_retention_s``: the events of jobs finished longer ago are pruned (each keeps its last).
     ``max_heartbeat_rate``: heartbeats a second from the whole fleet at most (``sessions.MAX_HEARTBEAT_RATE``).
+    ``relay_width``: an Assign fan-out to more nodes than this goes through relay heads (0: never).
     ``store_url``: keep the state on etcd (``etcd://HOST:PORT[,...][/prefix]``, TLS with ``etcd_tls``) and lead
     only when elected (``coordinator.ha``); ``state_dir`` then holds this coordinator's local files only."""
     from rankctl.security.tls import load_identity_dir, server_credentials
@@ -305,7 +310,7 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
                                **({} if max_heartbeat_rate is None else {"max_heartbeat_rate": max_heartbeat_rate})},
                               identity, http_listen,
                               metrics_per_rank, blob_quota_bytes, blob_retention_s, advertise,
-                              event_retention_s=event_retention_s)
+                              event_retention_s=event_retention_s, relay_width=relay_width)
     url = StoreURL.parse(store_url) if store_url else None
     store = Store(state_dir) if url is None else None  # the state dir's lock first: a second coordinator fails here
     client, node = ClientServiceServicer(None, None), NodeServiceServicer(None, None)

@@ -224,7 +224,7 @@ class Sessions:
             self._streams.close(old)  # the same daemon's newer connection replaces this stream
         session = self._nodes.connect(record, hello, outbox, self._clock())
         session.beat = self.heartbeat_interval
-        outbox(convert.registered_message(hello.name, session.beat, session.record.last_seq))
+        outbox(convert.registered_message(hello.name, session.beat, session.record.last_seq, session.relay_key))
         log.info("node.registered", node=hello.name, slots=hello.slots, running=len(hello.running))
         try:
             with self._guard.consistent():

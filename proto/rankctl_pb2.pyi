@@ -503,7 +503,7 @@ class Cancel(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port", "pool", "replaces")
+    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port", "pool", "replaces", "relays")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -514,6 +514,7 @@ class Register(_message.Message):
     PEER_PORT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     REPLACES_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -524,7 +525,8 @@ class Register(_message.Message):
     peer_port: int
     pool: str
     replaces: bool
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ..., pool: _Optional[str] = ..., replaces: _Optional[bool] = ...) -> None: ...
+    relays: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ..., pool: _Optional[str] = ..., replaces: _Optional[bool] = ..., relays: _Optional[bool] = ...) -> None: ...
 
 class RunningJob(_message.Message):
     __slots__ = ("job_id", "attempt", "ranks")
@@ -579,31 +581,35 @@ class LogChunk(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., lines: _Optional[_Iterable[str]] = ..., next_offset: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class NodeMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "batch", "log_chunk")
+    __slots__ = ("register", "heartbeat", "batch", "log_chunk", "relay_done")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LOG_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    RELAY_DONE_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     batch: ReportBatch
     log_chunk: LogChunk
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., batch: _Optional[_Union[ReportBatch, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ...) -> None: ...
+    relay_done: RelayDone
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., batch: _Optional[_Union[ReportBatch, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ..., relay_done: _Optional[_Union[RelayDone, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("node", "heartbeat_interval", "last_seq", "folds")
+    __slots__ = ("node", "heartbeat_interval", "last_seq", "folds", "relay_key")
     NODE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     FOLDS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_KEY_FIELD_NUMBER: _ClassVar[int]
     node: str
     heartbeat_interval: float
     last_seq: int
     folds: bool
-    def __init__(self, node: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., last_seq: _Optional[int] = ..., folds: _Optional[bool] = ...) -> None: ...
+    relay_key: bytes
+    def __init__(self, node: _Optional[str] = ..., heartbeat_interval: _Optional[float] = ..., last_seq: _Optional[int] = ..., folds: _Optional[bool] = ..., relay_key: _Optional[bytes] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("registered", "assign", "cancel", "ack", "fetch_logs", "checkpoint", "release")
+    __slots__ = ("registered", "assign", "cancel", "ack", "fetch_logs", "checkpoint", "release", "relay")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
@@ -611,6 +617,7 @@ class CoordinatorMessage(_message.Message):
     FETCH_LOGS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     assign: Assign
     cancel: Cancel
@@ -618,7 +625,40 @@ class CoordinatorMessage(_message.Message):
     fetch_logs: FetchLogs
     checkpoint: CheckpointNow
     release: Release
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., fetch_logs: _Optional[_Union[FetchLogs, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointNow, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ...) -> None: ...
+    relay: Relay
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., assign: _Optional[_Union[Assign, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ..., fetch_logs: _Optional[_Union[FetchLogs, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointNow, _Mapping]] = ..., release: _Optional[_Union[Release, _Mapping]] = ..., relay: _Optional[_Union[Relay, _Mapping]] = ...) -> None: ...
+
+class Relay(_message.Message):
+    __slots__ = ("bundle", "items")
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    bundle: int
+    items: _containers.RepeatedCompositeFieldContainer[Relayed]
+    def __init__(self, bundle: _Optional[int] = ..., items: _Optional[_Iterable[_Union[Relayed, _Mapping]]] = ...) -> None: ...
+
+class Relayed(_message.Message):
+    __slots__ = ("node", "peer", "seq", "message", "mac")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    peer: str
+    seq: int
+    message: bytes
+    mac: bytes
+    def __init__(self, node: _Optional[str] = ..., peer: _Optional[str] = ..., seq: _Optional[int] = ..., message: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
+class RelayDone(_message.Message):
+    __slots__ = ("bundle", "failed", "error")
+    BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    bundle: int
+    failed: _containers.RepeatedScalarFieldContainer[str]
+    error: str
+    def __init__(self, bundle: _Optional[int] = ..., failed: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("reason",)
@@ -909,6 +949,16 @@ class PutShardsResponse(_message.Message):
     FILES_FIELD_NUMBER: _ClassVar[int]
     files: int
     def __init__(self, files: _Optional[int] = ...) -> None: ...
+
+class DeliverRequest(_message.Message):
+    __slots__ = ("item",)
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    item: Relayed
+    def __init__(self, item: _Optional[_Union[Relayed, _Mapping]] = ...) -> None: ...
+
+class DeliverResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GetShardsRequest(_message.Message):
     __slots__ = ("job_name", "ranks", "root", "job_id")

@@ -953,6 +953,11 @@ class PeerServiceStub:
                 request_serializer=rankctl_dot_v1_dot_rankctl__pb2.GetShardsRequest.SerializeToString,
                 response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ShardChunk.FromString,
                 _registered_method=True)
+        self.Deliver = channel.unary_unary(
+                '/rankctl.v1.PeerService/Deliver',
+                request_serializer=rankctl_dot_v1_dot_rankctl__pb2.DeliverRequest.SerializeToString,
+                response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.DeliverResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -978,6 +983,13 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deliver(self, request, context):
+        """One relayed message for this node from a relay tree's head; refused unless its MAC and seq hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -990,6 +1002,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.GetShards,
                     request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.GetShardsRequest.FromString,
                     response_serializer=rankctl_dot_v1_dot_rankctl__pb2.ShardChunk.SerializeToString,
+            ),
+            'Deliver': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.DeliverRequest.FromString,
+                    response_serializer=rankctl_dot_v1_dot_rankctl__pb2.DeliverResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1048,6 +1065,33 @@ class PeerService:
             '/rankctl.v1.PeerService/GetShards',
             rankctl_dot_v1_dot_rankctl__pb2.GetShardsRequest.SerializeToString,
             rankctl_dot_v1_dot_rankctl__pb2.ShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankctl.v1.PeerService/Deliver',
+            rankctl_dot_v1_dot_rankctl__pb2.DeliverRequest.SerializeToString,
+            rankctl_dot_v1_dot_rankctl__pb2.DeliverResponse.FromString,
             options,
             channel_credentials,
             insecure,

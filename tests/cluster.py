@@ -227,9 +227,10 @@ class ProcCluster:
     """A real ``ctl coordinator`` and worker daemons (one process each) on loopback."""
 
     def __init__(self, root: Path, names: list[str], slots: int, heartbeat_timeout: float = 3.0,
-                 http_listen: str | None = None) -> None:
+                 http_listen: str | None = None, coord_extra: tuple[str, ...] = ()) -> None:
         self.root, self.slots, self.heartbeat_timeout = root, slots, heartbeat_timeout
-        self.coord, self.address = start_coordinator(root / "coord", heartbeat_timeout, http_listen=http_listen)
+        self.coord, self.address = start_coordinator(root / "coord", heartbeat_timeout, http_listen=http_listen,
+                                                     extra=coord_extra)
         self.http_url = f"http://{http_address(root / 'coord')}" if http_listen else None
         self.workers = {name: start_worker(self.address, name, slots, root) for name in names}
         self.wait_ready()

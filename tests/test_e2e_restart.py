@@ -37,7 +37,10 @@ train: {{steps: 40, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory: pytest.TempPathFactory):
-    c = ProcCluster(tmp_path_factory.mktemp("restart"), ["node-0", "node-1", "node-2"], 2, HEARTBEAT_TIMEOUT)
+    # --relay-width 1: every Assign of these 2-node jobs goes through a relay head (``coordinator.relay``), so the
+    # module's restarts, resumes and cancels run on relayed Assigns
+    c = ProcCluster(tmp_path_factory.mktemp("restart"), ["node-0", "node-1", "node-2"], 2, HEARTBEAT_TIMEOUT,
+                    http_listen="127.0.0.1:0", coord_extra=("--relay-width", "1"))
     yield c
     c.stop()
 
@@ -106,6 +109,8 @@ def test_a_killed_daemon_is_replaced_by_a_spare_and_the_losses_equal_an_uninterr
         assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
         assert spare in done["nodes"] and victim not in done["nodes"], done["nodes"]
         assert_same_losses(done, ref)
+        relayed = relayed_messages(three)   # the reference's, attempt 1's and attempt 2's Assigns, all by heads
+        assert relayed["delivered"] >= 6 and relayed["direct"] == 0, relayed
         resumed = done["result"].get("resumed_from") or 0
         reached = highest_step(three.root, job, 1)  # the status taken before the kill lags behind the ranks
         assert 5 <= resumed <= reached, (resumed, reached)  # resumed from the replicated checkpoint, not over
@@ -114,6 +119,15 @@ def test_a_killed_daemon_is_replaced_by_a_spare_and_the_losses_equal_an_uninterr
               f"steps lost {reached - resumed} (attempt 2 resumed from step {resumed})")
         for pid in rank_pids(job):
             assert False, f"rank process {pid} of {job} is still alive"
+
+
+def relayed_messages(c: ProcCluster) -> dict[str, float]:
+    """The coordinator's ``rankctl_coordinator_relayed_messages_total`` by outcome."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{c.http_url}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^rankctl_coordinator_relayed_messages_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
 
 
 def _span(text: str) -> list[int]:

@@ -26,6 +26,7 @@ from rankctl.worker.inplace import InPlace
 from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.metrics import DaemonFigures, DaemonStats
 from rankctl.worker.outbox import Outbox
+from rankctl.worker import relay as relays
 from rankctl.worker.replicas import ShardStore
 from rankctl.worker.replication import Replication
 from rankctl.worker.runs import Runs
@@ -53,7 +54,7 @@ class WorkerDaemon:
     def __init__(self, cfg: DaemonConfig, launcher: Any, *,
                  start_launcher: Callable[[], Awaitable[Any]] | None = None,
                  set_serving: Callable[[bool], Awaitable[None]] | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, relay: relays.RelayInbox | None = None) -> None:
         self.cfg = cfg
         self.stats = DaemonStats()
         self._set_serving = set_serving
@@ -61,7 +62,9 @@ class WorkerDaemon:
         self.released = ""  # why the coordinator released this daemon (its allocation ended); "": not released
         self._stopping = asyncio.Event()
         self._log = node_log = log.bind(node=cfg.name)
-        credentials = _credentials(cfg.tls_dir)
+        self._credentials = credentials = _credentials(cfg.tls_dir)
+        self.relay = relay or relays.RelayInbox()   # relayed Assigns for this node (its PeerService's, when served)
+        self.relay.bind(cfg.name, self.assign, node_log)
         roots = allowed_roots(cfg.data_roots, str(cfg.state_dir))  # ValueError: a root is not a directory
         workdirs = WorkdirCache(cfg.state_dir, cfg.workdir_cache_mb << 20)
         self.outbox = Outbox(MAX_BUFFERED_REPORTS)
@@ -118,13 +121,33 @@ class WorkerDaemon:
 
     # -- the coordinator's requests (worker.session.Inbound) ---------------------------------
     async def assign(self, msg: pb.Assign) -> None:
+        verdict = self.relay.take(msg)   # a copy once, whichever way it came (``worker.relay``)
+        if verdict != relays.TAKE:
+            self._log.info("assign not taken", job=msg.job_id, attempt=msg.attempt, why=verdict)
+            if verdict == relays.CANCELLED:
+                self.inplace.never_started(msg)
+            return
         if not self.inplace.assign(msg):  # else a restart in place: the new ranks start once the old are gone
             await self.admission.admit(msg)
+
+    def keyed(self, key: bytes) -> None:
+        """A registration's relay key: what relay heads hand this node must be signed with it."""
+        self.relay.keyed(key)
+
+    def relay_through(self, msg: pb.Relay) -> None:
+        """This node heads a relay group: forward the items beside the session, then answer the coordinator."""
+        async def run() -> None:
+            done = await relays.forward(msg, self.relay, self._credentials)
+            if done.failed:
+                self._log.warning("relay: not delivered", nodes=len(done.failed), error=done.error)
+            self.session.answer(pb.NodeMessage(relay_done=done))
+        self._background.spawn(run())
 
     async def cancel(self, msg: pb.Cancel) -> None:
         """Stop the job's ranks here: of ``msg.attempt`` and older ones, never of a newer attempt assigned since
         (a late Cancel of an attempt this node already replaced in place); every attempt's when it names none."""
         self._log.info("cancel", job=msg.job_id, attempt=msg.attempt, reason=msg.reason)
+        self.relay.cancel(msg)
         self.inplace.cancel(msg)
         live = self.runs.live_attempts(msg.job_id)
         # None: every attempt here; else only those up to the Cancel's (a newer one was assigned since)
@@ -177,6 +200,7 @@ class WorkerDaemon:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._background.cancel()
+            await self.relay.close()
             await self.replication.close()
             await self.inplace.close()
             await self.supervisor.close()

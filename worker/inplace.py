@@ -73,7 +73,7 @@ class InPlace:
                     await before
             await self._stop(msg, older)
             if self._cancelled.get(msg.job_id, 0) >= msg.attempt:
-                self._never_started(msg)
+                self.never_started(msg)
             else:
                 await self._admit(msg)
         finally:
@@ -100,7 +100,7 @@ class InPlace:
         if left:
             self._log.warning("older attempt not gone; starting the new one", job=msg.job_id, ranks_left=left)
 
-    def _never_started(self, msg: pb.Assign) -> None:
+    def never_started(self, msg: pb.Assign) -> None:
         """The attempt was cancelled while its ranks waited for the older ones: each reported exited."""
         self._log.info("cancelled before its ranks started", job=msg.job_id, attempt=msg.attempt)
         note = f"rankctl: attempt {msg.attempt} was cancelled before its ranks started on node {self._node}"

@@ -38,6 +38,7 @@ from rankctl.contract.names import job_name_problem
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.peerchannels import PeerChannels, peer_channel
+from rankctl.worker.relay import RelayInbox, serve_deliver
 
 if TYPE_CHECKING:
     from rankctl.worker.snapmem import Bound
@@ -257,8 +258,16 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
     """Serves this node's shards to peers and keeps the copies they push. ``identify(context)``: the
     caller's certificate identity (mutual TLS), when given only nodes are served."""
 
-    def __init__(self, store: ShardStore, identify=None, bound: Bound | None = None) -> None:  # noqa: ANN001
+    def __init__(self, store: ShardStore, identify=None, bound: Bound | None = None,  # noqa: ANN001
+                 relay: RelayInbox | None = None) -> None:
         self.store, self.identify, self.bound = store, identify, bound  # identify: context -> Identity | None
+        self.relay = relay   # relayed items for this node (``worker.relay``); None: none taken
+
+    async def Deliver(self, request: pb.DeliverRequest, context) -> pb.DeliverResponse:  # noqa: ANN001, N802 - gRPC
+        await self._admit(context)
+        if self.relay is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node takes no relayed items")
+        return await serve_deliver(self.relay, request, context)
 
     async def _admit(self, context) -> None:  # noqa: ANN001
         if self.identify is None:

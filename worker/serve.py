@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker import snapmem
 from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
+from rankctl.worker.relay import RelayInbox
 from rankctl.worker.replicas import PeerServicer, ShardStore
 
 log = structlog.get_logger("rankctl.worker")
@@ -68,12 +69,14 @@ def serving_setter(servicer: health.aio.HealthServicer, service: str = OVERALL) 
 
 
 async def start_peer(host: str, state_dir, identity=None,  # noqa: ANN001
-                     bound: snapmem.Bound | None = None) -> tuple[grpc.aio.Server | None, int]:
-    """The PeerService (checkpoint replication) on the advertised address; (None, 0) when it cannot bind.
-    With ``identity``: mutual TLS, node certificates only; ``bound``: the node's snapshot memory bound."""
+                     bound: snapmem.Bound | None = None,
+                     relay: RelayInbox | None = None) -> tuple[grpc.aio.Server | None, int]:
+    """The PeerService (checkpoint replication, relayed messages) on the advertised address; (None, 0) when it
+    cannot bind. With ``identity``: mutual TLS, node certificates only; ``bound``: the node's snapshot memory
+    bound; ``relay``: where relayed items for this node go (``worker.relay``)."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     identify = None if identity is None else _identify_unrevoked(identity.revocations)
-    pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir), identify, bound), server)
+    pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir), identify, bound, relay), server)
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     try:
         port = _bind(server, f"{host}:0", identity, require_client_auth=True)
@@ -110,6 +113,7 @@ class _Services:
     identity: Any = None           # security.tls.IdentityDir: TLS everywhere; None: plain text
     metrics: Any = None            # aiohttp AppRunner of /metrics; None: off
     metrics_port: int = 0
+    relay: RelayInbox | None = None  # relayed items for this node, handed by a relay head (``worker.relay``)
 
     async def start_metrics(self, listen: str, daemon: WorkerDaemon) -> None:
         """The daemon's Prometheus endpoint (``worker.metrics``) when ``listen``; OSError when it cannot bind."""
@@ -135,9 +139,10 @@ async def _start_services(cfg: DaemonConfig, bound: snapmem.Bound) -> _Services:
 
         identity = load_identity_dir(cfg.tls_dir)
     health_server, port, servicer = await start_health(cfg.health_listen, identity)
-    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir, identity, bound)
+    relay = RelayInbox(cfg.name)
+    peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir, identity, bound, relay)
     await servicer.set(PEER_SERVICE, _status(peer_server is not None))
-    return _Services(health_server, port, servicer, peer_server, peer_port, identity)
+    return _Services(health_server, port, servicer, peer_server, peer_port, identity, relay=relay)
 
 
 async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launcher=None) -> None:
@@ -167,7 +172,7 @@ async def _run_worker(cfg: DaemonConfig, stop: asyncio.Event | None, launcher: A
     services = await _start_services(cfg, bound)
     cfg = replace(cfg, peer_port=services.peer_port)
     daemon = WorkerDaemon(cfg, launcher, start_launcher=lambda: Launcher.start(python=sys.executable, idle_warm=cfg.idle_warm),
-                          set_serving=serving_setter(services.servicer))
+                          set_serving=serving_setter(services.servicer), relay=services.relay)
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

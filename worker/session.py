@@ -42,6 +42,8 @@ class Inbound(Protocol):
     """Who acts on the coordinator's requests (``worker.daemon.WorkerDaemon``)."""
 
     async def assign(self, msg: pb.Assign) -> None: ...
+    def keyed(self, key: bytes) -> None: ...
+    def relay_through(self, msg: pb.Relay) -> None: ...
     async def cancel(self, msg: pb.Cancel) -> None: ...
     def checkpoint(self, msg: pb.CheckpointNow) -> None: ...
     def release(self, msg: pb.Release) -> None: ...
@@ -179,7 +181,7 @@ class CoordinatorSession:
         return pb.NodeMessage(register=pb.Register(
             name=cfg.name, address=cfg.advertise_address, slots=cfg.slots, hardware=hardware_pb(self._hardware()),
             running=self._running(), session=self._session_id, peer_port=cfg.peer_port, pool=cfg.pool,
-            free_ports=self._offer_ports(), replaces=True,
+            free_ports=self._offer_ports(), replaces=True, relays=True,
         ))
 
     async def _session_once(self) -> None:
@@ -215,6 +217,7 @@ class CoordinatorSession:
         ack = first.registered
         self.heartbeat_interval = ack.heartbeat_interval or 1.0
         self._folds = ack.folds   # an older coordinator reads one rank a report: never fold for it
+        self._inbound.keyed(ack.relay_key)
         replayed = self._outbox.buffer.rewind(ack.last_seq)
         self._answers.clear()
         self._stats.registrations += 1
@@ -249,6 +252,8 @@ class CoordinatorSession:
                 self._inbound.checkpoint(msg.checkpoint)
             elif body == "release":
                 self._inbound.release(msg.release)
+            elif body == "relay":
+                self._inbound.relay_through(msg.relay)
             elif body == "fetch_logs":
                 task = asyncio.create_task(self._answer_fetch(msg.fetch_logs))
                 self._fetches.add(task)
@@ -290,6 +295,13 @@ class CoordinatorSession:
             self._stats.reports_sent += len(batch)
             if buffer.unsent:
                 wake.set()
+
+    def answer(self, msg: pb.NodeMessage) -> None:
+        """Send ``msg`` before the next reports (dropped when no session is registered: the coordinator's own
+        timeout covers what it said)."""
+        if self.online:
+            self._answers.append(msg)
+            self._outbox.wake.set()
 
     def _offer_ports(self) -> list[int]:
         """The rendezvous ports offered to the coordinator: the last offer's that are still free, then new ones

@@ -1,0 +1,158 @@
+"""A relay tree on the daemon side (``coordinator.relay``): a head forwards, every node checks what it is handed.
+
+``RelayInbox`` (every daemon): a Relayed item is taken only if it names this node, its MAC holds under this
+session's key (``Registered.relay_key``, ``contract.relaymac``) and its number is above the last one taken; it must
+hold an Assign, which then goes where the coordinator stream's Assigns go (``dispatch``, started beside the
+caller: a PeerService call is answered at once). A relayed Assign can reach the node after a direct message that
+followed it (a Cancel, or the coordinator's own copy when the relay looked failed), so ``take`` decides for every
+Assign, whichever way it came: a copy is taken once, and none after a Cancel of its attempt.
+
+``forward`` (a head): one Relay's items, each to its node's ``PeerService.Deliver`` (this node's own taken here),
+``PARALLEL`` at once, each within ``DELIVER_S``; the ``RelayDone`` names the nodes that failed, and the coordinator
+sends them theirs itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from typing import Any, Awaitable, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from rankctl.contract.relaymac import relay_mac_ok
+from rankctl.proto import rankctl_pb2 as pb
+from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+from rankctl.worker.peerchannels import peer_channel
+
+PARALLEL = 64       # deliveries a head has under way at once
+DELIVER_S = 3.0     # one delivery's deadline
+MAX_ITEMS = 1024    # items of one Relay forwarded at most (the coordinator's --relay-width is at most 1,024)
+REMEMBERED = 1024   # (job, attempt)s taken and jobs cancelled that a node remembers
+TAKE, AGAIN, CANCELLED = "take", "again", "cancelled"
+
+
+class RelayRefused(Exception):
+    """A relayed item this node does not take; the words say why."""
+
+
+class RelayInbox:
+    def __init__(self, node: str = "", log: Any = None) -> None:
+        self.node, self._log = node, log
+        self._key, self._last_seq = b"", 0
+        self._dispatch: Callable[[pb.Assign], Awaitable[None]] | None = None
+        self._taken: OrderedDict[tuple[str, int, bytes], None] = OrderedDict()   # (job, attempt, digest)
+        self._cancelled: OrderedDict[str, int] = OrderedDict()   # job -> newest attempt cancelled (1 << 30: all)
+        self._tasks: set[asyncio.Future] = set()
+
+    def bind(self, node: str, dispatch: Callable[[pb.Assign], Awaitable[None]], log: Any) -> None:
+        self.node, self._dispatch, self._log = node, dispatch, log
+
+    def keyed(self, key: bytes) -> None:
+        """A new session's key (its Registered): items signed for an older session are refused from now on."""
+        if key != self._key:
+            self._key, self._last_seq = key, 0
+
+    def check(self, item: pb.Relayed) -> pb.Assign:
+        if item.node != self.node:
+            raise RelayRefused(f"item for node {item.node[:64]!r} handed to node {self.node!r}")
+        if not relay_mac_ok(self._key, item.node, item.seq, item.message, item.mac):
+            raise RelayRefused(f"item {item.seq} is not signed with this session's key (a forgery, or a session "
+                               "that ended)")
+        if item.seq <= self._last_seq:
+            raise RelayRefused(f"item {item.seq} is a replay (item {self._last_seq} was taken)")
+        try:
+            msg = pb.CoordinatorMessage.FromString(item.message)
+        except DecodeError as exc:
+            raise RelayRefused(f"item {item.seq} holds no CoordinatorMessage: {exc}") from None
+        if msg.WhichOneof("body") != "assign":
+            raise RelayRefused(f"item {item.seq} holds a {msg.WhichOneof('body')}, not an Assign")
+        self._last_seq = item.seq
+        return msg.assign
+
+    def deliver(self, item: pb.Relayed) -> None:
+        """Check ``item`` (``RelayRefused``) and start its Assign's handling beside the caller."""
+        assign = self.check(item)
+        if self._dispatch is None:
+            raise RelayRefused("this daemon takes no work yet")
+        task = asyncio.ensure_future(self._dispatch(assign))
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Future) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._log is not None:
+            self._log.error("relayed assign failed", error=repr(task.exception())[:300])
+
+    def take(self, assign: pb.Assign) -> str:
+        """``TAKE`` an Assign not seen before; ``AGAIN`` a copy of one taken (the same job, attempt and bytes: a
+        relayed one and the coordinator's own); ``CANCELLED`` one whose attempt a Cancel here already named (its
+        ranks never start)."""
+        key = (assign.job_id, assign.attempt, hashlib.blake2b(assign.SerializeToString(), digest_size=16).digest())
+        if key in self._taken:
+            return AGAIN
+        self._remember(self._taken, key, None)
+        cancelled = self._cancelled.get(assign.job_id)
+        return CANCELLED if cancelled is not None and assign.attempt <= cancelled else TAKE
+
+    def cancel(self, msg: pb.Cancel) -> None:
+        attempt = msg.attempt or 1 << 30
+        self._remember(self._cancelled, msg.job_id, max(attempt, self._cancelled.get(msg.job_id, 0)))
+
+    @staticmethod
+    def _remember(book: OrderedDict, key: Any, value: Any) -> None:
+        book.pop(key, None)
+        book[key] = value
+        while len(book) > REMEMBERED:
+            book.popitem(last=False)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def forward(relay: pb.Relay, inbox: RelayInbox, credentials: grpc.ChannelCredentials | None) -> pb.RelayDone:
+    """Hand each item to its node; what failed, for the coordinator."""
+    failed: list[str] = []
+    errors: list[str] = []
+    gate = asyncio.Semaphore(PARALLEL)
+    channels: dict[str, grpc.aio.Channel] = {}
+
+    async def one(item: pb.Relayed) -> None:
+        try:
+            if item.node == inbox.node:
+                inbox.deliver(item)
+                return
+            async with gate:
+                channel = channels.get(item.peer)
+                if channel is None:
+                    channel = channels[item.peer] = peer_channel(item.peer, credentials)
+                await pb_grpc.PeerServiceStub(channel).Deliver(pb.DeliverRequest(item=item), timeout=DELIVER_S)
+        except RelayRefused as exc:
+            failed.append(item.node)
+            errors.append(f"{item.node}: {exc}")
+        except grpc.aio.AioRpcError as exc:
+            failed.append(item.node)
+            errors.append(f"{item.node} ({item.peer}): {exc.code().name}: {exc.details()}")
+        except Exception as exc:  # noqa: BLE001 - a bad peer address and the like: that node goes direct
+            failed.append(item.node)
+            errors.append(f"{item.node} ({item.peer[:64]}): {type(exc).__name__}: {exc}")
+
+    try:
+        await asyncio.gather(*(one(item) for item in relay.items[:MAX_ITEMS]))
+    finally:
+        await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
+    failed.extend(item.node for item in relay.items[MAX_ITEMS:])
+    return pb.RelayDone(bundle=relay.bundle, failed=failed, error=errors[0][:300] if errors else "")
+
+
+async def serve_deliver(inbox: RelayInbox, request: pb.DeliverRequest, context: Any) -> pb.DeliverResponse:
+    """``PeerService.Deliver``: a head hands this node one item."""
+    try:
+        inbox.deliver(request.item)
+    except RelayRefused as exc:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+    return pb.DeliverResponse()
