@@ -24,8 +24,9 @@ first step handed to gRPC. The coordinator's share of (b) and (c) is the rest: n
 the attempt, waiting for and storing the confirmations, the requeue, the placement, the Assigns, storing
 attempt 2's reports. Reading a Cancel or an Assign is counted as the coordinator's, though the generators'
 loops take part in it. A job of more than ``--relay-width`` nodes gets its Assigns through relay heads
-(``coordinator.relay``): one Relay a group of 64 nodes, which the head (a generator playing it) hands to the
-group's daemons in its own process, checked as the real daemon checks them; such an Assign counts as read off
+(``coordinator.relay``): one Relay a group of 65 nodes, which the head (a generator playing it) hands to the
+group's daemons in its own process, checked as the real daemon checks them, and their report batches go up
+through it, signed, as many as came in one loop turn in one RelayedBatches; such an Assign counts as read off
 the coordinator's stream when its head read the Relay, and the hand-over is the daemons' share (on a cluster it
 runs on the heads' machines; the real daemon's PeerService hop is tested end to end). ``--relay-width 0``
 sends every Assign direct, for a comparison. On a small machine the generators also take CPU from the coordinator: its CPU seconds

@@ -4,7 +4,8 @@ Each fake daemon speaks the real ``NodeService.Connect`` protocol (Register, Hea
 its own task, rank reports) and plays the ranks of an ``Assign`` through rendezvous, groups,
 running, ``--steps`` steps at ``--step-rate`` and an exit, without running anything. A restarted
 attempt (an Assign of attempt 2 or later) reports its phases and its first step at once, in one batch,
-as a daemon whose ranks start faster than it sends would; each rank's first step is marked
+as a daemon whose ranks start faster than it sends would (through its relay head, signed, when a relayed Assign
+named one: ``carry``); each rank's first step is marked
 ``first_step`` as the daemon marks it, so the batch folds as the daemon's does (one ``running``
 report for the node's ranks, then one first-step report a rank); a Cancel is answered at once by an exit report
 of each of the attempt's ranks, as the real daemon reports the ranks it stopped. Per attempt, the last
@@ -34,7 +35,7 @@ from typing import Callable
 
 import grpc
 
-from rankctl.contract.relaymac import relay_mac_ok
+from rankctl.contract.relaymac import DOWN, UP, relay_mac, relay_mac_ok
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.reportfold import fold
 from rankctl.worker.reporting import exit_status, stamp_update, step_figures
@@ -141,6 +142,9 @@ class Daemon:
         self.last_batch = 0.0  # when the last ReportBatch went out
         self.tasks: dict[str, asyncio.Task] = {}  # job id -> its player
         self.relay_key, self.relay_seq = b"", 0   # this session's relay key (Registered), the last item taken
+        self.via: Daemon | None = None            # the relay head its batches go through (in this process)
+        self.up_seq = 0                           # the last batch it handed to its head
+        self.carried: list[tuple[pb.NodeBatch, Callable[[], None] | None]] = []   # as a head: batches to send
         self.playing: dict[str, tuple[int, list[int]]] = {}  # job id -> (attempt, ranks), for a re-Register
 
     async def write(self, msg: pb.NodeMessage, handed: Callable[[], None] | None = None) -> None:
@@ -198,6 +202,7 @@ class Daemon:
                         self.interval = msg.registered.heartbeat_interval or 2.0
                         self.folds = msg.registered.folds   # an older coordinator (--coordinator-pythonpath): never
                         self.relay_key, self.relay_seq = msg.registered.relay_key, 0
+                        self.via, self.up_seq = None, 0
                         self.heartbeat = asyncio.create_task(self.heartbeats())
                     elif body == "ack" and msg.ack.heartbeat_interval > 0:  # retuned, as the daemon is
                         self.interval = msg.ack.heartbeat_interval
@@ -277,20 +282,35 @@ class Daemon:
         failed, t_read = [], time.time()
         for item in relay.items:
             d = self.sim.by_name.get(item.node)
-            if d is None or not d.take_relayed(item, t_read):
+            if d is None or not d.take_relayed(item, t_read, self):
                 failed.append(item.node)
         self.sim.counts["relayed_items"] += len(relay.items) - len(failed)
         asyncio.create_task(self.write(pb.NodeMessage(relay_done=pb.RelayDone(bundle=relay.bundle, failed=failed))))
 
-    def take_relayed(self, item: pb.Relayed, t_read: float) -> bool:
-        if item.seq <= self.relay_seq or not relay_mac_ok(self.relay_key, item.node, item.seq, item.message, item.mac):
+    def take_relayed(self, item: pb.Relayed, t_read: float, head: Daemon) -> bool:
+        if item.seq <= self.relay_seq or not relay_mac_ok(self.relay_key, DOWN, item.node, item.seq, item.mac,
+                                                          item.message, item.report_via.encode()):
             return False
         self.relay_seq = item.seq
+        self.via = head if item.report_via else None   # its batches go up through the head, as the daemon's do
         msg = pb.CoordinatorMessage.FromString(item.message)
         if msg.WhichOneof("body") != "assign":
             return False
         self.on_assign(msg.assign, time.time(), len(item.message), t_read)
         return True
+
+    def carry(self, nb: pb.NodeBatch, handed: Callable[[], None] | None) -> None:
+        """As a relay head: a group daemon's batch, sent with the others handed over in the same loop turn."""
+        if not self.carried:
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.send_carried()))
+        self.carried.append((nb, handed))
+
+    async def send_carried(self) -> None:
+        carried, self.carried = self.carried, []
+        calls = [h for _, h in carried if h is not None]
+        self.sim.counts["sent_relayed"] += 1
+        await self.write(pb.NodeMessage(relayed=pb.RelayedBatches(batches=[nb for nb, _ in carried])),
+                         (lambda: [h() for h in calls]) if calls else None)
 
     def on_cancel(self, cancel: pb.Cancel, t_recv: float) -> None:
         """Stop the attempt's player and confirm each of its ranks gone (an exit report), as the real daemon does.
@@ -343,7 +363,13 @@ class Daemon:
         sim = self.sim
         handed = (lambda: sim.note(attempt, note, time.time())) if note else None
         reports = fold(reports) if self.folds and not folded else reports   # as the daemon does
-        await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)), handed)
+        if self.via is not None and self.via.connected.is_set():   # signed, to its head: sent with its group's
+            self.up_seq += 1
+            data = pb.ReportBatch(reports=reports).SerializeToString()
+            self.via.carry(pb.NodeBatch(node=self.name, seq=self.up_seq, batch=data,
+                                        mac=relay_mac(self.relay_key, UP, self.name, self.up_seq, data)), handed)
+        else:
+            await self.write(pb.NodeMessage(batch=pb.ReportBatch(reports=reports)), handed)
         self.last_batch = time.time()
         sim.counts["sent_batches"] += 1
         sim.counts["sent_reports"] += len(reports)

@@ -225,7 +225,8 @@ def retune_message(heartbeat_interval: float) -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(ack=pb.Ack(last_seq=0, heartbeat_interval=heartbeat_interval))
 
 
-def registered_message(node: str, heartbeat_interval: float, last_seq: int, relay_key: bytes = b"") -> pb.CoordinatorMessage:
+def registered_message(node: str, heartbeat_interval: float, last_seq: int,
+                       relay_key: bytes = b"") -> pb.CoordinatorMessage:
     return pb.CoordinatorMessage(registered=pb.Registered(
         node=node, heartbeat_interval=heartbeat_interval, last_seq=last_seq, folds=True, relay_key=relay_key))
 

@@ -156,11 +156,12 @@ class _Collector:
             ended.add_metric([kind], done.ended_at)
         yield took
         yield ended
-        relayed = CounterMetricFamily("rankctl_coordinator_relayed_messages", "Messages of big fan-outs sent through "
-                                      "relay heads (coordinator.relay): delivered by a head, or sent direct after the "
-                                      "relay failed.", labels=["outcome"])
+        relayed = CounterMetricFamily("rankctl_coordinator_relayed_messages", "Messages through relay heads "
+                                      "(coordinator.relay): Assigns a head delivered, Assigns sent direct after the "
+                                      "relay failed, report batches heads carried up.", labels=["outcome"])
         relayed.add_metric(["delivered"], core.relays.relayed)
         relayed.add_metric(["direct"], core.relays.direct)
+        relayed.add_metric(["carried"], core.relays.carried)
         yield relayed
         restarts = CounterMetricFamily("rankctl_job_restarts", "Job attempts restarted, by cause.", labels=["cause"])
         for cause in sorted({*RESTART_CAUSES, *stats.restarts}):

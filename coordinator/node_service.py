@@ -31,6 +31,7 @@ from rankctl.security.tls import revoked_problem
 log = structlog.get_logger("rankctl.coordinator")
 REVOCATION_CHECK_S = 1.0  # how often one watcher asks whether the revocation list changed
 REGISTER_WAIT_S = 30.0    # a node stream's first message (Register) comes within this, or the stream is closed
+MAX_CARRIED = 1024        # node batches of one RelayedBatches read at most (a head carries --relay-width nodes')
 
 
 class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
@@ -160,6 +161,11 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             self.core.heartbeat(session, list(msg.heartbeat.free_ports))
         elif body == "batch":
             self.core.rank_reports(session, msg.batch.reports)  # read in place: no copy per report
+            self.core.relays.reported_direct(session.name)
+        elif body == "relayed":   # a relay head's bundle of its group's batches, each checked (``coordinator.relay``)
+            for nb in msg.relayed.batches[:MAX_CARRIED]:
+                if (got := self.core.relays.up(session.name, nb)) is not None:
+                    self.core.rank_reports(got[0], got[1].reports)
         elif body == "log_chunk":
             self.core.logfetch.deliver(session.name, msg.log_chunk)
         elif body == "relay_done":

@@ -58,6 +58,7 @@ class NodeSession:
     relays: bool = False           # its daemon heads a relay tree's group when asked (``coordinator.relay``)
     relay_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # signs Relayed items for it
     relay_seq: int = 0             # the last Relayed item's number for it
+    relay_up_seq: int = 0          # the last number of its batches a relay head carried
 
     @property
     def peer(self) -> str:

@@ -1,13 +1,20 @@
 """Relayed fan-outs (a relay tree, as Slurm's ``TreeWidth``): a big job's Assigns go to one head daemon a group.
 
 An Assign fan-out to more than ``width`` nodes is cut into groups of ``width + 1`` consecutive job nodes: a head
-and the ``width`` nodes it forwards to. The first node of a group whose daemon relays (``Register.relays``) gets one ``Relay`` holding the group's messages (its own
-among them), each signed with its node's session key (``contract.relaymac``: a head cannot forge, alter or replay
-another node's) and numbered; it hands each to its node's PeerService (``worker.relay``) and answers ``RelayDone``
+and the ``width`` nodes it forwards to. The first node of a group whose daemon relays (``Register.relays``) gets
+one ``Relay`` holding the group's messages (its own among them), each signed with its node's session key
+(``contract.relaymac``: a head cannot forge, alter or replay another node's) and numbered; it hands each to its node's PeerService (``worker.relay``) and answers ``RelayDone``
 naming those it could not reach. The coordinator sends a node its message itself when the head names it, when the
 head's stream ends before its answer, or when no answer came within ``WAIT_S`` - unless the message is no longer
 current (``current``: its attempt ended meanwhile). A node with no PeerService, or not connected, goes direct; a
 group with no relaying daemon goes direct. So 8,192 nodes take 127 writes of the coordinator's instead of 8,192.
+
+Up: each relayed item names the head's PeerService (``report_via``, signed with it); the node sends its report
+batches there (``PeerService.Forward``), each signed with its key and numbered, and the head carries its group's
+batches in one ``RelayedBatches`` message. ``up`` checks each (a node of this coordinator, connected, the MAC
+under its key, a number above the last) before its reports go where the node's own batches go. When a head's
+stream ends, every node whose batches it carried is told to send again on its own stream what is not stored
+(``Ack.resend``) and to report there from then on; a node whose Forward fails does so by itself.
 
 O(1) per message; the bundles waiting for their answer are bounded by ``KEPT`` (the oldest sent direct first).
 """
@@ -21,8 +28,10 @@ from typing import Callable, Iterable
 
 import structlog
 
-from rankctl.contract.relaymac import relay_mac
-from rankctl.coordinator.nodes import NodeStatus, NodeTable
+from google.protobuf.message import DecodeError
+
+from rankctl.contract.relaymac import DOWN, UP, relay_mac, relay_mac_ok
+from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable
 from rankctl.proto import rankctl_pb2 as pb
 
 log = structlog.get_logger("rankctl.coordinator")
@@ -53,6 +62,9 @@ class Relays:
         self._planned: dict[int, Bundle] = {}             # id(Relay message) -> its bundle, until handed out
         self._armed: OrderedDict[int, Bundle] = OrderedDict()   # bundle id -> bundle, oldest first
         self._by_head: dict[str, set[int]] = {}           # head -> its armed bundles' ids
+        self._via: dict[str, str] = {}                    # node -> the head that carried its last batch
+        self._carried: dict[str, set[str]] = {}           # head -> the nodes in _via under it
+        self.carried = 0   # report batches heads carried up
         self.relayed = 0   # messages heads delivered
         self.direct = 0    # messages sent direct because their relay failed
         self.bundles = 0   # Relays sent
@@ -71,20 +83,22 @@ class Relays:
 
     def _group(self, group: list[Message]) -> list[Message]:
         sessions, ready = self._nodes.sessions, NodeStatus.READY
-        head = next((n for n, _ in group if (s := sessions.get(n)) is not None and s.relays and s.status is ready), None)
+        head = next((n for n, _ in group
+                     if (s := sessions.get(n)) is not None and s.relays and s.status is ready), None)
         if head is None:
             return group
         self._next += 1
         relay, kept, direct = pb.Relay(bundle=self._next), {}, []
+        via = sessions[head].peer   # where the group's nodes send their report batches ("": their own streams)
         for name, msg in group:
             s = sessions.get(name)
             if s is None or s.status is not ready or (name != head and not s.peer) or name in kept:
                 direct.append((name, msg))
                 continue
             s.relay_seq += 1
-            payload = msg.SerializeToString()
-            relay.items.add(node=name, peer=s.peer, seq=s.relay_seq, message=payload,
-                            mac=relay_mac(s.relay_key, name, s.relay_seq, payload))
+            payload, up = msg.SerializeToString(), via if name != head else ""
+            relay.items.add(node=name, peer=s.peer, seq=s.relay_seq, message=payload, report_via=up,
+                            mac=relay_mac(s.relay_key, DOWN, name, s.relay_seq, payload, up.encode()))
             kept[name] = msg
         if len(kept) < 2:   # the head alone: a relay saves nothing
             return group
@@ -128,9 +142,47 @@ class Relays:
             self._fall_back(Bundle(bundle.id, head, {n: bundle.messages[n] for n in failed}), "")
 
     def head_lost(self, head: str) -> None:
-        """The head's stream ended: its bundles' nodes get theirs direct."""
+        """The head's stream ended: its bundles' nodes get theirs direct, and the nodes whose batches it carried
+        send again on their own streams what is not stored."""
         for bundle_id in sorted(self._by_head.get(head, ())):
             self._fall_back(self._disarm(bundle_id), f"head {head} lost")
+        carried = self._carried.pop(head, set())
+        for node in sorted(carried):
+            self._via.pop(node, None)
+            s = self._nodes.sessions.get(node)
+            if s is not None:
+                self._send(node, pb.CoordinatorMessage(ack=pb.Ack(last_seq=s.record.last_seq, resend=True)))
+        if carried:
+            log.warning("relay.resend", head=head, nodes=len(carried))
+
+    def up(self, head: str, nb: pb.NodeBatch) -> tuple[NodeSession, pb.ReportBatch] | None:
+        """One node's batch a head carried: its session and reports, or None when it does not hold (its node
+        unknown or not connected, the MAC not under its key, its number not above the last one, not a batch)."""
+        s = self._nodes.sessions.get(nb.node)
+        if s is None or s.status is not NodeStatus.READY or nb.seq <= s.relay_up_seq or \
+                not relay_mac_ok(s.relay_key, UP, nb.node, nb.seq, nb.mac, nb.batch):
+            return None
+        try:
+            batch = pb.ReportBatch.FromString(nb.batch)
+        except DecodeError:
+            return None
+        s.relay_up_seq = nb.seq
+        self.carried += 1
+        if self._via.get(nb.node) != head:
+            self.reported_direct(nb.node)
+            self._via[nb.node] = head
+            self._carried.setdefault(head, set()).add(nb.node)
+        return s, batch
+
+    def reported_direct(self, node: str) -> None:
+        """The node sent a batch on its own stream: no head carries its reports now."""
+        head = self._via.pop(node, None)
+        if head is not None:
+            nodes = self._carried.get(head)
+            if nodes is not None:
+                nodes.discard(node)
+                if not nodes:
+                    del self._carried[head]
 
     def due(self) -> None:
         """Bundles whose head did not answer within ``WAIT_S``: their nodes get theirs direct."""

@@ -288,7 +288,8 @@ async def start_coordinator(listen: str, state_dir: Path, heartbeat_timeout: flo
                             blob_retention_s: float = RETENTION_S, advertise: str | None = None,
                             store_url: str | None = None, etcd_tls: "EtcdTLS | None" = None,
                             lease_ttl: int = LEASE_TTL_S, event_retention_s: float = EVENT_RETENTION_S,
-                            max_heartbeat_rate: float | None = None, relay_width: int = RELAY_WIDTH) -> CoordinatorServer:
+                            max_heartbeat_rate: float | None = None,
+                            relay_width: int = RELAY_WIDTH) -> CoordinatorServer:
     """Load state from ``state_dir`` (locked for this process), bind ``listen`` exclusively
     ("host:port", port 0 = any) and serve. OSError when the state dir or the address is taken.
 

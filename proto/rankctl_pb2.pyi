@@ -465,12 +465,14 @@ class Assign(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., world_size: _Optional[int] = ..., first_rank: _Optional[int] = ..., rank_count: _Optional[int] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., kind: _Optional[str] = ..., spec_json: _Optional[str] = ..., restart: _Optional[bool] = ..., replica_peer: _Optional[str] = ..., restore_peer: _Optional[str] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("last_seq", "heartbeat_interval")
+    __slots__ = ("last_seq", "heartbeat_interval", "resend")
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    RESEND_FIELD_NUMBER: _ClassVar[int]
     last_seq: int
     heartbeat_interval: float
-    def __init__(self, last_seq: _Optional[int] = ..., heartbeat_interval: _Optional[float] = ...) -> None: ...
+    resend: bool
+    def __init__(self, last_seq: _Optional[int] = ..., heartbeat_interval: _Optional[float] = ..., resend: _Optional[bool] = ...) -> None: ...
 
 class FetchLogs(_message.Message):
     __slots__ = ("request_id", "job_id", "attempt", "rank", "offset", "tail", "max_lines", "records")
@@ -581,18 +583,38 @@ class LogChunk(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., lines: _Optional[_Iterable[str]] = ..., next_offset: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class NodeMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "batch", "log_chunk", "relay_done")
+    __slots__ = ("register", "heartbeat", "batch", "log_chunk", "relay_done", "relayed")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LOG_CHUNK_FIELD_NUMBER: _ClassVar[int]
     RELAY_DONE_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     batch: ReportBatch
     log_chunk: LogChunk
     relay_done: RelayDone
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., batch: _Optional[_Union[ReportBatch, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ..., relay_done: _Optional[_Union[RelayDone, _Mapping]] = ...) -> None: ...
+    relayed: RelayedBatches
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., batch: _Optional[_Union[ReportBatch, _Mapping]] = ..., log_chunk: _Optional[_Union[LogChunk, _Mapping]] = ..., relay_done: _Optional[_Union[RelayDone, _Mapping]] = ..., relayed: _Optional[_Union[RelayedBatches, _Mapping]] = ...) -> None: ...
+
+class RelayedBatches(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[NodeBatch]
+    def __init__(self, batches: _Optional[_Iterable[_Union[NodeBatch, _Mapping]]] = ...) -> None: ...
+
+class NodeBatch(_message.Message):
+    __slots__ = ("node", "seq", "batch", "mac")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    seq: int
+    batch: bytes
+    mac: bytes
+    def __init__(self, node: _Optional[str] = ..., seq: _Optional[int] = ..., batch: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node", "heartbeat_interval", "last_seq", "folds", "relay_key")
@@ -637,18 +659,20 @@ class Relay(_message.Message):
     def __init__(self, bundle: _Optional[int] = ..., items: _Optional[_Iterable[_Union[Relayed, _Mapping]]] = ...) -> None: ...
 
 class Relayed(_message.Message):
-    __slots__ = ("node", "peer", "seq", "message", "mac")
+    __slots__ = ("node", "peer", "seq", "message", "mac", "report_via")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    REPORT_VIA_FIELD_NUMBER: _ClassVar[int]
     node: str
     peer: str
     seq: int
     message: bytes
     mac: bytes
-    def __init__(self, node: _Optional[str] = ..., peer: _Optional[str] = ..., seq: _Optional[int] = ..., message: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    report_via: str
+    def __init__(self, node: _Optional[str] = ..., peer: _Optional[str] = ..., seq: _Optional[int] = ..., message: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., report_via: _Optional[str] = ...) -> None: ...
 
 class RelayDone(_message.Message):
     __slots__ = ("bundle", "failed", "error")
@@ -957,6 +981,16 @@ class DeliverRequest(_message.Message):
     def __init__(self, item: _Optional[_Union[Relayed, _Mapping]] = ...) -> None: ...
 
 class DeliverResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: NodeBatch
+    def __init__(self, batch: _Optional[_Union[NodeBatch, _Mapping]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

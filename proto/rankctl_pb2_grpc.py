@@ -958,6 +958,11 @@ class PeerServiceStub:
                 request_serializer=rankctl_dot_v1_dot_rankctl__pb2.DeliverRequest.SerializeToString,
                 response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.DeliverResponse.FromString,
                 _registered_method=True)
+        self.Forward = channel.unary_unary(
+                '/rankctl.v1.PeerService/Forward',
+                request_serializer=rankctl_dot_v1_dot_rankctl__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ForwardResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -990,6 +995,14 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Forward(self, request, context):
+        """One report batch of a node of this head's relay group, for the coordinator; answered once it is on the
+        head's stream (UNAVAILABLE when the head has none: the node then sends it on its own).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1007,6 +1020,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Deliver,
                     request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.DeliverRequest.FromString,
                     response_serializer=rankctl_dot_v1_dot_rankctl__pb2.DeliverResponse.SerializeToString,
+            ),
+            'Forward': grpc.unary_unary_rpc_method_handler(
+                    servicer.Forward,
+                    request_deserializer=rankctl_dot_v1_dot_rankctl__pb2.ForwardRequest.FromString,
+                    response_serializer=rankctl_dot_v1_dot_rankctl__pb2.ForwardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1092,6 +1110,33 @@ class PeerService:
             '/rankctl.v1.PeerService/Deliver',
             rankctl_dot_v1_dot_rankctl__pb2.DeliverRequest.SerializeToString,
             rankctl_dot_v1_dot_rankctl__pb2.DeliverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Forward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rankctl.v1.PeerService/Forward',
+            rankctl_dot_v1_dot_rankctl__pb2.ForwardRequest.SerializeToString,
+            rankctl_dot_v1_dot_rankctl__pb2.ForwardResponse.FromString,
             options,
             channel_credentials,
             insecure,

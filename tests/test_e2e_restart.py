@@ -109,8 +109,8 @@ def test_a_killed_daemon_is_replaced_by_a_spare_and_the_losses_equal_an_uninterr
         assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
         assert spare in done["nodes"] and victim not in done["nodes"], done["nodes"]
         assert_same_losses(done, ref)
-        relayed = relayed_messages(three)   # the reference's, attempt 1's and attempt 2's Assigns, all by heads
-        assert relayed["delivered"] >= 6 and relayed["direct"] == 0, relayed
+        relayed = relayed_messages(three)   # the reference's, attempt 1's and attempt 2's Assigns, all by heads,
+        assert relayed["delivered"] >= 6 and relayed["direct"] == 0 and relayed["carried"] > 0, relayed   # + reports
         resumed = done["result"].get("resumed_from") or 0
         reached = highest_step(three.root, job, 1)  # the status taken before the kill lags behind the ranks
         assert 5 <= resumed <= reached, (resumed, reached)  # resumed from the replicated checkpoint, not over

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rankctl.contract.relaymac import relay_mac
+from rankctl.contract.relaymac import DOWN, UP, relay_mac
 from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable
 from rankctl.coordinator.records import NodeRecord
 from rankctl.coordinator.relay import WAIT_S, Relays
@@ -51,7 +51,8 @@ def test_a_big_fan_out_goes_to_one_head_a_group_each_item_signed_with_its_nodes_
     item = relays[0].items[1]
     s = w.nodes.sessions["n1"]
     assert item.peer == "127.0.0.1:9001" and item.seq == s.relay_seq == 1
-    assert item.mac == relay_mac(s.relay_key, "n1", 1, item.message)
+    assert item.report_via == "127.0.0.1:9000" and relays[0].items[0].report_via == ""   # the head reports itself
+    assert item.mac == relay_mac(s.relay_key, DOWN, "n1", 1, item.message, b"127.0.0.1:9000")
     assert pb.CoordinatorMessage.FromString(item.message) == w.messages[1][1]
     assert w.relays.plan("assign", w.messages[:2]) == w.messages[:2]   # no more nodes than the width: direct
     assert w.relays.plan("cancel", w.messages) == w.messages            # only Assigns are relayed
@@ -109,9 +110,37 @@ def test_a_relay_the_head_could_not_be_handed_or_that_never_committed() -> None:
     assert len(w.sent) == 3
 
 
-def item_for(key: bytes, node: str, seq: int, msg: pb.CoordinatorMessage) -> pb.Relayed:
+def item_for(key: bytes, node: str, seq: int, msg: pb.CoordinatorMessage, via: str = "") -> pb.Relayed:
     data = msg.SerializeToString()
-    return pb.Relayed(node=node, peer="127.0.0.1:1", seq=seq, message=data, mac=relay_mac(key, node, seq, data))
+    return pb.Relayed(node=node, peer="127.0.0.1:1", seq=seq, message=data, report_via=via,
+                      mac=relay_mac(key, DOWN, node, seq, data, via.encode()))
+
+
+def up_batch(key: bytes, node: str, seq: int, rank: int = 0) -> pb.NodeBatch:
+    data = pb.ReportBatch(reports=[pb.RankReport(job_id="j-000001", attempt=2, seq=seq,
+                                                 status=pb.RankStatus(rank=rank, phase="running"))]).SerializeToString()
+    return pb.NodeBatch(node=node, seq=seq, batch=data, mac=relay_mac(key, UP, node, seq, data))
+
+
+def test_a_head_carries_only_batches_its_nodes_signed_and_a_lost_head_makes_them_resend() -> None:
+    w = World(4, width=3)
+    n1, n2 = w.nodes.sessions["n1"], w.nodes.sessions["n2"]
+    got = w.relays.up("n0", up_batch(n1.relay_key, "n1", 1))
+    assert got is not None and got[0] is n1 and got[1].reports[0].status.rank == 0
+    assert w.relays.up("n0", up_batch(n1.relay_key, "n1", 1)) is None        # replayed
+    assert w.relays.up("n0", up_batch(n2.relay_key, "n1", 2)) is None        # another node's key: forged
+    forged = up_batch(n1.relay_key, "n1", 3)
+    forged.batch = up_batch(n1.relay_key, "n1", 3, rank=1).batch             # altered on the way
+    assert w.relays.up("n0", forged) is None
+    down = item_for(n1.relay_key, "n1", 4, assign())   # a down item passed off as a batch
+    assert w.relays.up("n0", pb.NodeBatch(node="n1", seq=4, batch=down.message, mac=down.mac)) is None
+    assert w.relays.up("n0", up_batch(n2.relay_key, "n2", 1)) is not None
+    w.relays.reported_direct("n2")   # n2 now reports on its own stream
+    n1.record.last_seq = 7
+    w.relays.head_lost("n0")
+    assert [(n, m.ack.last_seq, m.ack.resend) for n, m in w.sent] == [("n1", 7, True)]
+    w.relays.head_lost("n0")
+    assert len(w.sent) == 1
 
 
 def test_a_node_takes_only_its_own_signed_fresh_assigns() -> None:
@@ -122,7 +151,8 @@ def test_a_node_takes_only_its_own_signed_fresh_assigns() -> None:
 
     async def run() -> None:
         inbox = RelayInbox()
-        inbox.bind("n1", dispatch, None)
+        routes: list[str] = []
+        inbox.bind("n1", dispatch, None, route=routes.append)
         key = b"k" * 32
         inbox.keyed(key)
         with pytest.raises(RelayRefused, match="handed to node 'n1'"):
@@ -135,7 +165,12 @@ def test_a_node_takes_only_its_own_signed_fresh_assigns() -> None:
             inbox.check(forged)
         with pytest.raises(RelayRefused, match="not an Assign"):
             inbox.check(item_for(key, "n1", 1, pb.CoordinatorMessage(cancel=pb.Cancel(job_id="j"))))
-        inbox.deliver(item_for(key, "n1", 2, assign()))
+        via = item_for(key, "n1", 2, assign(), via="127.0.0.1:9000")
+        via.report_via = "127.0.0.1:6666"   # a head sending the node's batches elsewhere
+        with pytest.raises(RelayRefused, match="not signed"):
+            inbox.check(via)
+        inbox.deliver(item_for(key, "n1", 2, assign(), via="127.0.0.1:9000"))
+        assert routes == ["127.0.0.1:9000"]
         with pytest.raises(RelayRefused, match="replay"):
             inbox.check(item_for(key, "n1", 2, assign()))
         inbox.keyed(b"n" * 32)   # a new session: the old key's items are refused

@@ -64,7 +64,6 @@ class WorkerDaemon:
         self._log = node_log = log.bind(node=cfg.name)
         self._credentials = credentials = _credentials(cfg.tls_dir)
         self.relay = relay or relays.RelayInbox()   # relayed Assigns for this node (its PeerService's, when served)
-        self.relay.bind(cfg.name, self.assign, node_log)
         roots = allowed_roots(cfg.data_roots, str(cfg.state_dir))  # ValueError: a root is not a directory
         workdirs = WorkdirCache(cfg.state_dir, cfg.workdir_cache_mb << 20)
         self.outbox = Outbox(MAX_BUFFERED_REPORTS)
@@ -88,6 +87,9 @@ class WorkerDaemon:
             hardware=lambda: self.supervisor.hardware, on_change=self._update_health, credentials=credentials,
             stats=self.stats, rng=rng or random.Random(), session_id=f"{cfg.name}-{os.getpid()}-{id(self):x}",
             log=node_log)
+        uplink = self.session.uplink
+        uplink.wake, uplink.online = self.outbox.wake.set, lambda: self.session.online
+        self.relay.bind(cfg.name, self.assign, node_log, route=uplink.route, carry=uplink.carry)
         self.admission = Admission(cfg, runs=self.runs, launcher=self.supervisor, replication=replication,
                                    workdirs=workdirs, roots=roots, fetch_blob=self.session.fetch_blob,
                                    outbox=self.outbox, log=node_log)

@@ -9,7 +9,8 @@ Assign, whichever way it came: a copy is taken once, and none after a Cancel of 
 
 ``forward`` (a head): one Relay's items, each to its node's ``PeerService.Deliver`` (this node's own taken here),
 ``PARALLEL`` at once, each within ``DELIVER_S``; the ``RelayDone`` names the nodes that failed, and the coordinator
-sends them theirs itself.
+sends them theirs itself. A relayed Assign names where the node sends its report batches (``report_via``: its
+head's PeerService, ``route``); ``serve_forward`` is the head's side of that (``carry``: onto its own stream).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from rankctl.contract.relaymac import relay_mac_ok
+from rankctl.contract.relaymac import DOWN, UP, relay_mac, relay_mac_ok
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.peerchannels import peer_channel
@@ -30,6 +31,8 @@ from rankctl.worker.peerchannels import peer_channel
 PARALLEL = 64       # deliveries a head has under way at once
 DELIVER_S = 3.0     # one delivery's deadline
 MAX_ITEMS = 1024    # items of one Relay forwarded at most (the coordinator's --relay-width is at most 1,024)
+FORWARD_S = 3.0     # a batch handed to a relay head is on its coordinator stream within this, or goes direct
+CARRIED = 256       # group nodes' batches in one RelayedBatches at most
 REMEMBERED = 1024   # (job, attempt)s taken and jobs cancelled that a node remembers
 TAKE, AGAIN, CANCELLED = "take", "again", "cancelled"
 
@@ -46,9 +49,18 @@ class RelayInbox:
         self._taken: OrderedDict[tuple[str, int, bytes], None] = OrderedDict()   # (job, attempt, digest)
         self._cancelled: OrderedDict[str, int] = OrderedDict()   # job -> newest attempt cancelled (1 << 30: all)
         self._tasks: set[asyncio.Future] = set()
+        self._route: Callable[[str], None] = lambda via: None
+        self.carry: Callable[[pb.NodeBatch], Awaitable[bool]] | None = None
 
-    def bind(self, node: str, dispatch: Callable[[pb.Assign], Awaitable[None]], log: Any) -> None:
+    def bind(self, node: str, dispatch: Callable[[pb.Assign], Awaitable[None]], log: Any, *,
+             route: Callable[[str], None] | None = None,
+             carry: Callable[[pb.NodeBatch], Awaitable[bool]] | None = None) -> None:
+        """``dispatch``: where a taken Assign goes; ``route(via)``: report through that head from now on;
+        ``carry(batch)``: as a head, put a group node's batch on the coordinator stream (False: no stream)."""
         self.node, self._dispatch, self._log = node, dispatch, log
+        if route is not None:
+            self._route = route
+        self.carry = carry
 
     def keyed(self, key: bytes) -> None:
         """A new session's key (its Registered): items signed for an older session are refused from now on."""
@@ -58,7 +70,7 @@ class RelayInbox:
     def check(self, item: pb.Relayed) -> pb.Assign:
         if item.node != self.node:
             raise RelayRefused(f"item for node {item.node[:64]!r} handed to node {self.node!r}")
-        if not relay_mac_ok(self._key, item.node, item.seq, item.message, item.mac):
+        if not relay_mac_ok(self._key, DOWN, item.node, item.seq, item.mac, item.message, item.report_via.encode()):
             raise RelayRefused(f"item {item.seq} is not signed with this session's key (a forgery, or a session "
                                "that ended)")
         if item.seq <= self._last_seq:
@@ -77,6 +89,7 @@ class RelayInbox:
         assign = self.check(item)
         if self._dispatch is None:
             raise RelayRefused("this daemon takes no work yet")
+        self._route(item.report_via)
         task = asyncio.ensure_future(self._dispatch(assign))
         self._tasks.add(task)
         task.add_done_callback(self._ended)
@@ -114,6 +127,78 @@ class RelayInbox:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+class Uplink:
+    """The session's relay parts (``worker.session``): a node's report batches through its head (``via``: the head's
+    PeerService, from a relayed Assign; "": the node's own stream), and a head's batches of its group to carry."""
+
+    def __init__(self, node: str, credentials: grpc.ChannelCredentials | None, log: Any) -> None:
+        self.node, self._credentials, self._log = node, credentials, log
+        self.via = ""
+        self._key, self._seq = b"", 0                        # this session's key (Registered), the last batch's number
+        self._channel: tuple[str, grpc.aio.Channel] | None = None   # to ``via``
+        self.carried: list[tuple[pb.NodeBatch, asyncio.Future]] = []
+        self.wake: Callable[[], None] = lambda: None          # the session's writer: something to send
+        self.online: Callable[[], bool] = lambda: False
+
+    def keyed(self, key: bytes) -> None:
+        """A new session: its key; batches go on its own stream until a relayed Assign names a head."""
+        self._key, self._seq, self.via = key, 0, ""
+
+    def route(self, via: str) -> None:
+        self.via = via
+
+    async def forward(self, body: pb.ReportBatch) -> bool:
+        """Hand one batch to the head, signed; False (and report on the own stream from now on) when it fails."""
+        via = self.via
+        self._seq += 1
+        data = body.SerializeToString()
+        nb = pb.NodeBatch(node=self.node, seq=self._seq, batch=data,
+                          mac=relay_mac(self._key, UP, self.node, self._seq, data))
+        if self._channel is None or self._channel[0] != via:
+            if self._channel is not None:
+                asyncio.get_running_loop().create_task(self._channel[1].close())
+            self._channel = (via, peer_channel(via, self._credentials))
+        try:
+            await pb_grpc.PeerServiceStub(self._channel[1]).Forward(pb.ForwardRequest(batch=nb), timeout=FORWARD_S)
+            return True
+        except grpc.aio.AioRpcError as exc:
+            self._log.warning("relay head unreachable: reporting on the coordinator stream", head=via,
+                              error=f"{exc.code().name}: {exc.details()}")
+            if self.via == via:
+                self.via = ""
+            return False
+
+    async def carry(self, nb: pb.NodeBatch) -> bool:
+        """As a head: put a group node's batch on the session's stream; True once written, False when there is no
+        session or it is not written within ``FORWARD_S``."""
+        if not self.online():
+            return False
+        fut = asyncio.get_running_loop().create_future()
+        self.carried.append((nb, fut))
+        self.wake()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), FORWARD_S)
+        except asyncio.TimeoutError:
+            return False
+
+    def take_carried(self) -> tuple[pb.NodeMessage, Callable[[], None]]:
+        """The next message of carried batches, and what to call once it is written."""
+        out, self.carried = self.carried[:CARRIED], self.carried[CARRIED:]
+
+        def written() -> None:
+            for _, fut in out:
+                if not fut.done():
+                    fut.set_result(True)
+        return pb.NodeMessage(relayed=pb.RelayedBatches(batches=[nb for nb, _ in out])), written
+
+    def ended(self) -> None:
+        """The session ended: what was to be carried is not (its nodes send it on their own streams)."""
+        for _, fut in self.carried:
+            if not fut.done():
+                fut.set_result(False)
+        self.carried.clear()
+
+
 async def forward(relay: pb.Relay, inbox: RelayInbox, credentials: grpc.ChannelCredentials | None) -> pb.RelayDone:
     """Hand each item to its node; what failed, for the coordinator."""
     failed: list[str] = []
@@ -147,6 +232,14 @@ async def forward(relay: pb.Relay, inbox: RelayInbox, credentials: grpc.ChannelC
         await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
     failed.extend(item.node for item in relay.items[MAX_ITEMS:])
     return pb.RelayDone(bundle=relay.bundle, failed=failed, error=errors[0][:300] if errors else "")
+
+
+async def serve_forward(inbox: RelayInbox, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
+    """``PeerService.Forward``: a node of this head's group hands it a report batch for the coordinator."""
+    if inbox.carry is None or not await inbox.carry(request.batch):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"relay head {inbox.node} has no session with the "
+                            "coordinator: send it on your own stream")
+    return pb.ForwardResponse()
 
 
 async def serve_deliver(inbox: RelayInbox, request: pb.DeliverRequest, context: Any) -> pb.DeliverResponse:

@@ -38,7 +38,7 @@ from rankctl.contract.names import job_name_problem
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.peerchannels import PeerChannels, peer_channel
-from rankctl.worker.relay import RelayInbox, serve_deliver
+from rankctl.worker.relay import RelayInbox, serve_deliver, serve_forward
 
 if TYPE_CHECKING:
     from rankctl.worker.snapmem import Bound
@@ -268,6 +268,12 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
         if self.relay is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node takes no relayed items")
         return await serve_deliver(self.relay, request, context)
+
+    async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:  # noqa: ANN001, N802 - gRPC
+        await self._admit(context)
+        if self.relay is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node carries no relayed batches")
+        return await serve_forward(self.relay, request, context)
 
     async def _admit(self, context) -> None:  # noqa: ANN001
         if self.identify is None:

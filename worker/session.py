@@ -26,6 +26,7 @@ from rankctl.worker.config import DaemonConfig
 from rankctl.worker.logship import answer_fetch
 from rankctl.worker.metrics import DaemonStats
 from rankctl.worker.outbox import Outbox
+from rankctl.worker.relay import Uplink
 from rankctl.worker.reporting import free_ports, hardware_pb
 from rankctl.worker.reportfold import fold
 from rankctl.worker.usage import UsageSampler
@@ -109,6 +110,7 @@ class CoordinatorSession:
         self._channel: grpc.aio.Channel | None = None    # the session's, for FetchBlob
         self._usage = UsageSampler()                     # CPU, memory and GPU use, sent with each heartbeat
         self._ports: list[int] = []                      # the rendezvous ports last offered
+        self.uplink = Uplink(cfg.name, credentials, log)   # reports through a relay head; a head's carried batches
         # the coordinators to try in turn (several: the coordinators of one replicated store; the leader serves)
         self._addresses = [a.strip() for a in cfg.coordinator.split(",") if a.strip()] or [cfg.coordinator]
         self.target = self._addresses[0]
@@ -206,6 +208,7 @@ class CoordinatorSession:
         for t in self._fetches:
             t.cancel()
         self._fetches.clear()
+        self.uplink.ended()   # the batches it was to carry: their nodes send them on their own streams
         call.cancel()
         await self._on_change()  # last: a cancellation here skips nothing else
 
@@ -218,6 +221,7 @@ class CoordinatorSession:
         self.heartbeat_interval = ack.heartbeat_interval or 1.0
         self._folds = ack.folds   # an older coordinator reads one rank a report: never fold for it
         self._inbound.keyed(ack.relay_key)
+        self.uplink.keyed(ack.relay_key)
         replayed = self._outbox.buffer.rewind(ack.last_seq)
         self._answers.clear()
         self._stats.registrations += 1
@@ -241,11 +245,16 @@ class CoordinatorSession:
         while (msg := await call.read()) is not grpc.aio.EOF:  # read() style only: aio forbids mixing
             body = msg.WhichOneof("body")
             if body == "assign":
+                self.uplink.via = ""   # the coordinator sends on this stream: report on it too
                 await self._inbound.assign(msg.assign)
             elif body == "cancel":
                 await self._inbound.cancel(msg.cancel)
             elif body == "ack":
                 self._outbox.buffer.acked(msg.ack.last_seq)
+                if msg.ack.resend:   # the relay head that carried our batches was lost: here, again
+                    self.uplink.via = ""
+                    self._outbox.buffer.rewind(msg.ack.last_seq)
+                    self._outbox.wake.set()
                 if msg.ack.heartbeat_interval > 0:  # the fleet changed size: beat at its pace from the next beat
                     self.heartbeat_interval = msg.ack.heartbeat_interval
             elif body == "checkpoint":
@@ -283,6 +292,10 @@ class CoordinatorSession:
                     await call.write(self._heartbeat(loop.time(), with_ports=beat % PORT_BEAT == 0))
             while self._answers:
                 await call.write(self._answers.popleft())
+            while self.uplink.carried:
+                msg, written = self.uplink.take_carried()
+                await call.write(msg)
+                written()
             if not buffer.unsent:
                 continue
             wait = 0.0 if buffer.urgent else last_batch + self.cfg.report_interval - loop.time()
@@ -291,7 +304,9 @@ class CoordinatorSession:
                 continue
             last_batch = loop.time()
             batch = buffer.take(BATCH_REPORTS)
-            await call.write(pb.NodeMessage(batch=pb.ReportBatch(reports=fold(batch) if self._folds else batch)))
+            body = pb.ReportBatch(reports=fold(batch) if self._folds else batch)
+            if not (self.uplink.via and await self.uplink.forward(body)):
+                await call.write(pb.NodeMessage(batch=body))
             self._stats.reports_sent += len(batch)
             if buffer.unsent:
                 wake.set()
