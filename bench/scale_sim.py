@@ -34,6 +34,7 @@ from collections import Counter
 from typing import Callable
 
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from rankctl.contract.relaymac import DOWN, UP, relay_mac, relay_mac_ok
 from rankctl.proto import rankctl_pb2 as pb
@@ -80,6 +81,8 @@ class Sim:
         self.assign_bytes_max = 0
         self._metrics: dict[tuple[int, bool], str] = {}
         self._parsed: dict[str, dict] = {}
+        self._figures: dict[str, pb.RankStatus] = {}
+        self._stamped, self._stamp = 0.0, Timestamp()
         self.daemons: list[Daemon] = []
         self.by_name: dict[str, Daemon] = {}   # a relay head's group: its nodes are played by this process
         self.failed: list[tuple[int, float, str]] = []  # (daemon index, seconds since start, debug text)
@@ -92,6 +95,23 @@ class Sim:
         if m is None:
             m = self._parsed[text] = json.loads(text)
         return m
+
+    def stamp(self) -> Timestamp:
+        """Now as a report's ``update_time`` (``stamp_update``), made again once a millisecond passed."""
+        now = time.time()
+        if now - self._stamped >= 1e-3:
+            self._stamped, self._stamp = now, Timestamp()
+            self._stamp.FromNanoseconds(int(now * 1e9))
+        return self._stamp
+
+    def figures(self, text: str) -> pb.RankStatus:
+        """A status holding only a metrics text and its typed figures, as ``step_figures`` sets them (cached, and
+        merged into each report: the generator's CPU is the limit)."""
+        st = self._figures.get(text)
+        if st is None:
+            st = self._figures[text] = pb.RankStatus(metrics_json=text)
+            step_figures(st, self.parsed(text))
+        return st
 
     def metrics(self, step: int, with_loss: bool, slot: int = 0) -> str:
         """A rank's step metrics; the step time differs by the rank's ``slot`` on its node, as real ranks' do, so
@@ -334,11 +354,10 @@ class Daemon:
     def report(self, job_id: str, attempt: int, rank: int, phase: str, step: int, metrics: str = "",
                result: str = "", exited: bool = False, first_step: bool = False) -> pb.RankReport:
         self.seq += 1
-        status = pb.RankStatus(rank=rank, node=self.name, phase=phase, step=step, metrics_json=metrics,
-                               exited=exited, exit_code=0, first_step=first_step)
-        stamp_update(status, time.time())
-        if metrics:  # the typed step figures, as the real daemon sets them
-            step_figures(status, self.sim.parsed(metrics))
+        status = pb.RankStatus(rank=rank, node=self.name, phase=phase, step=step, exited=exited, exit_code=0,
+                               first_step=first_step, update_time=self.sim.stamp())
+        if metrics:  # the metrics and their typed step figures, as the real daemon sets them
+            status.MergeFrom(self.sim.figures(metrics))
         return pb.RankReport(job_id=job_id, attempt=attempt, seq=self.seq, result_json=result, status=status)
 
     def restart_batch(self, job_id: str, attempt: int, ranks: list[int]) -> list[pb.RankReport]:

@@ -31,6 +31,7 @@ from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator import reflection
 from rankctl.coordinator.etcd import StoreURL
 from rankctl.coordinator.gate import LeaderGate
+from rankctl.coordinator.gcpace import Freezer
 from rankctl.coordinator.info import VERSION, coordinator_info
 from rankctl.coordinator.node_service import NodeServiceServicer
 from rankctl.coordinator.relay import WIDTH as RELAY_WIDTH
@@ -224,6 +225,7 @@ async def _monitor(core: Coordinator, period: float) -> None:
     loop = asyncio.get_running_loop()
     last_tick = due = loop.time()
     stalled = 0.0
+    freezer = Freezer(due)   # the collector kept off the critical path (``coordinator.gcpace``)
     while True:
         await asyncio.sleep(FLUSH_S)
         now = loop.time()
@@ -236,6 +238,7 @@ async def _monitor(core: Coordinator, period: float) -> None:
             if now - last_tick >= period:
                 core.tick(loop_lag=stalled)  # stalled time is not held against the nodes
                 core.relays.due()            # relays whose head did not answer: their nodes' messages direct
+                freezer.turn(now)
                 last_tick, stalled = now, 0.0
         except Exception:
             log.exception("coordinator.monitor_failed")
