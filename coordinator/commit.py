@@ -56,12 +56,12 @@ class Outgoing:
     """Messages to nodes; inside ``after_commit()`` they wait until the block completes. A big fan-out of Assigns
     goes through relay heads (``relays``)."""
 
-    def __init__(self, nodes: NodeTable, fanouts: Fanouts, book: JobBook | None = None) -> None:
+    def __init__(self, nodes: NodeTable, fanouts: Fanouts, book: JobBook) -> None:
         self._nodes, self.fanouts = nodes, fanouts
         self._held: list[tuple[str, pb.CoordinatorMessage, Fanout | None]] | None = None
 
         def current(msg: pb.CoordinatorMessage) -> bool:   # an Assign of an attempt still under way
-            job = book.jobs.get(msg.assign.job_id) if book is not None else None
+            job = book.jobs.get(msg.assign.job_id)
             return job is not None and job.attempt == msg.assign.attempt and not is_terminal(job.state)
         self.relays = Relays(nodes, lambda name, msg: self._send_now(name, msg, None), current=current)
 

@@ -103,3 +103,16 @@ def test_a_cancel_of_an_older_attempt_does_not_stop_the_newer_ones_start() -> No
         await asyncio.sleep(0.1)
         assert [a for _, a, _ in w.admitted] == [2] and not w.reports
     asyncio.run(main())
+
+
+def test_a_cancelled_attempt_is_remembered_for_an_assign_that_comes_after_its_cancel() -> None:
+    """A relayed Assign can come after the Cancel of its attempt (``worker.relay``): the node remembers the Cancel,
+    whether or not an Assign of the job was waiting when it came."""
+    w = World([])
+    w.inplace.cancel(pb.Cancel(job_id="j", attempt=3))
+    assert w.inplace.cancelled("j", 3) and w.inplace.cancelled("j", 2)
+    assert not w.inplace.cancelled("j", 4) and not w.inplace.cancelled("k", 1)
+    w.inplace.cancel(pb.Cancel(job_id="other"))   # every attempt
+    assert w.inplace.cancelled("other", 7)
+    w.inplace.cancel(pb.Cancel(job_id="j", attempt=1))   # an older one does not lower it
+    assert w.inplace.cancelled("j", 3)

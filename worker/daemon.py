@@ -89,7 +89,7 @@ class WorkerDaemon:
             log=node_log)
         uplink = self.session.uplink
         uplink.wake, uplink.online = self.outbox.wake.set, lambda: self.session.online
-        self.relay.bind(cfg.name, self.assign, node_log, route=uplink.route, carry=uplink.carry)
+        self.relay.bind(cfg.name, self.assign, node_log, uplink)
         self.admission = Admission(cfg, runs=self.runs, launcher=self.supervisor, replication=replication,
                                    workdirs=workdirs, roots=roots, fetch_blob=self.session.fetch_blob,
                                    outbox=self.outbox, log=node_log)
@@ -123,18 +123,15 @@ class WorkerDaemon:
 
     # -- the coordinator's requests (worker.session.Inbound) ---------------------------------
     async def assign(self, msg: pb.Assign) -> None:
-        verdict = self.relay.take(msg)   # a copy once, whichever way it came (``worker.relay``)
-        if verdict != relays.TAKE:
-            self._log.info("assign not taken", job=msg.job_id, attempt=msg.attempt, why=verdict)
-            if verdict == relays.CANCELLED:
-                self.inplace.never_started(msg)
+        if not self.relay.fresh(msg):   # a copy once, whichever way it came (``worker.relay``)
+            self._log.info("assign not taken", job=msg.job_id, attempt=msg.attempt, why="again")
+            return
+        if self.inplace.cancelled(msg.job_id, msg.attempt):   # a relayed one that came after its Cancel
+            self._log.info("assign not taken", job=msg.job_id, attempt=msg.attempt, why="cancelled")
+            self.inplace.never_started(msg)
             return
         if not self.inplace.assign(msg):  # else a restart in place: the new ranks start once the old are gone
             await self.admission.admit(msg)
-
-    def keyed(self, key: bytes) -> None:
-        """A registration's relay key: what relay heads hand this node must be signed with it."""
-        self.relay.keyed(key)
 
     def relay_through(self, msg: pb.Relay) -> None:
         """This node heads a relay group: forward the items beside the session, then answer the coordinator."""
@@ -149,7 +146,6 @@ class WorkerDaemon:
         """Stop the job's ranks here: of ``msg.attempt`` and older ones, never of a newer attempt assigned since
         (a late Cancel of an attempt this node already replaced in place); every attempt's when it names none."""
         self._log.info("cancel", job=msg.job_id, attempt=msg.attempt, reason=msg.reason)
-        self.relay.cancel(msg)
         self.inplace.cancel(msg)
         live = self.runs.live_attempts(msg.job_id)
         # None: every attempt here; else only those up to the Cancel's (a newer one was assigned since)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections import OrderedDict
 from typing import Any, Awaitable, Callable
 
 from rankctl.proto import rankctl_pb2 as pb
@@ -24,6 +25,7 @@ from rankctl.worker.runs import Runs
 from rankctl.worker.runstate import RunState
 
 WAIT_S = 15.0      # an older attempt's ranks get this long to go before the newer one starts anyway
+REMEMBERED = 1024  # jobs whose cancelled attempts a node remembers
 POLL_S = 0.02      # (the launcher SIGKILLs them 10 s after its SIGTERM)
 
 
@@ -36,7 +38,7 @@ class InPlace:
         self._node, self._runs, self._kill, self._admit, self._outbox, self._log = node, runs, kill, admit, outbox, log
         # job -> its newest Assign waiting for an older attempt, and the task that starts it
         self._chains: dict[str, tuple[pb.Assign, asyncio.Task]] = {}
-        self._cancelled: dict[str, int] = {}          # job -> newest attempt cancelled while a chain runs
+        self._cancelled: OrderedDict[str, int] = OrderedDict()   # job -> newest attempt cancelled here (1 << 30: all)
 
     def assign(self, msg: pb.Assign) -> bool:
         """Take the Assign if an older attempt of its job is live here or another of its Assigns waits; False:
@@ -52,13 +54,20 @@ class InPlace:
         """The attempts assigned here whose ranks wait for an older attempt's to go, as a registration names the
         attempts it runs (a reconnect meanwhile must not read as the node back without them)."""
         return [pb.RunningJob(job_id=job_id, attempt=msg.attempt, ranks=claimed_ranks(msg))
-                for job_id, (msg, _) in self._chains.items() if self._cancelled.get(job_id, 0) < msg.attempt]
+                for job_id, (msg, _) in self._chains.items() if not self.cancelled(job_id, msg.attempt)]
 
     def cancel(self, msg: pb.Cancel) -> None:
-        """A Cancel came: an Assign of the job waiting here for ``msg.attempt`` or an older one never starts."""
-        if msg.job_id in self._chains:
-            attempt = msg.attempt or 1 << 30
-            self._cancelled[msg.job_id] = max(self._cancelled.get(msg.job_id, 0), attempt)
+        """A Cancel came: an Assign of the job for ``msg.attempt`` or an older one never starts here, whether it
+        waits here now or comes later (a relayed Assign can come after a Cancel: ``worker.relay``)."""
+        attempt = max(msg.attempt or 1 << 30, self._cancelled.pop(msg.job_id, 0))
+        self._cancelled[msg.job_id] = attempt
+        while len(self._cancelled) > REMEMBERED:
+            self._cancelled.popitem(last=False)
+
+    def cancelled(self, job_id: str, attempt: int) -> bool:
+        """A Cancel here named this attempt of the job (or a newer one, or every one)."""
+        newest = self._cancelled.get(job_id)
+        return newest is not None and attempt <= newest
 
     async def close(self) -> None:
         tasks = [task for _, task in self._chains.values()]
@@ -72,14 +81,13 @@ class InPlace:
                 with contextlib.suppress(Exception):
                     await before
             await self._stop(msg, older)
-            if self._cancelled.get(msg.job_id, 0) >= msg.attempt:
+            if self.cancelled(msg.job_id, msg.attempt):
                 self.never_started(msg)
             else:
                 await self._admit(msg)
         finally:
             if self._chains.get(msg.job_id, (None, None))[1] is asyncio.current_task():
                 del self._chains[msg.job_id]
-                self._cancelled.pop(msg.job_id, None)
 
     async def _stop(self, msg: pb.Assign, older: list[RunState]) -> None:
         if not older:

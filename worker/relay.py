@@ -4,13 +4,14 @@
 session's key (``Registered.relay_key``, ``contract.relaymac``) and its number is above the last one taken; it must
 hold an Assign, which then goes where the coordinator stream's Assigns go (``dispatch``, started beside the
 caller: a PeerService call is answered at once). A relayed Assign can reach the node after a direct message that
-followed it (a Cancel, or the coordinator's own copy when the relay looked failed), so ``take`` decides for every
-Assign, whichever way it came: a copy is taken once, and none after a Cancel of its attempt.
+followed it (a Cancel, or the coordinator's own copy when the relay looked failed), every Assign, whichever way it
+came, is taken once (``fresh``) and none after a Cancel of its attempt (``worker.inplace.InPlace.cancelled``).
 
 ``forward`` (a head): one Relay's items, each to its node's ``PeerService.Deliver`` (this node's own taken here),
 ``PARALLEL`` at once, each within ``DELIVER_S``; the ``RelayDone`` names the nodes that failed, and the coordinator
 sends them theirs itself. A relayed Assign names where the node sends its report batches (``report_via``: its
-head's PeerService, ``route``); ``serve_forward`` is the head's side of that (``carry``: onto its own stream).
+head's PeerService; ``Uplink.via``); ``serve_forward`` is the head's side of that (``Uplink.carry``: onto its own
+stream). The session's key is held once, by its ``Uplink``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ DELIVER_S = 3.0     # one delivery's deadline
 MAX_ITEMS = 1024    # items of one Relay forwarded at most (the coordinator's --relay-width is at most 1,024)
 FORWARD_S = 3.0     # a batch handed to a relay head is on its coordinator stream within this, or goes direct
 CARRIED = 256       # group nodes' batches in one RelayedBatches at most
-REMEMBERED = 1024   # (job, attempt)s taken and jobs cancelled that a node remembers
-TAKE, AGAIN, CANCELLED = "take", "again", "cancelled"
+REMEMBERED = 1024   # Assigns taken that a node remembers (to know a copy)
 
 
 class RelayRefused(Exception):
@@ -44,33 +44,25 @@ class RelayRefused(Exception):
 class RelayInbox:
     def __init__(self, node: str = "", log: Any = None) -> None:
         self.node, self._log = node, log
-        self._key, self._last_seq = b"", 0
+        self._keyed, self._last_seq = b"", 0   # the session key the last item taken was checked under, its number
         self._dispatch: Callable[[pb.Assign], Awaitable[None]] | None = None
+        self.uplink: Uplink | None = None
         self._taken: OrderedDict[tuple[str, int, bytes], None] = OrderedDict()   # (job, attempt, digest)
-        self._cancelled: OrderedDict[str, int] = OrderedDict()   # job -> newest attempt cancelled (1 << 30: all)
         self._tasks: set[asyncio.Future] = set()
-        self._route: Callable[[str], None] = lambda via: None
-        self.carry: Callable[[pb.NodeBatch], Awaitable[bool]] | None = None
 
-    def bind(self, node: str, dispatch: Callable[[pb.Assign], Awaitable[None]], log: Any, *,
-             route: Callable[[str], None] | None = None,
-             carry: Callable[[pb.NodeBatch], Awaitable[bool]] | None = None) -> None:
-        """``dispatch``: where a taken Assign goes; ``route(via)``: report through that head from now on;
-        ``carry(batch)``: as a head, put a group node's batch on the coordinator stream (False: no stream)."""
-        self.node, self._dispatch, self._log = node, dispatch, log
-        if route is not None:
-            self._route = route
-        self.carry = carry
-
-    def keyed(self, key: bytes) -> None:
-        """A new session's key (its Registered): items signed for an older session are refused from now on."""
-        if key != self._key:
-            self._key, self._last_seq = key, 0
+    def bind(self, node: str, dispatch: Callable[[pb.Assign], Awaitable[None]], log: Any,
+             uplink: Uplink | None = None) -> None:
+        """``dispatch``: where a taken Assign goes; ``uplink``: the session's relay parts (its key, where reports
+        go, the batches a head carries)."""
+        self.node, self._dispatch, self._log, self.uplink = node, dispatch, log, uplink
 
     def check(self, item: pb.Relayed) -> pb.Assign:
         if item.node != self.node:
             raise RelayRefused(f"item for node {item.node[:64]!r} handed to node {self.node!r}")
-        if not relay_mac_ok(self._key, DOWN, item.node, item.seq, item.mac, item.message, item.report_via.encode()):
+        key = self.uplink.key if self.uplink is not None else b""
+        if key != self._keyed:   # a new session: items signed for an older one are refused, numbers start again
+            self._keyed, self._last_seq = key, 0
+        if not relay_mac_ok(key, DOWN, item.node, item.seq, item.mac, item.message, item.report_via.encode()):
             raise RelayRefused(f"item {item.seq} is not signed with this session's key (a forgery, or a session "
                                "that ended)")
         if item.seq <= self._last_seq:
@@ -89,7 +81,8 @@ class RelayInbox:
         assign = self.check(item)
         if self._dispatch is None:
             raise RelayRefused("this daemon takes no work yet")
-        self._route(item.report_via)
+        if self.uplink is not None:
+            self.uplink.via = item.report_via
         task = asyncio.ensure_future(self._dispatch(assign))
         self._tasks.add(task)
         task.add_done_callback(self._ended)
@@ -99,27 +92,16 @@ class RelayInbox:
         if not task.cancelled() and task.exception() is not None and self._log is not None:
             self._log.error("relayed assign failed", error=repr(task.exception())[:300])
 
-    def take(self, assign: pb.Assign) -> str:
-        """``TAKE`` an Assign not seen before; ``AGAIN`` a copy of one taken (the same job, attempt and bytes: a
-        relayed one and the coordinator's own); ``CANCELLED`` one whose attempt a Cancel here already named (its
-        ranks never start)."""
+    def fresh(self, assign: pb.Assign) -> bool:
+        """False for a copy of an Assign taken before (the same job, attempt and bytes: a relayed one and the
+        coordinator's own); else it is remembered as taken."""
         key = (assign.job_id, assign.attempt, hashlib.blake2b(assign.SerializeToString(), digest_size=16).digest())
         if key in self._taken:
-            return AGAIN
-        self._remember(self._taken, key, None)
-        cancelled = self._cancelled.get(assign.job_id)
-        return CANCELLED if cancelled is not None and assign.attempt <= cancelled else TAKE
-
-    def cancel(self, msg: pb.Cancel) -> None:
-        attempt = msg.attempt or 1 << 30
-        self._remember(self._cancelled, msg.job_id, max(attempt, self._cancelled.get(msg.job_id, 0)))
-
-    @staticmethod
-    def _remember(book: OrderedDict, key: Any, value: Any) -> None:
-        book.pop(key, None)
-        book[key] = value
-        while len(book) > REMEMBERED:
-            book.popitem(last=False)
+            return False
+        self._taken[key] = None
+        while len(self._taken) > REMEMBERED:
+            self._taken.popitem(last=False)
+        return True
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -134,7 +116,7 @@ class Uplink:
     def __init__(self, node: str, credentials: grpc.ChannelCredentials | None, log: Any) -> None:
         self.node, self._credentials, self._log = node, credentials, log
         self.via = ""
-        self._key, self._seq = b"", 0                        # this session's key (Registered), the last batch's number
+        self.key, self._seq = b"", 0                         # this session's key (Registered), the last batch's number
         self._channel: tuple[str, grpc.aio.Channel] | None = None   # to ``via``
         self.carried: list[tuple[pb.NodeBatch, asyncio.Future]] = []
         self.wake: Callable[[], None] = lambda: None          # the session's writer: something to send
@@ -142,10 +124,7 @@ class Uplink:
 
     def keyed(self, key: bytes) -> None:
         """A new session: its key; batches go on its own stream until a relayed Assign names a head."""
-        self._key, self._seq, self.via = key, 0, ""
-
-    def route(self, via: str) -> None:
-        self.via = via
+        self.key, self._seq, self.via = key, 0, ""
 
     async def forward(self, body: pb.ReportBatch) -> bool:
         """Hand one batch to the head, signed; False (and report on the own stream from now on) when it fails."""
@@ -153,7 +132,7 @@ class Uplink:
         self._seq += 1
         data = body.SerializeToString()
         nb = pb.NodeBatch(node=self.node, seq=self._seq, batch=data,
-                          mac=relay_mac(self._key, UP, self.node, self._seq, data))
+                          mac=relay_mac(self.key, UP, self.node, self._seq, data))
         if self._channel is None or self._channel[0] != via:
             if self._channel is not None:
                 asyncio.get_running_loop().create_task(self._channel[1].close())
@@ -236,7 +215,7 @@ async def forward(relay: pb.Relay, inbox: RelayInbox, credentials: grpc.ChannelC
 
 async def serve_forward(inbox: RelayInbox, request: pb.ForwardRequest, context: Any) -> pb.ForwardResponse:
     """``PeerService.Forward``: a node of this head's group hands it a report batch for the coordinator."""
-    if inbox.carry is None or not await inbox.carry(request.batch):
+    if inbox.uplink is None or not await inbox.uplink.carry(request.batch):
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"relay head {inbox.node} has no session with the "
                             "coordinator: send it on your own stream")
     return pb.ForwardResponse()
