@@ -224,7 +224,9 @@ def test_a_python_job_with_a_shipped_workdir_queued_before_a_failover_runs_after
         f"python: {{entrypoint: run.py, workdir: {work}}}\n")
     (work / "run.py").write_text("import helper\nprint('shipped', helper.VALUE, flush=True)\n")
     (work / "helper.py").write_text("VALUE = 'from the workdir'\n")
-    busy = ha.submit("busy", steps=40)
+    # busy holds both nodes until it is cancelled after the failover: a short one could end, and let the
+    # shipped job run, before the failover
+    busy = ha.submit("busy", steps=100_000)
     stepping(ha, busy, 3)
     out = ctl(ha.both, "submit", str(work / "job.yaml"))
     assert out.returncode == 0, out.stderr
@@ -233,6 +235,7 @@ def test_a_python_job_with_a_shipped_workdir_queued_before_a_failover_runs_after
     leader = ha.leader()
     ha.coordinators[leader].kill(signal.SIGKILL)
     try:
+        wait_for(lambda: ctl(ha.both, "cancel", busy).returncode == 0, 60, "busy cancelled by the new leader")
         done = ha.done(shipped)
     finally:
         ha.start_coordinator(leader)
