@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import re
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -60,10 +61,32 @@ def open_store(assignment: RankAssignment, timeout: timedelta) -> dist.TCPStore:
     """
     host, port = assignment.rendezvous_host, assignment.rendezvous_port
     if assignment.rank != 0:
+        await_listener(host, port, timeout.total_seconds())
         return dist.TCPStore(host, port, assignment.world_size, is_master=False, timeout=timeout)
     listener = listen_on(host, port)
     return dist.TCPStore(host, port, assignment.world_size, is_master=True, timeout=timeout,
                          master_listen_fd=listener.detach())
+
+
+def await_listener(host: str, port: int, timeout_s: float, every_s: float = 0.005) -> None:
+    """Return once ``host:port`` accepts a connection (or after ``timeout_s``, leaving the error to the store).
+
+    A TCPStore client that finds no listener retries with a jittered back-off of its own: a rank that starts a
+    few milliseconds before rank 0 (as every rank of a restart may) waited 0.25-0.75 s for a store that was up
+    after 20 ms. Probing here every 5 ms connects within milliseconds of rank 0's ``listen``.
+    """
+    deadline = time.monotonic() + timeout_s
+    address = (host.strip("[]"), port)
+    while True:
+        try:
+            socket.create_connection(address, timeout=max(0.1, min(1.0, deadline - time.monotonic()))).close()
+            return
+        except socket.gaierror:
+            return  # the store names the unresolvable host itself
+        except OSError:
+            if time.monotonic() + every_s >= deadline:
+                return
+            time.sleep(every_s)
 
 
 def listen_on(host: str, port: int) -> socket.socket:

@@ -5,6 +5,8 @@ every interface. Linux routes all of 127.0.0.0/8 to loopback: a listener reachab
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -12,7 +14,7 @@ import torch.distributed as dist
 
 from rankctl.contract.assignment import RankAssignment
 from rankctl.kinds.spec import parse_spec
-from rankctl.runtime.rendezvous import listen_on, open_store
+from rankctl.runtime.rendezvous import await_listener, listen_on, open_store
 
 # the store's server thread stays in this process: run after the tests that fork ranks (tests/conftest.py)
 pytestmark = pytest.mark.grpc_in_process
@@ -66,3 +68,26 @@ def test_rank_0_hosts_the_store_on_the_rendezvous_address_and_ranks_reach_it(loo
             open_store(assignment("127.0.0.1", port), timedelta(seconds=1))  # the port is taken: said so
     finally:
         del store
+
+
+def test_a_rank_that_starts_before_rank_0_reaches_the_store_it_opens_later() -> None:
+    """A client rank started before rank 0 waits for the listener itself (torch's own client backs off for up to
+    about a second between tries) and then reaches the store; with nothing listening it returns at its timeout
+    and leaves the error to the store."""
+    with listen_on("127.0.0.1", 0) as probe:
+        port = probe.getsockname()[1]
+    opened: list = []
+    late = threading.Timer(0.05, lambda: opened.append(open_store(assignment("127.0.0.1", port), timedelta(seconds=10))))
+    late.start()
+    try:
+        client = open_store(assignment("127.0.0.1", port, rank=1), timedelta(seconds=10))
+        late.join()
+        opened[0].set("k", "v")
+        assert client.get("k") == b"v"
+    finally:
+        late.join()
+        opened.clear()
+    start = time.monotonic()
+    await_listener("127.0.0.1", port, 0.2)  # closed now: returns, no error of its own
+    assert time.monotonic() - start >= 0.15  # it waited (a lower bound: noise only lengthens it)
+    await_listener("no-such-host.invalid", port, 30)  # unresolvable: returns at once for the store to name it
