@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -27,6 +28,7 @@ from rankctl.proto import rankctl_pb2 as pb
 
 STEP_TIME_BUCKETS = exponential_bounds(0.001, 600.0, per_doubling=3)   # seconds: 1 ms .. ~10 min, ~26% wide
 STEP_WINDOW = 256     # steps of metrics kept ahead of the slowest rank
+SHOWN_KEEP_S = 1.0    # how long a summary's stragglers and failing ranks are kept at most (``_shown_ranks``)
 
 def rank_span(ranks: list[int]) -> str:
     """[4, 5, 6, 7] -> "ranks 4-7"; [3] -> "rank 3"; [1, 2, 5] -> "ranks 1-2, 5"."""
@@ -160,6 +162,7 @@ class JobProgress:
     preflight: Preflight | None = None         # rank 0's pre-flight outcome (``coordinator.preflight``)
     skew: ComputeSkew | None = None   # stragglers by compute time; made at the first compute_s reported
     peers: tuple[int, int, Callable[[int], str]] | None = None  # (stride, pp, node_of): see ``bind``
+    _shown: tuple | None = None   # (key, when, stragglers, failing) of the last summary (``_shown_ranks``)
 
     def __post_init__(self) -> None:
         self.phases["pending"] = self.world_size
@@ -315,16 +318,28 @@ class JobProgress:
         return self.exited_ok == self.world_size
 
     def summary(self) -> JobSummary:
-        stragglers: list[int] = []
-        if self.max_step > self.min_step:
-            stragglers = heapq.nsmallest(SHOWN, self.at_step.get(self.min_step, ()))
-        failing = [self.failed[r] for r in heapq.nsmallest(SHOWN, self._failed_heap)]
+        stragglers, failing = self._shown_ranks()
         return JobSummary(
             phases=dict(self.phases), running=self.running, exited=self.exited, failed=len(self.failed),
             min_step=self.min_step, max_step=self.max_step, stragglers=stragglers, failing=failing,
             metrics=dict(self.metrics), reports=self.reports,
             slow=self.skew.worst() if self.skew is not None else [], preflight=self.preflight,
         )
+
+    def _shown_ranks(self) -> tuple[list[int], list[RankRecord]]:
+        """The lowest ranks at the slowest step (when others are ahead) and the lowest failed ones, at most
+        ``SHOWN`` each. Picking them is O(ranks at that step): while a big attempt starts, that is every rank, and a
+        ``ctl watch`` polling GetJob each 0.1 s at 65,536 ranks cost the coordinator ~5 ms a poll. So they are
+        kept until the slowest step, its number of ranks or the number failed changes (at a given slowest step its
+        set only shrinks; a failed rank stays failed), and for at most ``SHOWN_KEEP_S``."""
+        lagging = self.at_step.get(self.min_step, ()) if self.max_step > self.min_step else ()
+        key = (self.min_step, self.max_step > self.min_step, len(lagging), len(self._failed_heap))
+        now = time.monotonic()
+        kept = self._shown
+        if kept is None or kept[0] != key or now - kept[1] > SHOWN_KEEP_S:
+            kept = self._shown = (key, now, heapq.nsmallest(SHOWN, lagging),
+                                  [self.failed[r] for r in heapq.nsmallest(SHOWN, self._failed_heap)])
+        return list(kept[2]), list(kept[3])
 
     def slow_changes(self) -> list[tuple[SlowRank, bool]]:
         """Ranks flagged (True) or unflagged (False) as stragglers by compute time since the last call."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rankctl.coordinator.progress import JobProgress, is_failed
+from rankctl.coordinator.skew import SHOWN
 from rankctl.coordinator.records import RankRecord, RunningJob
 from rankctl.coordinator.nodes import NodeStatus
 from rankctl.coordinator.states import JobState
@@ -153,6 +154,11 @@ def test_counters_equal_a_full_scan_under_random_reports() -> None:
         assert sum(progress.phases.values()) == world_size
         assert progress.phases == {p: n for p, n in
                                    __import__("collections").Counter(x.phase for x in everyone).items()}
+        # the summary's lists are kept between polls (``JobProgress._shown_ranks``): never stale
+        summary, low = progress.summary(), min(x.step for x in everyone)
+        lagging = [x.rank for x in everyone if x.step == low] if max(x.step for x in everyone) > low else []
+        assert summary.stragglers == lagging[:SHOWN]
+        assert [x.rank for x in summary.failing] == failed[:SHOWN]
 
 
 def test_a_stalled_loop_does_not_mark_live_nodes_lost(world: World) -> None:
