@@ -41,6 +41,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rankctl.contract.relaymac import DOWN, UP, relay_mac, relay_mac_ok
+from rankctl.coordinator.gcpace import Freezer
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.reportfold import fold
 from rankctl.worker.reporting import exit_status, stamp_update, step_figures
@@ -489,10 +490,11 @@ async def amain(ns: argparse.Namespace) -> None:
     async def freezer() -> None:
         # this process's heap holds thousands of daemons' state: a full collection of it paused the loop up to
         # 0.7 s (1.7 s in all at 2,048 daemons in a process), inside a recovery too. A real daemon's heap is one
-        # daemon's; so survivors go to the permanent generation and collections scan what is new since
+        # daemon's; so survivors leave the collector's sight as the coordinator's do (``coordinator.gcpace``)
+        pace = Freezer(time.monotonic(), freeze_s=FREEZE_EVERY_S)
         while True:
             await asyncio.sleep(FREEZE_EVERY_S)
-            gc.freeze()
+            pace.turn(time.monotonic())
 
     rep = asyncio.create_task(reporter())
     frozen = asyncio.create_task(freezer())
@@ -520,7 +522,6 @@ async def amain(ns: argparse.Namespace) -> None:
           "late_p50": percentile(lat, 0.5), "late_p99": percentile(lat, 0.99), "late_max": max(lat, default=0.0),
           "ticks": len(lat), "assign_bytes_max": sim.assign_bytes_max, "failed": sim.failed[:10],
           "gc_s": [round(x, 3) for x in gcc.spent], "gc_longest_s": round(gcc.longest, 3)})
-    print(f"gc: {gcc.spent} longest {gcc.longest}", file=sys.stderr)
 
 
 def main() -> None:

@@ -20,8 +20,12 @@ FULL_S = 3600.0      # a full collection of everything, frozen included, this of
 
 
 class Freezer:
-    def __init__(self, now: float) -> None:
+    """``freeze_s``: how long survivors stay in sight (``bench/scale_sim.py``'s processes, each thousands of
+    simulated daemons, freeze every second)."""
+
+    def __init__(self, now: float, freeze_s: float = FREEZE_S) -> None:
         self._frozen_at = self._full_at = now
+        self._freeze_s = freeze_s
         self.full_collections = 0
 
     def turn(self, now: float) -> None:
@@ -31,6 +35,6 @@ class Freezer:
             gc.collect()
             gc.freeze()
             self.full_collections += 1
-        elif now - self._frozen_at >= FREEZE_S:
+        elif now - self._frozen_at >= self._freeze_s:
             self._frozen_at = now
             gc.freeze()
