@@ -183,7 +183,7 @@ def test_a_node_takes_only_its_own_signed_fresh_assigns() -> None:
 
 
 def test_a_copy_of_an_assign_is_taken_once() -> None:
-    inbox = RelayInbox("n1")
+    inbox = RelayInbox()
     a2 = assign(attempt=2).assign
     assert inbox.fresh(a2) and not inbox.fresh(a2)
     assert inbox.fresh(assign(attempt=2, first=4).assign)   # not a copy: judged on its own

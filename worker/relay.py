@@ -42,8 +42,8 @@ class RelayRefused(Exception):
 
 
 class RelayInbox:
-    def __init__(self, node: str = "", log: Any = None) -> None:
-        self.node, self._log = node, log
+    def __init__(self) -> None:
+        self.node, self._log = "", None   # set by ``bind``, as the rest of what the daemon gives it
         self._keyed, self._last_seq = b"", 0   # the session key the last item taken was checked under, its number
         self._dispatch: Callable[[pb.Assign], Awaitable[None]] | None = None
         self.uplink: Uplink | None = None

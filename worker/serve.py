@@ -139,7 +139,7 @@ async def _start_services(cfg: DaemonConfig, bound: snapmem.Bound) -> _Services:
 
         identity = load_identity_dir(cfg.tls_dir)
     health_server, port, servicer = await start_health(cfg.health_listen, identity)
-    relay = RelayInbox(cfg.name)
+    relay = RelayInbox()   # the daemon binds it to itself
     peer_server, peer_port = await start_peer(cfg.advertise_address, cfg.state_dir, identity, bound, relay)
     await servicer.set(PEER_SERVICE, _status(peer_server is not None))
     return _Services(health_server, port, servicer, peer_server, peer_port, identity, relay=relay)
