@@ -213,6 +213,18 @@ def _allocation_line(a: dict[str, Any] | None) -> str:
             f"{a['spares']} spare(s){output}\n")
 
 
+def resumed_line(d: dict[str, Any]) -> str:
+    """"\nresumed from step 40 (checkpoint of tp2 dp2, resharded to tp1 dp4)" when the job's result says it resumed
+    (step N: the checkpoint saved after step N; the run went on with step N + 1); "" otherwise."""
+    result = d.get("result")
+    step = result.get("resumed_from") if isinstance(result, dict) else None
+    if not isinstance(step, (int, float)) or isinstance(step, bool):
+        return ""
+    was, now = result.get("resumed_layout"), (d["attempts"][-1]["layout"] if d["attempts"] else None)
+    how = f" (checkpoint of {was}, resharded to {now or 'this layout'})" if isinstance(was, str) and was else ""
+    return f"\nresumed from step {int(step)}{how}"
+
+
 def job_view(job: pb.Job, max_ranks: int = 64):
     """Head, summary, progress, per-rank table (at most ``max_ranks``) and result tables, as one renderable."""
     from rich.console import Group
@@ -225,6 +237,7 @@ def job_view(job: pb.Job, max_ranks: int = 64):
         f"submitted by: {d['submitted_by']}\n" if d["submitted_by"] else "",
         _allocation_line(d["allocation"]),
         f"reason: {d['reason'] or '-'}",
+        resumed_line(d),
     )
     parts: list[Any] = [head]
     if d["summary"] is not None:

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import stat
-from typing import Any, Iterable
+from typing import Any
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 RANK_FILE_RE = re.compile(r"^rank-(\d{5})\.")
@@ -124,11 +124,6 @@ def damage(root: str, step: int, rank: int) -> str:
     except OSError as exc:
         return f"{path} cannot be read: {exc.strerror or exc}"
     return "" if digest.hexdigest() == want else f"{path} does not match the SHA-256 its marker recorded"
-
-
-def first_damage(root: str, step: int, ranks: Iterable[int]) -> str:
-    """``damage`` of the first of ``ranks``' shards of ``step`` that cannot be trusted ("" when none)."""
-    return next((why for rank in ranks if (why := damage(root, step, rank))), "")
 
 
 def complete_for(root: str, ranks: list[int] | range, fp: str | None = None) -> list[int]:

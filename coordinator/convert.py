@@ -16,6 +16,7 @@ from rankctl.coordinator.records import EventRecord, JobRecord, NodeHello, RankR
 from rankctl.coordinator.states import JobState
 from rankctl.kinds import registry
 from rankctl.kinds.spec import spec_model
+from rankctl.parallel.layout import layout_words
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import from_short_name, short_name, to_struct
 
@@ -96,14 +97,6 @@ def _attempt_to_pb(a: dict, job: JobRecord | None) -> pb.Attempt:
         msg.nodes, msg.world_size = nodes, nodes * job.slots_per_node
         msg.layout = layout_words(job.spec.parallel, msg.world_size)
     return msg
-
-
-def layout_words(parallel: Any, world_size: int) -> str:
-    """"tp2 pp2 dp2": every parallel size above 1 of a layout at ``world_size`` ranks, and always dp."""
-    p = parallel
-    dp = max(1, world_size // max(1, p.tp * p.pp * p.cp))
-    sizes = [("tp", p.tp), ("pp", p.pp), ("vpp", p.vpp or 1), ("cp", p.cp), ("ep", p.ep)]
-    return " ".join([f"{k}{v}" for k, v in sizes if v > 1] + [f"dp{dp}"])
 
 
 def attempts_to_pb(rows: list[dict], job: JobRecord | None = None) -> list[pb.Attempt]:

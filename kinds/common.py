@@ -20,9 +20,9 @@ SAMPLED_ROWS = 12
 
 def losses_result(results: Mapping[int, Any]) -> dict[str, Any]:
     """The job's losses as the lowest rank holding them reports (a last pipeline stage; every DP rank of it
-    holds the same dp-reduced loss): ``{"losses", "val_losses", "final", "resumed_from", "reported_by"}``, and
-    ``ended`` when the run stopped early on purpose (``train.stop_at``; the coordinator's SUCCEEDED reason
-    adds it)."""
+    holds the same dp-reduced loss): ``{"losses", "val_losses", "final", "resumed_from", "reported_by"}``,
+    ``resumed_layout`` when it resumed from a checkpoint of another layout, and ``ended`` when the run stopped
+    early on purpose (``train.stop_at``; the coordinator's SUCCEEDED reason adds it)."""
     for rank in sorted(results):
         r = results[rank]
         if isinstance(r, Mapping) and r.get("losses") and all(x.get("loss") is not None for x in r["losses"]):
@@ -30,6 +30,8 @@ def losses_result(results: Mapping[int, Any]) -> dict[str, Any]:
                    "resumed_from": r.get("resumed_from"), "reported_by": rank}
             if r.get("ended"):   # why the run ended before its last step (train.stop_at): the job's reason says it
                 out["ended"] = r["ended"]
+            if r.get("resumed_layout"):   # the layout of the checkpoint it resumed from, when another
+                out["resumed_layout"] = r["resumed_layout"]
             return out
     return {"losses": [], "val_losses": [], "final": {}, "reported_by": None}
 

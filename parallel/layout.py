@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from functools import cached_property
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -280,6 +280,15 @@ class ParallelConfig:
     @property
     def _tokens_given(self) -> tuple[str, ...]:
         return tuple(self.order.split("-"))
+
+
+def layout_words(parallel: Any, world_size: int) -> str:
+    """"tp2 pp2 dp2": every parallel size above 1 of a layout (a spec's ``parallel`` or a ``ParallelConfig``) at
+    ``world_size`` ranks, and always dp: how ``ctl status`` names an attempt's layout and a resume's."""
+    p = parallel
+    dp = max(1, world_size // max(1, p.tp * p.pp * p.cp))
+    sizes = [("tp", p.tp), ("pp", p.pp), ("vpp", p.vpp or 1), ("cp", p.cp), ("ep", p.ep)]
+    return " ".join([f"{k}{v}" for k, v in sizes if v > 1] + [f"dp{dp}"])
 
 
 class RankLayout:

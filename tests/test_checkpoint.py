@@ -90,3 +90,47 @@ def test_export_refuses_a_damaged_shard_naming_it(tmp_path) -> None:
     os.unlink(ckpt.marker_file(root, 6, 1))         # no marker to check it against: torch.load's error, named
     with pytest.raises(ValueError, match=r"rank-00001.pt cannot be loaded: RuntimeError"):
         ckpt.export_full_state_dict(ckpt.step_dir(root, 6))
+
+
+def reshaped(root: str, step: int, rank: int, name: str) -> None:
+    """Rank ``rank``'s shard of ``step`` rewritten with tensor ``name`` one row short, its marker rewritten to
+    match (size and SHA-256): damage no checksum can see."""
+    import hashlib
+    import json
+
+    state = ckpt.load_rank(root, step, rank)
+    state["model"][name] = state["model"][name][:-1].clone()
+    torch.save(state, ckpt.rank_file(root, step, rank))
+    data = open(ckpt.rank_file(root, step, rank), "rb").read()
+    marker = ckpt.read_marker(root, step, rank)
+    marker.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    open(ckpt.marker_file(root, step, rank), "w").write(json.dumps(marker))
+
+
+def test_a_shard_rewritten_with_its_marker_but_of_another_shape_is_named_not_loaded(tmp_path) -> None:
+    """The SHA-256 matches, a tensor is a row short: the export failed with 'start (0) + length (96) exceeds
+    dimension size (95)' naming nothing (an outside probe); now the step's check and the export name the file
+    and the tensor, and a resume passes the step over for the one before."""
+    from rankctl.contract.checkpoints import damage
+    from rankctl.kinds.train.intact import file_problem
+    from rankctl.kinds.train.resume import agree_resume_step
+
+    root = str(tmp_path)
+    for step in (4, 6):
+        for r in range(4):
+            ckpt.save_rank(root, step, r, _rank_state(2, r % 2, False, r // 2), ckpt.fingerprint({"seed": 1}),
+                           {"seed": 1})
+    reshaped(root, 6, 1, "wte.weight")
+    assert damage(root, 6, 1) == ""
+    why = file_problem(root, 6, 1)
+    assert why == f"{ckpt.rank_file(root, 6, 1)}: tensor 'wte.weight' has shape (127, 32), its metadata's is (128, 32)"
+    assert file_problem(root, 6, 0) == "" and file_problem(root, 4, 1) == ""
+    shapes = {n: tuple(t.shape) for n, t in _rank_state(2, 1, False)["model"].items()}
+    assert file_problem(root, 6, 1, shapes).endswith("tensor 'wte.weight' has shape (127, 32), this layout's is (128, 32)")
+    with pytest.raises(ValueError, match=r"rank-00001.pt: tensor 'wte.weight' has shape \(127, 32\)"):
+        ckpt.export_full_state_dict(ckpt.step_dir(root, 6))
+    skipped: list[str] = []
+    check = lambda rt, s, k: file_problem(rt, s, k, shapes)  # noqa: E731 - what the trainer passes for its rank 1
+    assert agree_resume_step([root], 1, 1, {"seed": 1}, skipped=skipped, check=check) == 4
+    assert len(skipped) == 1 and skipped[0].startswith("checkpoint step 6 is damaged on rank ") \
+        and skipped[0].endswith(f" ({why.replace('its metadata', 'this layout')}); passed over"), skipped

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import events
+from cluster import ctl, events
 from test_e2e_train import Runner
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.grpc_in_process]
@@ -143,3 +143,31 @@ def test_a_newer_step_of_another_layout_wins_and_a_damaged_one_is_passed_over(cl
     fourth = cluster.run(job("mixed", 2, 1, steps=steps, resume=True, checkpoint_dir=shared))      # tp2 dp2 again
     assert fourth["result"]["resumed_from"] == 8, fourth["result"]   # not its own layout's older step 4
     assert_same(losses(fourth), whole, range(9, steps + 1))
+
+
+def test_a_shard_of_the_wrong_shape_with_a_matching_checksum_is_passed_over_naming_step_file_and_tensor(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """An outside probe: a shard rewritten with a tensor a row short and its marker to match (size, SHA-256) failed
+    the resume under another layout with 'start (0) + length (96) exceeds dimension size (95)'. The step is passed
+    over for the one before, with an event naming the step, the file and the tensor; the export names them too;
+    ``ctl status`` says the job resumed, and from which layout."""
+    from test_checkpoint import reshaped
+
+    shared = tmp_path / "reshaped-checkpoints"
+    first = cluster.run(job("reshaped", 2, 1, steps=8, stop_at=4, checkpoint_every=2, checkpoint_dir=shared))
+    assert sorted(losses(first)) == [1, 2, 3, 4]                                                   # tp2 dp2: 2, 4
+    reshaped(str(shared / "reshaped"), 4, 1, "wte.weight")
+    shard = shared / "reshaped" / "step-00000004" / "rank-00001.pt"
+    second = cluster.run(job("reshaped", 1, 2, steps=8, resume=True, stop_at=6, checkpoint_dir=shared))  # tp1 pp2
+    assert second["state"] == "SUCCEEDED" and second["result"]["resumed_from"] == 2, second["result"]
+    assert second["result"]["resumed_layout"] == "tp2 dp2", second["result"]
+    notes = [m for k, m in events(cluster.cluster.address, second["id"]) if k == "notice"]
+    assert any(n.startswith("rank 0: checkpoint step 4 (written by 4 rank(s) under another layout) is damaged (")
+               and f"{shard}: tensor 'wte.weight' has shape (128, 32), its metadata's is (129, 32)" in n
+               and n.endswith("passed over") for n in notes), notes
+    text = ctl(cluster.cluster.address, "status", second["id"])
+    assert "resumed from step 2 (checkpoint of tp2 dp2, resharded to pp2 dp2)" in text.stdout, text.stdout
+    out = subprocess.run([sys.executable, "-m", "rankctl.cli.main", "checkpoint", "export", str(shard.parent),
+                          "--out", str(tmp_path / "full.pt")], capture_output=True, text=True)
+    assert out.returncode != 0 and f"{shard}: tensor 'wte.weight' has shape (128, 32)" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "full.pt").exists()

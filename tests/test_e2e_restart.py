@@ -139,37 +139,34 @@ def _span(text: str) -> list[int]:
     return out
 
 
-def complete_steps(c: ProcCluster, name: str, world: int) -> list[int]:
-    """Checkpoint steps of job name ``name`` some node (its own files or the copies it keeps for a peer) holds
-    every rank's marker of."""
-    dirs = [d for n in c.workers for d in (c.root / n / "checkpoints" / name, c.root / n / "replicas" / name)]
-    steps = {int(p.name[5:]) for d in dirs for p in d.glob("step-*")}
-    return sorted(s for s in steps if all(any((d / f"step-{s:08d}" / f"rank-{r:05d}.done").exists() for d in dirs)
-                                          for r in range(world)))
-
-
 def test_a_damaged_newest_checkpoint_is_passed_over_and_the_job_resumes_from_the_one_before(
         three: ProcCluster, reference: dict, tmp_path: Path) -> None:
-    """The newest checkpoint step's shards overwritten with garbage on every node (their own and the copies
-    kept for a peer; the done-markers kept), then a node SIGKILLed: attempt 2 verifies each shard against the
-    SHA-256 its marker recorded, passes over the damaged step with an event naming it, resumes from the step
-    before and succeeds with the uninterrupted run's losses."""
+    """The newest checkpoint step damaged on the node that stays: its own rank 0 shard rewritten with a tensor a
+    row short and its marker to match (the SHA-256 holds; 'start (0) + length (96) exceeds dimension size (95)' in an
+    outside probe), the copies it keeps of the lost node's ranks overwritten with garbage (markers kept); then the
+    other node SIGKILLed. The spare's restore passes over the garbage copies and the resume the wrong shape, each
+    with an event naming the step, the file (and the tensor); attempt 2 resumes from the step before and succeeds
+    with the uninterrupted run's losses (the peer's restore passed over a damaged step without a word)."""
+    from test_checkpoint import reshaped
+
     job = submit(three, tmp_path, "damaged", 2)
     st = stepping(three.root, job, 4, 12)
-    victim = st["nodes"][1]
-    copies = three.root / st["nodes"][0] / "replicas" / "damaged"
-    wait_for(lambda: any(all((d / f"rank-{r:05d}.done").exists() for r in (2, 3)) for d in copies.glob("step-*")),
-             60, "a checkpoint of the victim's ranks replicated to its peer")
+    keeper, victim = st["nodes"]
+    own, copies = three.root / keeper / "checkpoints" / "damaged", three.root / keeper / "replicas" / "damaged"
+    def kept() -> list[int]:   # steps the keeper holds of every rank: its own 0, 1 and the copies of 2, 3
+        return [int(d.name[5:]) for d in sorted(copies.glob("step-*")) if all((d / f"rank-{r:05d}.done").exists()
+                for r in (2, 3)) and all((own / d.name / f"rank-{r:05d}.done").exists() for r in (0, 1))]
+    wait_for(lambda: len(kept()) >= 2, 60, "two checkpoints of the victim's ranks replicated to its peer")
     pids = rank_pids(job)
     for pid in pids:  # frozen for a moment, so that no newer step completes while the newest is damaged
         os.kill(pid, signal.SIGSTOP)
     try:
-        newest = complete_steps(three, "damaged", 4)[-1]
-        shards = [p for n in three.workers for d in ("checkpoints", "replicas")
-                  for p in (three.root / n / d / "damaged" / f"step-{newest:08d}").glob("rank-*.pt")]
+        newest = kept()[-1]
+        reshaped(str(own), newest, 0, "wte.weight")
+        shards = list((copies / f"step-{newest:08d}").glob("rank-*.pt"))
         for p in shards:
             p.write_bytes(os.urandom(p.stat().st_size))
-        assert len(shards) >= 4, shards
+        assert len(shards) == 2, shards
     finally:
         with killed(three, victim):
             for pid in pids:
@@ -179,12 +176,16 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_the_job_resumes_from_the
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 2, done["reason"]
     assert done["result"]["resumed_from"] == newest - 5, (done["result"]["resumed_from"], newest)
     assert_same_losses(done, reference)
-    notices = [m for k, m in events(three.address, job) if k == "notice"]
-    notice = re.search(rf"rank 0: checkpoint step {newest} is damaged on ranks [\d, ]+ \((.+?)\); passed over",
-                       "\n".join(notices))
-    assert notice and "SHA-256" in notice.group(1), notices
-    print(f"\ncheckpoint step {newest} damaged on every node ({len(shards)} shards) and {victim} SIGKILLed: "
-          f"attempt 2 passed it over ({notice.group(0)[:160]}...), resumed from step {newest - 5}, losses equal")
+    notices = "\n".join(m for k, m in events(three.address, job) if k == "notice")
+    resume = re.search(rf"rank 0: checkpoint step {newest} is damaged on rank 0 \((.+?)\); passed over", notices)
+    assert resume and resume.group(1) == (f"{own}/step-{newest:08d}/rank-00000.pt: tensor 'wte.weight' has shape "
+                                          f"(127, 32), this layout's is (128, 32)"), notices
+    restore = re.search(rf"rank 2: restoring from peer \S+: checkpoint step {newest} of rank 2 is damaged \((.+?)\); "
+                        rf"passed over", notices)
+    assert restore and restore.group(1) == f"{copies}/step-{newest:08d}/rank-00002.pt does not match the SHA-256 " \
+        "its marker recorded", notices
+    print(f"\ncheckpoint step {newest} damaged on {keeper} and {victim} SIGKILLed: passed over by the restore "
+          f"({restore.group(0)[:120]}...) and the resume ({resume.group(0)[:120]}...), resumed from step {newest - 5}")
 
 
 def test_in_memory_snapshots_survive_a_killed_node_on_its_peer(three: ProcCluster, reference: dict,

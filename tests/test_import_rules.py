@@ -19,7 +19,7 @@ PACKAGES = {"contract", "proto", "parallel", "models", "coordinator", "worker", 
 # modules that run in a rank (torch): the coordinator and ctl never import them, not even lazily
 KIND_RANK_MODULES = ("rankctl.kinds.train.loop", "rankctl.kinds.train.trainer", "rankctl.kinds.train.optim", "rankctl.kinds.train.checkpoint",
                      "rankctl.kinds.train.train_state", "rankctl.kinds.train.resume", "rankctl.kinds.train.reshard",
-                     "rankctl.kinds.train.initfrom",
+                     "rankctl.kinds.train.initfrom", "rankctl.kinds.train.intact",
                      "rankctl.kinds.comm_check.run")
 
 

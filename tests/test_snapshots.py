@@ -315,3 +315,30 @@ def test_a_restore_takes_the_restarting_jobs_steps_not_an_earlier_jobs_newer_one
     assert asyncio.run(scenario("j-2", mine)) == 8
     assert layout.complete_for(mine.own_root("gpt"), [2, 3]) == [8]
     assert asyncio.run(scenario("j-3", other)) == 48
+
+
+def test_a_damaged_step_the_peer_passes_over_is_named_to_the_node_that_restores(tmp_path, shm) -> None:
+    """Peer b holds ranks 2-3 at steps 8 and 12, rank 3's shard of step 12 overwritten (its marker kept): the
+    restore takes step 8 and the step passed over comes back to the fetching node naming the step, the rank and
+    the damage (it passed over without a word: an outside probe)."""
+    b = ShardStore(tmp_path / "b")
+    for step in (8, 12):
+        for rank in (2, 3):
+            save(b.replica_root("gpt"), step, rank, job_id="j-2")
+    with open(layout.rank_file(b.replica_root("gpt"), 12, 3), "r+b") as f:
+        f.write(b"\x00garbage" * 8)
+
+    async def scenario(into: ShardStore, passed: list[str]) -> int | None:
+        server = grpc.aio.server()
+        pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(b), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await restore(into, f"127.0.0.1:{port}", "gpt", [2, 3], job_id="j-2", passed=passed)
+        finally:
+            await server.stop(None)
+
+    passed: list[str] = []
+    assert asyncio.run(scenario(ShardStore(tmp_path / "c"), passed)) == 8
+    assert len(passed) == 1 and passed[0].startswith("checkpoint step 12 of rank 3 is damaged (") \
+        and "rank-00003.pt does not match the SHA-256" in passed[0] and passed[0].endswith("; passed over"), passed

@@ -28,7 +28,7 @@ from rankctl.worker.outbox import Outbox
 from rankctl.worker.paths import Refused, check_assignment, run_dir_for
 from rankctl.worker.rankio import GENERATION_BYTES
 from rankctl.worker.replication import Replication
-from rankctl.worker.reporting import exit_status
+from rankctl.worker.reporting import exit_status, notice_status
 from rankctl.worker.runs import Runs
 from rankctl.worker.runstate import RunState
 from rankctl.worker.sandbox import assignment_problem
@@ -149,7 +149,8 @@ class Admission:
         if name:
             self._replication.revive(name)
         if msg.restore_peer and name:
-            await self._replication.restore(msg.restore_peer, name, sorted(ranks), msg.job_id)
+            for line in await self._replication.restore(msg.restore_peer, name, sorted(ranks), msg.job_id):
+                self._outbox.report(msg.job_id, msg.attempt, notice_status(min(ranks), self.cfg.name, line))
         workdir = (blobs_of(spec)[:1] or [""])[0] if spec and assignments[0].workdir else ""
         return RunState(job_id=msg.job_id, attempt=msg.attempt, run_dir=str(run_dir), ranks=ranks,
                         alive=set(ranks),  # counted alive from the launch on; exits remove them

@@ -27,7 +27,7 @@ from rankctl.worker.launcher_client import Launcher, LauncherError
 from rankctl.worker.metrics import DaemonFigures, DaemonStats
 from rankctl.worker.outbox import Outbox
 from rankctl.worker import relay as relays
-from rankctl.worker.replicas import ShardStore
+from rankctl.worker.shardstore import ShardStore
 from rankctl.worker.replication import Replication
 from rankctl.worker.runs import Runs
 from rankctl.worker.sandbox import allowed_roots

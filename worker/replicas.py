@@ -12,7 +12,8 @@ When a node replaces a lost one, its Assign names a ``restore_peer`` that holds 
 (the lost node's peer, or a node that ran them before), and the daemon fetches, of each area, the
 newest step complete and intact (checksums) for all of its ranks into its own roots before they start; they then resume
 (a restart's ranks agree on the newest step every rank holds in either root). A node without
-them starts over.
+them starts over. Each damaged step the peer passes over is logged there and sent back (GetShards' trailing
+metadata, ``PASSED_METADATA``); the fetching node logs it and puts it on the job's record (``worker.replication``).
 
 Files travel as ``ShardChunk`` streams (1 MiB chunks, the .pt first, then its done-marker), are
 written to a temporary name and renamed, and every name from the wire is checked before it
@@ -27,8 +28,7 @@ import asyncio
 import contextlib
 import errno
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Iterable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 import grpc
 import structlog
@@ -39,17 +39,20 @@ from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker.peerchannels import PeerChannels, peer_channel
 from rankctl.worker.relay import RelayInbox, serve_deliver, serve_forward
+from rankctl.worker.shardstore import AREAS, SNAPSHOTS, ShardStore
+
+__all__ = ["AREAS", "SNAPSHOTS", "BadShard", "NoRoom", "PeerServicer", "Replicator", "ShardStore",
+           "restore"]   # the store's names re-exported: what this module serves and pushes
 
 if TYPE_CHECKING:
     from rankctl.worker.snapmem import Bound
 
 log = structlog.get_logger("rankctl.worker")
 CHUNK = 1 << 20
-KEEP_STEPS = layout.KEEP_STEPS
 FILES = ("pt", "done")
 MAX_RANK = 1 << 20
-SNAPSHOTS = "snapshots"
-AREAS = (SNAPSHOTS, "")  # the wire's ``root``; snapshots first, the newer state of the two
+PASSED_METADATA = "rankctl-passed-over-bin"  # GetShards' trailing metadata: the damaged steps the peer passed over
+PASSED_SHOWN, PASSED_CHARS = 4, 4000         # ... at most these lines and characters
 
 
 class BadShard(ValueError):
@@ -72,101 +75,6 @@ def _check(name: str, step: int, rank: int, file: str, area: str = "") -> None:
 
 def _path(root: str, step: int, rank: int, file: str) -> str:
     return layout.rank_file(root, step, rank) if file == "pt" else layout.marker_file(root, step, rank)
-
-
-class ShardStore:
-    """This node's complete checkpoint and snapshot steps (``area``: ``""`` or ``"snapshots"``): its own
-    ranks' and the copies it keeps for peers."""
-
-    def __init__(self, state_dir: Path | str) -> None:
-        self.state_dir = str(state_dir)
-
-    def own_root(self, name: str, area: str = "") -> str:
-        if area == SNAPSHOTS:
-            return layout.snapshot_root(self.state_dir, name)
-        return layout.root_in(self.state_dir, name)
-
-    def replica_root(self, name: str, area: str = "") -> str:
-        if area == SNAPSHOTS:
-            return layout.snapshot_replica_root(self.state_dir, name)
-        return os.path.join(self.state_dir, "replicas", name)
-
-    def newest(self, name: str, ranks: list[int], area: str = "", job_id: str = "") -> tuple[int, dict[int, str]] | None:
-        """The newest step complete and intact for every rank in either root (each shard matches the checksum
-        its marker recorded: ``contract.checkpoints.damage``; a damaged step is passed over for an older one),
-        and the root of each rank's files. ``job_id``: only steps whose markers name that job (a restart's: an
-        earlier job of the same name may have left newer steps of these ranks here). Reads the shards it checks:
-        call it off the event loop."""
-        roots = (self.own_root(name, area), self.replica_root(name, area))
-        steps = set()
-        for root in roots:
-            steps.update(layout.list_steps(root))
-
-        def usable(rt: str, step: int, r: int) -> bool:
-            marker = layout.read_marker(rt, step, r)
-            return marker is not None and (not job_id or marker.get("job_id") == job_id) \
-                and not layout.damage(rt, step, r)
-
-        for step in sorted(steps, reverse=True):
-            where = {}
-            for r in ranks:
-                root = next((rt for rt in roots if usable(rt, step, r)), None)
-                if root is None:
-                    break
-                where[r] = root
-            else:
-                return step, where
-        return None
-
-    def _tombstone(self, name: str) -> str:
-        return self.replica_root(name, SNAPSHOTS) + ".dropped"
-
-    def dropped(self, name: str) -> bool:
-        """This node dropped ``name``'s snapshots (its run ended) and no run of the name started here since:
-        a peer's late push of them is refused, or it would stay in memory."""
-        return os.path.exists(self._tombstone(name))
-
-    def revive(self, name: str) -> None:
-        """A run of ``name`` starts here: snapshot pushes for it are welcome again."""
-        with contextlib.suppress(OSError):
-            os.unlink(self._tombstone(name))
-
-    def drop_snapshots(self, name: str, ranks: Iterable[int]) -> int:
-        """A run of ``name`` ended with every rank of this node done: its snapshots served only its restarts.
-        Removes ``ranks``' own snapshot files and every copy kept for peers under the name (and refuses
-        later pushes of them until the name runs here again: ``revive``); files removed."""
-        own, kept = self.own_root(name, SNAPSHOTS), self.replica_root(name, SNAPSHOTS)
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.dirname(kept), exist_ok=True)
-            open(self._tombstone(name), "w").close()
-        removed = _remove_ranks(own, ranks) + _remove_ranks(kept, layout.ranks_in(kept))
-        for root in (own, kept):
-            with contextlib.suppress(OSError):
-                os.rmdir(root)   # only when empty (another run of the name may still write)
-        return removed
-
-    def prune(self, name: str, area: str = "", arrived: dict[int, int] | None = None) -> None:
-        """Keep the newest KEEP_STEPS steps of each rank among the copies kept for peers; a rank's
-        step that just ``arrived`` (rank -> step) first drops that rank's newer steps."""
-        root = self.replica_root(name, area)
-        for rank, step in (arrived or {}).items():
-            for newer in layout.list_steps(root):
-                if newer > step:
-                    layout.remove_rank_step(root, newer, rank)
-        layout.prune(root, keep=KEEP_STEPS)
-
-
-def _remove_ranks(root: str, ranks: Iterable[int]) -> int:
-    """Every step's files of ``ranks`` under ``root``; how many files went."""
-    before = _files(root)
-    for rank in ranks:
-        for step in layout.list_steps(root):
-            layout.remove_rank_step(root, step, rank)
-    return before - _files(root)
-
-
-def _files(root: str) -> int:
-    return sum(len(files) for _, _, files in os.walk(root))
 
 
 class _Writer:
@@ -321,7 +229,12 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
                 _check(request.job_name, 0, r, "pt", area)
         except BadShard as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        found = await asyncio.to_thread(self.store.newest, request.job_name, ranks, area, request.job_id)
+        passed: list[str] = []
+        found = await asyncio.to_thread(self.store.newest, request.job_name, ranks, area, request.job_id, passed)
+        for line in passed:
+            log.warning("checkpoint passed over", job_name=request.job_name, ranks=ranks, detail=line)
+        if passed:   # the fetching node names them on the job's record (``restore``)
+            context.set_trailing_metadata(((PASSED_METADATA, passed_text(passed)),))
         if found is None:
             return
         step, where = found
@@ -407,12 +320,19 @@ class Replicator:
                 self._refused[(peer, name, k, r)] = step
 
 
+def passed_text(lines: list[str]) -> bytes:
+    """The lines of ``PASSED_METADATA``, bounded."""
+    return "\n".join(lines[:PASSED_SHOWN]).encode()[:PASSED_CHARS]
+
+
 async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], timeout: float = 300.0,
-                  credentials: grpc.ChannelCredentials | None = None, job_id: str = "") -> int | None:
+                  credentials: grpc.ChannelCredentials | None = None, job_id: str = "",
+                  passed: list[str] | None = None) -> int | None:
     """Fetch, of checkpoints and of snapshots, the newest step ``peer`` holds for all of ``ranks`` into this node's
     own roots; the newer of the two steps (None when the peer has neither). With ``job_id``, that job's newest
     step, else (it wrote none there yet: a job resuming another's) any job's: an earlier job of the same name may
-    have left newer steps of these ranks on the peer, which the restarting ranks would not take."""
+    have left newer steps of these ranks on the peer, which the restarting ranks would not take. The damaged
+    steps the peer passed over go on ``passed``, one line each."""
     writer = _Writer(store.own_root)
     steps: list[int] = []
     try:
@@ -429,9 +349,18 @@ async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], tim
                         await asyncio.to_thread(writer.feed, chunk)
                         steps.append(chunk.step)
                         got = True
+                    if passed is not None:
+                        passed += _passed_lines(await call.trailing_metadata())
                     if got:
                         break
     except BaseException:
         writer.abort()
         raise
     return max(steps, default=None)
+
+
+def _passed_lines(metadata: Any) -> list[str]:
+    """The peer's ``PASSED_METADATA`` lines (none from a peer that sends none)."""
+    raw = dict(metadata or ()).get(PASSED_METADATA, b"")
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    return [line for line in text[:PASSED_CHARS].splitlines() if line][:PASSED_SHOWN]

@@ -9,8 +9,9 @@ from typing import Any, Iterable
 
 import grpc
 
-from rankctl.worker.replicas import BadShard, Replicator, ShardStore, restore
+from rankctl.worker.replicas import BadShard, Replicator, restore
 from rankctl.worker.runstate import RunState
+from rankctl.worker.shardstore import ShardStore
 from rankctl.worker.tasks import Background
 
 
@@ -37,15 +38,22 @@ class Replication:
         """A run of ``name`` starts here: its peers' snapshot pushes are welcome again."""
         self.shards.revive(name)
 
-    async def restore(self, peer: str, name: str, ranks: list[int], job_id: str = "") -> None:
+    async def restore(self, peer: str, name: str, ranks: list[int], job_id: str = "") -> list[str]:
         """This node replaces the one that ran ``ranks`` of ``job_id``: fetch their newest checkpoint step of that
-        job from ``peer`` (a failure only means the ranks start over)."""
+        job from ``peer`` (a failure only means the ranks start over). Returns one line per damaged step the peer
+        passed over (each logged here too), for the job's record."""
+        passed: list[str] = []
         try:
-            step = await restore(self.shards, peer, name, ranks, credentials=self._credentials, job_id=job_id)
+            step = await restore(self.shards, peer, name, ranks, credentials=self._credentials, job_id=job_id,
+                                 passed=passed)
             self._log.info("checkpoint restored from peer", peer=peer, job_name=name, ranks=ranks, step=step)
         except (grpc.aio.AioRpcError, OSError, BadShard) as exc:
             self._log.warning("checkpoint restore failed; the ranks start over", peer=peer, job_name=name,
                               error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
+        lines = [f"restoring from peer {peer}: {line}" for line in passed]
+        for line in lines:
+            self._log.warning("checkpoint passed over", job=job_id, job_name=name, detail=line)
+        return lines
 
     def finished(self, run: RunState) -> None:
         """Every rank of ``run`` on this node finished its job: its snapshots served only restarts."""

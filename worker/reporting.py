@@ -10,7 +10,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from rankctl.contract.rankstatus import RankStatusRecord, as_number
+from rankctl.contract.rankstatus import NOTICE_CHARS, RankStatusRecord, as_number
 from rankctl.proto import rankctl_pb2 as pb
 
 
@@ -111,6 +111,12 @@ def to_wire(rec: RankStatusRecord, node: str) -> tuple[pb.RankStatus, str]:
 def exit_status(rank: int, node: str, code: int, error: str) -> pb.RankStatus:
     """A rank that ended (or never started: the Assign was refused), as the daemon saw it."""
     return pb.RankStatus(rank=rank, node=node, phase="exited", exited=True, exit_code=code, error=error)
+
+
+def notice_status(rank: int, node: str, text: str) -> pb.RankStatus:
+    """The daemon's line for the job's record (a job event, as a rank's ``notice``) before ``rank`` started, e.g. a
+    damaged checkpoint step its restore passed over."""
+    return pb.RankStatus(rank=rank, node=node, phase="pending", notice=text[:NOTICE_CHARS])
 
 
 def step_figures(status: pb.RankStatus, metrics: Any) -> None:

@@ -29,7 +29,7 @@ from rankctl.contract.names import job_name_problem, shown
 from rankctl.contract.spec import JobSpec
 from rankctl.kinds import registry
 from rankctl.worker.paths import Refused, _index_problem, run_dir_for
-from rankctl.worker.replicas import AREAS, ShardStore
+from rankctl.worker.shardstore import AREAS, ShardStore
 
 MAX_PATH = 4096  # characters of a path a job names (Linux's PATH_MAX)
 SHOWN_PATH = 200  # characters of a refused path quoted back

@@ -21,7 +21,8 @@ from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.worker import snapmem
 from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 from rankctl.worker.relay import RelayInbox
-from rankctl.worker.replicas import PeerServicer, ShardStore
+from rankctl.worker.replicas import PeerServicer
+from rankctl.worker.shardstore import ShardStore
 
 log = structlog.get_logger("rankctl.worker")
 

@@ -47,6 +47,7 @@ from rankctl.contract.checkpoints import (
     RANK_FILE_RE, STEP_RE, complete_for, damage, list_steps, marker_file, prune, rank_file, read_marker,
     remove_rank_step, root_in, snapshot_root, state_dir_of, step_dir,
 )
+from rankctl.kinds.train.intact import content_problem
 
 # the layout's helpers live in contract.checkpoints (the daemon replicates these files); re-exported here
 __all__ = ["checkpoint_root", "complete_for", "copied", "differences", "export_full_state_dict", "fingerprint",
@@ -237,6 +238,8 @@ def _load_all(step_paths: list[str]) -> list[dict[str, Any]]:
             states.append(torch.load(path, map_location="cpu", weights_only=True))
         except Exception as exc:  # noqa: BLE001 - torch.load's errors name no file
             raise ValueError(f"{path} cannot be loaded: {type(exc).__name__}: {str(exc)[:200]}") from None
+        if problem := content_problem(states[-1]):   # a tensor of another shape than its metadata's
+            raise ValueError(f"{path}: {problem}")
     world = states[0]["world_size"]
     if len(states) != world:
         raise ValueError(f"{', '.join(step_paths)} hold {len(states)} rank files, "

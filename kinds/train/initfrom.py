@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from rankctl.contract.checkpoints import first_damage
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train import reshard
+from rankctl.kinds.train.intact import first_problem
 from rankctl.models.shard import shard_slice
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -28,12 +28,12 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 def _newest_complete(root: str) -> tuple[int, dict[str, Any]]:
     """The newest step under ``root`` that every rank of one world finished and whose files that a load reads match
-    their markers (``contract.checkpoints.damage``), and its identity."""
+    their markers and hold tensors of the shapes their metadata says (``kinds.train.intact``), and its identity."""
     damaged = []
     for step, _, ms, complete in reshard.worlds(root, lambda m: True):
         if complete:
             identity = ms[0]["identity"]
-            why = first_damage(root, step, reshard.sources(reshard.old_layout(identity)))
+            why = first_problem(root, step, reshard.sources(reshard.old_layout(identity)))
             if not why:
                 return step, identity
             damaged.append(f"step {step} is damaged ({why})")

@@ -242,6 +242,8 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
     if st.val_losses:
         final["val_loss"] = st.val_losses[-1]["loss"]
     out = {"losses": st.losses, "val_losses": st.val_losses, "final": final, "resumed_from": st.resumed_from}
+    if st.resumed_layout:   # resumed under another layout: the one the checkpoint was written under
+        out["resumed_layout"] = st.resumed_layout
     if t.cfg.stop_at is not None and t.cfg.stop_at < t.cfg.steps and st.step == t.cfg.stop_at:
         out["ended"] = (f"stopped at step {st.step} of {t.cfg.steps} (train.stop_at) with a checkpoint; "
                         f"train.resume: true goes on from it")

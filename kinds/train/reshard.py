@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rankctl.contract.checkpoints import first_damage
 from rankctl.kinds.train import checkpoint as ckpt
-from rankctl.parallel.layout import ParallelConfig, RankLayout
+from rankctl.kinds.train.intact import first_problem, optimizer_index
+from rankctl.parallel.layout import ParallelConfig, RankLayout, layout_words
 from rankctl.parallel.tensor import padded
 
 LAYOUT_KEYS = ("world_size", "parallel")
@@ -101,8 +101,8 @@ def agree_reshard_step(root: str, identity: dict[str, Any], world_size: int, job
     """The newest intact step (after ``newer_than`` when given) that every rank of this world can load under its own
     layout, and the identity it was written with; None when no rank sees one, or every one seen is damaged (one
     line each on ``skipped``). One all-gather, then one a step checked: the old ranks' files are checked against
-    their markers' SHA-256 (``contract.checkpoints.damage``), each by one rank (rank k: old ranks k, k + world,
-    ...; resharding reads a filesystem every rank shares). RuntimeError when some ranks see a step and others
+    their markers' SHA-256 and for tensors of the shapes their metadata says (``kinds.train.intact``), each by one
+    rank (rank k: old ranks k, k + world, ...; resharding reads a filesystem every rank shares). RuntimeError when some ranks see a step and others
     cannot (node-local roots). ``job_id``: only that job's files (a restart's)."""
     views: list[Any] = [None] * world_size
     dist.all_gather_object(views, complete_elsewhere(root, identity, job_id, newer_than))
@@ -110,7 +110,7 @@ def agree_reshard_step(root: str, identity: dict[str, Any], world_size: int, job
     for step, fp in sorted(common, reverse=True):
         marker = next(m for m in markers(root, step).values() if m.get("fingerprint") == fp)
         old_world, rank = int(marker["identity"]["world_size"]), dist.get_rank()
-        mine = first_damage(root, step, range(rank, old_world, world_size))
+        mine = first_problem(root, step, range(rank, old_world, world_size))
         found: list[Any] = [None] * world_size
         dist.all_gather_object(found, mine)
         bad = [why for why in found if why]
@@ -130,10 +130,15 @@ def agree_reshard_step(root: str, identity: dict[str, Any], world_size: int, job
     return None
 
 
-def old_layout(identity: dict[str, Any]) -> RankLayout:
+def old_config(identity: dict[str, Any]) -> ParallelConfig:
+    """The layout a checkpoint's ``identity`` was written under."""
     p = identity["parallel"]
-    return RankLayout(ParallelConfig(world_size=identity["world_size"], tp=p["tp"], pp=p["pp"], cp=p["cp"],
-                                     ep=p["ep"], etp=p.get("etp"), vpp=p.get("vpp"), order=p["order"]))
+    return ParallelConfig(world_size=identity["world_size"], tp=p["tp"], pp=p["pp"], cp=p["cp"], ep=p["ep"],
+                          etp=p.get("etp"), vpp=p.get("vpp"), order=p["order"])
+
+
+def old_layout(identity: dict[str, Any]) -> RankLayout:
+    return RankLayout(old_config(identity))
 
 
 def sources(layout: RankLayout) -> list[int]:
@@ -185,7 +190,7 @@ class OldStates:
         """``verify``: check each file against its marker first (ValueError naming the damage)."""
         self.layout = old_layout(identity)
         self.states: dict[int, dict[str, Any]] = {}
-        if verify and (why := first_damage(root, step, sources(self.layout))):
+        if verify and (why := first_problem(root, step, sources(self.layout))):
             raise ValueError(f"checkpoint step {step} under {root} is damaged: {why}")
         for r in sources(self.layout):
             self.states[r] = torch.load(ckpt.rank_file(root, step, r), map_location="cpu", weights_only=True,
@@ -245,13 +250,6 @@ class OldStates:
         return self.states[min(self.states)]["rng"]
 
 
-def optimizer_index(named_dims: list[tuple[str, int]]) -> dict[str, int]:
-    """Serial name -> the index AdamW's state_dict gives the parameter (``kinds.train.optim.param_groups``:
-    the decayed ones (dim >= 2) first, then the rest, each in the model's order)."""
-    order = [n for n, d in named_dims if d >= 2] + [n for n, d in named_dims if d < 2]
-    return {n: i for i, n in enumerate(order)}
-
-
 def _optimizer_names(state: dict[str, Any]) -> dict[str, int]:
     return optimizer_index([(n, t.dim()) for n, t in state["model"].items()])
 
@@ -286,4 +284,5 @@ def load_resharded(t: Any, root: str, step: int, identity: dict[str, Any]) -> No
     if "cuda" in rng and t.device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], t.device)
     h = old.history()
-    t.state = TrainState(step=step, losses=list(h["losses"]), val_losses=list(h["val_losses"]), resumed_from=step)
+    t.state = TrainState(step=step, losses=list(h["losses"]), val_losses=list(h["val_losses"]), resumed_from=step,
+                         resumed_layout=layout_words(old_config(identity), identity["world_size"]))

@@ -3,8 +3,9 @@
 Every rank lists the steps its own markers say it finished with this run's fingerprint (in the checkpoint
 root and the snapshot root; only its own job's files on a restart without ``train.resume``); one all-gather
 over the world finds the newest step common to all. That step is then checked on every rank against the
-SHA-256 and size its marker recorded (``contract.checkpoints.damage``): a step some rank holds only damaged
-(torn, truncated, overwritten, missing) is passed over by every rank and the next older common step is
+SHA-256 and size its marker recorded (``contract.checkpoints.damage``) and, by the trainer, for tensors of this
+layout's shapes (``kinds.train.intact``): a step some rank holds only damaged (torn, truncated, overwritten,
+missing, rewritten with its marker) is passed over by every rank and the next older common step is
 tried (one all-gather per step tried). Steps newer than the one taken that some rank holds damaged are
 named too (a replacement node is sent only intact steps, so such a step is never common). Each passed-over
 step is one line for the job's record (rank 0 puts them there: ``ctx.notice``). Checkpoints of another
@@ -13,13 +14,15 @@ identity are refused naming what differs (``refusal``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from rankctl.contract.checkpoints import damage
 from rankctl.kinds.train import checkpoint as ckpt
+
+Check = Callable[[str, int, int], str]   # (root, step, rank) -> why that shard cannot be restored ("": it can)
 
 
 def _held(root: str, rank: int, fp: str, job_id: str | None) -> set[int]:
@@ -44,9 +47,11 @@ def refusal(root: str, saved: dict[str, Any] | None, identity: dict[str, Any]) -
 
 def agree_resume_step(roots: str | Sequence[str], rank: int, world_size: int, identity: dict[str, Any], *,
                       restart: bool = False, job_id: str | None = None,
-                      skipped: list[str] | None = None, held_by: list[str] | None = None) -> int | None:
+                      skipped: list[str] | None = None, held_by: list[str] | None = None,
+                      check: Check = damage) -> int | None:
     """The latest step every rank has finished with this ``identity`` in any of ``roots`` (checkpoints,
-    snapshots) and holds intact (``intact_root``), only files ``job_id`` wrote when it is given. A step some
+    snapshots) and holds intact (``intact_root``: ``check``, the checksum by default; the trainer adds the tensor
+    shapes, ``kinds.train.intact``), only files ``job_id`` wrote when it is given. A step some
     rank finds damaged is passed over by every rank (one line per step on ``skipped``, naming the step, the
     ranks and the first damage) and the next older common step is tried. None when there is no file at
     all, or (``restart``) when no step is held intact by every rank (a replacement node has none: the
@@ -70,14 +75,14 @@ def agree_resume_step(roots: str | Sequence[str], rank: int, world_size: int, id
     damaged: list[str] = []
     while common:
         step = max(common)
-        mine = "" if intact_root(roots, step, rank, fp) is not None else _damage(roots, step, rank, fp)
+        mine = "" if intact_root(roots, step, rank, fp, check) is not None else _damage(roots, step, rank, fp, check)
         found = [(r, why) for r, why in enumerate(_everyone(mine, world_size)) if why]
         if not found:
             break
         damaged.append(f"checkpoint step {step} is damaged on {rank_list([r for r, _ in found])} "
                        f"({found[0][1]}); passed over")
         common.discard(step)
-    damaged += _newer_damage(roots, held, max(common) if common else None, rank, fp, world_size, damaged)
+    damaged += _newer_damage(roots, held, max(common) if common else None, rank, fp, world_size, damaged, check)
     if skipped is not None:
         skipped += damaged
     if common:
@@ -97,14 +102,14 @@ HELD_SHOWN = 2      # each rank's newest steps named when a restart starts over 
 
 
 def _newer_damage(roots: Sequence[str], held: set[int], chosen: int | None, rank: int, fp: str, world_size: int,
-                  named: list[str]) -> list[str]:
+                  named: list[str], check: Check = damage) -> list[str]:
     """Steps newer than ``chosen`` that some rank holds damaged (so no rank could take them: a replacement node
     is sent only intact steps), one line each, those ``named`` already left out. Each rank checks its newest
     ``NEWER_CHECKED`` such steps; one all-gather."""
     mine: dict[int, str] = {}
     for step in sorted((s for s in held if chosen is None or s > chosen), reverse=True)[:NEWER_CHECKED]:
-        if intact_root(roots, step, rank, fp) is None:
-            mine[step] = _damage(roots, step, rank, fp)
+        if intact_root(roots, step, rank, fp, check) is None:
+            mine[step] = _damage(roots, step, rank, fp, check)
     found: dict[int, list[tuple[int, str]]] = {}
     for r, theirs in enumerate(_everyone(mine, world_size)):
         for step, why in (theirs or {}).items():
@@ -147,14 +152,14 @@ def _holding(roots: Sequence[str], step: int, rank: int, fp: str) -> list[str]:
     return [r for r in roots if (ckpt.read_marker(r, step, rank) or {}).get("fingerprint") == fp]
 
 
-def intact_root(roots: Sequence[str], step: int, rank: int, fp: str) -> str | None:
-    """The first of ``roots`` whose shard of (``step``, ``rank``) has ``fp`` and matches its marker's
-    checksum (a checkpoint before a snapshot); None when none does."""
-    return next((r for r in _holding(roots, step, rank, fp) if not damage(r, step, rank)), None)
+def intact_root(roots: Sequence[str], step: int, rank: int, fp: str, check: Check = damage) -> str | None:
+    """The first of ``roots`` whose shard of (``step``, ``rank``) has ``fp`` and passes ``check`` (by default
+    its marker's checksum; a checkpoint before a snapshot); None when none does."""
+    return next((r for r in _holding(roots, step, rank, fp) if not check(r, step, rank)), None)
 
 
-def _damage(roots: Sequence[str], step: int, rank: int, fp: str) -> str:
-    whys = [damage(r, step, rank) for r in _holding(roots, step, rank, fp)]
+def _damage(roots: Sequence[str], step: int, rank: int, fp: str, check: Check = damage) -> str:
+    whys = [check(r, step, rank) for r in _holding(roots, step, rank, fp)]
     return next((w for w in whys if w), f"rank {rank} holds no shard of step {step}")
 
 

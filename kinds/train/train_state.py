@@ -47,13 +47,14 @@ import hashlib
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from rankctl.contract.names import job_name_problem
 from rankctl.contract.rankfiles import control_path, notify_saved, read_control
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train import initfrom, reshard
+from rankctl.kinds.train.intact import file_problem
 from rankctl.kinds.train.resume import agree_resume_step, intact_root
 
 from rankctl.kinds.train.trainer import Trainer, TrainState
@@ -296,6 +297,13 @@ def _passed_over(t: Trainer, skipped: list[str]) -> None:
     skipped.clear()
 
 
+def _restorable(t: Trainer) -> Callable[[str, int, int], str]:
+    """A shard's check before a resume takes its step: its checksum, then tensors of this layout's shapes (a shard
+    rewritten with its marker passes the checksum: ``kinds.train.intact``)."""
+    shapes = {n: tuple(p.shape) for n, p in t.named_parameters()}
+    return lambda root, step, rank: file_problem(root, step, rank, shapes)
+
+
 def _init_from(t: Trainer) -> None:
     """A fresh start from ``train.init_from``'s weights (any layout), if it names any."""
     if not t.cfg.init_from:
@@ -321,9 +329,10 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
         identity = identity_of(t)
         skipped: list[str] = []
         held_by: list[str] = []
+        check = _restorable(t)
         try:
             step = agree_resume_step(roots, a.rank, a.world_size, identity, restart=own,
-                                     job_id=a.job_id if own else None, skipped=skipped, held_by=held_by)
+                                     job_id=a.job_id if own else None, skipped=skipped, held_by=held_by, check=check)
         except RuntimeError:  # every rank raises alike (its views are all-gathered): another layout's steps?
             resharded = not own and _resharded(t, roots[0], identity, skipped=skipped)
             _passed_over(t, skipped)
@@ -337,7 +346,7 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
         if resharded:
             return
         if step is not None:
-            root = intact_root(roots, step, a.rank, ckpt.fingerprint(identity)) or roots[0]
+            root = intact_root(roots, step, a.rank, ckpt.fingerprint(identity), check) or roots[0]
             load_state(t, ckpt.load_rank(root, step, a.rank))
             t.ctx.log.info("resumed", step=step, root=root, snapshot=root == roots[1], restart=restart)
             return

@@ -29,7 +29,8 @@ class TrainState:
     step: int = 0  # last finished step
     losses: list[dict[str, float | None]] = field(default_factory=list)  # loss None off the last stage
     val_losses: list[dict[str, float | None]] = field(default_factory=list)
-    resumed_from: int | None = None
+    resumed_from: int | None = None   # the checkpoint's step (the state after it): training went on with the next
+    resumed_layout: str | None = None  # the layout that checkpoint was written under, when another ("tp2 dp2")
     stale_checkpoints: bool = False  # not saved: this fresh run's first checkpoint clears older files first
 
 
