@@ -134,3 +134,51 @@ def test_a_shard_rewritten_with_its_marker_but_of_another_shape_is_named_not_loa
     assert agree_resume_step([root], 1, 1, {"seed": 1}, skipped=skipped, check=check) == 4
     assert len(skipped) == 1 and skipped[0].startswith("checkpoint step 6 is damaged on rank ") \
         and skipped[0].endswith(f" ({why.replace('its metadata', 'this layout')}); passed over"), skipped
+
+
+def _export(*args: str, limit: int | None = None) -> tuple[int, str]:
+    """``ctl checkpoint export ARGS`` through its click command: (exit code, stderr). ``limit``: the process's
+    RLIMIT_FSIZE meanwhile, a file system that fills (a write past it fails with EFBIG)."""
+    import resource
+
+    from click.testing import CliRunner
+    from rankctl.cli.main import cli
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        res = CliRunner().invoke(cli, ["checkpoint", "export", *args], catch_exceptions=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    return res.exit_code, res.stderr
+
+
+def test_export_writes_atomically_and_never_over_a_device_a_link_or_another_file(tmp_path) -> None:
+    """An outside probe: `--out /dev/full` said 'internal error: RuntimeError: [enforce fail ...]'; an existing file
+    that was no export, or a link's target, was overwritten without a word. Now: a device is refused, a link or
+    another file only replaced with --force (the link itself, never its target), a write that fails names the path
+    and the cause and leaves nothing, and an earlier export is replaced."""
+    root = str(tmp_path / "ckpt")
+    for r in range(4):
+        ckpt.save_rank(root, 6, r, _rank_state(2, r % 2, False, r // 2), "fp")
+    step = ckpt.step_dir(root, 6)
+    code, err = _export(step, "--out", "/dev/full")
+    assert code == 2 and "error: --out /dev/full is not a regular file" in err, err
+    notes, target = tmp_path / "notes.txt", tmp_path / "target.txt"
+    notes.write_text("keep me")
+    target.write_text("keep me too")
+    (tmp_path / "link.pt").symlink_to(target)
+    code, err = _export(step, "--out", str(notes))
+    assert code == 2 and f"--out {notes} exists and is not a checkpoint export" in err, err
+    code, err = _export(step, "--out", str(tmp_path / "link.pt"))
+    assert code == 2 and f"is a symbolic link (to {target})" in err, err
+    assert notes.read_text() == "keep me" and target.read_text() == "keep me too"
+    code, err = _export(step, "--out", str(tmp_path / "full.pt"), limit=4096)   # the file system fills at 4 KiB
+    assert code == 2 and f"cannot write --out {tmp_path / 'full.pt'}: File too large; nothing was written" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "link.pt", "notes.txt", "target.txt"]
+    for out in (tmp_path / "full.pt", tmp_path / "full.pt", tmp_path / "link.pt"):   # new, an earlier export, a link
+        code, err = _export(step, "--out", str(out), *(["--force"] if out.is_symlink() else []))
+        assert code == 0, err
+    assert (tmp_path / "link.pt").is_file() and not (tmp_path / "link.pt").is_symlink()
+    assert target.read_text() == "keep me too" and torch.load(tmp_path / "full.pt")["wte.weight"].shape == (255, 32)

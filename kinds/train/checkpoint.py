@@ -50,8 +50,8 @@ from rankctl.contract.checkpoints import (
 from rankctl.kinds.train.intact import content_problem
 
 # the layout's helpers live in contract.checkpoints (the daemon replicates these files); re-exported here
-__all__ = ["checkpoint_root", "complete_for", "copied", "differences", "export_full_state_dict", "fingerprint",
-           "latest_complete", "list_steps", "load_rank", "marker_file", "prune", "rank_file", "read_marker",
+__all__ = ["atomic_write", "checkpoint_root", "complete_for", "copied", "differences", "export_full_state_dict",
+           "fingerprint", "latest_complete", "list_steps", "load_rank", "marker_file", "prune", "rank_file", "read_marker",
            "remove_rank_files", "save_rank", "save_snapshot", "snapshot_root_for", "step_dir"]
 
 
@@ -122,9 +122,10 @@ class _Recorder:
         self.f.flush()
 
 
-def _atomic_write(path: str, write: Any) -> _Recorder:
-    """``write(f)`` to a temporary name renamed over ``path``; the temporary file goes when it fails.
-    Returns what was written (its SHA-256 and size)."""
+def atomic_write(path: str, write: Any) -> _Recorder:
+    """``write(f)`` to a temporary name in ``path``'s directory, renamed over ``path`` (a link there is replaced,
+    never written through); the temporary file goes when it fails, and the OSError a full filesystem raised is
+    raised as it is (not torch.save's RuntimeError). Returns what was written (its SHA-256 and size)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -152,13 +153,13 @@ def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
     returns the .pt path."""
     os.makedirs(step_dir(root, step), exist_ok=True)
     path = rank_file(root, step, rank)
-    written = _atomic_write(path, lambda f: torch.save(state, f))
+    written = atomic_write(path, lambda f: torch.save(state, f))
     fields = {"step": step, "rank": rank, "fingerprint": fp, "identity": identity,
               "sha256": written.digest.hexdigest(), "bytes": written.size}
     if job_id is not None:
         fields["job_id"] = job_id
     marker = json.dumps(fields).encode()
-    _atomic_write(marker_file(root, step, rank), lambda f: f.write(marker))
+    atomic_write(marker_file(root, step, rank), lambda f: f.write(marker))
     return path
 
 
