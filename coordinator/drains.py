@@ -6,6 +6,11 @@ each of its nodes is sent ``CheckpointNow`` for a step a little ahead of its fas
 (``drain_step``); ``due`` says which jobs may move now: every rank passed that step, or
 ``DRAIN_WAIT_S`` passed. Moving a job is a restart without the node (``coordinator.restarts``): this
 module only asks and waits.
+
+Step numbers (one convention, in every message and in ``resumed_from``): steps count from 1; "the checkpoint at
+step S" holds the state after step S; a run that resumes from it reports ``resumed_from: S`` and trains step S + 1
+next. The ranks keep training until the attempt stops, so a newer checkpoint (a periodic one, or the one a rank
+that saw the request late saved) may exist by then: the next attempt takes the newest every rank holds, S or later.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ DRAIN_WAIT_S = 60.0      # how long a drain waits for the checkpoint before the 
 DRAIN_LEAD_STEPS = 2     # the drain checkpoint is at least this many steps ahead of the fastest rank ...
 DRAIN_LEAD_S = 0.5       # ... and about this far ahead in step time (the request must reach every rank first)
 DRAIN_MAX_LEAD = 10      # ... but never more steps ahead than this
+RESUMES = "the next attempt resumes from step {step} or a newer checkpoint every rank holds"   # the convention above
 
 
 @dataclass
@@ -85,7 +91,8 @@ class Drains:
         """Ask every node of the job for a checkpoint before it moves off the drained node ``name``."""
         step = drain_step(self._book.progress(job))
         self._book.set_waiting(job, f"node {name} is draining: every rank saves a checkpoint at step {step}, "
-                                    f"then the job restarts without it (at most {DRAIN_WAIT_S:g} s)")
+                                    f"then the job restarts without it; {RESUMES.format(step=step)} "
+                                    f"(at most {DRAIN_WAIT_S:g} s)")
         self._waits[job.id] = DrainWait(job.attempt, step, self._clock(), [name])
         self._outgoing.to_nodes(job.nodes, convert.checkpoint_message(job.id, job.attempt, step))
         log.info("job.drain_checkpoint", job=job.id, node=name, step=step)
@@ -94,7 +101,8 @@ class Drains:
         """Ask every node of a shrunk elastic job for a checkpoint before it restarts on ``nodes`` (its full size)."""
         step = drain_step(self._book.progress(job))
         self._book.set_waiting(job, f"nodes are free again: every rank saves a checkpoint at step {step}, then the "
-                                    f"job restarts on {nodes} nodes, its full size (at most {DRAIN_WAIT_S:g} s)")
+                                    f"job restarts on {nodes} nodes, its full size; {RESUMES.format(step=step)} "
+                                    f"(at most {DRAIN_WAIT_S:g} s)")
         self._waits[job.id] = DrainWait(job.attempt, step, self._clock(), [], grow=True)
         self._outgoing.to_nodes(job.nodes, convert.checkpoint_message(job.id, job.attempt, step))
         log.info("job.grow_checkpoint", job=job.id, step=step, nodes=nodes)
@@ -122,7 +130,7 @@ class Drains:
                 continue
             at = self._book.progress(job).min_step
             if at >= wait.step:
-                yield job, wait, f"every rank passed step {wait.step} (its checkpoint)"
+                yield job, wait, f"every rank passed step {wait.step} (its checkpoint; {RESUMES.format(step=wait.step)})"
             elif now - wait.since > DRAIN_WAIT_S:
                 yield job, wait, (f"no checkpoint at step {wait.step} within {DRAIN_WAIT_S:g} s (slowest rank "
                                         f"at step {at}): the job resumes from the newest checkpoint every rank holds")

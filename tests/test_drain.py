@@ -111,7 +111,8 @@ def test_a_drained_train_job_checkpoints_then_moves_to_the_spare_without_using_a
     assert kept.restore_peer == ""                                  # it ran the same ranks: its own checkpoint
     attempts = world.store.attempts(job.id)
     assert attempts[0]["state"] == "RESTARTING" and "node n0 drained" in attempts[0]["reason"]
-    assert f"every rank passed step {target}" in attempts[0]["reason"]
+    assert f"every rank passed step {target} (its checkpoint; the next attempt resumes from step {target} or a " \
+        "newer checkpoint every rank holds)" in attempts[0]["reason"]   # the one step convention (``resumed_from``)
     world.run_all(job.id)
     assert job.state is S.SUCCEEDED                                 # max_restarts 0: the drain used none
 

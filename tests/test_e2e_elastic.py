@@ -5,12 +5,13 @@ Real coordinator and daemons (one process each), 3 daemons x 2 slots."""
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
 import pytest
 
-from cluster import ProcCluster, ctl, ctl_status, stepping
+from cluster import ProcCluster, ctl, ctl_status, events, stepping
 from test_e2e_restart import HEARTBEAT_TIMEOUT, losses
 
 pytestmark = pytest.mark.timeout(600)
@@ -90,5 +91,16 @@ def test_a_job_started_on_fewer_nodes_grows_back_when_a_node_is_free_again(
     done = three.wait_state(job, {"SUCCEEDED", "FAILED"}, 300)
     assert done["attempt"] == 2 and sorted(done["nodes"]) == ["node-0", "node-1", "node-2"], done["reason"]
     assert attempts(three, job) == [(4, "tp2 dp2"), (6, "tp2 dp3")]
-    assert done["result"]["resumed_from"] >= 3, done["result"]
+    resumed = done["result"]["resumed_from"]
+    assert resumed >= 3, done["result"]
     assert_equal_run(done, reference)
+    # one step convention (an outside probe saw "step 79" in the grow messages and resumed_from 80): the checkpoint
+    # asked for is a floor, the next attempt takes the newest every rank holds, and each message says which is which
+    asked = re.search(r"every rank passed step (\d+) \(its checkpoint; the next attempt resumes from step (\d+) or a "
+                      r"newer checkpoint every rank holds\)", done["attempts"][0]["reason"])
+    assert asked and asked.group(1) == asked.group(2) and int(asked.group(1)) <= resumed, done["attempts"]
+    notes = [m for k, m in events(three.address, job) if k == "notice"]
+    assert notes == [f"rank 0: resumed from checkpoint step {resumed}, written by 4 rank(s) (tp=2), re-sliced for this "
+                     f"layout; step {resumed + 1} runs next"], notes
+    text = ctl(three.address, "status", job)   # the text says it resumed, and from which layout
+    assert f"resumed from step {resumed} (checkpoint of tp2 dp2, resharded to tp2 dp3)" in text.stdout, text.stdout

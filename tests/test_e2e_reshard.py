@@ -68,7 +68,7 @@ def test_stopped_then_resumed_under_three_other_layouts_equals_the_uninterrupted
     assert second["result"]["resumed_from"] == 15, second["result"]
     notes = [m for k, m in events(cluster.cluster.address, second["id"]) if k == "notice"]
     assert notes == ["rank 0: resumed from checkpoint step 15, written by 4 rank(s) (tp=2), re-sliced for this "
-                     "layout"], notes
+                     "layout; step 16 runs next"], notes
     assert_same(losses(second), whole, range(16, 21))
     third = cluster.run(job("moved", 1, 1, cp=2, resume=True, stop_at=25, checkpoint_dir=shared))   # tp1 cp2 dp2
     assert third["result"]["resumed_from"] == 20, third["result"]

@@ -283,9 +283,15 @@ def _resharded(t: Trainer, root: str, identity: dict[str, Any], job_id: str | No
     if t.ctx.assignment.rank == 0:
         was = ", ".join(f"{k}={v}" for k, v in old["parallel"].items() if k in ("tp", "pp", "cp", "ep", "vpp", "etp")
                         and v not in (None, 1))
-        t.ctx.notice(f"resumed from checkpoint step {step}, written by {old['world_size']} rank(s) "
-                     f"({was or 'no model parallelism'}), re-sliced for this layout")
+        t.ctx.notice(resumed_note(step, "checkpoint", f", written by {old['world_size']} rank(s) "
+                                                    f"({was or 'no model parallelism'}), re-sliced for this layout"))
     return True
+
+
+def resumed_note(step: int, what: str, how: str = "") -> str:
+    """The job event of a resume, in the one step convention (``coordinator.drains``): the checkpoint at step S
+    holds the state after step S, ``resumed_from`` is S, and step S + 1 runs next."""
+    return f"resumed from {what} step {step}{how}; step {step + 1} runs next"
 
 
 def _passed_over(t: Trainer, skipped: list[str]) -> None:
@@ -349,6 +355,8 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
             root = intact_root(roots, step, a.rank, ckpt.fingerprint(identity), check) or roots[0]
             load_state(t, ckpt.load_rank(root, step, a.rank))
             t.ctx.log.info("resumed", step=step, root=root, snapshot=root == roots[1], restart=restart)
+            if a.rank == 0:
+                t.ctx.notice(resumed_note(step, "snapshot" if root == roots[1] else "checkpoint"))
             return
         if restart:
             t.ctx.log.info("restart without a checkpoint or snapshot every rank has; starting over", roots=roots,
