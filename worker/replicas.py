@@ -349,8 +349,8 @@ async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], tim
                         await asyncio.to_thread(writer.feed, chunk)
                         steps.append(chunk.step)
                         got = True
-                    if passed is not None:
-                        passed += _passed_lines(await call.trailing_metadata())
+                    if passed is not None:   # (a step asked for twice, the job's and any job's, named once)
+                        passed += [line for line in _passed_lines(await call.trailing_metadata()) if line not in passed]
                     if got:
                         break
     except BaseException:

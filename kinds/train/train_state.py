@@ -321,6 +321,16 @@ def _init_from(t: Trainer) -> None:
         t.ctx.notice(f"initialised from {what}")
 
 
+def _resume_own(t: Trainer, roots: list[str], step: int, root: str | None, restart: bool) -> None:
+    """Load this layout's ``step`` from ``root`` (the first of ``roots`` holding it intact), log and record it."""
+    a = t.ctx.assignment
+    root = root or roots[0]
+    load_state(t, ckpt.load_rank(root, step, a.rank))
+    t.ctx.log.info("resumed", step=step, root=root, snapshot=root == roots[1], restart=restart)
+    if a.rank == 0:
+        t.ctx.notice(resumed_note(step, "snapshot" if root == roots[1] else "checkpoint"))
+
+
 def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
     """Load the newest step every rank holds (checkpoint or snapshot) when resuming; clear stale
     files on a fresh run.
@@ -352,11 +362,7 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
         if resharded:
             return
         if step is not None:
-            root = intact_root(roots, step, a.rank, ckpt.fingerprint(identity), check) or roots[0]
-            load_state(t, ckpt.load_rank(root, step, a.rank))
-            t.ctx.log.info("resumed", step=step, root=root, snapshot=root == roots[1], restart=restart)
-            if a.rank == 0:
-                t.ctx.notice(resumed_note(step, "snapshot" if root == roots[1] else "checkpoint"))
+            _resume_own(t, roots, step, intact_root(roots, step, a.rank, ckpt.fingerprint(identity), check), restart)
             return
         if restart:
             t.ctx.log.info("restart without a checkpoint or snapshot every rank has; starting over", roots=roots,
