@@ -12,13 +12,17 @@ from rankctl.cli.options import example, json_option, output_format, output_opti
 JOBS_SHOWN = 3  # job ids named per node in the table (--json has them all)
 
 
+def _few(jobs: list[str]) -> str:
+    """A node's jobs in the table: "-" for none, the first ``JOBS_SHOWN`` and how many more."""
+    more = f" +{len(jobs) - JOBS_SHOWN}" if len(jobs) > JOBS_SHOWN else ""
+    return ", ".join(jobs[:JOBS_SHOWN]) + more if jobs else "-"
+
+
 def _flags(n: dict) -> str:
     """What the table says beside the state: draining, and the jobs the node is not placed for again."""
     parts = ["draining"] if n["draining"] else []
-    jobs = n["excluded_for"]
-    if jobs:
-        more = f" +{len(jobs) - JOBS_SHOWN}" if len(jobs) > JOBS_SHOWN else ""
-        parts.append(f"excluded for {', '.join(jobs[:JOBS_SHOWN])}{more}")
+    if n["excluded_for"]:
+        parts.append(f"excluded for {_few(n['excluded_for'])}")
     return "; ".join(parts)
 
 
@@ -57,7 +61,8 @@ def _usage_cells(u: dict | None) -> dict[str, str]:
 @json_option
 @pass_ctx
 def nodes(ctx: Ctx, output: str | None, as_json: bool) -> None:
-    """List nodes: name, address, slots, state (READY when connected), CPU, memory and GPU use as last
+    """List nodes: name, address, slots, state (READY when connected), the jobs holding slots there ("-":
+    none; a drained node is empty when it shows none), CPU, memory and GPU use as last
     reported ("-": none yet), whether it is draining and the jobs it is excluded from (its ranks failed
     in two attempts in a row; `ctl undrain NODE` clears them). -o wide adds the hostname and each GPU."""
     from rankctl.cli.console import stdout_console
@@ -70,7 +75,7 @@ def nodes(ctx: Ctx, output: str | None, as_json: bool) -> None:
         print_document(found, fmt)
         return
     rows = [{"name": n["name"], "address": n["address"], "state": n["state"], "slots": n["slots"],
-             "free": n["free_slots"], "gpus": len(n["gpus"]), **_usage_cells(n["usage"]),
+             "free": n["free_slots"], "jobs": _few(n["jobs"]), "gpus": len(n["gpus"]), **_usage_cells(n["usage"]),
              "last seen": when(n["last_seen"])} for n in found]
     if fmt == "wide":
         for row, n in zip(rows, found):

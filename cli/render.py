@@ -118,11 +118,7 @@ def apply_event(job: pb.Job, event: pb.JobEvent) -> None:
     if event.kind in ("transition", "waiting"):
         job.reason = event.message
     elif event.kind == "rank" and event.HasField("rank"):
-        i = event.rank.rank - job.rank_offset
-        if 0 <= i < len(job.ranks) and job.ranks[i].rank == event.rank.rank:
-            step = max(job.ranks[i].step, event.rank.step)
-            job.ranks[i].CopyFrom(event.rank)
-            job.ranks[i].step = step
+        apply_rank(job, event.rank)
     elif event.kind == "step":  # every rank has finished event.step
         for r in job.ranks:
             r.step = max(r.step, event.step)
@@ -131,6 +127,19 @@ def apply_event(job: pb.Job, event: pb.JobEvent) -> None:
         if event.metrics:
             job.summary.metrics.clear()
             job.summary.metrics.update(event.metrics)
+
+
+def apply_rank(job: pb.Job, status: pb.RankStatus) -> None:
+    """A rank event's status onto the ranks of the page it names: ``status.rank`` alone, or the ``status.ranks``
+    from it (one event for a node's ranks that reported alike); each keeps the higher step."""
+    first = max(status.rank, job.rank_offset)
+    last = min(status.rank + max(status.ranks, 1), job.rank_offset + len(job.ranks))
+    for rank in range(first, last):
+        shown = job.ranks[rank - job.rank_offset]
+        if shown.rank == rank:
+            step = max(shown.step, status.step)
+            shown.CopyFrom(status)
+            shown.rank, shown.step, shown.ranks = rank, step, 0
 
 
 def node_to_dict(node: pb.Node) -> dict[str, Any]:
@@ -148,6 +157,7 @@ def node_to_dict(node: pb.Node) -> dict[str, Any]:
         "gpus": [{"index": g.index, "name": g.name, "memory_bytes": g.memory_bytes} for g in hw.gpus],
         "hostname": hw.hostname,
         "pool": node.pool,     # the allocation or worker pool it was started for ("": none)
+        "jobs": list(node.jobs),   # the jobs holding slots on it (running, or ended with ranks not yet gone)
     }
 
 
@@ -163,7 +173,7 @@ def rows_table(title: str, rows: list[dict[str, Any]]):
 
     from rich.text import Text
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left", min_width=len(title))  # as wide as its title: never wrapped
     cols = list(rows[0]) if rows else []
     for c in cols:
         table.add_column(str(c), justify="right" if isinstance(rows[0][c], (int, float)) else "left")
@@ -225,8 +235,9 @@ def resumed_line(d: dict[str, Any]) -> str:
     return f"\nresumed from step {int(step)}{how}"
 
 
-def job_view(job: pb.Job, max_ranks: int = 64):
-    """Head, summary, progress, per-rank table (at most ``max_ranks``) and result tables, as one renderable."""
+def job_view(job: pb.Job, max_ranks: int = 64, results: bool = True):
+    """Head, summary, progress, per-rank table (at most ``max_ranks``; 0: none) and result tables (unless not
+    ``results``), as one renderable."""
     from rich.console import Group
     from rich.text import Text
 
@@ -252,7 +263,18 @@ def job_view(job: pb.Job, max_ranks: int = 64):
                                               "ranks": f"{a['world_size']} ({a['layout']})" if a["world_size"] else "",
                                               "reason": (a["reason"] or "")[:ERROR_LINE_MAX]}
                                              for a in d["attempts"]]))
-    shown = d["ranks"][:max_ranks]
+    if max_ranks:
+        parts += rank_parts(d, max_ranks)
+    if results:
+        parts += result_tables(d["result"], job.kind)
+    return Group(*parts)
+
+
+def rank_parts(d: dict[str, Any], max_ranks: int) -> list:
+    """The per-rank table of a job's dict (at most ``max_ranks`` rows), the range it shows, contained ranks."""
+    from rich.text import Text
+
+    shown, parts = d["ranks"][:max_ranks], []
     if shown:
         rows = [{"rank": r["rank"], "node": r["node"], "phase": r["state"], "step": r["step"],
                  "exit": r.get("exit_code", "")} for r in shown]
@@ -260,12 +282,28 @@ def job_view(job: pb.Job, max_ranks: int = 64):
         if len(shown) < d["world_size"]:
             parts.append(Text(f"showing ranks {shown[0]['rank']}-{shown[-1]['rank']} of {d['world_size']}; "
                               f"`ctl status {d['id']} --ranks A-B` for more", style="dim"))
-        contained = [r for r in shown if r.get("exit_code") == 0 and LEFTOVERS in (r.get("error") or "")]
-        for r in contained[:FAILING_SHOWN]:  # exit 0, yet its processes had to be killed (worker containment)
-            parts.append(Text(f"rank {r['rank']} on {r['node'] or '-'}: {last_line(r['error'])[:ERROR_LINE_MAX]}",
-                              style="yellow"))
-    parts += result_tables(d["result"], job.kind)
-    return Group(*parts)
+    contained = [r for r in shown if r.get("exit_code") == 0 and LEFTOVERS in (r.get("error") or "")]
+    for r in contained[:FAILING_SHOWN]:  # exit 0, yet its processes had to be killed (worker containment)
+        parts.append(Text(f"rank {r['rank']} on {r['node'] or '-'}: {last_line(r['error'])[:ERROR_LINE_MAX]}",
+                          style="yellow"))
+    return parts
+
+
+LIVE_SPARE_LINES = 2   # lines a live view leaves free below it on a terminal
+TABLE_LINES = 5        # a rank table's lines besides its rows (title, borders, header)
+
+
+def live_view(job: pb.Job, console: Any, height: int | None, max_ranks: int = 64):
+    """What ``ctl watch`` and ``ctl up`` redraw while a job runs: ``job_view`` without result tables, with as
+    many ranks as fit ``height`` lines (None: not a terminal, ``max_ranks``). Never taller than the terminal."""
+    from rich.console import Group
+
+    full = job_view(job, max_ranks=0, results=False)
+    if height is None:
+        return job_view(job, max_ranks=max_ranks, results=False)
+    used = len(console.render_lines(full, console.options, pad=False))
+    fit = max(0, min(max_ranks, height - used - TABLE_LINES - 1 - LIVE_SPARE_LINES))
+    return Group(full, *rank_parts(job_to_dict(job), fit)) if fit else full
 
 
 NODES_NAMED = 8       # node names in a job's head line; the rest are counted
@@ -299,7 +337,9 @@ def summary_text(s: dict[str, Any], world: int):
 
     phases = "  ".join(f"{phase} {n}" for phase, n in sorted(s["phases"].items(), key=lambda kv: -kv[1]) if n)
     text = Text(f"ranks: {phases or '-'}  (running {s['running']}, exited {s['exited']}, failed {s['failed']} "
-                f"of {world})\nsteps: {s['min_step']}-{s['max_step']}")
+                f"of {world})")
+    if s["max_step"]:  # a job without steps (comm-check, a script) has no step line
+        text.append(f"\nsteps: {s['min_step']}-{s['max_step']}")
     if s["stragglers"]:
         text.append(f"  stragglers at step {s['min_step']}: {_few(s['stragglers'])}")
     if s.get("preflight", {}).get("ms"):

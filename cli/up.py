@@ -52,7 +52,8 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
 @log_format
 def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str, ...],
        state_dir: Path | None, as_json: bool, log_level: str, log_format: str) -> None:
-    """Start a coordinator and worker daemons here, run JOB_FILE to its end, print the result."""
+    """Start a coordinator and worker daemons here, run JOB_FILE to its end, print the result. What the
+    ranks print is shown as it comes (on stderr), each line after [rank R]."""
     from rankctl.cli.follow import exit_for, follow_job
     from rankctl.cli.jobread import read_job_file
     from rankctl.cli.local import LocalCluster
@@ -76,7 +77,8 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
             click.echo(f"submitted {job.id}", err=True)
             # progress on stderr; one final status: on a terminal that shows stdout too, the live view is
             # erased and the status printed on stdout replaces it (--json: stdout holds the JSON alone)
-            job = follow_job(ctx, job.id, live=True, transient=is_terminal(sys.stdout) and not as_json)
+            job = follow_job(ctx, job.id, live=True, transient=is_terminal(sys.stdout) and not as_json,
+                             printed=True)   # what the ranks print, [rank R] first, above the live view
     finally:
         if tmp:
             shutil.rmtree(root, ignore_errors=True)

@@ -33,6 +33,16 @@ def free_slots(ready: Iterable[NodeSession], active: Iterable[JobRecord]) -> dic
     return free
 
 
+def jobs_by_node(holding: Iterable[JobRecord]) -> dict[str, list[str]]:
+    """Node name -> the ids of the jobs given (the active ones: ``ctl nodes``' jobs) that run ranks there; at
+    most one per slot of the node."""
+    out: dict[str, list[str]] = {}
+    for job in holding:
+        for name in job.nodes:
+            out.setdefault(name, []).append(job.id)
+    return out
+
+
 def fitting_nodes(sessions: Iterable[NodeSession], slots_per_node: int) -> int:
     """Known nodes (any state but LOST) with at least ``slots_per_node`` slots."""
     return sum(1 for s in sessions if s.status is not NodeStatus.LOST and s.record.slots >= slots_per_node)

@@ -174,6 +174,8 @@ def event_to_pb(ev: EventRecord) -> pb.JobEvent:
     stamp(msg.event_time, ev.ts)
     if ev.rank is not None:
         msg.rank.CopyFrom(rank_to_pb(ev.rank))
+        if ev.ranks > 1:   # the ranks from msg.rank.rank that it stands for (``RankStatus.ranks``)
+            msg.rank.ranks = ev.ranks
     return msg
 
 
@@ -202,12 +204,12 @@ def hardware_to_pb(hw: dict[str, Any]) -> pb.Hardware:
 
 
 def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0, *, draining: bool = False,
-               excluded_for: Sequence[str] = ()) -> pb.Node:
+               excluded_for: Sequence[str] = (), jobs: Sequence[str] = ()) -> pb.Node:
     r = session.record
     msg = pb.Node(
         name=r.name, address=r.address, slots=r.slots, free_slots=free_slots, state=_NODE_STATE[session.status],
         hardware=hardware_to_pb(r.hardware), rejected_reports=rejected_reports,
-        draining=draining, excluded_for=excluded_for, usage=session.usage, pool=session.pool,
+        draining=draining, excluded_for=excluded_for, usage=session.usage, pool=session.pool, jobs=jobs,
     )
     stamp(msg.last_seen_time, r.last_seen)
     return msg

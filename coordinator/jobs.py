@@ -212,9 +212,9 @@ class JobBook:
             self.queued_at.pop(job.id, None)
 
     def event(self, job: JobRecord, kind: str, message: str, rank: RankRecord | None = None, *,
-              step: int = 0, metrics: dict[str, Any] | None = None) -> EventRecord:
+              step: int = 0, metrics: dict[str, Any] | None = None, ranks: int = 0) -> EventRecord:
         seq = self._seq.get(job.id, 0) + 1
-        ev = EventRecord(job.id, seq, self.clock(), job.state, kind, _cap(message), rank, step, metrics)
+        ev = EventRecord(job.id, seq, self.clock(), job.state, kind, _cap(message), rank, step, metrics, ranks)
         self.store.append_event(ev)
         self._seq[job.id] = seq
         self.signals.notify(job.id)

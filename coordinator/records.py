@@ -123,6 +123,13 @@ class EventRecord:
     rank: RankRecord | None = None
     step: int = 0                          # kind "step": the step every rank has finished
     metrics: dict[str, Any] | None = None  # kind "step": loss, tokens_per_s, step-time spread
+    ranks: int = 0                         # kind "rank": the consecutive ranks from ``rank.rank`` it stands for
+                                           # (0 or 1: that rank alone; a daemon's folded report of several)
+
+    def data(self) -> dict[str, Any] | None:
+        """What it carries besides its message and rank (the store's ``data_json``), None: nothing."""
+        ranks = {"ranks": self.ranks} if self.ranks > 1 else {}
+        return {"step": self.step, "metrics": self.metrics, **ranks} if self.step or self.metrics or ranks else None
 
 
 @dataclass(frozen=True)

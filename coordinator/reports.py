@@ -12,6 +12,7 @@ ranks flagged or unflagged by their compute time, ``coordinator.skew``).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Callable, ContextManager, Sequence
 
 import structlog
@@ -107,10 +108,11 @@ class ReportApplier:
         for rank in range(first, first + count):
             if self._apply_rank(job, ranks, progress, node, update, rank, events):
                 changed = True
-        if events:
-            new = events[-1]
+        if events:  # one event for the lot: the range's first rank and how many (a watcher updates them all)
+            new = replace(events[-1], rank=first)
             what = "exited" if new.exited else new.phase
-            self._book.event(job, "rank", f"{rank_span(list(range(first, first + count)))} {what}", new)
+            self._book.event(job, "rank", f"{rank_span(list(range(first, first + count)))} {what}", new,
+                             ranks=count)
         return changed
 
     def _start_range(self, job: JobRecord, progress: JobProgress, node: str, update: pb.RankReport, first: int,
@@ -126,11 +128,12 @@ class ReportApplier:
         if process:
             for rank in range(first, first + count):
                 progress.pace.process(rank, process)
-        new = records[-1]
+        new = records[0]
         progress.advanced_at = self._clock()
         progress.started(count, phase)
         if job.world_size <= ROUTINE_EVENTS_MAX_WORLD:
-            self._book.event(job, "rank", f"{rank_span(list(range(first, first + count)))} {phase}", new)
+            self._book.event(job, "rank", f"{rank_span(list(range(first, first + count)))} {phase}", new,
+                             ranks=count)
 
     def _reject(self, node: str, update: Report, job: JobRecord | None) -> None:
         """Count (and log, sparingly) a report for a rank this node does not run in this attempt. An older

@@ -25,6 +25,7 @@ import structlog
 from rankctl.coordinator import convert
 from rankctl.coordinator.auth import ADMIN, caller
 from rankctl.coordinator.blobs import BlobMissing, BlobStore
+from rankctl.coordinator.capacity import jobs_by_node
 from rankctl.coordinator.core import Coordinator
 from rankctl.coordinator.errors import (
     AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, PoolNotFound, ProtocolError, os_status,
@@ -262,8 +263,8 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
         try:
-            excluded = self.core.nodes.exclusions_by_node()
-            return pb.ListNodesResponse(nodes=[self._node(s, free, excluded) for s, free in self.core.node_views()])
+            excluded, jobs = self.core.nodes.exclusions_by_node(), jobs_by_node(self.core.book.active())
+            return pb.ListNodesResponse(nodes=[self._node(s, free, excluded, jobs) for s, free in self.core.node_views()])
         except Exception as exc:
             await _abort(context, exc)
 
@@ -300,11 +301,12 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         except Exception as exc:
             await _abort(context, exc)
 
-    def _node(self, session: NodeSession, free: int, excluded: dict[str, list[str]]) -> pb.Node:
-        """A node with its free slots, rejected reports, drain state and the jobs it is excluded from."""
+    def _node(self, session: NodeSession, free: int, excluded: dict[str, list[str]],
+              jobs: dict[str, list[str]]) -> pb.Node:
+        """A node with its free slots, rejected reports, drain state, the jobs it is excluded from and its jobs."""
         return convert.node_to_pb(session, free, self.core.rejected_reports[session.name],
                                   draining=session.name in self.core.nodes.draining,
-                                  excluded_for=excluded.get(session.name, ()))
+                                  excluded_for=excluded.get(session.name, ()), jobs=jobs.get(session.name, ()))
 
     async def DrainNode(self, request: pb.DrainNodeRequest, context: grpc.aio.ServicerContext) -> pb.DrainNodeResponse:
         """Drain: ``jobs`` are the jobs that move off the node. Undrain: the jobs it may run again (its
@@ -315,7 +317,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             else:
                 jobs = [job.id for job in self.core.drain(request.node, request.reason)]
             session, free = self.core.node_view(request.node)
-            node = self._node(session, free, self.core.nodes.exclusions_by_node())
+            node = self._node(session, free, self.core.nodes.exclusions_by_node(), jobs_by_node(self.core.book.active()))
             return pb.DrainNodeResponse(node=node, jobs=jobs)
         except Exception as exc:
             await _abort(context, exc)

@@ -301,7 +301,7 @@ class Store:
     # -- events --------------------------------------------------------------
     def append_event(self, event: EventRecord) -> None:
         rank = _rank_to_json(event.rank) if event.rank is not None else None
-        data = json.dumps({"step": event.step, "metrics": event.metrics}) if event.step or event.metrics else None
+        data = json.dumps(event.data()) if event.data() is not None else None
         self._write(
             "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
             (event.job_id, event.seq, event.ts, event.state.value, event.kind, event.message, rank, data),
@@ -321,7 +321,7 @@ class Store:
             data = json.loads(d) if d else {}
             out.append(EventRecord(job_id, seq, ts, JobState(state), kind, msg,
                                    RankRecord(**json.loads(r)) if r else None,
-                                   int(data.get("step") or 0), data.get("metrics")))
+                                   int(data.get("step") or 0), data.get("metrics"), int(data.get("ranks") or 0)))
         return out
 
     def last_step(self, job_id: str) -> int:

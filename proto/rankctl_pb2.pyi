@@ -92,7 +92,7 @@ class NodeUsage(_message.Message):
     def __init__(self, cpu_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ..., sample_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "rejected_reports", "draining", "excluded_for", "last_seen_time", "usage", "pool")
+    __slots__ = ("name", "address", "slots", "free_slots", "state", "hardware", "rejected_reports", "draining", "excluded_for", "last_seen_time", "usage", "pool", "jobs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class Node(_message.Message):
     LAST_SEEN_TIME_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -117,7 +118,8 @@ class Node(_message.Message):
     last_seen_time: _timestamp_pb2.Timestamp
     usage: NodeUsage
     pool: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ..., pool: _Optional[str] = ...) -> None: ...
+    jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., rejected_reports: _Optional[int] = ..., draining: _Optional[bool] = ..., excluded_for: _Optional[_Iterable[str]] = ..., last_seen_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., usage: _Optional[_Union[NodeUsage, _Mapping]] = ..., pool: _Optional[str] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankStatus(_message.Message):
     __slots__ = ("rank", "node", "phase", "step", "metrics_json", "error", "exit_code", "exited", "step_time_s", "process", "compute_s", "wait_s", "collectives", "stack", "update_time", "figures", "notice", "preflight", "ranks", "first_step")

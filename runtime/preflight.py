@@ -12,7 +12,8 @@ after the runtime built a rank's groups (``runtime.rank``), every rank:
    direction's one-way time is known (the minimum over the pings: a late receiver only adds); a node's
    *egress* is the fastest of its messages to any peer. A node that cannot reach a peer fails the attempt
    naming both;
-3. the leaders add their node's GPU health (``contract.gpuhealth``: NVML; absent without a driver);
+3. the leaders of a job on GPUs add their node's GPU health (``contract.gpuhealth``: NVML; a job on CPUs
+   says nothing of GPUs, an NVML error on a GPU job stays in the note);
 4. one more all-reduce (SUM) shares every node's egress and GPU verdict with every rank, so each rank
    judges alike (``judge``): a node whose egress exceeds ``SLOW_ABS_S`` and ``SLOW_FACTOR`` times the median
    of the other nodes' is slow (a slow or failing NIC, a congested or mis-negotiated link, a ``tc netem``
@@ -149,7 +150,8 @@ def run(ctx: Any) -> Outcome:
     figures = torch.tensor(list(kinds.values()), dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     leader = a.rank == leaders[node]
-    health = gpu_health() if leader or a.rank == 0 else None
+    on_gpu = torch.device(ctx.device).type == "cuda"   # a CPU job: the nodes' GPUs (or none) are no concern
+    health = gpu_health() if on_gpu and (leader or a.rank == 0) else None
     egress = torch.full((nodes,), float("inf"), dtype=torch.float64)   # per sender: its fastest message
     bad = torch.zeros(nodes, dtype=torch.float64)
     if leader:

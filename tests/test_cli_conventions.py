@@ -606,3 +606,46 @@ def test_jobs_wide_shows_how_many_nodes_a_listed_job_runs_on() -> None:
     listed = job_to_dict(job_summary_pb(job))
     assert listed["nodes"] == [] and listed["node_count"] == 2
     assert _job_row(listed, wide=True)["nodes"] == "2"
+
+
+def _running_job(world: int) -> "pb.Job":
+    from rankctl.proto import rankctl_pb2 as pb
+
+    job = pb.Job(id="gpt-0a1b2c", kind="train", state=pb.JOB_STATE_RUNNING, world_size=world, attempt=1,
+                 nodes=[f"n{k}" for k in range(world // 4)],
+                 ranks=[pb.RankStatus(rank=r, node=f"n{r // 4}", phase="running", step=7) for r in range(64)])
+    job.summary.phases["running"] = world
+    job.summary.running, job.summary.min_step, job.summary.max_step = world, 7, 7
+    job.summary.preflight_ms.update({"dp": 1.0, "tp": 2.0})
+    return job
+
+
+def test_a_live_view_never_grows_past_its_terminal_and_a_table_title_never_wraps() -> None:
+    """Issue 43, item 8: a live view taller than the terminal left copies of its head in the scrollback, and
+    titles such as `losses (100 steps)` wrapped over the narrow table beneath them."""
+    from rich.console import Console
+
+    from rankctl.cli.render import live_view, rows_table
+
+    for width, height in ((80, 24), (120, 40)):
+        console = Console(width=width, height=height, force_terminal=True, color_system=None)
+        with console.capture() as seen:
+            console.print(live_view(_running_job(256), console, height))
+        lines = seen.get().splitlines()
+        assert len(lines) <= height - 2 and "showing ranks 0-" in seen.get(), lines
+        assert any(re.match(r"│ +0 │ n0 +│ running │ +7 │", line) for line in lines), lines
+        with console.capture() as seen:
+            console.print(rows_table("losses (100 steps)", [{"step": 1, "loss": 2.5}]))
+        assert seen.get().splitlines()[0].strip() == "losses (100 steps)", seen.get()
+
+
+def test_a_job_without_steps_has_no_step_line_and_the_preflight_reads_in_layout_order() -> None:
+    """`steps: 0-0` on a job without steps; the pre-flight's kinds came in the wire map's order (twice, in two
+    orders, beside its event)."""
+    from rankctl.cli.render import job_to_dict, summary_text
+
+    job = _running_job(8)
+    assert "steps: 7-7" in summary_text(job_to_dict(job)["summary"], 8).plain
+    job.summary.min_step = job.summary.max_step = 0
+    text = summary_text(job_to_dict(job)["summary"], 8).plain
+    assert "steps:" not in text and "pre-flight: all-reduce tp 2.00 ms, dp 1.00 ms" in text, text

@@ -197,3 +197,24 @@ def test_a_coordinator_stopped_for_seconds_fails_no_job(cluster: ProcCluster) ->
     st = cluster.wait_state(job, {"SUCCEEDED", "FAILED"}, 120)
     assert st["state"] == "SUCCEEDED" and st["attempt"] == 1, (st["state"], st["reason"], st.get("attempt"))
     cluster.wait_ready()
+
+
+def test_a_train_jobs_nodes_list_it_and_its_logs_show_what_the_ranks_printed(cluster: ProcCluster) -> None:
+    """Issue 43, item 8: `ctl nodes` had no jobs column though docs/operations.md says to wait until it shows
+    none; `ctl logs JOB` of a train job printed nothing (rc 0): its last rank prints its steps, as a
+    training script does."""
+    steps = 100
+    job = cluster.submit(str(EXAMPLES / "gpt-tp-dp.yaml"), "--set", f"train.steps={steps}")
+    nodes = cluster.wait_state(job, {"RUNNING"}, 120)["nodes"]   # then ~10 s of steps at least
+    table = ctl(cluster.address, "nodes").stdout.splitlines()
+    listed = {n["name"]: n["jobs"] for n in json.loads(ctl(cluster.address, "nodes", "--json").stdout)}
+    assert cluster.wait_state(job, {"SUCCEEDED", "FAILED"}, 300)["state"] == "SUCCEEDED"
+    assert "jobs" in table[2] and all(job in line for line in table if any(n in line for n in nodes)), table
+    assert {n: listed[n] for n in nodes} == {n: [job] for n in nodes}, listed
+    idle = json.loads(ctl(cluster.address, "nodes", "--json").stdout)
+    assert all(n["jobs"] == [] for n in idle), idle
+    logs = ctl(cluster.address, "logs", job)
+    assert logs.returncode == 0 and f"[rank 3] step {steps}/{steps}  loss " in logs.stdout, (logs.stdout, logs.stderr)
+    assert f"[rank 3] step 1/{steps}  loss " in logs.stdout and "[rankctl " not in logs.stdout, logs.stdout
+    one = ctl(cluster.address, "logs", job, "--rank", "3", "--tail", "1")
+    assert one.stdout.startswith(f"step {steps}/{steps}  loss "), one.stdout

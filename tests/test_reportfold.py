@@ -128,3 +128,25 @@ def test_the_coordinator_ends_the_same_from_folded_and_from_single_reports(tmp_p
     assert len(stored) == 16 and all(v[2] and v[3] == -15 for v in stored.values())
     assert steps == [1] and seqs == {"n0000": 32 + 8, "n0001": 32 + 8}
     assert counts[2] == 16 and state is JobState.CANCELLED
+
+
+def test_a_watcher_sees_every_rank_of_a_folded_report_move(tmp_path: Path) -> None:
+    """Issue 43, item 8: a node's ranks reporting alike make one event; it named the node's last rank only,
+    so `ctl watch` kept the others at their first phase for the whole run. The event (read back from the
+    store, as WatchJob sends it) now stands for the node's ranks, and the view moves them all."""
+    from rankctl.cli.render import apply_event
+    from rankctl.coordinator.convert import event_to_pb
+
+    w = make_world(tmp_path)
+    job, names = start(w, 2)
+    page = pb.Job(id=job.id, world_size=16, ranks=[pb.RankStatus(rank=r, phase="pending") for r in range(16)])
+    for k, n in enumerate(names):
+        buf = ReportBuffer()
+        start_up(buf, job.id, range(k * 8, k * 8 + 8), marked=True)
+        w.nodes[n].seq = 0
+        w.core.rank_reports(w.nodes[n].session, fold(buf.take(1000)))
+    w.core.flush()
+    for event in w.core.events(job.id):
+        apply_event(page, event_to_pb(event))
+    assert [(r.rank, r.phase, r.node) for r in page.ranks] == [(r, "running", names[r // 8]) for r in range(16)]
+    w.store.close()

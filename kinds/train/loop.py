@@ -7,7 +7,8 @@ through ``step_fn`` (loss sum / global token count per micro-batch; gradients re
 ``dp_cp`` by ``GradReducer`` during each chunk's last backward), the tied embedding's
 gradients summed between the first and last pipeline stage, global-norm clipping over
 ``mp`` (tp x pp), AdamW with warm-up + cosine LR, then a status record with loss, lr, grad
-norm, tokens/s, step time and peak memory. Held-out loss every ``train.eval_every`` steps, a
+norm, tokens/s, step time and peak memory (the last rank also prints a line for about every 20th step, as
+a training script does: ``ctl logs``). Held-out loss every ``train.eval_every`` steps, a
 sharded checkpoint every ``train.checkpoint_every`` steps and when the daemon asks for one (the
 rank's control file), both saved before the step's status record, and an in-memory snapshot
 every ``train.snapshot_every`` steps (copied before the record, written in the background;
@@ -51,6 +52,7 @@ import torch
 from rankctl.kinds.context import RankContext
 from rankctl.kinds.train import optim
 from rankctl.kinds.train.data import VAL, TokenDataset
+from rankctl.kinds.train.render import printed_step, step_line
 from rankctl.kinds.train.train_state import CheckpointRequests, Snapshots, restore_or_reset, save_after_step
 from rankctl.kinds.train.trainer import Batch, Layout, StepFn, Trainer, TrainState
 from rankctl.models.attention import RingAttention, set_attention
@@ -222,6 +224,7 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
     snapshots = Snapshots(t, t.cfg.snapshot_every)
     requests = CheckpointRequests(t.ctx.assignment.run_dir, t.ctx.assignment.rank)
     metrics: dict[str, Any] = {}
+    printer = t.ctx.assignment.rank == t.ctx.assignment.world_size - 1   # the last stage's: it has the loss
     try:
         for step in range(st.step + 1, last_step(t.cfg) + 1):
             metrics = train_step(t, step_fn, step)
@@ -233,6 +236,8 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
             save_after_step(t, step, snapshots, requests,  # a checkpoint is complete before the step's record
                             stop=step == t.cfg.stop_at)
             t.ctx.status.write("running", step=step, metrics=metrics)
+            if printer and printed_step(step, t.cfg.steps, "val_loss" in metrics):  # as a training script prints
+                print(step_line(step, t.cfg.steps, metrics), flush=True)
             log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if isinstance(v, (int, float))})
     finally:
         snapshots.wait(t)

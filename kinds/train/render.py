@@ -46,12 +46,38 @@ def progress(job: Any):
     if not steps or latest is None:
         return None
     step, m = latest
-    cells = [f"step {step}/{steps}", ProgressBar(total=steps, completed=step, width=30),
+    cells = [f"step {step}/{steps}", ProgressBar(total=steps, completed=step, width=None),
              f"loss {m.get('loss', float('nan')):.4f}", f"{m.get('tokens_per_s', 0):,.0f} tok/s"]
     if number(m.get("lr")):
         cells.append(f"lr {m['lr']:.2e}")
     if number(m.get("step_time_min")) and number(m.get("step_time_max")):
-        cells.append(f"step time {m['step_time_min']:.3g}-{m['step_time_max']:.3g} s")
+        cells.append(f"{m['step_time_min']:.3g}-{m['step_time_max']:.3g} s/step")
     grid = Table.grid(padding=(0, 1))
+    for cell in cells:  # one line on an 80-column terminal: the bar gives way (10 to 30 columns), no text wraps
+        if isinstance(cell, str):
+            grid.add_column(no_wrap=True)
+        else:
+            grid.add_column(min_width=10, max_width=30, ratio=1)
     grid.add_row(*cells)
     return grid
+
+
+PRINTED_STEPS = 20   # a run's step lines in its log, about (plus its first and last step, and each evaluation)
+
+
+def printed_step(step: int, steps: int, evaluated: bool) -> bool:
+    """Whether the rank that prints (``loop.train``) prints this step's line."""
+    return step in (1, steps) or evaluated or step % max(1, steps // PRINTED_STEPS) == 0
+
+
+def step_line(step: int, steps: int, metrics: dict[str, Any]) -> str:
+    """What a training script prints for a step, as Megatron does, for ``ctl logs`` and ``ctl up`` (short
+    enough for an 80-column terminal after ``[rank R]``):
+    ``step 10/200  loss 3.4358  lr 1.5e-04  grad 2.58  6,065 tok/s  0.169 s``."""
+    parts = [f"step {step}/{steps}"]
+    for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val loss {:.4f}"), ("lr", "lr {:.1e}"),
+                     ("grad_norm", "grad {:.3g}"), ("tokens_per_s", "{:,.0f} tok/s"), ("step_time_s", "{:.3g} s")):
+        if number(metrics.get(key)):
+            parts.append(fmt.format(metrics[key]))
+    return "  ".join(parts)
+
