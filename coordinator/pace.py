@@ -141,7 +141,7 @@ class Pace:
         if limit >= hang_timeout:
             return f"restart.hang_timeout={hang_timeout:g}"
         median, growth = statistics.median(self.intervals), self.growth()
-        trend = f", growing x{growth:.1f} a step" if growth >= 1.25 else ""
+        trend = f", growing x{growth:.1f} a step" if growth >= 1.25 and limit > PACE_FLOOR_S else ""
         return (f"ranks wait for a peer and none computes; judged after {limit:.0f} s from the job's pace: a step "
                 f"every {median:.2f} s, the longest {max(self.intervals):.2f} s{trend}; "
                 f"restart.hang_timeout={hang_timeout:g}")

@@ -329,6 +329,8 @@ def test_a_cell_is_filled_by_its_phase_and_red_only_when_its_rank_failed() -> No
     assert [fill(r) for r in recs] == ["running", "done", "waiting", "failed"]
     assert fill(RankRecord(rank=4, node="n2", phase="done", exited=True, exit_code=0)) == "done"
     assert fill(RankRecord(rank=5, node="n2", phase="failed")) == "failed"
+    stopped = RankRecord(rank=6, node="n2", phase="exited", exited=True, exit_code=-15, error="stopped: attempt 1 ended")
+    assert fill(stopped) == "stopped"                   # its daemon stopped it: no failure of its own, not red
     summary = JobSummary(phases={}, running=1, exited=2, failed=1, min_step=0, max_step=0, stragglers=[],
                          failing=[recs[3]], metrics={}, reports=4, slow=[])
     job = type("Job", (), {"nodes": ["n0", "n1"]})()
