@@ -150,3 +150,19 @@ def test_growing_steps_move_the_limit_with_their_trend_and_a_pause_is_no_step() 
     paused.step_completed(6, paused.last_step_at + 3.0)
     paused.step_completed(7, paused.last_step_at + 0.2)
     assert max(paused.intervals) < 0.3 and paused.limit(300) == PACE_FLOOR_S
+
+
+@pytest.mark.parametrize("ratio", [1.5, 2.0, 3.0])
+def test_each_next_step_of_a_growing_rank_is_within_the_limit(ratio: float) -> None:
+    """Steps growing x1.5, x2 or x3 a step from 0.1 s to past a minute, the ranks waiting for the slow one the
+    whole time: at every step the next one (ratio x the last) ends before the limit, so the job is never hung
+    on its pace while it keeps finishing steps."""
+    p, t, step_s, s = Pace(), 0.0, 0.1, 0
+    p.evidence(0, WAITING, "stack")
+    while step_s < 80.0:
+        s += 1
+        t += step_s
+        p.step_completed(s, t)
+        step_s *= ratio
+        if len(p.intervals) >= 2:
+            assert not p.hung(step_s, 300, live=1), (s, step_s, p.limit(300))
