@@ -61,6 +61,14 @@ def write_meta(path: str, labels: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def in_collective(raw: bytes | None) -> bool:
+    """The counter file's raw bytes say the rank waits in an operation now (its header's current slot)."""
+    if raw is None or len(raw) < HEADER.size:
+        return False
+    magic, version, _, current, _ = HEADER.unpack_from(raw, 0)
+    return magic == MAGIC and version == VERSION and current >= 0
+
+
 def read_counters(run_dir: str, rank: int) -> dict[str, Any] | None:
     """A rank's counters now: ``{"in": slot or -1, "wait_s", "groups": [{kind, members, size, entered,
     completed, op, since, wait_s}], "activity"?: what it is busy with (absent: nothing)}``; None when the rank has none (not started, or not a torch rank)."""

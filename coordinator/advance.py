@@ -135,15 +135,16 @@ class Advancer:
             live = job.world_size - progress.exited
             if progress.advanced_at and progress.max_step > 0 and progress.pace.hung(idle, timeout, live):
                 links: list[tuple[str, str]] = []
-                reason = self._hang_reason(job, idle, progress.pace.rule(timeout), links)
+                reason = self._hang_reason(job, idle, progress.pace.rule(timeout), links, progress.hang)
                 for a, b in links:
                     self._restarts.keep_apart(job, a, b)
                 self._restarts.fail_attempt(job, reason, step=progress.min_step)
 
-    def _hang_reason(self, job: JobRecord, idle: float, rule: str, links: list[tuple[str, str]]) -> str:
+    def _hang_reason(self, job: JobRecord, idle: float, rule: str, links: list[tuple[str, str]],
+                     named: list[int]) -> str:
         """Who the hang waits for (``coordinator.hangs``): stopped or spinning ranks, the groups waiting and
         the members that never entered their operation, from the evidence the daemons sent; else the slowest
-        ranks."""
+        ranks. The ranks it points at go on ``named`` (the dashboard outlines them)."""
         from rankctl.coordinator.hangs import hang_reason
 
-        return hang_reason(self._book.ranks(job.id), self._book.progress(job).summary(), idle, rule, links)
+        return hang_reason(self._book.ranks(job.id), self._book.progress(job).summary(), idle, rule, links, named)

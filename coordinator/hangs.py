@@ -51,6 +51,7 @@ class Evidence:
     still_s: float | None
     waits_in: dict[str, Any] | None       # the group it is blocked in
     counters: bool = True                 # False: the rank had no counter file
+    computing: bool = False               # its CPU time advanced outside any collective
     _by_key: dict[tuple, dict[str, Any]] | None = field(default=None, repr=False)
 
     def group(self, key: tuple) -> dict[str, Any] | None:
@@ -96,7 +97,8 @@ def parse(rec: RankRecord) -> Evidence | None:
     waits_in = next((g for g in groups if g.get("in")), None)
     still = doc.get("still_s")
     return Evidence(rank=rec.rank, groups=groups, still_s=float(still) if isinstance(still, (int, float)) else None,
-                    waits_in=waits_in, counters=doc.get("counters", True) is not False)
+                    waits_in=waits_in, counters=doc.get("counters", True) is not False,
+                    computing=doc.get("computing") is True)
 
 
 def primary(kind: str) -> str:
@@ -211,6 +213,8 @@ def _where(rec: RankRecord | None, ev: Evidence | None, rank: int) -> str:
         doing = f"waits in {primary(str(g.get('kind', '')))} {g.get('op', '?')} #{g.get('entered', 0)}"
     else:
         doing = "in no collective"
+    if ev is not None and ev.computing:
+        doing += ", its CPU time advancing (computing)"
     if ev is not None and ev.still_s is not None:
         doing += f", counters still for {ev.still_s:.0f} s when sent"
     return (f"rank {rank} last seen on {rec.node}: phase {rec.phase}, step {rec.step}, process {process}, "
@@ -221,22 +225,25 @@ BLOCKED_SEEN = '"in":true'   # in a rank's evidence: it waits in a group (a subs
 
 
 def hang_reason(ranks: Mapping[int, RankRecord], summary: Any, idle: float, rule: str,
-                links: list[tuple[str, str]] | None = None) -> str:
+                links: list[tuple[str, str]] | None = None, named: list[int] | None = None) -> str:
     """The failure reason of a hung attempt (see the module docstring); ``summary`` is the job's
     ``JobSummary`` (``min_step``, ``stragglers``); ``rule``: how it was judged (``Pace.rule``). The node pairs
-    whose link a group's wait points at go on ``links``."""
+    whose link a group's wait points at go on ``links``; the ranks it points at (stopped, spinning, or never
+    in the operation their peers wait in; ``SPAN_RANKS`` at most) on ``named``."""
     parts = [f"hang: no rank advanced for {idle:.0f} s ({rule})"]
     sent = [r for r in ranks.values() if r.collectives and not r.exited]   # one pass: who sent evidence
     evidence = _Evidences(ranks)
     stopped, roots, lines = _roots(ranks, sent, evidence)
     parts += lines
     waiting, head = _waiting_groups(roots, sent, evidence)
-    named: list[int] = list(roots)
+    pointed: list[int] = list(roots)
     found: list[tuple[str, str]] = []
-    shown, more = _group_lines(waiting, head, set(roots), evidence, stopped, named, ranks, found)
+    shown, more = _group_lines(waiting, head, set(roots), evidence, stopped, pointed, ranks, found)
     parts += shown
     if links is not None:
         links += found
+    if named is not None:
+        named += list(dict.fromkeys(pointed))[:SPAN_RANKS]
     if more:
         parts.append(f"{more} more group(s) waiting")
     if not waiting and not roots:
@@ -248,7 +255,7 @@ def hang_reason(ranks: Mapping[int, RankRecord], summary: Any, idle: float, rule
                      f"{' (and more)' if len(summary.stragglers) >= 16 else ''}")
     else:
         parts.append(f"every rank at step {summary.min_step}")
-    for r in list(dict.fromkeys(named))[:DETAILED]:
+    for r in list(dict.fromkeys(pointed))[:DETAILED]:
         parts.append(_where(ranks.get(r), evidence.get(r), r))
     text = "; ".join(parts)
     return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from rankctl.contract.rankstatus import STOPPED
 from rankctl.coordinator.histogram import Histogram, exponential_bounds
 from rankctl.coordinator.pace import Pace
 from rankctl.coordinator.preflight import Preflight
@@ -73,6 +74,12 @@ def is_failed(r: RankRecord) -> bool:
     return r.exited and (r.exit_code != 0 or r.phase == "failed")
 
 
+def stopped_on_request(r: RankRecord) -> bool:
+    """Its exit is its daemon's stop on the coordinator's request (an ended attempt's, a cancel's: "stopped: ..."):
+    a victim of the end, not a failure of its own."""
+    return r.exited and r.error.startswith(STOPPED)
+
+
 def _passed_running(phase: str, exited: bool) -> bool:
     return exited or PHASE_INDEX.get(phase, -1) >= RUNNING_INDEX
 
@@ -93,6 +100,7 @@ class JobSummary:
     reports: int
     slow: list["SlowRank"] = field(default_factory=list)   # stragglers by compute time, worst first
     preflight: "Preflight | None" = None                    # the attempt's pre-flight (``coordinator.preflight``)
+    hang: list[int] = field(default_factory=list)           # the ranks the attempt's hang reason points at
 
 
 @dataclass
@@ -160,6 +168,7 @@ class JobProgress:
     advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
     pace: Pace = field(default_factory=Pace)   # step intervals and hang evidence (``coordinator.pace``)
     preflight: Preflight | None = None         # rank 0's pre-flight outcome (``coordinator.preflight``)
+    hang: list[int] = field(default_factory=list)   # the ranks the attempt's hang pointed at (``coordinator.hangs``)
     skew: ComputeSkew | None = None   # stragglers by compute time; made at the first compute_s reported
     peers: tuple[int, int, Callable[[int], str]] | None = None  # (stride, pp, node_of): see ``bind``
     _shown: tuple | None = None   # (key, when, stragglers, failing) of the last summary (``_shown_ranks``)
@@ -323,7 +332,7 @@ class JobProgress:
             phases=dict(self.phases), running=self.running, exited=self.exited, failed=len(self.failed),
             min_step=self.min_step, max_step=self.max_step, stragglers=stragglers, failing=failing,
             metrics=dict(self.metrics), reports=self.reports,
-            slow=self.skew.worst() if self.skew is not None else [], preflight=self.preflight,
+            slow=self.skew.worst() if self.skew is not None else [], preflight=self.preflight, hang=list(self.hang),
         )
 
     def _shown_ranks(self) -> tuple[list[int], list[RankRecord]]:

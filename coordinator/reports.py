@@ -18,13 +18,13 @@ from typing import Callable, ContextManager, Sequence
 import structlog
 
 from rankctl.contract.preflight import line as preflight_line
-from rankctl.contract.rankstatus import NOTICE_CHARS, STOPPED
+from rankctl.contract.rankstatus import NOTICE_CHARS
 from rankctl.coordinator import rankbounds as bounds
 from rankctl.coordinator.convert import update_seconds
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession
 from rankctl.coordinator.preflight import parse as parse_preflight
-from rankctl.coordinator.progress import JobProgress, rank_span
+from rankctl.coordinator.progress import JobProgress, rank_span, stopped_on_request
 from rankctl.coordinator.records import JobRecord, RankRecord, RankUpdate
 from rankctl.coordinator.skew import SLOW_EVENTS, SlowRank
 from rankctl.coordinator.states import LIVE
@@ -184,7 +184,7 @@ class ReportApplier:
             progress.pace.process(new.rank, new.process)
         if step != (old.step if old else 0):
             progress.step_figures(step, st, rank)
-        stopped = new.exited and job.state not in LIVE and new.error.startswith(STOPPED)   # a cancel's, not a failure
+        stopped = job.state not in LIVE and stopped_on_request(new)   # a cancel's, not a failure
         self._stepped(job, progress, progress.moved(old, new, stopped))
         if new.exited:
             self._book.put_exit(job, new)

@@ -265,6 +265,39 @@ def rank_pid(job: str, rank: int) -> int:
     raise AssertionError(f"no process of rank {rank} of job {job}")
 
 
+class Throttle:
+    """SIGSTOP / SIGCONT one process in turn (a thread): stopped ``stop_s``, then running ``run_s``, over and over,
+    until ``stop``, which always leaves it running (a CPU throttled to ``run_s / (stop_s + run_s)``)."""
+
+    def __init__(self, pid: int, stop_s: float, run_s: float) -> None:
+        self.pid, self.stop_s, self.run_s, self._done = pid, stop_s, run_s, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(self.stop_s)
+                os.kill(self.pid, signal.SIGCONT)
+                self._done.wait(self.run_s)
+        except ProcessLookupError:
+            pass
+        finally:
+            self._cont()
+
+    def _cont(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+        self._cont()
+
+
 def rank_steps(root: Path, job_id: str, attempt: int) -> dict[int, tuple[str, int]]:
     """rank -> (its node, the highest step it wrote) for every rank of ``attempt`` with a status file under
     ``root`` (each node's state dir): what the ranks did, read at once, without asking the coordinator (a

@@ -329,6 +329,8 @@ def test_a_cell_is_filled_by_its_phase_and_red_only_when_its_rank_failed() -> No
     assert [fill(r) for r in recs] == ["running", "done", "waiting", "failed"]
     assert fill(RankRecord(rank=4, node="n2", phase="done", exited=True, exit_code=0)) == "done"
     assert fill(RankRecord(rank=5, node="n2", phase="failed")) == "failed"
+    stopped = RankRecord(rank=6, node="n2", phase="exited", exited=True, exit_code=-15, error="stopped: attempt 1 ended")
+    assert fill(stopped) == "stopped"                   # its daemon stopped it: no failure of its own, not red
     summary = JobSummary(phases={}, running=1, exited=2, failed=1, min_step=0, max_step=0, stragglers=[],
                          failing=[recs[3]], metrics={}, reports=4, slow=[])
     job = type("Job", (), {"nodes": ["n0", "n1"]})()
@@ -388,3 +390,44 @@ def test_every_axis_gets_between_three_and_a_dozen_round_ticks() -> None:
             ticks = tick_values(a, b, step)
             assert MIN_TICKS <= len(ticks) <= 12, (a, b, step, ticks)
             assert f"{step:.1e}"[0] in "125", step
+
+
+def test_after_a_hang_its_victims_are_not_red_and_the_rank_it_waited_for_is_outlined(tmp_path: Path) -> None:
+    """Issue 43: after a hang every rank was painted red (the daemons stopped them, exit -15) while the figures
+    counted 0 failed, and the hung rank lost its outline once it exited. Through the core: a comm-check job
+    whose rank 2 is stopped is judged hung and fails; its ranks' stop exits fill ``stopped`` (no cell red,
+    as no rank counts failed) and rank 2, named by the reason, keeps the hang outline."""
+    from test_core import make_world
+
+    from rankctl.contract.rankstatus import STOPPED
+    from rankctl.coordinator.records import RankRecord, RankUpdate
+    from rankctl.coordinator.web.grid import rank_grid, window
+
+    world = make_world(tmp_path)
+    try:
+        for n in ("n0", "n1"):
+            world.connect(n)
+        job = world.core.submit("name: hung\nkind: comm-check\nresources: {nodes: 2, slots_per_node: 2}\n"
+                                "parallel: {tp: 2}\nrestart: {max_restarts: 0, hang_timeout: 20}\n")
+        for r in range(4):
+            world.deliver(world.nodes[job.nodes[r // 2]].session, RankUpdate(
+                job.id, 1, RankRecord(r, job.nodes[r // 2], "running", 1 if r != 2 else 0), "", 100 + r))
+        world.deliver(world.nodes[job.nodes[1]].session,
+                      RankUpdate(job.id, 1, RankRecord(2, job.nodes[1], "", 0, process="stopped"), "", 200))
+        world.clock.t += 21
+        for n in ("n0", "n1"):
+            world.core.heartbeat(world.nodes[n].session)
+        world.core.tick()
+        assert job.state.value == "FAILED" and "rank 2 stopped" in job.reason, job.reason
+        for r in range(4):
+            world.report(job.id, r, "exited", code=-15, error=f"{STOPPED}attempt 1 ended", seq=300 + r)
+        summary = world.core.summary(job.id)
+        assert summary.exited == 4 and summary.failed == 0 and summary.hang == [2]
+        html = rank_grid(job, None, world.core.rank_page(job.id, 0, 4), summary, window(4, 2, 0))
+    finally:
+        world.store.close()
+    cells = dict((int(r), (fill, flags.split())) for fill, flags, r in
+                 re.findall(r'class="rank-cell fill-(\w+) ph-\w+ ?([^"]*)" data-rank="(\d+)"', html))
+    assert {r: fill for r, (fill, _) in cells.items()} == {0: "stopped", 1: "stopped", 2: "stopped", 3: "stopped"}
+    assert [r for r, (_, flags) in cells.items() if "hang" in flags] == [2], cells
+    assert not any("failed" in flags for _, flags in cells.values()), cells

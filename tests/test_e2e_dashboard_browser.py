@@ -53,6 +53,24 @@ if os.environ["RANK"] == "2":
     time.sleep(3)
     raise ValueError("boom from rank 2")
 """
+HUNG = """
+name: web-hung
+kind: python
+resources: {{nodes: 2, slots_per_node: 2}}
+backend: gloo
+python: {{entrypoint: hung.py, workdir: {workdir}}}
+"""
+# rank 1 sleeps inside step 5 while the others wait in its all-reduce: a hang, judged on the job's pace
+HUNG_PY = """import time, torch, torch.distributed as dist, rankctl
+ctx = rankctl.context()
+for step in range(1, 100):
+    if ctx.rank == 1 and step == 5:
+        time.sleep(120)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=ctx.group("world"))
+    time.sleep(0.05)
+    ctx.report(step, loss=1.0)
+"""
 # counts the job's step events that carry a loss, from WatchJob (a subprocess: no gRPC in the test process)
 COUNT_STEPS = """
 import sys
@@ -90,7 +108,8 @@ return body && svg ? {terminal: body.dataset.terminal, points: Number(svg.datase
   ranks: Array.from(body.querySelectorAll("#rank-grid .rank-cell"), c => Number(c.dataset.rank)),
   groups: body.querySelectorAll("#rank-grid .tp-group").length,
   cells: Array.from(body.querySelectorAll("#rank-grid .rank-cell"), c => ({rank: Number(c.dataset.rank),
-    phase: c.dataset.phase, red: getComputedStyle(c).backgroundColor === red}))} : null;
+    phase: c.dataset.phase, fill: c.dataset.fill, hang: c.classList.contains("hang"),
+    red: getComputedStyle(c).backgroundColor === red}))} : null;
 """
 # every chart's text as the browser lays it out: what falls outside the SVG's viewBox, the tick labels, the
 # hover titles of the points
@@ -249,6 +268,24 @@ def test_a_failed_rank_is_the_only_red_cell(driver, cluster: ProcCluster, tmp_pa
     cells = wait_for(lambda: (v := view(driver))["terminal"] == "1" and len(v["cells"]) == 4 and v["cells"], 30,
                      "the failed job's grid")
     assert [c["rank"] for c in cells if c["red"]] == [2], cells
+
+
+def test_after_a_hang_no_cell_is_red_and_the_rank_waited_for_is_outlined(driver, cluster: ProcCluster,  # noqa: ANN001
+                                                                        tmp_path: Path) -> None:
+    """Issue 43: once a hang failed the job, its daemons stop every rank (exit -15): the grid painted them all
+    red while its figures counted 0 failed, and the hung rank lost its outline. They fill ``stopped`` now, no
+    cell is red, and rank 1, which the others waited for, keeps the hang outline."""
+    (tmp_path / "hung.py").write_text(HUNG_PY)
+    (tmp_path / "web-hung.yaml").write_text(HUNG.format(workdir=tmp_path))
+    job = cluster.submit(str(tmp_path / "web-hung.yaml"))
+    final = cluster.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 180)
+    assert final["state"] == "FAILED" and final["reason"].startswith("hang:"), final["reason"]
+    driver.get(f"{cluster.http_url}/jobs/{job}")
+    cells = wait_for(lambda: (v := view(driver))["terminal"] == "1" and len(v["cells"]) == 4
+                     and all(c["phase"] == "exited" for c in v["cells"]) and v["cells"], 60, "every rank stopped")
+    assert not any(c["red"] for c in cells) and {c["fill"] for c in cells} == {"stopped"}, cells
+    assert [c["rank"] for c in cells if c["hang"]] == [1], cells
+    assert data(cluster.http_url, job)["failing"] == [], "no rank counts as failed"
 
 
 def test_the_plan_page_keeps_the_typed_job_file_and_overrides_after_an_error(driver,  # noqa: ANN001

@@ -9,15 +9,12 @@ compared."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
-import threading
 
 import pytest
 
-from cluster import CTL, ProcCluster, ctl, rank_pid, status, wait_for
+from cluster import CTL, ProcCluster, Throttle, ctl, rank_pid, status, wait_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]   # compares ranks' step times
 VICTIM = 3
@@ -30,38 +27,6 @@ model: {layers: 2, hidden: 256, heads: 4, seq_len: 64, vocab: 256}
 train: {steps: 100000, global_batch: 32, micro_batch: 8, lr: 1.0e-3, warmup: 2, seed: 3, checkpoint_every: 100000,
         data: builtin:pydoc}
 """
-
-
-class Slowdown:
-    """SIGSTOP / SIGCONT one process in turn (a thread), until ``stop``, which always leaves it running."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid, self._done = pid, threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._done.is_set():
-                os.kill(self.pid, signal.SIGSTOP)
-                self._done.wait(DUTY_S)
-                os.kill(self.pid, signal.SIGCONT)
-                self._done.wait(DUTY_S)
-        except ProcessLookupError:
-            pass
-        finally:
-            self._cont()
-
-    def _cont(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=10)
-        self._cont()
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +66,7 @@ def test_a_rank_slowed_to_half_speed_is_the_only_straggler_named_with_its_node(c
         seen.after(8)
         assert seen.ever == set(), "a rank was flagged while all ran freely"
         slowed_at = seen.last["summary"]["min_step"]
-        slowdown = Slowdown(rank_pid(job, VICTIM))
+        slowdown = Throttle(rank_pid(job, VICTIM), DUTY_S, DUTY_S)
         flagged = wait_for(lambda: seen.read()["summary"]["slow"], 90, f"rank {VICTIM} flagged")
         assert [(s["rank"], s["node"]) for s in flagged] == [(VICTIM, node)], flagged
         slow = flagged[0]

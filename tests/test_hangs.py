@@ -278,6 +278,81 @@ def test_hang_watch_adapts_its_stall_time_to_the_rank_once_it_stepped() -> None:
     assert w2.observe(1, b"a") == STALLED
 
 
+def test_cpu_time_outside_collectives_is_computing_and_a_throttled_rank_is_not_stopped() -> None:
+    """The daemon's CPU evidence (``HangWatch.sample``): CPU time that advanced within COMPUTE_S while the rank
+    was in no collective is computing (said in its stall's evidence, re-sent as CHANGED when that changes); CPU
+    time inside a collective is not (NCCL spins while it waits); a process seen stopped is reported stopped only
+    once its CPU time has been still for CPU_STILL_S (a rank SIGSTOPped and SIGCONTed in turn runs, slowly), and
+    is stalled at once."""
+    now = [0.0]
+    w = HangWatch(10.0, clock=lambda: now[0])
+    assert w.observe(1, b"a") == ""
+    w.touch(1, stepped=True)
+    ticks = 100
+    for _ in range(6):                                    # 3 s of compute, counters still
+        now[0] += 0.5
+        ticks += 1                                        # a few percent of a core
+        w.sample(1, ticks, in_collective=False)
+        assert w.process(1, "stopped") == ""              # stopped at this look, but it ran within CPU_STILL_S
+    assert w.computing(1) and w.observe(1, b"a") == STALLED
+    assert '"computing":true' in evidence_json(None, 2.0, computing=w.computing(1))
+    now[0] += 0.5
+    w.sample(1, ticks + 1, in_collective=False)
+    assert w.observe(1, b"a") == ""                       # still computing: nothing new to say
+    now[0] += hangwatch.CPU_STILL_S
+    w.sample(1, ticks + 1, in_collective=False)           # no CPU time for CPU_STILL_S: stopped for good, but
+    assert w.process(1, "stopped") == "stopped" and w.computing(1) and w.observe(1, b"a") == ""  # computing still
+    now[0] += hangwatch.COMPUTE_S - hangwatch.CPU_STILL_S
+    w.sample(1, ticks + 1, in_collective=False)           # its CPU time still for COMPUTE_S: hung or asleep
+    assert not w.computing(1) and w.observe(1, b"a") == hangwatch.CHANGED
+    assert w.observe(1, b"a") == ""
+    w.sample(1, ticks + 50, in_collective=True)           # CPU inside a collective: waiting, not computing
+    assert not w.computing(1) and w.process(1, "stopped") == "" and w.observe(1, b"a") == ""
+    assert w.keep(1, '{"x":1}') == ('{"x":1}', "") and w.keep(1, stack="s") == ('{"x":1}', "s")
+    assert w.observe(1, b"b") == MOVED and w.keep(1) == ("", "")
+    assert '"computing"' not in evidence_json(None, 2.0)
+    assert w.observe(2, b"x") == "" and w.observe(2, b"x", stopped=True) == STALLED   # stopped: stalled at once
+
+
+def test_the_counter_file_says_whether_the_rank_waits_in_an_operation(tmp_path) -> None:
+    from rankctl.contract import collfiles
+    from rankctl.runtime.collectives import CollectiveCounters
+
+    c = CollectiveCounters(str(tmp_path), 0, 2, {"tp": [0, 1]})
+    slot = c.slot(None)
+    assert not collfiles.in_collective(hangwatch.signature(str(tmp_path), 0))
+    since = c.enter(slot, "all_reduce", blocking=True)
+    assert collfiles.in_collective(hangwatch.signature(str(tmp_path), 0))
+    c.leave(slot, since)
+    assert not collfiles.in_collective(hangwatch.signature(str(tmp_path), 0))
+    assert not collfiles.in_collective(None) and not collfiles.in_collective(b"RKCL")
+    c.close()
+
+
+def test_a_process_sample_reads_the_main_threads_cpu_time_and_a_stop(spinner) -> None:
+    from rankctl.worker.reporting import process_sample
+
+    p, _ = spinner
+    state, ticks = process_sample(p.pid)
+    assert state == "" and isinstance(ticks, int)
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        assert wait_state(p.pid, "stopped") and process_sample(p.pid)[1] >= ticks
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    assert process_sample(2 ** 22 + 12345) == ("", None)
+
+
+def wait_state(pid: int, want: str) -> bool:
+    from rankctl.worker.reporting import process_sample
+
+    for _ in range(200):
+        if process_sample(pid)[0] == want:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def test_evidence_is_bounded_and_puts_the_waited_group_first() -> None:
     c = counters(1, tp_n=(20, 20), pp_n=(11, 10), blocked="pp")
     c["groups"] += [{"kind": f"k{i}", "members": list(range(1000)), "size": 1000, "entered": 1, "completed": 1,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rankctl.coordinator.pace import PACE_FLOOR_S, Pace
 
 WAITING = '{"still_s":2.1,"groups":[{"kind":"tp","members":[0,1],"size":2,"entered":9,"in":true}]}'
@@ -67,25 +69,100 @@ def test_slow_steps_are_judged_on_their_own_scale() -> None:
 def test_the_rule_says_how_the_job_was_judged() -> None:
     assert Pace().rule(300) == "restart.hang_timeout=300"
     text = paced(0.25).rule(300)
-    assert "judged after 6 s" in text and "a step every 0.25 s" in text and "restart.hang_timeout=300" in text
+    assert "judged after 6 s from the job's pace: a step every 0.25 s, the longest 0.25 s;" in text, text
+    assert "restart.hang_timeout=300" in text and "growing" not in text, text
 
 
-def test_a_judgement_waits_a_little_for_ranks_that_sent_no_evidence_or_no_stack_yet() -> None:
-    """Past the limit with ranks waiting, but the rank they wait for has sent nothing (a loaded node's daemon), or
-    only its counters (its stack comes in a second report): up to EVIDENCE_GRACE_S more, so that the reason can
-    name it and show its stack; then judged without them."""
+def test_a_judgement_waits_for_every_live_ranks_evidence_and_a_little_for_stacks() -> None:
+    """Past the limit with ranks waiting, but the rank they wait for has sent nothing: it moved within its own
+    stall time and may be computing, so no judgement on the pace (only restart.hang_timeout); once every live
+    rank's counters are in, up to EVIDENCE_GRACE_S more for their stacks (a second report), so that the reason
+    can show them; then judged without them."""
     from rankctl.coordinator.pace import EVIDENCE_GRACE_S
 
     p = paced(0.2)
     for r in (2, 3):
         p.evidence(r, WAITING, "stack")
-    assert not p.hung(PACE_FLOOR_S + 1, 300, live=4)                      # ranks 0, 1 not heard yet
-    assert p.hung(PACE_FLOOR_S + EVIDENCE_GRACE_S + 0.1, 300, live=4)    # judged without them
+    assert not p.hung(PACE_FLOOR_S + EVIDENCE_GRACE_S + 60, 300, live=4)   # ranks 0, 1 not heard: never on pace
+    assert p.hung(301, 300, live=4)                                       # the timeout still rules
     p.evidence(0, WAITING)
     p.evidence(1, SPINNING)
     assert p.waits() and not p.hung(PACE_FLOOR_S + 1, 300, live=4)       # counters in, their stacks not yet
+    assert p.hung(PACE_FLOOR_S + EVIDENCE_GRACE_S + 0.1, 300, live=4)    # judged without the stacks
     p.evidence(0, WAITING, "stack")
     p.evidence(1, SPINNING, "stack")
     assert p.hung(PACE_FLOOR_S + 0.1, 300, live=4)                        # every live rank heard: at once
     p.evidence(1, '{"moved":true}')
-    assert not p.hung(PACE_FLOOR_S + 1, 300, live=4)
+    assert not p.hung(PACE_FLOOR_S + 60, 300, live=4)
+    p.process(1, "stopped")                                               # a stopped rank counts as heard
+    assert p.hung(PACE_FLOOR_S + 0.1, 300, live=4)
+
+
+COMPUTING = '{"still_s":2.1,"computing":true,"groups":[{"kind":"tp","members":[0,1],"size":2,"entered":8,"in":false}]}'
+
+
+def test_a_rank_whose_cpu_time_advances_outside_collectives_is_never_hung_on_the_pace() -> None:
+    """Its peers wait for it in a collective, but its daemon says its CPU time advances (a slow or throttled
+    rank computing): no hang until restart.hang_timeout, even with another rank stopped; once its evidence says
+    it stopped computing, the pace judges again."""
+    p = paced(0.2)
+    p.evidence(0, WAITING, "stack")
+    p.evidence(1, COMPUTING, "stack")
+    assert not p.waits() and not p.hung(250.0, 300, live=2) and p.hung(301, 300, live=2)
+    p.process(2, "stopped")
+    assert not p.hung(250.0, 300, live=3)
+    p.evidence(1, SPINNING, "stack")                                      # its CPU time went still
+    assert p.hung(PACE_FLOOR_S + 0.1, 300, live=3)
+    p.gone(2)
+    p.evidence(1, COMPUTING, "stack")
+    p.gone(1)                                                             # an exited rank computes no more
+    assert p.hung(PACE_FLOOR_S + 0.1, 300, live=1)
+
+
+def test_growing_steps_move_the_limit_with_their_trend_and_a_pause_is_no_step() -> None:
+    """Step times doubling each step (0.1 s ... 3.2 s): the next one, 6.4 s, is expected, and the limit is 4 x
+    that, not 4 x the median (issue 43 saw "judged after 6 s ...: a step every 0.16 s" right after a 3.2 s
+    step). The longest recent step counts while it is in the window; a step in which a rank was stopped is a
+    pause and counts not at all."""
+    from rankctl.coordinator.pace import GROWTH_MAX, PACE_FACTOR
+
+    p = Pace()
+    t = 0.0
+    for s in range(1, 7):
+        t += 0.1 * 2 ** (s - 1)
+        p.step_completed(s, t)
+    assert p.growth() == pytest.approx(2.0) and p.expected() == pytest.approx(6.4)
+    assert p.limit(300) == pytest.approx(PACE_FACTOR * 6.4)
+    p.evidence(0, WAITING, "stack")
+    assert not p.hung(12.0, 300, live=1) and p.hung(PACE_FACTOR * 6.4 + 0.1, 300, live=1)
+    assert "growing x2.0 a step" in p.rule(300) and "the longest 3.20 s" in p.rule(300)
+    jump = paced(0.2)
+    jump.step_completed(6, jump.last_step_at + 20.0)                     # one step 100 x its predecessors
+    assert jump.growth() == GROWTH_MAX and jump.limit(300) == 300        # 4 x 4 x 20 s: the timeout rules
+    steady = paced(0.2, steps=16)
+    steady.step_completed(17, steady.last_step_at + 5.0)                 # one slow step in a steady run ...
+    for s in range(18, 22):
+        steady.step_completed(s, steady.last_step_at + 0.2)
+    assert steady.growth() == pytest.approx(1.0) and steady.limit(300) == pytest.approx(PACE_FACTOR * 5.0)   # ... is remembered
+    paused = paced(0.2)
+    paused.process(3, "stopped")                                          # SIGSTOPped for 3 s, then continued
+    paused.process(3, "")
+    paused.step_completed(6, paused.last_step_at + 3.0)
+    paused.step_completed(7, paused.last_step_at + 0.2)
+    assert max(paused.intervals) < 0.3 and paused.limit(300) == PACE_FLOOR_S
+
+
+@pytest.mark.parametrize("ratio", [1.5, 2.0, 3.0])
+def test_each_next_step_of_a_growing_rank_is_within_the_limit(ratio: float) -> None:
+    """Steps growing x1.5, x2 or x3 a step from 0.1 s to past a minute, the ranks waiting for the slow one the
+    whole time: at every step the next one (ratio x the last) ends before the limit, so the job is never hung
+    on its pace while it keeps finishing steps."""
+    p, t, step_s, s = Pace(), 0.0, 0.1, 0
+    p.evidence(0, WAITING, "stack")
+    while step_s < 80.0:
+        s += 1
+        t += step_s
+        p.step_completed(s, t)
+        step_s *= ratio
+        if len(p.intervals) >= 2:
+            assert not p.hung(step_s, 300, live=1), (s, step_s, p.limit(300))

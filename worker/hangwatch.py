@@ -14,6 +14,13 @@ recent still stretches that ended (between two movements, once it reported a ste
 ``STALL_FLOOR_S``; at most, and before its first step, ``stall_cap(restart.hang_timeout)``
 (``min(hang_timeout / 2, 30 s)``). A rank whose collectives come every few milliseconds sends its
 evidence after ~2 s; one whose steps are minutes of computation between collectives, on that scale.
+
+CPU time is evidence too (``sample``: the main thread's, read with its process state): a rank whose CPU time
+advanced within ``COMPUTE_S`` while it was in no collective *computes* (``"computing":true`` in its
+evidence, re-sent when that changes during a stall: ``CHANGED``): a slow or throttled rank, not a hung one.
+Its process is reported stopped only once it is stopped and its CPU time has been still for ``CPU_STILL_S``
+(a rank SIGSTOPped and SIGCONTed in turn, throttled, keeps running), and a stopped rank is stalled at once:
+its evidence (whether it computes) goes out with its stop.
 """
 
 from __future__ import annotations
@@ -45,8 +52,11 @@ MEMBERS_SHOWN = 64          # members of the group a rank waits in (its other gr
 MEMBERS_OTHER = 8
 KIND_CHARS = 64
 STACK_TIMEOUT_S = 5.0       # py-spy, or the faulthandler answer, within this
+CPU_STILL_S = 1.5           # a stopped process whose CPU time was still for this long is stopped for good
+COMPUTE_S = 5.0             # CPU time advanced outside collectives within this: computing (rides out a starved
+                            # throttled rank's gaps)
 MOVED_JSON = '{"moved":true}'  # the rank moved again: the evidence sent for its stall no longer holds
-STALLED, MOVED = "stalled", "moved"
+STALLED, MOVED, CHANGED = "stalled", "moved", "changed"
 
 
 def stall_cap(hang_timeout: float | None) -> float:
@@ -72,6 +82,12 @@ class _Rank:
     reported_at: float | None = None  # when its stall was reported (None: not stalled, or moved since)
     stepped: bool = False             # it reported a step: its still stretches count from then
     stills: deque = field(default_factory=lambda: deque(maxlen=STILL_WINDOW))
+    ticks: int | None = None          # its main thread's CPU time at the last look
+    ran_at: float = float("-inf")     # when that last advanced
+    computed_at: float = float("-inf")  # ... while it was in no collective
+    computing: bool = False           # what the evidence of its current stall says
+    evidence: str = ""                # the evidence of its current stall, and its stack (re-sent with a CHANGED)
+    stack: str = ""
 
 
 class HangWatch:
@@ -108,8 +124,10 @@ class HangWatch:
         self._moved(r, self._clock())
         r.stepped = r.stepped or stepped
 
-    def observe(self, rank: int, sig: bytes | None) -> str:
-        """One look at ``rank``'s counters: STALLED once per stall, MOVED once after a reported stall, else ""."""
+    def observe(self, rank: int, sig: bytes | None, stopped: bool = False) -> str:
+        """One look at ``rank``'s counters: STALLED once per stall (at once when its process is ``stopped``),
+        MOVED once after a reported stall, CHANGED when whether it computes changed during a reported stall,
+        else ""."""
         now = self._clock()
         r = self._ranks.get(rank)
         if r is None:
@@ -120,13 +138,51 @@ class HangWatch:
             self._moved(r, now)
         if r.reported_at is not None:
             if r.moved_at > r.reported_at:
-                r.reported_at = None
+                r.reported_at, r.evidence, r.stack = None, "", ""
                 return MOVED
+            if self.computing(rank) != r.computing:
+                r.computing = not r.computing
+                return CHANGED
             return ""
-        if now - r.moved_at >= self.stall_after(rank):
-            r.reported_at = now
+        if stopped or now - r.moved_at >= self.stall_after(rank):
+            r.reported_at, r.computing = now, self.computing(rank)
             return STALLED
         return ""
+
+    # -- CPU time ---------------------------------------------------------------------------
+    def sample(self, rank: int, ticks: int | None, in_collective: bool) -> None:
+        """One look at the rank's main thread's CPU time (``ticks``; None: unknown), ``in_collective`` now."""
+        now = self._clock()
+        r = self._ranks.get(rank)
+        if r is None:
+            r = self._ranks[rank] = _Rank(None, now)
+        if ticks is not None and r.ticks is None:
+            r.ran_at = now   # the first look: stopped for good only after CPU_STILL_S more
+        elif ticks is not None and ticks > r.ticks:
+            r.ran_at = now
+            if not in_collective:
+                r.computed_at = now
+        r.ticks = ticks if ticks is not None else r.ticks
+
+    def computing(self, rank: int) -> bool:
+        """Its CPU time advanced within ``COMPUTE_S`` while it was in no collective."""
+        r = self._ranks.get(rank)
+        return r is not None and self._clock() - r.computed_at < COMPUTE_S
+
+    def process(self, rank: int, state: str) -> str:
+        """The process state to report: "stopped" once stopped with its CPU time still for ``CPU_STILL_S``."""
+        r = self._ranks.get(rank)
+        still = r is None or self._clock() - r.ran_at >= CPU_STILL_S
+        return state if state != "stopped" or still else ""
+
+    def keep(self, rank: int, evidence: str | None = None, stack: str | None = None) -> tuple[str, str]:
+        """Keep (and answer) the evidence and stack sent for the rank's current stall."""
+        r = self._ranks.get(rank)
+        if r is None:
+            return evidence or "", stack or ""
+        r.evidence = r.evidence if evidence is None else evidence
+        r.stack = r.stack if stack is None else stack
+        return r.evidence, r.stack
 
     def still_for(self, rank: int) -> float:
         r = self._ranks.get(rank)
@@ -142,10 +198,12 @@ class HangWatch:
 
 
 # -- the evidence ----------------------------------------------------------------------------
-def evidence_json(counters: dict[str, Any] | None, still_s: float, limit: int = EVIDENCE_CHARS) -> str:
-    """A rank's counters as compact JSON, at most ``limit`` characters: ``{"still_s", "wait_s", "activity"?,
-    "groups": [{kind, members, size, entered, completed, op, since, in}]}``; the group it waits in comes first."""
-    doc: dict[str, Any] = {"still_s": round(still_s, 1), "groups": []}
+def evidence_json(counters: dict[str, Any] | None, still_s: float, limit: int = EVIDENCE_CHARS,
+                  computing: bool = False) -> str:
+    """A rank's counters as compact JSON, at most ``limit`` characters: ``{"still_s", "computing"?, "wait_s",
+    "activity"?, "groups": [{kind, members, size, entered, completed, op, since, in}]}``; the group it waits in
+    comes first. ``computing``: its CPU time advances outside any collective (``HangWatch.computing``)."""
+    doc: dict[str, Any] = {"still_s": round(still_s, 1), **({"computing": True} if computing else {}), "groups": []}
     if counters is None:
         doc["counters"] = False  # no counter file: not a torch rank, or not yet started
         return json.dumps(doc, separators=(",", ":"))

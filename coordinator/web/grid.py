@@ -1,9 +1,10 @@
 """The rank grid of a job: nodes x slots, one cell per rank, a page of nodes at a time.
 
-A cell's fill is its rank's phase (``fill``: waiting, running, done; red only for a failed rank), a stripe
-on top its pipeline stage; it sits in a box with the other members of its tp group on that node.
-Stragglers (behind on steps or slow to compute), failed ranks and ranks a hang points at (stopped, or
-holding collective-wait evidence) are marked. At most ``MAX_CELLS`` cells per page, so the HTML of a poll is bounded whatever the job's size.
+A cell's fill is its rank's phase (``fill``: waiting, running, done; stopped for a rank its daemon stopped
+when the attempt ended; red only for a failed rank, as the figures count them), a stripe on top its pipeline
+stage; it sits in a box with the other members of its tp group on that node. Stragglers (behind on steps
+or slow to compute), failed ranks and the ranks a hang points at (while it lasts: stopped, or holding
+collective-wait evidence; once judged: the ranks its reason names) are marked. At most ``MAX_CELLS`` cells per page, so the HTML of a poll is bounded whatever the job's size.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rankctl.coordinator.progress import is_failed
+from rankctl.coordinator.progress import is_failed, stopped_on_request
 from rankctl.coordinator.web.html import e
 from rankctl.parallel.layout import ParallelConfig
 from rankctl.parallel.placement import ranks_of_node
@@ -68,14 +69,26 @@ def marks(summary: Any, records: list[Any]) -> dict[int, str]:
         out.setdefault(s.rank, set()).add("straggler")
     for r in summary.failing:
         out.setdefault(r.rank, set()).add("failed")
+    pointed = set(summary.hang)
     for rec in records:
-        if not rec.exited and (rec.process == "stopped" or WAITING in rec.collectives):
+        if _hang_points_at(rec, pointed):
             out.setdefault(rec.rank, set()).add("hang")
     return {r: " ".join(sorted(c)) for r, c in out.items()}
 
 
+def _hang_points_at(rec: Any, pointed: set[int]) -> bool:
+    """Once a hang was judged, the ranks its reason names (``pointed``: the one the others waited for, though
+    every rank has exited since); before, a live rank that is stopped or says it waits in a collective."""
+    if pointed:
+        return rec.rank in pointed
+    return not rec.exited and (rec.process == "stopped" or WAITING in rec.collectives)
+
+
 def fill(rec: Any) -> str:
-    """The cell's fill: ``failed`` (``progress.is_failed``, or the failed phase), else by phase."""
+    """The cell's fill: ``stopped`` (its daemon stopped it when the attempt ended: ``progress.stopped_on_request``),
+    ``failed`` (``progress.is_failed``, or the failed phase), else by phase."""
+    if stopped_on_request(rec):
+        return "stopped"
     return "failed" if is_failed(rec) or rec.phase == "failed" else FILLS.get(rec.phase, "waiting")
 
 
@@ -124,7 +137,8 @@ def rank_grid(job: Any, cfg: ParallelConfig | None, records: list[Any], summary:
         pager = (f'<nav class="pager">nodes {win.first}–{win.first + win.count - 1} of {win.total}: '
                  f'{" ".join(links)}</nav>')
     stages = f"{cfg.pp} pipeline stage(s), tp groups of {cfg.tp}" if cfg else "layout unknown"
-    key = " ".join(f'<span class="key fill-{f}">{f}</span>' for f in ("waiting", "running", "done", "failed"))
+    key = " ".join(f'<span class="key fill-{f}">{f}</span>' for f in ("waiting", "running", "done", "stopped",
+                                                                        "failed"))
     return (f'<section id="rank-grid" data-cells="{len(records)}" data-page="{win.page}">'
             f'<p class="legend">{stages} (the top stripe); fill: {key}; outline: straggler · failed · hang</p>'
             f'{pager}{"".join(rows)}</section>')
