@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
+from rankctl.contract.diskspace import DISK_FULL
 from rankctl.coordinator.records import RankRecord
 
 
@@ -95,7 +96,7 @@ def last_error_line(error: str) -> str:
 # what a rank prints when a peer's failure broke its collective (gloo, NCCL, torch.distributed): a consequence
 _PEER_FAILURE = re.compile(r"closed by peer|reset by peer|broken pipe|remote process exited|communicator was aborted|"
                            r"ncclRemoteError|DistNetworkError|DistBackendError|timed out", re.IGNORECASE)
-_DISK_FULL = re.compile(r"\[Errno (28|122)\]|No space left on device|Disk quota exceeded")
+_DISK_FULL = re.compile(rf"\[Errno ({'|'.join(map(str, DISK_FULL))})\]|No space left on device|Disk quota exceeded")
 
 
 def rank_fault(r: RankRecord) -> Fault:

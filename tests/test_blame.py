@@ -177,3 +177,26 @@ def test_exclusions_yield_rather_than_leave_a_job_waiting_for_ever(world: World)
     assert plain.state is S.PENDING and "not placed: g1 excluded for this job" in plain.reason, plain.reason
     later(world, world.core.head_wait)
     assert plain.state is S.STARTING and plain.attempt == 2 and plain.nodes == ["g1", "g2"], plain.reason
+
+
+def test_a_full_disk_error_names_its_path_and_file_system(tmp_path: Path) -> None:
+    """torch.save turns ENOSPC into "unexpected pos"; the rank's last line names the file and its file system."""
+    import errno
+
+    from rankctl.contract.diskspace import disk_full_line, file_system_of
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\ntmpfs {tmp_path} tmpfs rw 0 0\n")
+    assert file_system_of(str(tmp_path / "ckpt" / "x"), str(mounts)) == ("tmpfs", str(tmp_path))
+    assert file_system_of("/elsewhere", str(mounts)) == ("ext4", "/")
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "rank-0.pt.tmp-1"))
+        except OSError as full:
+            raise RuntimeError("unexpected pos") from full
+    except RuntimeError as exc:
+        line = disk_full_line(exc)
+    assert line is not None and line.startswith(f"OSError: [Errno 28] No space left on device: "
+                                                f"'{tmp_path}/rank-0.pt.tmp-1' (file system "), line
+    assert " free)" in line and rank_fault(failed(0, "n1", line)).cause is Cause.DISK_FULL
+    assert disk_full_line(ValueError("x")) is None
