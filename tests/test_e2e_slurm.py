@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster import CTL, Proc, _written_status_files, ctl, rank_pids, status, wait_for, wait_state
-from slurmcluster import SlurmCluster, slurm_problem
+from slurmcluster import SlurmCluster, _exe, slurm_problem
 
 pytestmark = [pytest.mark.skipif(slurm_problem() is not None, reason=f"no local Slurm: {slurm_problem()}"),
               pytest.mark.timeout(300)]
@@ -140,6 +140,41 @@ def test_a_killed_worker_is_replaced_by_the_allocations_spare_and_the_losses_equ
     assert spare in s["nodes"] and s["allocation"]["number"] == 1, (s["nodes"], s["allocation"])  # same allocation
     same_losses(s)
     wait_for(site.queue_empty, 30, "the queue to empty")
+
+
+def _step_daemon_of(pid: int) -> int:
+    """The ``slurmstepd`` that runs process ``pid`` (its nearest such ancestor)."""
+    while pid > 1:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        pid = int(fields[1])
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "slurmstepd":
+            return pid
+    raise AssertionError("no slurmstepd above the worker")
+
+
+def test_a_killed_slurm_node_is_blamed_not_its_survivor_which_is_never_excluded(site: Site) -> None:
+    """SIGKILL of a whole Slurm node of a job (its slurmd, the step daemon, the worker and its ranks). Before
+    (issue 43): the survivor's "Connection reset by peer" was blamed while the loss waited for the allocation's
+    state, twice in a row the survivor was excluded, and the job waited PENDING for good."""
+    job = site.submit(*RUN, "--set", "restart.max_restarts=2", "--spares", "1")
+    s = running(site, job, step=8)
+    victim, survivor = s["nodes"][1], s["nodes"][0]
+    daemon, *ranks = node_processes(site, victim, job)
+    pids = [site.slurm.pids()[f"slurmd-{victim}"], _step_daemon_of(daemon), daemon, *ranks]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    try:
+        s = wait_state(site.address, job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 240)
+        first = s["attempts"][0]["reason"]
+        assert first.startswith(f"node {victim} lost"), first
+        assert s["state"] == "SUCCEEDED" and s["attempt"] == 2 and survivor in s["nodes"], s["reason"]
+        listed = {n["name"]: n for n in json.loads(ctl(site.address, "nodes", "--json").stdout)}
+        assert listed.get(survivor, {}).get("excluded_for", []) == [], listed.get(survivor)
+        same_losses(s)
+        wait_for(site.queue_empty, 60, "the queue to empty")
+    finally:   # the node back for the tests after (ReturnToService=2: it rejoins when its slurmd registers)
+        site.slurm._spawn(f"slurmd-{victim}", [_exe("slurmd"), "-D", "-N", victim, "-f", str(site.slurm.conf)])
+        site.slurm.wait_idle(90)
 
 
 def test_ctl_cancel_ends_the_allocation_and_scancel_fails_the_job_naming_the_slurm_job(site: Site) -> None:
