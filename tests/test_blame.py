@@ -89,6 +89,19 @@ def test_a_lost_pool_node_is_blamed_not_its_survivor_and_its_ranks_are_gone(worl
     assert [ranks[r].exited for r in (0, 1)] == [True, True], ranks    # gone with n1, not running
 
 
+def test_a_failed_jobs_final_status_shows_its_lost_nodes_ranks_gone(world: World) -> None:
+    """No restart left: the held loss fails the job; n1's ranks were listed ``running`` in its final status."""
+    job = running_pool_job(world, restarts=0)
+    world.core.disconnect(world.nodes["n1"].session, "stream closed")
+    world.clock.t += LOSS_GRACE_S
+    (work,) = world.core.allocations.due()
+    world.core.allocations.seen(work, Seen("RUNNING", ("n1", "n2", "n3")))
+    assert job.state is S.FAILED and job.reason.startswith("node n1 lost"), job.reason
+    ranks = {r.rank: r for r in world.core.ranks(job.id)}
+    assert [ranks[r].phase for r in (0, 1)] == ["exited", "exited"], ranks
+    assert "gone with node n1" in ranks[0].error
+
+
 def test_a_victims_error_stored_before_its_nodes_loss_was_known_is_reattributed(world: World) -> None:
     """Plain cluster, the loss known only after the victim's held error failed the attempt: the stored reason
     and blame become the loss, and the survivor is never excluded."""
