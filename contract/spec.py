@@ -79,6 +79,9 @@ class ParallelSpec(Section):
 
 
 class RestartSpec(Section):
+    # failed attempts restarted before the job fails; when the file leaves it out, a job on an allocation with
+    # spares (``ctl slurm submit --spares N``) gets N: asking for spares is asking for restarts onto them
+    # (``restarts_for_spares``)
     max_restarts: StrictInt = Field(0, ge=0, le=L.MAX_RESTARTS)
     # seconds every rank's process groups wait in one collective before giving up
     collective_timeout: StrictFloat = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
@@ -117,7 +120,23 @@ class JobSpec(Section):
             return self
         return self.model_copy(update={"resources": self.resources.model_copy(update={"nodes": nodes})})
 
+    def with_spares(self, spares: int) -> "JobSpec":
+        """This spec on an allocation with ``spares`` spare nodes: ``restart.max_restarts`` as
+        ``restarts_for_spares`` says."""
+        restarts = restarts_for_spares(self, spares)
+        if restarts == self.restart.max_restarts:
+            return self
+        return self.model_copy(update={"restart": self.restart.model_copy(update={"max_restarts": restarts})})
+
     def to_dict(self) -> dict[str, Any]:
         """The canonical stored form: every field, but no empty section of another kind."""
         doc = self.model_dump(mode="json")
         return {k: v for k, v in doc.items() if v is not None or k in JobSpec.model_fields}
+
+
+def restarts_for_spares(spec: JobSpec, spares: int) -> int:
+    """The ``restart.max_restarts`` a job runs with on an allocation with ``spares`` spare nodes: the file's when it
+    sets one (even 0), else one restart per spare (capped at the limit): spares with no restart stay idle."""
+    if "max_restarts" in spec.restart.model_fields_set:
+        return spec.restart.max_restarts
+    return max(spec.restart.max_restarts, min(spares, L.MAX_RESTARTS))

@@ -18,7 +18,8 @@ import structlog
 
 from rankctl.coordinator.commit import StoreGuard
 from rankctl.coordinator.jobs import JobBook
-from rankctl.coordinator.progress import PEER_FAILED, failure_reason, failure_weight
+from rankctl.coordinator.faults import Cause, Fault, rank_fault
+from rankctl.coordinator.progress import PEER_FAILED, failure_weight
 from rankctl.coordinator.records import JobRecord
 from rankctl.coordinator.restarts import Restarts
 from rankctl.coordinator.results import aggregate, parse_rank_results
@@ -85,11 +86,11 @@ class Advancer:
             self._restarts.together_again(job)
         bad = progress.likely_cause()
         if bad is not None:
-            if failure_weight(bad) == PEER_FAILED \
-                    and self._clock() - self._held.setdefault(job.id, self._clock()) < ATTRIBUTION_S:
-                return   # held for its cause: a killed peer's report may come next (``check_held``)
+            held = self._clock() - self._held.setdefault(job.id, self._clock()) < ATTRIBUTION_S
+            if (failure_weight(bad) == PEER_FAILED and held) or self._restarts.loss_held(job):
+                return   # held for its cause: a killed peer's report, or a lost node's held failure (``check_held``)
             self._held.pop(job.id, None)
-            self._restarts.fail_attempt(job, failure_reason(bad), node=bad.node, step=bad.step)
+            self._restarts.fail_attempt(job, rank_fault(bad))
             return
         if job.state is S.STARTING and progress.all_running():
             self._book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
@@ -104,7 +105,7 @@ class Advancer:
         for node, why in named:
             self._restarts.exclude(job, node, f"the pre-flight of attempt {job.attempt}: {why}")
         reason = "pre-flight: " + "; ".join(f"node {node}: {why}; it is excluded from this job" for node, why in named)
-        self._restarts.fail_attempt(job, reason, node=named[0][0] if named else "")
+        self._restarts.fail_attempt(job, Fault(cause=Cause.OTHER, reason=reason, node=named[0][0] if named else ""))
 
     def _succeed(self, job: JobRecord) -> None:
         ranks = self._book.ranks(job.id)
@@ -138,7 +139,7 @@ class Advancer:
                 reason = self._hang_reason(job, idle, progress.pace.rule(timeout), links, progress.hang)
                 for a, b in links:
                     self._restarts.keep_apart(job, a, b)
-                self._restarts.fail_attempt(job, reason, step=progress.min_step)
+                self._restarts.fail_attempt(job, Fault(cause=Cause.HANG, reason=reason, step=progress.min_step))
 
     def _hang_reason(self, job: JobRecord, idle: float, rule: str, links: list[tuple[str, str]],
                      named: list[int]) -> str:

@@ -29,6 +29,7 @@ import structlog
 from rankctl.coordinator.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
                                             Ask, Seen, pool_name)
 from rankctl.coordinator.commit import StoreGuard
+from rankctl.coordinator.faults import Cause, Fault
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeSession, NodeTable
 from rankctl.coordinator.records import JobRecord
@@ -77,7 +78,7 @@ class Allocations:
         self._in_flight: set[tuple[str, int, str]] = set()
         self._watched: dict[tuple[str, int], float] = {}
         self._released_at: dict[tuple[str, int], float] = {}
-        self._losses: dict[str, list[tuple[str, str]]] = {}   # job id -> (node, reason) held for an answer
+        self._losses: dict[str, list[Fault]] = {}   # job id -> the node losses held for an answer
         self._held_since: dict[str, float] = {}                 # job id -> when its first loss was held
         self._first_worker: dict[str, float] = {}               # pool -> when its first worker registered
         self._archived: set[str] = set()                         # ended jobs whose rank logs were kept
@@ -191,13 +192,13 @@ class Allocations:
             return
         self._fail_held(job)
 
-    def hold_loss(self, job: JobRecord, node: str, reason: str) -> bool:
+    def hold_loss(self, job: JobRecord, loss: Fault) -> bool:
         """``Restarts``: a node of ``job`` was lost. Hold the failure until the allocation's state is known (asked
         for at once); False when there is nothing to ask (no open allocation): fail now."""
         a = job.allocation
         if a is None or job.id not in self._open or a.ended or not a.id:
             return False
-        self._losses.setdefault(job.id, []).append((node, reason))
+        self._losses.setdefault(job.id, []).append(loss)
         self._held_since.setdefault(job.id, self._clock())
         self._watched[(job.id, a.number)] = 0.0
         return True
@@ -207,11 +208,11 @@ class Allocations:
         held = self._losses.pop(job.id, [])
         self._held_since.pop(job.id, None)
         with self._guard.consistent():
-            for node, reason in held:
+            for loss in held:
                 if is_terminal(job.state) or job.state is S.RESTARTING:
                     break   # the first one ended the attempt
-                if job.runs_on(node):
-                    self._restarts.fail_attempt(job, reason, node=node)
+                if job.runs_on(loss.node):
+                    self._restarts.fail_attempt(job, loss)
 
     def _archive_due(self, job: JobRecord) -> bool:
         return bool(job.nodes) and job.id not in self._archived and not job.allocation.ended
@@ -297,7 +298,7 @@ class Allocations:
             elif job.state is S.PENDING:
                 self._restarts.finish(job, S.FAILED, f"{words} before the job started")
             elif job.state is not S.RESTARTING:
-                self._restarts.fail_attempt(job, words)
+                self._restarts.fail_attempt(job, Fault(cause=Cause.OTHER, reason=words))
 
     def _renew(self, job: JobRecord) -> None:
         old = job.allocation

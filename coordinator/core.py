@@ -157,11 +157,11 @@ class Coordinator:
 
         A job larger than every node the cluster knows could hold is refused (CapacityError,
         nothing stored) unless ``queue_anyway``: then it waits for nodes and holds no one back.
-        With an ``allocation`` the job runs on the nodes the coordinator asks a scheduler for (``allocations``).
-        """
+        With an ``allocation`` the job runs on the nodes the coordinator asks a scheduler for (``allocations``)."""
         res = spec.resources
         if allocation is not None and (problems := self.allocations.problems(allocation)):
             raise InvalidRequest("; ".join(problems))
+        spec = spec if allocation is None else spec.with_spares(allocation.spares)   # restarts onto the spares
         short = None if allocation is not None else capacity.shortfall(list(self.nodes), res.fewest_nodes,
                                                                        res.slots_per_node)
         if short is not None and not queue_anyway:

@@ -7,6 +7,8 @@ import os
 
 import grpc
 
+from rankctl.contract.diskspace import DISK_FULL
+
 
 class CoordinatorError(Exception):
     """Base of the errors a client may see (their message is safe to show)."""
@@ -40,7 +42,6 @@ class InvalidRequest(CoordinatorError):
     """A request field the coordinator cannot use (INVALID_ARGUMENT)."""
 
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 NOT_PERMITTED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 

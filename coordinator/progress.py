@@ -11,13 +11,13 @@ goes into a histogram once. Stragglers by compute time: ``coordinator.skew``. Pu
 from __future__ import annotations
 
 import heapq
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from rankctl.contract.rankstatus import STOPPED
+from rankctl.coordinator.faults import Cause, rank_fault
 from rankctl.coordinator.histogram import Histogram, exponential_bounds
 from rankctl.coordinator.pace import Pace
 from rankctl.coordinator.preflight import Preflight
@@ -47,27 +47,15 @@ def rank_span(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
-def last_error_line(error: str) -> str:
-    lines = [line.strip() for line in error.splitlines() if line.strip()]
-    return lines[-1] if lines else "no error reported"
-
-
-def failure_reason(r: RankRecord) -> str:
-    return f"rank {r.rank} on node {r.node} exited with code {r.exit_code}: {last_error_line(r.error)}"
-
-
-# what a rank prints when a peer's failure broke its collective (gloo, NCCL, torch.distributed): a consequence
-_PEER_FAILURE = re.compile(r"closed by peer|reset by peer|broken pipe|remote process exited|communicator was aborted|"
-                           r"ncclRemoteError|DistNetworkError|DistBackendError|timed out", re.IGNORECASE)
 SIGNALLED, FAILED_ITSELF, PEER_FAILED = 0, 1, 2   # how likely a failed rank is the cause (lowest: most likely)
 
 
 def failure_weight(r: RankRecord) -> int:
     """A rank killed by a signal is the likeliest cause of its attempt's failure, one that failed with its own
-    error next, one whose error says a peer failed (a collective broke) the least."""
+    error next, one whose error says a peer failed (a collective broke) the least (``faults.rank_fault``)."""
     if r.exit_code < 0:
         return SIGNALLED
-    return PEER_FAILED if _PEER_FAILURE.search(last_error_line(r.error)) else FAILED_ITSELF
+    return PEER_FAILED if rank_fault(r).cause is Cause.PEER_ERROR else FAILED_ITSELF
 
 
 def is_failed(r: RankRecord) -> bool:

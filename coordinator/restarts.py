@@ -9,8 +9,9 @@ for. Otherwise it tells every node of the attempt to stop it and queues the next
 ``attempt + 1``) only once every rank of the old one is confirmed gone (``stops``); no slot or port is
 reused before that. Each attempt's end,
 reason, cause (``failure`` or ``drain``) and the node a failure is attributed to are stored in the
-``attempts`` table. A node two consecutive failed attempts of a job are attributed to is not placed for
-that job again until ``ctl undrain``. A drained node's jobs restart without it, after their drain
+``attempts`` table. A node two consecutive failed attempts of a job are attributed to (only a node's own
+fault is: ``faults.Fault.blames_node``) is not placed for that job again until ``ctl undrain``; a full disk
+excludes it at once. A drained node's jobs restart without it, after their drain
 checkpoint where their kind saves one (``drains``); a drain is no failure.
 """
 
@@ -23,6 +24,7 @@ import structlog
 from rankctl.coordinator import convert
 from rankctl.coordinator.commit import Outgoing
 from rankctl.coordinator.drains import Drains, saves_on_request
+from rankctl.coordinator.faults import Cause, Fault, Failed, reattributed
 from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.nodes import NodeTable
 from rankctl.coordinator.progress import rank_span
@@ -59,21 +61,26 @@ class Restarts:
         self._stats = stats
         # ``allocations``' say over a lost node of an allocation's job (True: it fails the attempt itself, once it
         # knows whether the whole allocation ended); set by the core after both exist
-        self.hold_loss: Callable[[JobRecord, str, str], bool] | None = None
-        self._failed: dict[str, tuple[int, str, int | None]] = {}   # job -> (attempt, reason, step) of its last failure
+        self.hold_loss: Callable[[JobRecord, Fault], bool] | None = None
+        self._failed: dict[str, Failed] = {}   # job -> its last failure
+        self._losing: dict[str, dict[str, str]] = {}   # job -> its lost nodes whose failure ``hold_loss`` holds
 
 
     # -- failures ---------------------------------------------------------------------------
-    def fail_attempt(self, job: JobRecord, reason: str, *, node: str = "", step: int | None = None) -> None:
-        """The current attempt failed (``node``: the node it is attributed to, "" when none; ``step``: the step
-        it failed at, for a failure that may repeat: a rank's error, a hang): restart the job if it may, else
-        fail it with every attempt's reason; one that fails the same way as the attempt before it ends the job
-        (``restart_decision.same_way``). A RESTARTING job only re-checks its stop."""
+    def fail_attempt(self, job: JobRecord, fault: Fault) -> None:
+        """The current attempt failed with ``fault``: restart the job if it may, else fail it with every attempt's
+        reason; one that fails the same way as the attempt before it ends the job (``restart_decision.same_way``,
+        for a ``Fault.repeatable`` one only). A RESTARTING job only re-checks its stop."""
         last = self._failed.get(job.id)
-        previous = (last[1], last[2]) if last is not None and last[0] == job.attempt - 1 else None
+        previous = (last.fault.reason, last.step) if last is not None and last.attempt == job.attempt - 1 else None
+        step = fault.step if fault.repeatable else None
         if job.state is not S.RESTARTING:
-            self._failed[job.id] = (job.attempt, reason, step)
-        self._carry_out(job, self._decide(job, Failure(reason, step, previous)), blamed=node)
+            self._failed[job.id] = Failed(job.attempt, fault, step, self._clock(), tuple(job.nodes))
+        self._carry_out(job, self._decide(job, Failure(fault.reason, step, previous)), fault=fault)
+
+    def loss_held(self, job: JobRecord) -> bool:
+        """A node of the job's attempt is lost and its failure held (``hold_loss``): its victims' errors wait."""
+        return job.id in self._losing
 
     def requeue_when_stopped(self, job: JobRecord) -> None:
         """Queue a RESTARTING job's next attempt once every rank of the stopping one is confirmed gone."""
@@ -88,10 +95,10 @@ class Restarts:
         attempts = [AttemptFacts(a["attempt"], a["reason"], a["cause"]) for a in self._store.attempts(job.id)]
         return decide(facts, attempts, None, self._clock(), failure)
 
-    def _carry_out(self, job: JobRecord, decision: Decision, *, blamed: str = "") -> None:
+    def _carry_out(self, job: JobRecord, decision: Decision, *, fault: Fault | None = None) -> None:
         match decision:
             case Restart(headline, reason):
-                self._begin_restart(job, headline, reason, blamed=blamed)
+                self._begin_restart(job, headline, reason, fault=fault)
             case Requeue():
                 self._requeue(job)
             case Fail(reason, abandon):
@@ -102,14 +109,19 @@ class Restarts:
                 pass
 
     def _begin_restart(self, job: JobRecord, headline: str, reason: str, *, cause: str = "failure",
-                       blamed: str = "") -> None:
-        """End the attempt (``reason`` stored with it), tell its nodes to stop it, queue the next once it is gone."""
+                       fault: Fault | None = None) -> None:
+        """End the attempt (``reason`` stored with it), tell its nodes to stop it, queue the next once it is gone.
+        Only a node's own fault is blamed on it (``Fault.blames_node``); a full disk excludes it at once."""
         with self._store.transaction(f"the restart of job {job.id}"):
             self._book.transition(job, S.RESTARTING, f"{headline}; stopping its ranks")
+            self._lost_ranks_gone(job)
             self._store.end_attempt(job.id, job.attempt, self._clock(), S.RESTARTING.value, reason, cause)
-            if blamed:
-                self._store.blame_attempt(job.id, job.attempt, blamed)
-                self._exclude_if_repeated(job, blamed)
+            if fault is not None and fault.blames_node:
+                self._store.blame_attempt(job.id, job.attempt, fault.node)
+                if fault.moves_off_node:
+                    self.exclude(job, fault.node, f"attempt {job.attempt}: {fault.reason}")
+                else:
+                    self._exclude_if_repeated(job, fault.node)
         self._stats.restarts[cause] += 1
         self._drains.forget(job.id)
         log.warning("job.restarting", job=job.id, attempt=job.attempt, reason=reason, cause=cause)
@@ -166,6 +178,7 @@ class Restarts:
         """Move to a terminal state; FAILED/CANCELLED tell every node of the job to stop it, and its slots
         wait until its ranks are confirmed gone (``stop``; False: they are free at once)."""
         self._book.transition(job, state, reason)
+        self._lost_ranks_gone(job)
         self._drains.forget(job.id)
         self._failed.pop(job.id, None)
         self._nodes.apart.pop(job.id, None)
@@ -204,16 +217,21 @@ class Restarts:
         node's ranks that never said they exited, of those jobs and of ended attempts still stopping, are recorded
         gone with it (a failed job showed them running for ever)."""
         stopping = self._stops.node_gone(name)
+        earlier = [(job, self._failed.get(job.id)) for job in self._book.active()]   # O(active jobs)
         touched = [job for job in self._book.active() if job.runs_on(name)]
         for job in touched:
             if job.state is S.RESTARTING:
                 continue  # a restart's stop is checked below: the node's ranks there are gone too
-            gone = _gone(job.ranks_on(name))
+            loss = Fault(cause=Cause.NODE_LOST, reason=f"node {name} lost ({detail}); {_gone(job.ranks_on(name))}",
+                         node=name)
             if name in self._nodes.draining:  # drained, then taken away: still no failure
-                self.drain_restart(job, [name], f"then lost ({detail}); {gone}")
-            elif not (job.pool and self.hold_loss is not None and self.hold_loss(job, name, f"node {name} lost "
-                                                                                       f"({detail}); {gone}")):
-                self.fail_attempt(job, f"node {name} lost ({detail}); {gone}", node=name)
+                self.drain_restart(job, [name], f"then lost ({detail}); {_gone(job.ranks_on(name))}")
+            elif job.pool and self.hold_loss is not None and self.hold_loss(job, loss):
+                self._losing.setdefault(job.id, {})[name] = detail
+            else:
+                self.fail_attempt(job, loss)
+        for job, last in earlier:   # a victim's error that failed an attempt just before: the loss is why
+            self._reattribute(job, last, name, detail)
         for job in {j.id: j for j in touched + stopping}.values():
             if job.state not in LIVE:   # (a held loss waits for its allocation)
                 self._book.ranks_gone(job, name, f"gone with node {name} (lost: {detail})")
@@ -221,7 +239,8 @@ class Restarts:
 
     def node_back_without(self, job: JobRecord, name: str, missing: list[int]) -> None:
         """Node ``name`` reconnected without the job, and ``missing`` of its ranks there never exited."""
-        self.fail_attempt(job, f"node {name} reconnected without this job; {_gone(missing)}", node=name)
+        self.fail_attempt(job, Fault(cause=Cause.NODE_BACK, node=name,
+                                     reason=f"node {name} reconnected without this job; {_gone(missing)}"))
 
     def drain_node(self, name: str) -> list[JobRecord]:
         """Move every active job off the draining node ``name``; the jobs concerned (only that node's)."""
@@ -261,6 +280,26 @@ class Restarts:
             else:
                 self._begin_restart(job, f"attempt {job.attempt} ended to grow back to {job.nodes_needed} nodes",
                                     "nodes free again", cause="grow")
+
+    def _lost_ranks_gone(self, job: JobRecord) -> None:
+        """The attempt ended while a node's loss was held: that node's ranks are gone with it (not ``running``)."""
+        for name, detail in self._losing.pop(job.id, {}).items():
+            self._book.ranks_gone(job, name, f"gone with node {name} (lost: {detail})")
+
+    def _reattribute(self, job: JobRecord, last: Failed | None, name: str, detail: str) -> None:
+        """Node ``name`` was lost: where the job's ``last`` failed attempt ended on its victim's error, that
+        attempt's stored reason and blame become the loss (``faults.reattributed``)."""
+        session = self._nodes.get(name)
+        loss = reattributed(last, name, detail, session.last_heartbeat if session else 0.0)
+        if last is None or loss is None or (job.attempt == last.attempt and job.state is not S.RESTARTING):
+            return
+        with self._store.transaction(f"the reason of attempt {last.attempt} of job {job.id}"):
+            self._store.end_attempt(job.id, last.attempt, last.at, S.RESTARTING.value, loss.reason)
+            self._store.blame_attempt(job.id, last.attempt, name)
+            self._book.event(job, "node", f"attempt {last.attempt} failed with node {name}'s loss; "
+                                          f"{last.fault.reason} followed from it")
+        if self._failed.get(job.id) is last:
+            self._failed[job.id] = Failed(last.attempt, loss, None, last.at, last.nodes)
 
     def drain_restart(self, job: JobRecord, nodes: list[str], detail: str) -> None:
         """End the attempt because ``nodes`` are drained (no failure: it does not use a restart)."""

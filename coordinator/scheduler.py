@@ -55,6 +55,7 @@ class Scheduler:
         self._ended, self._shutting_down = ended, shutting_down
         self.head_wait = head_wait
         self._head_since: dict[str, float] = {}          # job id -> when it first could not start
+        self._shut_out: dict[str, float] = {}            # job id -> since when only its exclusions keep it waiting
         self._owed = False                               # a pass failed to store or was postponed
         self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes (cache)
         # ``allocations``: why a job of an allocation waits for more of its workers (set by the core)
@@ -82,8 +83,10 @@ class Scheduler:
             log.warning("schedule.store_failed", error=str(exc))
 
     def catch_up(self) -> None:
-        """Run the pass a refused write or an open transaction postponed, if any."""
-        if self._owed:
+        """Run the pass a refused write or an open transaction postponed, if any, or one where a job's exclusions
+        are due to yield (``_yield_exclusions``)."""
+        now = self._clock()
+        if self._owed or any(now - since >= self.head_wait for since in self._shut_out.values()):
             self.schedule()
 
     def free_slots(self) -> dict[str, int]:
@@ -97,6 +100,7 @@ class Scheduler:
     def forget(self, job_id: str) -> None:
         """The job ended: it is placed nowhere again."""
         self._prev_nodes.pop(job_id, None)
+        self._shut_out.pop(job_id, None)
 
     def _pass(self) -> None:
         head: JobRecord | None = None
@@ -137,19 +141,45 @@ class Scheduler:
         if job.pool and (why := self.gathering(job, sum(1 for s in slots if s.free >= job.slots_per_node))):
             return why
         try:
-            names = self._place_elastic(job, slots)
+            names, short = self._place_elastic(job, slots), ""
+            self._shut_out.pop(job.id, None)
         except PlacementError as exc:
+            names, short = self._yield_exclusions(job), str(exc)
+        if names is None:
             if job.allocation is not None:   # (the scheduler's own reason, when it says one, in ``describe``)
                 return (f"waiting for the workers of its allocation, {job.allocation.describe()}: "
                         f"{len(slots)} of {job.nodes_needed} node(s) ready")
             shown = "; ".join(f"{name} {why}" for name, why in sorted(blocked.items())[:8])
             more = f" and {len(blocked) - 8} more" if len(blocked) > 8 else ""
-            return f"waiting for capacity: {exc}" + (f"; not placed: {shown}{more}" if blocked else "")
+            return f"waiting for capacity: {short}" + (f"; not placed: {shown}{more}" if blocked else "")
         port = pick_port(self._nodes.get(names[0]).free_ports, self._ports_in_use(names[0]))
         if port is None:
             return f"waiting for a rendezvous port: node {names[0]} reported no free port that is not in use"
         self._start(job, names, port)
         return None
+
+    def _yield_exclusions(self, job: JobRecord) -> list[str] | None:
+        """The job's nodes when only its exclusions keep it from starting and they yield: at once on an allocation's
+        nodes (no others will come), else after ``head_wait`` (an excluded node's peers may come back first). A job
+        never waits for ever while enough READY nodes exist; the exclusions are cleared, with an event."""
+        excluded = self._nodes.excluded.get(job.id)
+        if not excluded:
+            return None
+        try:
+            names = self._place_elastic(job, self._slots(job, {n: "draining" for n in self._nodes.draining}))
+        except PlacementError:
+            self._shut_out.pop(job.id, None)
+            return None
+        since = self._shut_out.setdefault(job.id, self._clock())
+        if not job.pool and self._clock() - since < self.head_wait:
+            return None
+        del self._shut_out[job.id], self._nodes.excluded[job.id]
+        with self._store.transaction(f"the exclusions of job {job.id}"):
+            self._store.clear_exclusions(job_id=job.id)
+            self._book.event(job, "node", f"node(s) {', '.join(sorted(excluded))} placed for this job again: without "
+                                          f"them it could not be placed on the READY nodes")
+        log.warning("node.exclusions_yield", job=job.id, nodes=sorted(excluded))
+        return names
 
     def _slots(self, job: JobRecord, blocked: dict[str, str], own: Iterable[str] = ()) -> list[NodeSlots]:
         """The free slots the job may be placed on (its pool's nodes, none blocked for it); ``own``: nodes whose

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import structlog
 
 from rankctl.contract.assignment import RankAssignment
+from rankctl.contract.diskspace import disk_full_line
 from rankctl.contract.logrecords import RECORD_MARK
 from rankctl.kinds import registry
 from rankctl.runtime.collectives import CollectiveCounters, install
@@ -83,8 +84,9 @@ def preload_kinds() -> None:
 
 def _error_fields(exc: BaseException, victim: str | None = None) -> dict[str, Any]:
     tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-    lines = "".join(tb).splitlines()[-TRACEBACK_LINES:] + ([victim] if victim else [])
-    return {"error": f"{type(exc).__name__}: {exc}", "traceback": lines}
+    full = disk_full_line(exc)   # the path and its file system: the last line, the reason
+    lines = "".join(tb).splitlines()[-TRACEBACK_LINES:] + ([victim] if victim else []) + ([full] if full else [])
+    return {"error": full or f"{type(exc).__name__}: {exc}", "traceback": lines}
 
 
 def _stack_on_sigusr1() -> bool:

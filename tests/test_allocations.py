@@ -255,3 +255,25 @@ def test_a_controller_that_cannot_be_reached_is_asked_again_not_taken_for_a_refu
     world.clock.t += WATCH_S
     answer_request(world, job)                                       # asked again, and answered this time
     assert job.state is S.PENDING and job.allocation.id == "77" and job.allocation.detail == ""
+
+
+def test_spares_bring_one_restart_each_unless_the_file_sets_max_restarts(world: World) -> None:
+    """``ctl slurm submit --spares 1`` of a file without ``restart.max_restarts`` ended FAILED with its spare idle
+    (issue 43): asking for spares is asking for restarts onto them (``restarts_for_spares``)."""
+    from rankctl.contract.spec import restarts_for_spares
+
+    plain, zero = world.core.validate(job_yaml()), world.core.validate(job_yaml() + "restart: {max_restarts: 0}\n")
+    assert [restarts_for_spares(plain, n) for n in (0, 1, 3)] == [0, 1, 3]
+    assert restarts_for_spares(zero, 2) == 0 and plain.with_spares(2).restart.max_restarts == 2
+    job = world.core.submit_spec(plain, allocation=AllocationRequest(spares=1))
+    assert job.spec.restart.max_restarts == 1
+    answer_request(world, job)
+    for n in ("n1", "n2", "n3"):
+        pool_node(world, n, job.pool)
+    for r in range(job.world_size):
+        world.report(job.id, r, "running")
+    world.report(job.id, 2, "failed", code=1, error="RuntimeError: bad")   # n2's own error
+    for r in range(job.world_size):
+        world.report(job.id, r, "exited", code=1)
+    assert job.state is S.STARTING and job.attempt == 2, (job.state, job.reason)     # was: FAILED, spare idle
+    assert world.core.get(job.id).spec.restart.max_restarts == 1      # stored so: a coordinator restart keeps it

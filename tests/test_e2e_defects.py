@@ -224,3 +224,40 @@ def test_a_job_larger_than_the_cluster_is_refused_or_waits_without_blocking(two:
     pending = json.loads(ctl(two.address, "jobs", "--json", "--state", "pending").stdout)
     assert [j["id"] for j in pending] == [big]
     assert ctl(two.address, "cancel", big).returncode == 0
+
+
+def test_a_full_node_disk_moves_the_job_to_a_ready_spare_naming_path_and_file_system(two: ProcCluster,
+                                                                                    tmp_path: Path) -> None:
+    """A rank's checkpoint write fails with ENOSPC on node a-full (its state dir, where checkpoints go, is a small
+    tmpfs filled mid-run). Before (issue 43): the restart went in place onto the same full node while node-0 was
+    READY, then "failed the same way" ended the job with restarts left, and the reason named no path."""
+    state = tmp_path / "a-full"
+    state.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(state)], capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({out.stderr.strip() or 'mount failed'})")
+    worker = start_worker(two.address, "a-full", 2, tmp_path)     # its name comes first: placed there first
+    try:
+        wait_for(lambda: "a-full" in ready_nodes(two.address), 60, "a-full READY")
+        job = two.submit(str(EXAMPLES / "gpt-tp-dp.yaml"), "--set", "resources.nodes=1", "--set", "train.steps=100000",
+                         "--set", "train.eval_every=0", "--set", "train.checkpoint_every=3",
+                         "--set", "restart.max_restarts=2")
+        wait_for(lambda: (s := status(two.address, job))["state"] == "RUNNING" and s["nodes"] == ["a-full"]
+                 and (s["summary"] or {}).get("min_step", 0) >= 1, 120, "the job running on a-full")
+        _fill(state / "filler")
+        room = (state / "filler").stat().st_size - 160 * 1024     # room for status lines, not for a shard
+        os.truncate(state / "filler", max(room, 0))
+        s = wait_for(lambda: (x := status(two.address, job))["attempt"] == 2 and x["state"] == "RUNNING"
+                     and (x["summary"] or {}).get("min_step", 0) >= 1 and x, 180, "attempt 2 running a step")
+        assert s["nodes"] != ["a-full"], s["nodes"]                  # off the full node, onto a READY one
+        reason = s["attempts"][0]["reason"]
+        mount = os.path.realpath(state)
+        assert "No space left on device: '" + str(state) in reason or "No space left on device: '" + mount in reason, \
+            reason
+        assert f"(file system tmpfs mounted at {mount}: " in reason, reason
+        assert ctl(two.address, "cancel", job).returncode == 0
+        wait_state(two.address, job, {"CANCELLED"}, 60)
+    finally:
+        worker.stop()
+        subprocess.run(["umount", "-l", str(state)], capture_output=True)

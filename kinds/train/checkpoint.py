@@ -139,9 +139,11 @@ def atomic_write(path: str, write: Any) -> _Recorder:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:   # a write's error names no file: name it
+            raise OSError(exc.errno, exc.strerror, tmp) from exc
         raise
     return out
 
