@@ -39,6 +39,7 @@ from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.logarchive import LogArchive
 from rankctl.coordinator.logfetch import LogFetcher
 from rankctl.coordinator.nodes import NodeSession, NodeTable, Outbox
+from rankctl.coordinator.noderoots import roots_problems
 from rankctl.coordinator.planner import plan_layout
 from rankctl.coordinator.pools import WorkerPools
 from rankctl.coordinator.progress import JobSummary
@@ -153,14 +154,14 @@ class Coordinator:
 
     def submit_spec(self, spec: JobSpec, *, queue_anyway: bool = False, submitted_by: str = "",
                     allocation: AllocationRequest | None = None) -> JobRecord:
-        """Store a validated job PENDING and run a schedule pass.
-
+        """Store a validated job PENDING and run a schedule pass; one writing outside every node's roots is refused.
         A job larger than every node the cluster knows could hold is refused (CapacityError,
         nothing stored) unless ``queue_anyway``: then it waits for nodes and holds no one back.
         With an ``allocation`` the job runs on the nodes the coordinator asks a scheduler for (``allocations``).
         """
         res = spec.resources
-        if allocation is not None and (problems := self.allocations.problems(allocation)):
+        problems = self.allocations.problems(allocation) if allocation is not None else roots_problems(spec, self.nodes)
+        if problems:
             raise InvalidRequest("; ".join(problems))
         short = None if allocation is not None else capacity.shortfall(list(self.nodes), res.fewest_nodes,
                                                                        res.slots_per_node)
