@@ -297,3 +297,31 @@ def test_a_checkpoint_dir_outside_every_nodes_data_root_is_refused_at_submit(two
     inside = submit_train(two, tmp_path, "inside", two.root / "data" / "inside-ckpt")   # under the root: accepted
     assert inside.returncode == 0, inside.stderr
     assert ctl(two.address, "cancel", inside.stdout.strip()).returncode == 0
+
+
+def tmpfs_mounts() -> set[str]:
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        return {p[1] for p in (line.split() for line in f) if len(p) > 2 and p[2] == "tmpfs"}
+
+
+def test_a_sigkilled_workers_mounts_go_at_the_next_worker_start_on_another_state_dir(two: ProcCluster) -> None:
+    from rankctl.contract.checkpoints import memory_base
+
+    doomed = start_worker(two.address, "node-7", 2, two.root / "doomed", data_roots=two.data_roots)
+    wait_for(lambda: "node-7" in ready_nodes(two.address), 60, "node-7 READY")
+    snapshots = memory_base(str(two.root / "doomed" / "node-7"))
+    job = comm_check(two.address, 600, "--set", "resources.nodes=3")
+    attempt_shm = str(two.root / "doomed" / "node-7" / "jobs" / job / "1" / "shm")
+    wait_for(lambda: {snapshots, attempt_shm} <= tmpfs_mounts(), 120, "node-7's snapshot and attempt tmpfs mounted")
+    live = {memory_base(str(two.root / n)) for n in two.workers}
+    assert live <= tmpfs_mounts()
+    doomed.kill()   # SIGKILL: no clean-up of its own
+    assert ctl(two.address, "cancel", job).returncode == 0   # (its mounts stay: no daemon on its state dir)
+    reaper = start_worker(two.address, "node-8", 1, two.root / "reaper", data_roots=two.data_roots)
+    try:
+        # by node-8's start (or by any other worker starting on this host meanwhile: the same rule)
+        wait_for(lambda: not {snapshots, attempt_shm} & tmpfs_mounts(), 60, "node-7's mounts unmounted by node-8")
+        assert live <= tmpfs_mounts()   # the live daemons' own are untouched
+    finally:
+        reaper.stop()
+        doomed.stop()
