@@ -2,10 +2,11 @@
 
 Each daemon reports where its jobs may create files when it registers (``Register.data_roots``: its
 ``--data-root`` dirs and state dir, as given and real). A job whose written path lies, as written, under no
-registered general-pool node's roots would only fail on every node at its start, so submit refuses it. When
-that cannot be told it is accepted and the node decides (``worker.sandbox.written_problem``): no node known
-yet, a node that did not report its roots (an older daemon), or a job run on an allocation's own pool (its
-nodes register after the submit).
+registered general-pool node's roots would only fail on every node at its start, so submit refuses it. Only
+nodes that reported roots count (one that did not, an older daemon or one known from the store and not yet
+back, cannot say). When it cannot be told the job is accepted and the node decides
+(``worker.sandbox.written_problem``): no node has reported roots yet, or the job runs on an allocation's own
+pool (its nodes register after the submit).
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def roots_problems(spec: JobSpec, nodes: Iterable[Any]) -> list[str]:
 
 def roots_problem(spec: JobSpec, node_roots: Iterable[tuple[str, ...]]) -> str | None:
     """Why ``spec`` writes outside every node's roots (``node_roots``: each general-pool node's reported
-    roots), or None (also when some node's roots are unknown, or no node is known)."""
+    roots, () when it reported none), or None (also when no node reported any)."""
     kind = registry.kinds().get(spec.kind)
     written = kind.resolve("written_paths") if kind else None
     paths = written(spec) if written else []
     if not paths:
         return None
-    known = list(node_roots)
-    if not known or any(not roots for roots in known):
+    known = [roots for roots in node_roots if roots]
+    if not known:
         return None
     every = sorted({r for roots in known for r in roots})
     for field, value, _path in paths:

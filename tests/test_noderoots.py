@@ -33,8 +33,9 @@ def test_under_any_one_nodes_root_is_accepted() -> None:
     assert roots_problems(train(None), nodes) == []   # the node's own state dir
 
 
-def test_it_is_left_to_the_node_when_the_roots_cannot_be_told() -> None:
+def test_it_is_left_to_the_node_when_no_node_reported_roots() -> None:
     assert roots_problems(train("/elsewhere"), []) == []                                 # no node yet
-    assert roots_problems(train("/elsewhere"), [node("/data"), node()]) == []            # one did not say
+    assert roots_problems(train("/elsewhere"), [node(), node()]) == []                   # none said
+    assert roots_problems(train("/elsewhere"), [node("/data"), node()])                  # those that said decide
     assert roots_problems(train("/elsewhere"), [node("/data", pool="alloc-1")]) == []    # only pool nodes
     assert roots_problems(train("/elsewhere"), [node("/data"), node("/elsewhere", pool="p")])  # pools don't count
