@@ -150,7 +150,9 @@ class Admission:
 
     async def _new_run(self, msg: pb.Assign, run_dir: Path, assignments: list[RankAssignment]) -> RunState:
         """The run of admitted ``assignments``, its directory made and a replaced node's checkpoints fetched."""
-        safepath.makedirs(os.path.realpath(self.cfg.state_dir), str(run_dir))   # run_dir is a real path too
+        state = os.path.realpath(self.cfg.state_dir)   # the base, trusted as given (made here when new)
+        os.makedirs(state, exist_ok=True)
+        safepath.makedirs(state, str(run_dir))   # run_dir is a real path too
         ranks = {a.rank for a in assignments}
         spec = assignments[0].spec if assignments else None
         name = spec.name if spec else ""
