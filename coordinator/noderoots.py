@@ -2,7 +2,7 @@
 
 Each daemon reports where its jobs may create files when it registers (``Register.data_roots``: its
 ``--data-root`` dirs and state dir, as given and real). A job whose written path lies, as written, under no
-registered general-pool node's roots would only fail on every node at its start, so submit refuses it. Only
+registered node of the general queue (unpooled, or of a worker pool) would only fail on every node at its start, so submit refuses it. Only
 nodes that reported roots count (one that did not, an older daemon or one known from the store and not yet
 back, cannot say). When it cannot be told the job is accepted and the node decides
 (``worker.sandbox.written_problem``): no node has reported roots yet, or the job runs on an allocation's own
@@ -12,7 +12,7 @@ pool (its nodes register after the submit).
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from rankctl.contract import safepath
 from rankctl.contract.names import shown
@@ -22,10 +22,11 @@ from rankctl.kinds import registry
 SHOWN_ROOTS = 4   # roots quoted in a refusal
 
 
-def roots_problems(spec: JobSpec, nodes: Iterable[Any]) -> list[str]:
-    """Why ``spec`` writes outside the roots of every general-pool node of ``nodes`` (sessions: ``pool``,
-    ``data_roots``), as a list of at most one line; [] when it does not or that cannot be told."""
-    problem = roots_problem(spec, [s.data_roots for s in nodes if not s.pool])
+def roots_problems(spec: JobSpec, nodes: Iterable[Any], general: Callable[[str], bool]) -> list[str]:
+    """Why ``spec`` writes outside the roots of every node of ``nodes`` (sessions: ``pool``, ``data_roots``)
+    that serves the general queue (unpooled, or of a pool that ``general`` names: a worker pool), as a list of
+    at most one line; [] when it does not or that cannot be told."""
+    problem = roots_problem(spec, [s.data_roots for s in nodes if not s.pool or general(s.pool)])
     return [problem] if problem else []
 
 

@@ -13,29 +13,35 @@ def train(checkpoint_dir: str | None):
                                                                 "checkpoint_dir": checkpoint_dir}})
 
 
+def problems(spec, nodes) -> list[str]:
+    """With one worker pool, "workers-1", of the general queue; other pools are allocations' own."""
+    return roots_problems(spec, nodes, lambda pool: pool == "workers-1")
+
+
 def node(*roots: str, pool: str = "") -> SimpleNamespace:
     return SimpleNamespace(data_roots=tuple(roots), pool=pool)
 
 
 def test_a_checkpoint_dir_under_no_nodes_root_is_named_with_the_rule() -> None:
     nodes = [node("/state/a", "/data"), node("/state/b", "/scratch")]
-    (problem,) = roots_problems(train("/elsewhere/ck"), nodes)
+    (problem,) = problems(train("/elsewhere/ck"), nodes)
     assert problem.startswith("train.checkpoint_dir='/elsewhere/ck' lies under no registered node's --data-root")
     assert "2 nodes" in problem and "/data" in problem and "ctl worker --data-root" in problem
-    assert roots_problems(train("/data2/ck"), nodes)   # a prefix of a root is not under it
-    assert roots_problems(train("/data/../etc"), nodes)   # '..' is taken as written, not resolved
+    assert problems(train("/data2/ck"), nodes)   # a prefix of a root is not under it
+    assert problems(train("/data/../etc"), nodes)   # '..' is taken as written, not resolved
 
 
 def test_under_any_one_nodes_root_is_accepted() -> None:
     nodes = [node("/state/a", "/data"), node("/state/b", "/scratch")]
-    assert roots_problems(train("/scratch/ck"), nodes) == []
-    assert roots_problems(train("/data"), nodes) == []
-    assert roots_problems(train(None), nodes) == []   # the node's own state dir
+    assert problems(train("/scratch/ck"), nodes) == []
+    assert problems(train("/data"), nodes) == []
+    assert problems(train(None), nodes) == []   # the node's own state dir
 
 
-def test_it_is_left_to_the_node_when_no_node_reported_roots() -> None:
-    assert roots_problems(train("/elsewhere"), []) == []                                 # no node yet
-    assert roots_problems(train("/elsewhere"), [node(), node()]) == []                   # none said
-    assert roots_problems(train("/elsewhere"), [node("/data"), node()])                  # those that said decide
-    assert roots_problems(train("/elsewhere"), [node("/data", pool="alloc-1")]) == []    # only pool nodes
-    assert roots_problems(train("/elsewhere"), [node("/data"), node("/elsewhere", pool="p")])  # pools don't count
+def test_it_is_left_to_the_node_when_no_node_of_the_general_queue_reported_roots() -> None:
+    assert problems(train("/elsewhere"), []) == []                                 # no node yet
+    assert problems(train("/elsewhere"), [node(), node()]) == []                   # none said
+    assert problems(train("/elsewhere"), [node("/data"), node()])                  # those that said decide
+    assert problems(train("/elsewhere"), [node("/data", pool="alloc-1")]) == []    # only pool nodes
+    assert problems(train("/elsewhere"), [node("/data"), node("/elsewhere", pool="p")])  # allocations' don't count
+    assert problems(train("/elsewhere"), [node("/data"), node("/elsewhere", pool="workers-1")]) == []  # a worker pool
