@@ -105,7 +105,7 @@ class Admission:
         try:
             run_dir, assignments = self._expanded(msg)
             assignments = await self._with_workdir(assignments)
-            self._check_paths(assignments)
+            self._check_paths(assignments, run_dir)
         except Refused as exc:
             self._refuse(msg, str(exc))
             return
@@ -138,21 +138,30 @@ class Admission:
             raise Refused(f"cannot fetch the job's workdir {digests[0]}: {exc}") from None
         return [replace(a, workdir=str(path)) for a in assignments]
 
-    def _check_paths(self, assignments: list[RankAssignment]) -> None:
-        """Refused when a node path of the spec lies outside the roots (the workdir it pinned is let go)."""
+    def _check_paths(self, assignments: list[RankAssignment], run_dir: Path) -> None:
+        """Refused when a node path of the spec lies outside the roots or the run dir cannot be made through no
+        link below the state dir (the workdir it pinned is let go); the run dir is made last."""
         first = assignments[0] if assignments else None
         problem = first and (assignment_problem(first.spec, self._roots, workdir=first.workdir)
-                             or written_problem(first.spec, self._write_roots))
+                             or written_problem(first.spec, self._write_roots) or self._run_dir_problem(run_dir))
         if problem:
             for digest in blobs_of(first.spec)[:1] if first.workdir else []:
                 self._workdirs.unpin(digest)
             raise Refused(problem)
 
+    def _run_dir_problem(self, run_dir: Path) -> str | None:
+        """The run dir made through no link below the state dir (made when new: trusted as given), or why not."""
+        state = os.path.realpath(self.cfg.state_dir)   # run_dir is a real path too (``paths.run_dir_for``)
+        try:
+            os.makedirs(state, exist_ok=True)
+            safepath.makedirs(state, str(run_dir))
+        except OSError as exc:
+            return f"cannot make the run dir {run_dir}: {exc.strerror or exc}"
+        return None
+
     async def _new_run(self, msg: pb.Assign, run_dir: Path, assignments: list[RankAssignment]) -> RunState:
-        """The run of admitted ``assignments``, its directory made and a replaced node's checkpoints fetched."""
-        state = os.path.realpath(self.cfg.state_dir)   # the base, trusted as given (made here when new)
-        os.makedirs(state, exist_ok=True)
-        safepath.makedirs(state, str(run_dir))   # run_dir is a real path too
+        """The run of admitted ``assignments`` (its directory made by ``_check_paths``), a replaced node's
+        checkpoints fetched."""
         ranks = {a.rank for a in assignments}
         spec = assignments[0].spec if assignments else None
         name = spec.name if spec else ""
