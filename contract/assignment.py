@@ -33,6 +33,7 @@ class RankAssignment:
     workdir: str = ""                    # set by the daemon: where a shipped workdir lies on this node
     restart: bool = False                # an automatic restart of the same job (attempt > 1)
     node_address: str = ""               # the node's advertised address: collectives bind there ("": unknown)
+    roots: tuple[str, ...] = ()          # where ranks may create and delete: the worker's roots (contract.safepath)
 
     def to_doc(self) -> dict[str, Any]:
         """Plain data for a process edge (the launcher's pipe); the spec as its canonical dict."""
@@ -46,7 +47,9 @@ class RankAssignment:
     @classmethod
     def from_doc(cls, doc: dict[str, Any], parse_spec: Callable[[dict[str, Any]], JobSpec]) -> "RankAssignment":
         """Back from ``to_doc``: ``parse_spec`` (``kinds.spec.parse_spec``) validates the spec, once."""
-        return cls(**{k: v for k, v in doc.items() if k != "spec"}, spec=parse_spec(doc["spec"]))
+        fields = {k: v for k, v in doc.items() if k != "spec"}
+        fields["roots"] = tuple(fields.get("roots", ()))
+        return cls(**fields, spec=parse_spec(doc["spec"]))
 
     @property
     def rendezvous_host(self) -> str:

@@ -30,6 +30,8 @@ import re
 import stat
 from typing import Any
 
+from rankctl.contract import safepath
+
 STEP_RE = re.compile(r"^step-(\d{8})$")
 RANK_FILE_RE = re.compile(r"^rank-(\d{5})\.")
 SHM = "/dev/shm"      # the node's memory-backed filesystem (tests point it elsewhere)
@@ -147,28 +149,21 @@ def ranks_in(root: str) -> set[int]:
     return out
 
 
-def remove_rank_step(root: str, step: int, rank: int) -> None:
+def remove_rank_step(root: str, step: int, rank: int, *, base: str | None = None) -> None:
     """Delete ``rank``'s files of ``step`` (its marker first, so the step never looks complete while
-    going), then the step's directory if that left it empty."""
-    d = step_dir(root, step)
-    try:
-        names = sorted(os.listdir(d), key=lambda n: not n.endswith(".done"))
-    except FileNotFoundError:
-        return
+    going), then the step's directory if that left it empty. Through no link below ``base`` (``root``
+    when None: ``contract.safepath``)."""
+    base, d = root if base is None else base, step_dir(root, step)
+    names = sorted(safepath.listdir(base, d), key=lambda n: not n.endswith(".done"))
     prefix = f"rank-{rank:05d}."
     for name in names:
         if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(d, name))
-            except FileNotFoundError:
-                pass
-    try:
-        os.rmdir(d)
-    except OSError:
-        pass  # other ranks' files are there (or a writer is about to put one)
+            safepath.unlink(base, os.path.join(d, name))
+    safepath.rmdir(base, d)  # only when empty: other ranks' files may be there (or a writer about to)
 
 
-def prune(root: str, ranks: list[int] | set[int] | None = None, keep: int = KEEP_STEPS) -> None:
+def prune(root: str, ranks: list[int] | set[int] | None = None, keep: int = KEEP_STEPS, *,
+          base: str | None = None) -> None:
     """Keep the newest ``keep`` marked steps of each rank (every rank in ``root`` when ``ranks`` is
     None): its files of older steps go, leftovers of unfinished writes included. Newer unmarked
     files (a write in progress) stay."""
@@ -179,4 +174,4 @@ def prune(root: str, ranks: list[int] | set[int] | None = None, keep: int = KEEP
         oldest = marked[-keep]
         for step in list_steps(root):
             if step < oldest:
-                remove_rank_step(root, step, rank)
+                remove_rank_step(root, step, rank, base=base)

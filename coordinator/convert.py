@@ -247,7 +247,7 @@ def hello_from_pb(reg: pb.Register) -> NodeHello:
         name=reg.name, address=reg.address, slots=reg.slots, hardware=hardware_from_pb(reg.hardware),
         free_ports=tuple(reg.free_ports), session=reg.session, peer_port=reg.peer_port,
         running=tuple(RunningJob(r.job_id, r.attempt, tuple(r.ranks)) for r in reg.running), pool=reg.pool,
-        replaces=reg.replaces, relays=reg.relays,
+        replaces=reg.replaces, relays=reg.relays, data_roots=tuple(reg.data_roots),
     )
 
 

@@ -39,6 +39,7 @@ from rankctl.coordinator.jobs import JobBook
 from rankctl.coordinator.logarchive import LogArchive
 from rankctl.coordinator.logfetch import LogFetcher
 from rankctl.coordinator.nodes import NodeSession, NodeTable, Outbox
+from rankctl.coordinator.noderoots import roots_problems
 from rankctl.coordinator.planner import plan_layout
 from rankctl.coordinator.pools import WorkerPools
 from rankctl.coordinator.progress import JobSummary
@@ -153,13 +154,13 @@ class Coordinator:
 
     def submit_spec(self, spec: JobSpec, *, queue_anyway: bool = False, submitted_by: str = "",
                     allocation: AllocationRequest | None = None) -> JobRecord:
-        """Store a validated job PENDING and run a schedule pass.
-
-        A job larger than every node the cluster knows could hold is refused (CapacityError,
-        nothing stored) unless ``queue_anyway``: then it waits for nodes and holds no one back.
-        With an ``allocation`` the job runs on the nodes the coordinator asks a scheduler for (``allocations``)."""
+        """Store a validated job PENDING and run a schedule pass. Refused, nothing stored: one writing outside every
+        node's roots (``noderoots``); one larger than the known nodes hold (CapacityError) unless ``queue_anyway``:
+        it then waits for nodes, holding no one back. With an ``allocation`` it runs on nodes a scheduler grants."""
         res = spec.resources
-        if allocation is not None and (problems := self.allocations.problems(allocation)):
+        problems = (self.allocations.problems(allocation) if allocation is not None
+                    else roots_problems(spec, self.nodes, self.pools.general))
+        if problems:
             raise InvalidRequest("; ".join(problems))
         spec = spec if allocation is None else spec.with_spares(allocation.spares)   # restarts onto the spares
         short = None if allocation is not None else capacity.shortfall(list(self.nodes), res.fewest_nodes,

@@ -56,6 +56,7 @@ class NodeSession:
     pool: str = ""                 # the allocation it was started for ("": the general pool; from its Register)
     replaces: bool = False         # its daemon stops an older attempt's ranks before a newer Assign's start
     relays: bool = False           # its daemon heads a relay tree's group when asked (``coordinator.relay``)
+    data_roots: tuple[str, ...] = ()  # where its jobs may create files (``Register.data_roots``; (): not told)
     relay_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))  # signs Relayed items for it
     relay_seq: int = 0             # the last Relayed item's number for it
     relay_up_seq: int = 0          # the last number of its batches a relay head carried
@@ -135,7 +136,7 @@ class NodeTable:
         """Open a new session (``record`` from ``record_for``, already stored)."""
         session = NodeSession(record, NodeStatus.READY, outbox, tuple(hello.free_ports), now,
                               peer_port=hello.peer_port, pool=hello.pool, replaces=hello.replaces,
-                              relays=hello.relays)
+                              relays=hello.relays, data_roots=hello.data_roots)
         self.sessions[hello.name] = session
         return session
 

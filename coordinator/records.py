@@ -154,6 +154,7 @@ class NodeHello:
     pool: str = ""             # the allocation it was started for ("": the general pool)
     replaces: bool = False     # a newer attempt's Assign stops the older one's ranks there first (``Register.replaces``)
     relays: bool = False       # it forwards a Relay's items as a relay tree's head (``coordinator.relay``)
+    data_roots: tuple[str, ...] = ()  # where its jobs may create files (``Register.data_roots``; (): not told)
 
 
 @dataclass(frozen=True)

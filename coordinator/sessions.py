@@ -36,6 +36,8 @@ RECONNECT_GRACE_S = 10.0  # at least this long for a DISCONNECTED node to come b
 MAX_HELLO_TEXT = 256         # characters of a Register's address, session, hostname, GPU name
 MAX_FREE_PORTS = 4096        # free ports a node offers at most (a Register's or a heartbeat's)
 MAX_GPUS = 256               # GPUs of one node at most
+MAX_DATA_ROOTS = 64          # data roots one node reports (each as given and real, with its state dir)
+MAX_PATH = 4096              # characters of one reported data root (Linux's PATH_MAX)
 MAX_HEARTBEAT_RATE = 1000.0  # heartbeats a second from the whole fleet at most (ctl coordinator --max-heartbeat-rate)
 STORM_GRACES = 6          # after a start (a restart, a failover) nodes known from the store are waited for while any
                           # node still registers, up to this many graces: thousands re-register in a storm
@@ -99,6 +101,11 @@ def _hello_bounds(hello: NodeHello) -> str | None:
     counts = [("free_ports", len(hello.free_ports), MAX_FREE_PORTS), ("hardware.gpus", len(hw.get("gpus", [])), MAX_GPUS),
               ("running", len(hello.running), MAX_SLOTS_PER_NODE)]
     counts += [(f"running[{i}].ranks", len(r.ranks), MAX_SLOTS_PER_NODE) for i, r in enumerate(hello.running)]
+    counts.append(("data_roots", len(hello.data_roots), MAX_DATA_ROOTS))
+    texts = [(f"data_roots[{i}]", r) for i, r in enumerate(hello.data_roots[:MAX_DATA_ROOTS])]
+    bad_root = next((f for f, r in texts if len(r) > MAX_PATH or not r.startswith("/") or "\x00" in r), None)
+    if bad_root:
+        return f"{bad_root} must be an absolute path of at most {MAX_PATH} characters"
     for field, n, most in counts:
         if n > most:
             return f"{field} has {n} entries; at most {most}"

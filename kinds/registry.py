@@ -51,6 +51,9 @@ class JobKind:
     ``shipment(spec) -> Shipment | None``: a directory ``ctl`` packs and uploads before submitting (a workdir).
     ``node_paths(spec dict, workdir, cwd) -> [(field, value, path)]``: the node files a rank will open, which
     the worker's sandbox keeps under its roots before the ranks start.
+    ``written_paths(spec) -> [(field, value, path)]``: the node directories a rank creates, writes or deletes
+    under, named by the spec (``path`` built from ``value``); the worker refuses one it cannot reach through no
+    symbolic link below a root (``contract.safepath``), the coordinator one under no registered node's roots.
     ``drain_checkpoint``: a running job saves a checkpoint at a step the daemon asks for (a node's drain waits
     for it, then restarts the job without the node); otherwise a drain restarts it at once.
     ``own_rendezvous``: the rank's code creates its default process group itself (torchrun-style scripts);
@@ -75,6 +78,7 @@ class JobKind:
     blob_limit: Any = None
     shipment: Any = None
     node_paths: Any = None
+    written_paths: Any = None
     drain_checkpoint: bool = False
     own_rendezvous: bool = False
     figures: Mapping[str, "Fold"] = field(default_factory=dict)

@@ -507,7 +507,7 @@ class Cancel(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port", "pool", "replaces", "relays")
+    __slots__ = ("name", "address", "slots", "hardware", "free_ports", "running", "session", "peer_port", "pool", "replaces", "relays", "data_roots")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -519,6 +519,7 @@ class Register(_message.Message):
     POOL_FIELD_NUMBER: _ClassVar[int]
     REPLACES_FIELD_NUMBER: _ClassVar[int]
     RELAYS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ROOTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     slots: int
@@ -530,7 +531,8 @@ class Register(_message.Message):
     pool: str
     replaces: bool
     relays: bool
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ..., pool: _Optional[str] = ..., replaces: _Optional[bool] = ..., relays: _Optional[bool] = ...) -> None: ...
+    data_roots: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., slots: _Optional[int] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., free_ports: _Optional[_Iterable[int]] = ..., running: _Optional[_Iterable[_Union[RunningJob, _Mapping]]] = ..., session: _Optional[str] = ..., peer_port: _Optional[int] = ..., pool: _Optional[str] = ..., replaces: _Optional[bool] = ..., relays: _Optional[bool] = ..., data_roots: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunningJob(_message.Message):
     __slots__ = ("job_id", "attempt", "ranks")

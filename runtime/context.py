@@ -20,7 +20,7 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed as dist
 
-from rankctl.contract import checkpoints
+from rankctl.contract import checkpoints, safepath
 from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.names import job_name_problem
 from rankctl.contract.spec import JobSpec
@@ -184,8 +184,9 @@ class RankContext:
         problem = job_name_problem(self.spec.name)
         if problem:
             raise ValueError(f"no checkpoint directory: {problem}")
-        path = checkpoints.root_in(checkpoints.state_dir_of(self._run_dir), self.spec.name)
-        os.makedirs(path, exist_ok=True)
+        state = checkpoints.state_dir_of(self._run_dir)
+        path = checkpoints.root_in(state, self.spec.name)
+        safepath.makedirs(state, path)   # through no link below the state dir
         return path
 
     def close(self) -> None:

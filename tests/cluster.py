@@ -227,12 +227,14 @@ class ProcCluster:
     """A real ``ctl coordinator`` and worker daemons (one process each) on loopback."""
 
     def __init__(self, root: Path, names: list[str], slots: int, heartbeat_timeout: float = 3.0,
-                 http_listen: str | None = None, coord_extra: tuple[str, ...] = ()) -> None:
+                 http_listen: str | None = None, coord_extra: tuple[str, ...] = (),
+                 data_roots: tuple[str, ...] = ("/",)) -> None:
         self.root, self.slots, self.heartbeat_timeout = root, slots, heartbeat_timeout
+        self.data_roots = data_roots
         self.coord, self.address = start_coordinator(root / "coord", heartbeat_timeout, http_listen=http_listen,
                                                      extra=coord_extra)
         self.http_url = f"http://{http_address(root / 'coord')}" if http_listen else None
-        self.workers = {name: start_worker(self.address, name, slots, root) for name in names}
+        self.workers = {name: start_worker(self.address, name, slots, root, data_roots=data_roots) for name in names}
         self.wait_ready()
 
     def wait_ready(self) -> None:
@@ -240,7 +242,7 @@ class ProcCluster:
         wait_for(lambda: sorted(ready_nodes(self.address)) == names, 60, f"workers {names} READY")
 
     def restart_worker(self, name: str) -> None:
-        self.workers[name] = start_worker(self.address, name, self.slots, self.root)
+        self.workers[name] = start_worker(self.address, name, self.slots, self.root, data_roots=self.data_roots)
         self.wait_ready()
 
     def submit(self, *args: str) -> str:

@@ -46,6 +46,8 @@ def _rank_state(tp: int, rank: int, sp: bool, dp_rank: int = 0) -> dict:
 
 
 @pytest.mark.parametrize("sp", [False, True])
+
+
 def test_export_gathers_tp_shards_into_the_serial_model(tmp_path, sp: bool) -> None:
     root = str(tmp_path)
     for dp_rank in range(2):
@@ -182,3 +184,27 @@ def test_export_writes_atomically_and_never_over_a_device_a_link_or_another_file
         assert code == 0, err
     assert (tmp_path / "link.pt").is_file() and not (tmp_path / "link.pt").is_symlink()
     assert target.read_text() == "keep me too" and torch.load(tmp_path / "full.pt")["wte.weight"].shape == (255, 32)
+
+
+def test_saves_and_removals_never_pass_through_a_link_below_the_base(tmp_path) -> None:
+    """``base`` (a worker root) is trusted; a link at the job's root, a step directory or a file below it is
+    refused (saves) or never followed (removals), and nothing outside changes."""
+    from rankctl.contract.safepath import UnsafePath
+
+    base, outside = tmp_path / "data", tmp_path / "outside"
+    (outside / "step-00000001").mkdir(parents=True)
+    (outside / "step-00000001" / "rank-00000.pt").write_bytes(b"theirs")
+    (base / "ck").mkdir(parents=True)
+    (base / "ck" / "linked").symlink_to(outside)
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        ckpt.save_rank(str(base / "ck" / "linked"), 2, 0, {"w": torch.ones(1)}, "fp", base=str(base))
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        ckpt.remove_rank_files(str(base / "ck" / "linked"), 0, base=str(base))
+    own = base / "ck" / "own"
+    ckpt.save_rank(str(own), 2, 0, {"w": torch.ones(1)}, "fp", base=str(base))
+    (own / "step-00000001").symlink_to(outside / "step-00000001")
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        ckpt.remove_rank_files(str(own), 0, base=str(base))
+    assert sorted(p.name for p in outside.rglob("*")) == ["rank-00000.pt", "step-00000001"]
+    os.unlink(own / "step-00000001")
+    assert ckpt.remove_rank_files(str(own), 0, base=str(base)) == 2   # its own .pt and .done

@@ -33,7 +33,9 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.grpc_in_process]
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory):
-    c = ProcCluster(tmp_path_factory.mktemp("defects"), ["node-0", "node-1"], 2, HEARTBEAT_TIMEOUT)
+    root = tmp_path_factory.mktemp("defects")
+    (root / "data").mkdir()   # the workers' one --data-root (besides their state dirs)
+    c = ProcCluster(root, ["node-0", "node-1"], 2, HEARTBEAT_TIMEOUT, data_roots=(str(root / "data"),))
     yield c
     c.stop()
 
@@ -261,3 +263,100 @@ def test_a_full_node_disk_moves_the_job_to_a_ready_spare_naming_path_and_file_sy
     finally:
         worker.stop()
         subprocess.run(["umount", "-l", str(state)], capture_output=True)
+TRAIN = """
+name: {name}
+kind: train
+resources: {{nodes: 1, slots_per_node: 1}}
+model: {{layers: 1, hidden: 16, heads: 2, seq_len: 8, vocab: 256}}
+train: {{steps: 3, global_batch: 2, micro_batch: 2, checkpoint_every: 1, checkpoint_dir: {ckpt}, data: builtin:pydoc}}
+"""
+
+
+def submit_train(two: ProcCluster, tmp: Path, name: str, ckpt: Path) -> subprocess.CompletedProcess:
+    path = tmp / f"{name}.yaml"
+    path.write_text(TRAIN.format(name=name, ckpt=ckpt))
+    return ctl(two.address, "submit", str(path))
+
+
+def planted(outside: Path) -> dict[str, bytes]:
+    """Another job's step of rank 0 outside the data root: what a followed link would delete."""
+    step = outside / "step-00000001"
+    step.mkdir(parents=True)
+    for name in ("rank-00000.pt", "rank-00000.done"):
+        (step / name).write_bytes(b"not yours")
+    return {str(p.relative_to(outside)): p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+
+
+def files_in(outside: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(outside)): p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+
+
+def test_a_job_dir_linked_out_of_the_data_root_is_refused_before_its_ranks_start(two: ProcCluster,
+                                                                                  tmp_path: Path) -> None:
+    ckpt, outside = two.root / "data" / "linked-ckpt", tmp_path / "outside"
+    ckpt.mkdir()
+    before = planted(outside)
+    (ckpt / "linked").symlink_to(outside)   # {checkpoint_dir}/{job name} leads out of the root
+    out = submit_train(two, tmp_path, "linked", ckpt)
+    assert out.returncode == 0, out.stderr
+    final = wait_state(two.address, out.stdout.strip(), {"SUCCEEDED", "FAILED"}, 180)
+    text = json.dumps(final)
+    assert final["state"] == "FAILED" and "refused the assignment" in text, text[:2000]
+    assert f"passes through the symbolic link '{ckpt / 'linked'}'" in text, text[:2000]
+    assert "through no symbolic link" in text   # the rule
+    assert files_in(outside) == before and not list(two.root.glob("node-*/jobs/linked-*/*/rank-0.status.jsonl"))
+
+
+def test_a_step_dir_linked_out_of_the_data_root_is_never_followed_by_a_rank(two: ProcCluster, tmp_path: Path) -> None:
+    ckpt, outside = two.root / "data" / "stepped-ckpt", tmp_path / "outside"
+    (ckpt / "stepped").mkdir(parents=True)
+    before = planted(outside)
+    (ckpt / "stepped" / "step-00000001").symlink_to(outside / "step-00000001")  # found by the rank's clean-up
+    out = submit_train(two, tmp_path, "stepped", ckpt)
+    assert out.returncode == 0, out.stderr
+    final = wait_state(two.address, out.stdout.strip(), {"SUCCEEDED", "FAILED"}, 300)
+    text = json.dumps(final)
+    link = ckpt / "stepped" / "step-00000001"
+    assert final["state"] == "FAILED" and f"passes through the symbolic link '{link}'" in text, text[:2000]
+    assert files_in(outside) == before
+
+
+def test_a_checkpoint_dir_outside_every_nodes_data_root_is_refused_at_submit(two: ProcCluster, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    before = json.loads(ctl(two.address, "jobs", "--json").stdout)
+    out = submit_train(two, tmp_path, "elsewhere", elsewhere)
+    assert out.returncode == 2, out.stderr
+    assert f"train.checkpoint_dir='{elsewhere}' lies under no registered node's --data-root" in out.stderr, out.stderr
+    assert str(two.root / "data") in out.stderr and "Traceback" not in out.stderr
+    assert json.loads(ctl(two.address, "jobs", "--json").stdout) == before and not elsewhere.exists()
+    inside = submit_train(two, tmp_path, "inside", two.root / "data" / "inside-ckpt")   # under the root: accepted
+    assert inside.returncode == 0, inside.stderr
+    assert ctl(two.address, "cancel", inside.stdout.strip()).returncode == 0
+
+
+def tmpfs_mounts() -> set[str]:
+    with open("/proc/self/mounts", encoding="utf-8") as f:
+        return {p[1] for p in (line.split() for line in f) if len(p) > 2 and p[2] == "tmpfs"}
+
+
+def test_a_sigkilled_workers_mounts_go_at_the_next_worker_start_on_another_state_dir(two: ProcCluster) -> None:
+    from rankctl.contract.checkpoints import memory_base
+
+    doomed = start_worker(two.address, "node-7", 2, two.root / "doomed", data_roots=two.data_roots)
+    wait_for(lambda: "node-7" in ready_nodes(two.address), 60, "node-7 READY")
+    snapshots = memory_base(str(two.root / "doomed" / "node-7"))
+    job = comm_check(two.address, 600, "--set", "resources.nodes=3")
+    attempt_shm = str(two.root / "doomed" / "node-7" / "jobs" / job / "1" / "shm")
+    wait_for(lambda: {snapshots, attempt_shm} <= tmpfs_mounts(), 120, "node-7's snapshot and attempt tmpfs mounted")
+    live = {memory_base(str(two.root / n)) for n in two.workers}
+    assert live <= tmpfs_mounts()
+    doomed.kill()   # SIGKILL: no clean-up of its own
+    assert ctl(two.address, "cancel", job).returncode == 0   # (its mounts stay: no daemon on its state dir)
+    reaper = start_worker(two.address, "node-8", 1, two.root / "reaper", data_roots=two.data_roots)
+    try:
+        # by node-8's start (or by any other worker starting on this host meanwhile: the same rule)
+        wait_for(lambda: not {snapshots, attempt_shm} & tmpfs_mounts(), 60, "node-7's mounts unmounted by node-8")
+        assert live <= tmpfs_mounts()   # the live daemons' own are untouched
+    finally:
+        reaper.stop()
+        doomed.stop()

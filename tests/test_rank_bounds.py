@@ -69,6 +69,9 @@ def test_huge_fields_and_odd_phases_are_bounded_before_the_record(world: World) 
     ({"free_ports": tuple(range(1, 100_001))}, r"free_ports has 100000 entries; at most 4096"),
     ({"free_ports": (-1,)}, r"port -1 \(free_ports or peer_port\) must be between 1 and 65535"),
     ({"peer_port": 70_000}, r"port 70000"),
+    ({"data_roots": tuple(f"/d{i}" for i in range(100))}, r"data_roots has 100 entries; at most 64"),
+    ({"data_roots": ("relative",)}, r"data_roots\[0\] must be an absolute path of at most 4096 characters"),
+    ({"data_roots": ("/" + "d" * 5000,)}, r"data_roots\[0\] must be an absolute path"),
 ])
 def test_a_register_out_of_bounds_is_refused_naming_the_field(world: World, change: dict, named: str) -> None:
     from rankctl.coordinator.errors import ProtocolError

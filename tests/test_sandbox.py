@@ -210,3 +210,22 @@ def test_a_state_dir_link_leading_jobs_elsewhere_is_refused(tmp_path: Path) -> N
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "state" / "jobs").symlink_to(tmp_path / "elsewhere")
     assert "resolves outside the state dir" in derived_problem(str(tmp_path / "state"), "j-000000", 1, "j", [0])
+
+
+def checkpointing(name: str, checkpoint_dir: str):
+    return build_spec({"name": name, "kind": "train", "train": {"data": "builtin:pydoc",
+                                                                   "checkpoint_dir": checkpoint_dir}})
+
+
+def test_a_written_path_must_be_reached_through_no_link_below_a_root(tree) -> None:
+    roots = sandbox.write_roots([str(tree["data"])], str(tree["state"]))
+    ck = tree["data"] / "ck"
+    ck.mkdir()
+    (ck / "out").symlink_to(tree["outside"])
+    (tree["data"] / "inlink").symlink_to(ck)   # a link that stays inside still counts: no link at all
+    assert sandbox.written_problem(checkpointing("fresh", str(ck)), roots) is None
+    assert "passes through the symbolic link" in sandbox.written_problem(checkpointing("out", str(ck)), roots)
+    assert "passes through the symbolic link" in sandbox.written_problem(
+        checkpointing("fresh", str(tree["data"] / "inlink")), roots)
+    for bad in (str(tree["data"] / ".." / "outside"), str(tree["outside"])):
+        assert "is not under a root as written" in sandbox.written_problem(checkpointing("fresh", bad), roots)

@@ -63,10 +63,10 @@ def _die_at(step_to_die: int) -> None:
     so that step's checkpoint is incomplete."""
     save = ckpt.save_rank
 
-    def save_then_die(root: str, step: int, rank: int, *args: Any) -> str:
+    def save_then_die(root: str, step: int, rank: int, *args: Any, **kwargs: Any) -> str:
         if step == step_to_die and rank != 0:
             os._exit(CRASH)
-        out = save(root, step, rank, *args)
+        out = save(root, step, rank, *args, **kwargs)
         if step == step_to_die:
             os._exit(CRASH)
         return out

@@ -9,10 +9,12 @@ workdir are checked before any rank starts; a bad Assign is refused and its rank
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from rankctl.contract import safepath
 from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.limits import MAX_SLOTS_PER_NODE, MAX_WORLD_SIZE
 from rankctl.kinds.registry import blob_limit_of, blobs_of
@@ -31,7 +33,7 @@ from rankctl.worker.replication import Replication
 from rankctl.worker.reporting import exit_status, notice_status
 from rankctl.worker.runs import Runs
 from rankctl.worker.runstate import RunState
-from rankctl.worker.sandbox import assignment_problem
+from rankctl.worker.sandbox import assignment_problem, written_problem
 from rankctl.worker.status import StatusTailer
 from rankctl.worker.supervisor import LauncherSupervisor
 
@@ -42,15 +44,17 @@ def claimed_ranks(msg: pb.Assign) -> list[int]:
     return [r for r in range(msg.first_rank, msg.first_rank + count) if r >= 0]
 
 
-def expand(msg: pb.Assign, node: str, run_dir: str, gpus: int, address: str = "") -> list[RankAssignment]:
+def expand(msg: pb.Assign, node: str, run_dir: str, gpus: int, address: str = "",
+           roots: tuple[str, ...] = ()) -> list[RankAssignment]:
     """The node's rank assignments; raises ``Refused`` naming what is wrong with the Assign.
 
-    ``address`` is the node's advertised address, where its ranks bind their collectives (``runtime.netif``).
+    ``address`` is the node's advertised address, where its ranks bind their collectives (``runtime.netif``);
+    ``roots`` where they may create and delete (``worker.sandbox.write_roots``).
     """
     out = _compact(msg, node, gpus)
     for a in out:
         check_assignment(a, msg.job_id, msg.attempt)
-    return [replace(a, run_dir=run_dir, node_address=address) for a in out]
+    return [replace(a, run_dir=run_dir, node_address=address, roots=roots) for a in out]
 
 
 def _compact(msg: pb.Assign, node: str, gpus: int) -> list[RankAssignment]:
@@ -77,19 +81,21 @@ def _compact(msg: pb.Assign, node: str, gpus: int) -> list[RankAssignment]:
 class Admission:
     """Admits the coordinator's Assign messages: a run of ``runs`` launched by ``launcher``, or a refusal.
 
-    ``roots`` are where a job's node paths may lie (``worker.sandbox``); ``fetch_blob`` streams a shipped
+    ``roots`` are where a job's node paths may lie (``worker.sandbox``), ``write_roots`` where its ranks may
+    create files (``sandbox.write_roots``, as given and real); ``fetch_blob`` streams a shipped
     workdir from the coordinator into ``workdirs``.
     """
 
     def __init__(self, cfg: DaemonConfig, *, runs: Runs, launcher: LauncherSupervisor, replication: Replication,
-                 workdirs: WorkdirCache, roots: list[str], fetch_blob: Callable[[str], AsyncIterator[bytes]],
-                 outbox: Outbox, log: Any) -> None:
+                 workdirs: WorkdirCache, roots: list[str], write_roots: tuple[str, ...],
+                 fetch_blob: Callable[[str], AsyncIterator[bytes]], outbox: Outbox, log: Any) -> None:
         self.cfg = cfg
         self._runs = runs
         self._launcher = launcher
         self._replication = replication
         self._workdirs = workdirs
         self._roots = roots
+        self._write_roots = write_roots
         self._fetch_blob = fetch_blob
         self._outbox = outbox
         self._log = log
@@ -99,7 +105,7 @@ class Admission:
         try:
             run_dir, assignments = self._expanded(msg)
             assignments = await self._with_workdir(assignments)
-            self._check_paths(assignments)
+            self._check_paths(assignments, run_dir)
         except Refused as exc:
             self._refuse(msg, str(exc))
             return
@@ -117,7 +123,8 @@ class Admission:
         """The run dir and assignments of an Assign whose every id is safe as a path."""
         run_dir = run_dir_for(self.cfg.state_dir, msg.job_id, msg.attempt)
         gpus = len(self._launcher.hardware.get("gpus") or [])
-        return run_dir, expand(msg, self.cfg.name, str(run_dir), gpus, self.cfg.advertise_address)
+        return run_dir, expand(msg, self.cfg.name, str(run_dir), gpus, self.cfg.advertise_address,
+                               self._write_roots)
 
     async def _with_workdir(self, assignments: list[RankAssignment]) -> list[RankAssignment]:
         """Each rank's ``workdir``: this node's extracted copy of the job's shipped workdir, fetched once."""
@@ -131,18 +138,30 @@ class Admission:
             raise Refused(f"cannot fetch the job's workdir {digests[0]}: {exc}") from None
         return [replace(a, workdir=str(path)) for a in assignments]
 
-    def _check_paths(self, assignments: list[RankAssignment]) -> None:
-        """Refused when a node path of the spec lies outside the roots (the workdir it pinned is let go)."""
+    def _check_paths(self, assignments: list[RankAssignment], run_dir: Path) -> None:
+        """Refused when a node path of the spec lies outside the roots or the run dir cannot be made through no
+        link below the state dir (the workdir it pinned is let go); the run dir is made last."""
         first = assignments[0] if assignments else None
-        problem = first and assignment_problem(first.spec, self._roots, workdir=first.workdir)
+        problem = first and (assignment_problem(first.spec, self._roots, workdir=first.workdir)
+                             or written_problem(first.spec, self._write_roots) or self._run_dir_problem(run_dir))
         if problem:
             for digest in blobs_of(first.spec)[:1] if first.workdir else []:
                 self._workdirs.unpin(digest)
             raise Refused(problem)
 
+    def _run_dir_problem(self, run_dir: Path) -> str | None:
+        """The run dir made through no link below the state dir (made when new: trusted as given), or why not."""
+        state = os.path.realpath(self.cfg.state_dir)   # run_dir is a real path too (``paths.run_dir_for``)
+        try:
+            os.makedirs(state, exist_ok=True)
+            safepath.makedirs(state, str(run_dir))
+        except OSError as exc:
+            return f"cannot make the run dir {run_dir}: {exc.strerror or exc}"
+        return None
+
     async def _new_run(self, msg: pb.Assign, run_dir: Path, assignments: list[RankAssignment]) -> RunState:
-        """The run of admitted ``assignments``, its directory made and a replaced node's checkpoints fetched."""
-        run_dir.mkdir(parents=True, exist_ok=True)
+        """The run of admitted ``assignments`` (its directory made by ``_check_paths``), a replaced node's
+        checkpoints fetched."""
         ranks = {a.rank for a in assignments}
         spec = assignments[0].spec if assignments else None
         name = spec.name if spec else ""

@@ -30,7 +30,7 @@ from rankctl.worker import relay as relays
 from rankctl.worker.shardstore import ShardStore
 from rankctl.worker.replication import Replication
 from rankctl.worker.runs import Runs
-from rankctl.worker.sandbox import allowed_roots
+from rankctl.worker.sandbox import allowed_roots, write_roots
 from rankctl.worker.session import CoordinatorSession, NodeNameTaken
 from rankctl.worker.supervisor import LauncherLost, LauncherSupervisor, RestartPolicy
 from rankctl.worker.tasks import Background
@@ -65,6 +65,7 @@ class WorkerDaemon:
         self._credentials = credentials = _credentials(cfg.tls_dir)
         self.relay = relay or relays.RelayInbox()   # relayed Assigns for this node (its PeerService's, when served)
         roots = allowed_roots(cfg.data_roots, str(cfg.state_dir))  # ValueError: a root is not a directory
+        writable = tuple(write_roots(cfg.data_roots, str(cfg.state_dir)))  # where its ranks may create files
         workdirs = WorkdirCache(cfg.state_dir, cfg.workdir_cache_mb << 20)
         self.outbox = Outbox(MAX_BUFFERED_REPORTS)
         self._background = Background()
@@ -86,12 +87,13 @@ class WorkerDaemon:
             cfg, outbox=self.outbox, inbound=self, running=self._running,
             hardware=lambda: self.supervisor.hardware, on_change=self._update_health, credentials=credentials,
             stats=self.stats, rng=rng or random.Random(), session_id=f"{cfg.name}-{os.getpid()}-{id(self):x}",
-            log=node_log)
+            data_roots=writable, log=node_log)
         uplink = self.session.uplink
         uplink.wake, uplink.online = self.outbox.wake.set, lambda: self.session.online
         self.relay.bind(cfg.name, self.assign, node_log, uplink)
         self.admission = Admission(cfg, runs=self.runs, launcher=self.supervisor, replication=replication,
-                                   workdirs=workdirs, roots=roots, fetch_blob=self.session.fetch_blob,
+                                   workdirs=workdirs, roots=roots, write_roots=writable,
+                                   fetch_blob=self.session.fetch_blob,
                                    outbox=self.outbox, log=node_log)
         self.inplace = InPlace(node=cfg.name, runs=self.runs, kill=self.supervisor.kill, admit=self.admission.admit,
                                outbox=self.outbox, log=node_log)

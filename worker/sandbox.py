@@ -14,6 +14,11 @@ Node paths a spec names, per kind (``JobKind.node_paths``):
   it and is not a node path. A python job runs the user's code: this keeps the files the job names inside the
   roots; it does not confine what the code opens (that needs an OS sandbox).
 
+Directories a rank creates, writes and deletes under (``JobKind.written_paths``: a train job's
+``{train.checkpoint_dir}/{job name}``) must also be reachable through no symbolic link below a root, as written
+(``written_problem``, ``contract.safepath``): the rank writes only through that library, so a link planted
+later is refused there too; this check refuses the job before it starts.
+
 Paths the node forms from ids (run dir, rank files, checkpoint, snapshot and replica roots) must be one entry in
 their directory: ``derived_problem`` checks the ids with ``contract.names`` before any path is formed.
 """
@@ -24,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from rankctl.contract import rankfiles
+from rankctl.contract import rankfiles, safepath
 from rankctl.contract.names import job_name_problem, shown
 from rankctl.contract.spec import JobSpec
 from rankctl.kinds import registry
@@ -48,6 +53,31 @@ def allowed_roots(data_roots: Sequence[str], state_dir: str) -> list[str]:
         if real not in roots:
             roots.append(real)
     return roots
+
+
+def write_roots(data_roots: Sequence[str], state_dir: str) -> list[str]:
+    """Where ranks may create and delete (``contract.safepath``'s bases): each root of ``allowed_roots``, as
+    given (absolute) and as its real path, so that a path written under either form is found."""
+    out: list[str] = []
+    for given, real in zip((str(state_dir), *data_roots), allowed_roots(data_roots, state_dir)):
+        out += [p for p in (os.path.abspath(given), real) if p not in out]
+    return out
+
+
+def written_problem(spec: JobSpec, roots: Sequence[str]) -> str | None:
+    """The first directory ``spec`` makes its ranks write under that is not under one of ``roots``
+    (``write_roots``) as written, or passes through a symbolic link below it, as a one-line reason; or None."""
+    kind = registry.kinds().get(spec.kind)
+    written = kind.resolve("written_paths") if kind else None
+    for field, value, path in written(spec) if written else []:
+        base = safepath.base_of(os.path.normpath(path), roots)
+        if base is None or os.path.normpath(path) != path.rstrip(os.sep):
+            return (f"{field}: {_quoted(value)} is not under a root as written ({', '.join(roots)}): {safepath.RULE} "
+                    f"(name it through no '..', '.' or link)")
+        problem = safepath.problem(base, path)
+        if problem:
+            return f"{field}: {_quoted(value)}: {problem}"
+    return None
 
 
 def _under(real: str, root: str) -> bool:

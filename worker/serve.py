@@ -18,7 +18,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.worker import snapmem
+from rankctl.contract import checkpoints
+from rankctl.worker import mountreg, shm, snapmem
 from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 from rankctl.worker.relay import RelayInbox
 from rankctl.worker.replicas import PeerServicer
@@ -153,6 +154,9 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
     when the coordinator refuses the node's name, OSError when the metrics address cannot be bound.
     The snapshot memory bound (``worker.snapmem``) is in force before a peer can push or a rank run.
     """
+    reaped = mountreg.reap(shm.unmount, keep=[checkpoints.memory_base(str(cfg.state_dir))])
+    if reaped:   # what SIGKILLed workers left on this host, whatever their state dir (``worker.mountreg``)
+        log.info("unmounted what dead workers left", node=cfg.name, paths=reaped)
     bound = snapmem.apply(str(cfg.state_dir), cfg.snapshot_memory_mb)
     log.info("snapshot memory bound", node=cfg.name, **bound.fields())
     try:

@@ -88,7 +88,8 @@ class CoordinatorSession:
     def __init__(self, cfg: DaemonConfig, *, outbox: Outbox, inbound: Inbound,
                  running: Callable[[], list[pb.RunningJob]], hardware: Callable[[], dict[str, Any]],
                  on_change: Callable[[], Awaitable[None]], credentials: grpc.ChannelCredentials | None,
-                 stats: DaemonStats, rng: random.Random, session_id: str, log: Any) -> None:
+                 stats: DaemonStats, rng: random.Random, session_id: str, log: Any,
+                 data_roots: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
         self._outbox = outbox
         self._inbound = inbound
@@ -99,6 +100,7 @@ class CoordinatorSession:
         self._stats = stats
         self._rng = rng
         self._session_id = session_id
+        self._data_roots = data_roots   # where its jobs may create files, told to the coordinator on Register
         self._log = log
         self.heartbeat_interval = 1.0  # the coordinator's, from its Registered
         self.connected = asyncio.Event()  # set while registered
@@ -182,7 +184,7 @@ class CoordinatorSession:
         return pb.NodeMessage(register=pb.Register(
             name=cfg.name, address=cfg.advertise_address, slots=cfg.slots, hardware=hardware_pb(self._hardware()),
             running=self._running(), session=self._session_id, peer_port=cfg.peer_port, pool=cfg.pool,
-            free_ports=self._offer_ports(), replaces=True, relays=True,
+            free_ports=self._offer_ports(), replaces=True, relays=True, data_roots=self._data_roots,
         ))
 
     async def _session_once(self) -> None:

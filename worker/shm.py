@@ -18,6 +18,7 @@ import ctypes
 import os
 
 from rankctl.contract import checkpoints
+from rankctl.worker import mountreg
 
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 4096, 16384, 1 << 19
@@ -41,6 +42,11 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
            f"mount {source or fstype} on {target}")
 
 
+def unmount(path: str) -> None:
+    """Detach the mount at ``path`` (lazily: a process still inside keeps it until it leaves); OSError if refused."""
+    check(libc().umount2(path.encode(), MNT_DETACH), f"umount {path}")
+
+
 def job_shm_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "shm")
 
@@ -51,6 +57,7 @@ def mount_job_shm(run_dir: str, size_mb: int) -> str:
     os.makedirs(path, exist_ok=True)
     if not os.path.ismount(path):
         mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size_mb)}m,mode=1777")
+        mountreg.record(path, [os.getpid(), os.getppid()])   # the launcher and its daemon (worker.mountreg)
     return path
 
 
@@ -59,7 +66,8 @@ def unmount_job_shm(run_dir: str) -> None:
     path = job_shm_dir(run_dir)
     if os.path.ismount(path):
         with contextlib.suppress(OSError):
-            check(libc().umount2(path.encode(), MNT_DETACH), f"umount {path}")
+            unmount(path)
+    mountreg.forget(path)
     with contextlib.suppress(OSError):
         os.rmdir(path)
 
@@ -73,7 +81,7 @@ def can_mount(scratch: str) -> bool:
         return False
     finally:
         with contextlib.suppress(OSError):
-            check(libc().umount2(scratch.encode(), MNT_DETACH), f"umount {scratch}")
+            unmount(scratch)
         with contextlib.suppress(OSError):
             os.rmdir(scratch)
     return True

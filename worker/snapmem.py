@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from rankctl.contract import checkpoints
-from rankctl.worker import shm
+from rankctl.worker import mountreg, shm
 
 MS_REMOUNT = 32
 MOUNTED, RESIZED, ACCOUNTED, NONE = "tmpfs mounted", "tmpfs resized", "accounted by the peer service", "none"
@@ -116,7 +116,10 @@ def apply(state_dir: str, limit_mb: int | None) -> Bound:
     if not base.startswith(checkpoints.SHM + os.sep):
         return Bound(limit=limit_mb << 20, how=ACCOUNTED, base=base, why=f"snapshots are not in {checkpoints.SHM}")
     try:
-        return _mount_or_resize(base, limit_mb)
+        bound = _mount_or_resize(base, limit_mb)
+        if bound.how in (MOUNTED, RESIZED):
+            mountreg.record(base, [os.getpid()])   # a SIGKILLed daemon's is unmounted by the next worker's start
+        return bound
     except OSError as exc:
         return Bound(limit=limit_mb << 20, how=ACCOUNTED, base=base, why=str(exc))
 
@@ -133,9 +136,10 @@ def release(bound: Bound) -> bool:
     if bound.how not in (MOUNTED, RESIZED) or holds_snapshots(bound.base):
         return False
     try:
-        shm.check(shm.libc().umount2(bound.base.encode(), shm.MNT_DETACH), f"umount {bound.base}")
+        shm.unmount(bound.base)
     except OSError:
         return False
+    mountreg.forget(bound.base)
     with contextlib.suppress(OSError):
         os.rmdir(bound.base)
     return True

@@ -21,6 +21,7 @@ KIND = JobKind(
     progress="rankctl.kinds.train.render:progress",
     client_overrides="rankctl.kinds.train.checks:absolute_data",
     node_paths="rankctl.kinds.train.checks:node_paths",
+    written_paths="rankctl.kinds.train.checks:written_paths",
     drain_checkpoint=True,
     figures=TRAINING_FIGURES,
     warm="rankctl.kinds.common:warm",

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from rankctl.contract import safepath
 from rankctl.contract.checkpoints import (
     RANK_FILE_RE, STEP_RE, complete_for, damage, list_steps, marker_file, prune, rank_file, read_marker,
     remove_rank_step, root_in, snapshot_root, state_dir_of, step_dir,
@@ -122,13 +123,15 @@ class _Recorder:
         self.f.flush()
 
 
-def atomic_write(path: str, write: Any) -> _Recorder:
-    """``write(f)`` to a temporary name in ``path``'s directory, renamed over ``path`` (a link there is replaced,
-    never written through); the temporary file goes when it fails, and the OSError a full filesystem raised is
-    raised as it is (not torch.save's RuntimeError). Returns what was written (its SHA-256 and size)."""
+def atomic_write(path: str, write: Any, *, base: str | None = None) -> _Recorder:
+    """``write(f)`` to a temporary name renamed over ``path`` (a link there is replaced, never written through),
+    both reached from ``base`` (default: ``path``'s directory) through no link (``contract.safepath``); the
+    temporary file goes when it fails, and the OSError a full filesystem raised is raised as it is (not
+    torch.save's RuntimeError), naming the file. Returns what was written (its SHA-256 and size)."""
+    base = os.path.dirname(os.path.abspath(path)) if base is None else base
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(safepath.open_write(base, tmp), "wb") as f:
             out = _Recorder(f)
             try:
                 write(out)
@@ -138,30 +141,40 @@ def atomic_write(path: str, write: Any) -> _Recorder:
                 raise out.error from exc
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        safepath.replace(base, tmp, path)
     except BaseException as exc:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            safepath.unlink(base, tmp)
         if isinstance(exc, OSError) and exc.filename is None:   # a write's error names no file: name it
             raise OSError(exc.errno, exc.strerror, tmp) from exc
         raise
     return out
 
 
+def _base(root: str, base: str | None) -> str:
+    """Where the safe walk to ``root`` starts: ``base`` (a worker root), or ``root`` itself (made here) when
+    the caller trusts it as it is."""
+    if base is None:
+        os.makedirs(root, exist_ok=True)
+        return root
+    return base
+
+
 def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
-              identity: dict[str, Any] | None = None, job_id: str | None = None) -> str:
+              identity: dict[str, Any] | None = None, job_id: str | None = None, *, base: str | None = None) -> str:
     """Write this rank's state for ``step`` and then its done-marker (``fp``, ``identity``, the writing job's
     id, and the shard's SHA-256 and size, which a restore verifies: ``contract.checkpoints.damage``);
-    returns the .pt path."""
-    os.makedirs(step_dir(root, step), exist_ok=True)
+    returns the .pt path. Every directory and file is made through no link below ``base`` (``_base``)."""
+    base = _base(root, base)
+    safepath.makedirs(base, step_dir(root, step))
     path = rank_file(root, step, rank)
-    written = atomic_write(path, lambda f: torch.save(state, f))
+    written = atomic_write(path, lambda f: torch.save(state, f), base=base)
     fields = {"step": step, "rank": rank, "fingerprint": fp, "identity": identity,
               "sha256": written.digest.hexdigest(), "bytes": written.size}
     if job_id is not None:
         fields["job_id"] = job_id
     marker = json.dumps(fields).encode()
-    atomic_write(marker_file(root, step, rank), lambda f: f.write(marker))
+    atomic_write(marker_file(root, step, rank), lambda f: f.write(marker), base=base)
     return path
 
 
@@ -175,26 +188,27 @@ def space_note(root: str) -> str:
             f"--snapshot-memory-mb) is full")
 
 
-def _saved_or_full(root: str, step: int, rank: int, *args: Any) -> str | None:
+def _saved_or_full(root: str, step: int, rank: int, *args: Any, base: str | None) -> str | None:
     """``save_rank``'s path, or None when the filesystem is full (ENOSPC; this rank's files of ``step`` removed)."""
     try:
-        return save_rank(root, step, rank, *args)
+        return save_rank(root, step, rank, *args, base=base)
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
-    remove_rank_step(root, step, rank)
+    remove_rank_step(root, step, rank, base=base)
     return None
 
 
 def save_snapshot(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
-                  identity: dict[str, Any] | None = None, job_id: str | None = None) -> str:
+                  identity: dict[str, Any] | None = None, job_id: str | None = None, *,
+                  base: str | None = None) -> str:
     """``save_rank`` into the node's bounded snapshot memory. When it is full (ENOSPC) the partial step goes,
     this rank keeps only its newest complete step and the write is tried once more; a second ENOSPC raises
     one naming the bound (and leaves nothing partial)."""
-    path = _saved_or_full(root, step, rank, state, fp, identity, job_id)
+    path = _saved_or_full(root, step, rank, state, fp, identity, job_id, base=base)
     if path is None:
-        prune(root, [rank], keep=1)
-        path = _saved_or_full(root, step, rank, state, fp, identity, job_id)
+        prune(root, [rank], keep=1, base=base)
+        path = _saved_or_full(root, step, rank, state, fp, identity, job_id, base=base)
     if path is None:
         raise OSError(errno.ENOSPC, f"No space left after keeping only the newest snapshot step: {space_note(root)}")
     return path
@@ -210,13 +224,16 @@ def latest_complete(root: str, world_size: int, fp: str | None = None) -> int | 
     return steps[-1] if steps else None
 
 
-def remove_rank_files(root: str, rank: int) -> int:
+def remove_rank_files(root: str, rank: int, *, base: str | None = None) -> int:
     """Delete this rank's files (and markers) of every step; a fresh run under the same name
-    must not leave a mix of old and new shards that could later look complete."""
-    removed = 0
-    for path in glob.glob(os.path.join(root, "step-*", f"rank-{rank:05d}.*")):
-        os.remove(path)
-        removed += 1
+    must not leave a mix of old and new shards that could later look complete. Listed and deleted
+    through no link below ``base`` (``root`` when None): a linked step directory is refused, not followed."""
+    base, removed, prefix = root if base is None else base, 0, f"rank-{rank:05d}."
+    for step in sorted(n for n in safepath.listdir(base, root) if STEP_RE.match(n)):
+        d = os.path.join(root, step)
+        for name in safepath.listdir(base, d):
+            if name.startswith(prefix) and safepath.unlink(base, os.path.join(d, name)):
+                removed += 1
     return removed
 
 

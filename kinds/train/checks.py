@@ -147,3 +147,10 @@ def node_paths(spec: JobSpec, workdir: str, cwd: str) -> list[tuple[str, Any, An
         if value:
             out.append((f"train.{field}", value, value))
     return out
+
+
+def written_paths(spec: JobSpec) -> list[tuple[str, Any, Any]]:
+    """The node directory a train rank creates and deletes under, as ``(field, value, path)``:
+    ``{train.checkpoint_dir}/{job name}`` when the spec names a checkpoint dir (else the node's state dir)."""
+    value = spec.train.checkpoint_dir if getattr(spec, "train", None) else None
+    return [("train.checkpoint_dir", value, os.path.join(value, spec.name))] if value else []

@@ -50,6 +50,8 @@ import time
 from typing import Any, Callable
 
 import torch
+from rankctl.contract import safepath
+from rankctl.contract.checkpoints import memory_base, state_dir_of
 from rankctl.contract.names import job_name_problem
 from rankctl.contract.rankfiles import control_path, notify_saved, read_control
 from rankctl.kinds.train import checkpoint as ckpt
@@ -93,6 +95,22 @@ def root_of(t: Trainer) -> str:
 def snapshot_root_of(t: Trainer) -> str:
     """The node's in-memory ``.../snapshots/{job name}``."""
     return ckpt.snapshot_root_for(t.ctx.assignment.run_dir, _job_name(t))
+
+
+def base_of(t: Trainer, root: str) -> str:
+    """Where the rank's no-link walk to ``root`` (``root_of`` or ``snapshot_root_of``) starts
+    (``contract.safepath``): the worker root ``train.checkpoint_dir`` lies under (``RankAssignment.roots``;
+    the directory itself, made here, when the daemon named none), the node's snapshot memory, or its state dir."""
+    state = state_dir_of(t.ctx.assignment.run_dir)
+    if root == snapshot_root_of(t):
+        base = memory_base(state)
+    elif t.cfg.checkpoint_dir:
+        base = safepath.base_of(os.path.normpath(t.cfg.checkpoint_dir), t.ctx.assignment.roots) or \
+            t.cfg.checkpoint_dir
+    else:
+        base = state
+    os.makedirs(base, exist_ok=True)   # a root, the snapshot memory (made by the daemon) or the named directory
+    return base
 
 
 DIGEST_TOKENS = 1 << 19  # tokens hashed at each end of each split
@@ -149,10 +167,11 @@ def save_checkpoint(t: Trainer, step: int) -> str:
     a, root = t.ctx.assignment, root_of(t)
     if t.state.stale_checkpoints:  # a fresh run's first checkpoint: an earlier run's files must not mix in
         t.state.stale_checkpoints = False
-        if ckpt.remove_rank_files(root, a.rank):
+        if ckpt.remove_rank_files(root, a.rank, base=base_of(t, root)):
             t.ctx.log.info("removed stale checkpoint files", root=root)
     identity = identity_of(t)
-    path = ckpt.save_rank(root, step, a.rank, state_dict(t, step), ckpt.fingerprint(identity), identity, a.job_id)
+    path = ckpt.save_rank(root, step, a.rank, state_dict(t, step), ckpt.fingerprint(identity), identity, a.job_id,
+                          base=base_of(t, root))
     notify_saved(a.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
     return path
 
@@ -165,6 +184,7 @@ class Snapshots:
         a = t.ctx.assignment
         self.every, self.rank, self.job_id, self.run_dir = every, a.rank, a.job_id, a.run_dir
         self.root = snapshot_root_of(t)
+        self.base = base_of(t, self.root) if every > 0 else ""
         self.identity = identity_of(t) if every > 0 else {}
         self.fp = ckpt.fingerprint(self.identity)
         self._thread: threading.Thread | None = None
@@ -184,9 +204,10 @@ class Snapshots:
 
     def _write(self, step: int, state: dict[str, Any]) -> None:
         try:
-            ckpt.save_snapshot(self.root, step, self.rank, state, self.fp, self.identity, self.job_id)
+            ckpt.save_snapshot(self.root, step, self.rank, state, self.fp, self.identity, self.job_id,
+                               base=self.base)
             notify_saved(self.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
-            ckpt.prune(self.root, [self.rank])
+            ckpt.prune(self.root, [self.rank], base=self.base)
             self.written.append(step)
         except BaseException as exc:  # noqa: BLE001 - reported on the loop's thread (wait)
             self._failure = (step, exc)
@@ -372,10 +393,10 @@ def restore_or_reset(t: Trainer, *, restart: bool = False) -> None:
         _init_from(t)   # nothing to go on from: the run starts as a fresh one does
         return
     _init_from(t)
-    if ckpt.remove_rank_files(roots[1], a.rank):  # snapshots only ever serve this run's restarts
+    if ckpt.remove_rank_files(roots[1], a.rank, base=base_of(t, roots[1])):  # they only serve this run's restarts
         t.ctx.log.info("removed stale snapshot files", root=roots[1])
     if cfg.checkpoint_every > 0:
-        if ckpt.remove_rank_files(roots[0], a.rank):
+        if ckpt.remove_rank_files(roots[0], a.rank, base=base_of(t, roots[0])):
             t.ctx.log.info("removed stale checkpoint files", root=roots[0])
     else:  # no checkpoint planned: an earlier run's files stay unless this run saves one (on request)
         t.state.stale_checkpoints = True
