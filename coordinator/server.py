@@ -41,6 +41,7 @@ from rankctl.coordinator.slurm import SlurmAllocator
 from rankctl.coordinator.store import Store, prune_events
 from rankctl.coordinator.transport import SERVER_OPTIONS, keepalive_options
 from rankctl.proto import rankctl_pb2_grpc
+from rankctl.security.malformed import RequestGuard
 
 if TYPE_CHECKING:
     from rankctl.coordinator.etcd import EtcdTLS
@@ -405,12 +406,13 @@ async def _copy_blobs(coord: CoordinatorServer, period_s: float = 5.0) -> None:
 
 def _grpc_server(client: ClientServiceServicer, node: NodeServiceServicer, identity,  # noqa: ANN001 - tls.Identity
                  gate: LeaderGate, heartbeat_timeout: float) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
-    """The server with its services (client, node, health, reflection), every call through the Authorizer
-    (enabled with an ``identity``), then the leader gate; not bound yet."""
+    """The server with its services (client, node, health, reflection), every call through the RequestGuard
+    (undecodable requests refused), the Authorizer (enabled with an ``identity``), then the leader gate; not
+    bound yet."""
     from rankctl.security.tls import peer_identity
 
     server = grpc.aio.server(options=SERVER_OPTIONS + keepalive_options(heartbeat_timeout),
-                             interceptors=[Authorizer(
+                             interceptors=[RequestGuard(), Authorizer(
                                  peer_identity, enabled=identity is not None,
                                  revocations=identity.revocations if identity is not None else None), gate])
     rankctl_pb2_grpc.add_ClientServiceServicer_to_server(client, server)
