@@ -167,8 +167,11 @@ class CoordinatorServer:
         if leader.get("address"):
             return (f"the coordinator at {self.address} is a standby; the leader is {leader['address']}",
                     leader["address"])
-        return (f"the coordinator at {self.address} is a standby and no coordinator leads: "
-                + (why or f"an election on the store {ha.store_url if ha else ''} is under way"), "")
+        if why:   # cut off from the store, it cannot know: another coordinator may well lead
+            return (f"the coordinator at {self.address} is a standby that cannot reach the store, so it cannot tell "
+                    f"which coordinator leads (another may: try the others' addresses): {why}", "")
+        return (f"the coordinator at {self.address} is a standby and no coordinator leads yet: an election on the "
+                f"store {ha.store_url if ha else ''} is under way", "")
 
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving without failing running jobs (their state stays for the next start)."""
