@@ -154,3 +154,21 @@ def test_an_elastic_job_shows_every_world_size_it_may_run_at(tmp_path: Path) -> 
     assert res.exit_code == 2
     assert "resources.min_nodes=2: on 3 node(s) (6 ranks) the job cannot run: train.global_batch=16 is not " \
            "divisible by train.micro_batch*dp=6" in res.output
+
+
+def test_a_misspelt_field_names_the_one_meant(tmp_path: Path) -> None:
+    """``paralel:`` and ``parallel.tpp`` said only "unknown field": now the closest field at that place is named."""
+    job = tmp_path / "typo.yaml"
+    job.write_text((EXAMPLES / "gpt-3d.yaml").read_text() + "paralel: {tp: 2}\n")
+    res = run("plan", str(job), "--set", "parallel.tpp=2", "--set", "model.colour=red")
+    assert res.exit_code == 2, res.output
+    assert "paralel (got {'tp': 2}): unknown field (did you mean parallel?)" in res.output, res.output
+    assert "parallel.tpp (got 2): unknown field (did you mean tp?)" in res.output, res.output
+    assert "model.colour (got 'red'): unknown field\n" in res.output + "\n", res.output   # nothing close: no guess
+
+
+@pytest.mark.parametrize("argv, meant", [(["stauts"], "status"), (["slurm", "sbumit"], "submit"),
+                                         (["checkpoint", "exprot"], "export")])
+def test_a_misspelt_command_names_the_one_meant(argv: list[str], meant: str) -> None:
+    res = CliRunner().invoke(cli, argv)
+    assert res.exit_code == 2 and f"No such command '{argv[-1]}'. (did you mean {meant}?)" in res.output, res.output
