@@ -293,7 +293,7 @@ class _Following:
                 self.route.append((client.address, "answered"))
                 return out
             except grpc.RpcError as exc:
-                elsewhere = _elsewhere(exc, client.address)
+                elsewhere = _elsewhere(exc, client.address, several=len(client.addresses) > 1)
                 if elsewhere is None:
                     raise
                 leader, tried[client.address] = elsewhere
@@ -314,16 +314,17 @@ class _Following:
                 began = time.monotonic()
 
 
-def _elsewhere(exc: grpc.RpcError, address: str) -> tuple[str, str] | None:
+def _elsewhere(exc: grpc.RpcError, address: str, several: bool) -> tuple[str, str] | None:
     """For a call another coordinator may answer: (the leader a standby named or "", what ``address`` said); None
-    for any other failure (a leader's answer, a store that refused a write: told as it is)."""
+    for any other failure (a leader's answer, a store that refused a write, a lost connection with ``several``
+    False: told as it is, as with one coordinator)."""
     if exc.code() is not grpc.StatusCode.UNAVAILABLE:
         return None
     metadata = dict(exc.trailing_metadata() or ())
     if LEADER_METADATA in metadata:   # a standby (coordinator.gate): it names the leader when it knows one
         leader = metadata[LEADER_METADATA]
         return leader, f"standby, names {leader}" if leader else f"standby: {(exc.details() or '')[:200]}"
-    if _about_store(exc):
+    if _about_store(exc) or not several:
         return None
     return "", refused_now(address) or "unavailable"
 
