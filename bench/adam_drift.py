@@ -63,7 +63,7 @@ def layouts(config: str) -> list[str]:
     return [f"tp{tp}-sp{int(sp)}-dp{dp}" for tp, sp, dp in e2e_train.LAYOUTS]
 
 
-def spec_of(config: str, name: str, seed: int | None = None) -> tuple[dict[str, Any], int]:
+def spec_of(config: str, name: str, seed: int | None = None, steps: int | None = None) -> tuple[dict[str, Any], int]:
     """(validated spec, world size) of a layout of an e2e test module (``serial``: the reference)."""
     if config == "parallel":
         par, (nodes, slots), pos = ({}, (1, 1), "learned") if name == "serial" else e2e_parallel.LAYOUTS[name]
@@ -74,6 +74,8 @@ def spec_of(config: str, name: str, seed: int | None = None) -> tuple[dict[str, 
         text, world = e2e_train.job_yaml(name, tp, sp, dp), tp * dp
     spec = build_spec(load_yaml_text(text)).to_dict()
     spec["train"]["checkpoint_every"] = 0
+    if steps is not None:
+        spec["train"]["steps"] = steps
     if seed is not None:
         spec["train"]["seed"] = seed
     return spec, world
@@ -140,9 +142,9 @@ def rank_main(a: RankAssignment, store_path: str, perturb: tuple[str, float] | N
 
 def run_layout(config: str, name: str, root: str, *, seed: int | None = None,
                perturb: tuple[str, float] | None = None, label: str | None = None,
-               threads: int | None = None) -> dict[str, Any]:
+               threads: int | None = None, steps: int | None = None) -> dict[str, Any]:
     """Train ``name`` in forked ranks; per step, full (serial-shaped) tensors of every record."""
-    spec, world = spec_of(config, name, seed)
+    spec, world = spec_of(config, name, seed, steps)
     run_dir = os.path.join(root, label or name)
     os.makedirs(run_dir)
     pids = []
@@ -248,6 +250,17 @@ def summarise(ref: dict[str, Any], ours: dict[str, Any], label: str, lrs: list[f
     return worst[1], idx
 
 
+def loss_drift(ref: list[float], ours: list[float], label: str) -> None:
+    """The losses against the serial run's: the steps within 1e-5 relative before the first that is not, and
+    the largest relative difference (what README.md and ``ctl plan`` state)."""
+    rel = [abs(a - b) / abs(b) for a, b in zip(ours, ref)]
+    first = next((s + 1 for s, r in enumerate(rel) if r > 1e-5), None)
+    worst = max(range(len(rel)), key=rel.__getitem__)
+    held = f"steps 1-{first - 1} within 1e-5, first past it: step {first} ({rel[first - 1]:.1e})" if first \
+        else f"all {len(rel)} steps within 1e-5"
+    print(f"{label}: losses {held}; largest {rel[worst]:.1e} at step {worst + 1} of {len(rel)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", choices=("parallel", "train"), default="parallel",
@@ -261,18 +274,19 @@ def main() -> None:
     ap.add_argument("--serial-threads", type=int, default=0, help="also run the serial job with this many "
                     "threads (another summation order in the same layout: the control)")
     ap.add_argument("--other-seed", action="store_true", help="also compare a serial run with seed + 1")
+    ap.add_argument("--steps", type=int, default=None, help="train this many steps (default: the test's)")
     args = ap.parse_args()
     args.layouts = args.layouts or (["cp2", "cp2-tp2", "tp2-sp-cp2-pp2"] if args.config == "parallel" else
                                     ["tp1-sp0-dp4", "tp2-sp1-dp2", "tp4-sp0-dp2"])
-    spec, _ = spec_of(args.config, "serial")
+    spec, _ = spec_of(args.config, "serial", steps=args.steps)
     tr = spec["train"]
     lrs = lr_schedule(tr["lr"], tr["warmup"], tr["steps"])
     print(f"AdamW betas {optim.BETAS}, eps {optim.EPS}, weight decay {optim.WEIGHT_DECAY}; lr per step "
           f"{[f'{x:.2e}' for x in lrs]}\nadam_drift_bound (tests/compare.py): {adam_drift_bound(lrs):.3e}; "
           f"at most {MAX_NOISY} elements may pass {TOL}")
     with tempfile.TemporaryDirectory(prefix="adam-drift-") as root:
-        ref = run_layout(args.config, "serial", root)
-        runs = {name: run_layout(args.config, name, root) for name in args.layouts}
+        ref = run_layout(args.config, "serial", root, steps=args.steps)
+        runs = {name: run_layout(args.config, name, root, steps=args.steps) for name in args.layouts}
         if args.perturb:
             name, x = args.perturb.split(":")
             label = f"{args.layouts[0]} bug {x}"
@@ -286,6 +300,8 @@ def main() -> None:
     print(f"serial elements whose sqrt(v_hat) fell below eps at some step: {len(risky)}: "
           f"{[(n, list(i), f'{s:.2e}') for n, i, s in risky[:8]]}")
     worst = {name: summarise(ref, ours, name, lrs) for name, ours in runs.items()}
+    for name, ours in runs.items():
+        loss_drift(ref["losses"], ours["losses"], name)
     if args.watch is None:
         args.watch = ["layers.2.mlp.proj.weight:0,72"] if args.config == "parallel" else []
     watch = [(w.split(":")[0], tuple(int(i) for i in w.split(":")[1].split(","))) for w in args.watch]

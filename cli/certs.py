@@ -11,13 +11,13 @@ from pathlib import Path
 import click
 
 from rankctl.cli.errors import EXIT_USAGE, CtlError
-from rankctl.cli.options import example, json_option
+from rankctl.cli.options import SuggestingGroup, example, json_option
 
 days_option = click.option("--days", default=825, show_default=True, type=click.IntRange(min=1),
                            help="Days the certificate is valid (never past the CA's end; docs/operations.md).")
 
 
-@click.group("certs", epilog=example("ctl certs init ./ca --san coord.example.com",
+@click.group("certs", cls=SuggestingGroup, epilog=example("ctl certs init ./ca --san coord.example.com",
                                      "ctl certs issue ./ca --node node-3 --out ./node-3"))
 def certs() -> None:
     """Create a CA and issue node and user certificates (one identity directory each)."""

@@ -10,13 +10,13 @@ from pathlib import Path
 import click
 
 from rankctl.cli.errors import CtlError
-from rankctl.cli.options import example, json_option
+from rankctl.cli.options import SuggestingGroup, example, json_option
 
 
 EXPORT_EXAMPLE = example("ctl checkpoint export ckpt/step-1000 --out full.pt")
 
 
-@click.group("checkpoint", epilog=EXPORT_EXAMPLE)
+@click.group("checkpoint", cls=SuggestingGroup, epilog=EXPORT_EXAMPLE)
 def checkpoint() -> None:
     """Work with training checkpoints."""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -11,6 +10,7 @@ from typing import Iterable, Iterator
 import grpc
 
 from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, CtlError
+from rankctl.cli.reach import answers, listening, refused_now, speaks_http
 from rankctl.proto import LEADER_METADATA, from_short_name
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
@@ -35,13 +35,15 @@ class Unimplemented(CtlError):
 
 class Client:
     """Talks to the coordinator's ClientService at ``address``: HOST:PORT, or several (``A,B,C``: the coordinators
-    of one replicated store). With several, a call that a standby refuses goes to the leader it names, or to the
-    next address; while none leads (an election, the store unreachable) calls wait up to ``NO_LEADER_WAIT_S``."""
+    of one replicated store). An address that refuses connections is skipped at once; a call that a standby refuses
+    goes to the leader it names at once (and later calls stay there), or to the next address; while none leads (an
+    election, the store unreachable) calls wait up to ``NO_LEADER_WAIT_S``."""
 
     def __init__(self, address: str, connect_timeout: float = CONNECT_TIMEOUT, tls_dir: str | None = None) -> None:
         self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
         self.tls_dir = tls_dir
         self._raw: pb_grpc.ClientServiceStub | None = None  # the stub on the current channel (``raw_stub``)
+        self.route: list[tuple[str, str]] = []   # (address, what it said) in the order tried (``_Following``)
         problem: CtlError | None = None
         for candidate in self.addresses:  # the first that answers
             self.address = candidate
@@ -52,13 +54,14 @@ class Client:
                 break
             except CtlError as exc:
                 self._channel.close()
+                self.route.append((candidate, "connection refused" if REFUSED in str(exc) else "unreachable"))
                 problem = exc
             except BaseException:
                 self._channel.close()
                 raise
         if problem is not None:
             raise problem
-        self.stub = _Following(self) if len(self.addresses) > 1 else pb_grpc.ClientServiceStub(self._channel)
+        self.stub = _Following(self, self.route)
 
     def switch(self, address: str) -> None:
         """Talk to ``address`` from now on (the leader a standby named, or the next of the addresses)."""
@@ -87,7 +90,11 @@ class Client:
         self._channel.subscribe(watch)
         try:
             settled.wait(timeout)
-            if not ready.done() and _speaks_http(self.address):
+            refused = "" if ready.done() else refused_now(self.address)
+            if refused:   # nothing listens there: the kernel said so at once; waiting would not change it
+                raise CtlError(f"cannot reach the coordinator at {self.address}: {refused} (start one with `ctl "
+                               "coordinator`, or set --coordinator / RANKCTL_COORDINATOR)", EXIT_UNREACHABLE)
+            if not ready.done() and speaks_http(self.address):
                 raise CtlError(f"{self.address} is an HTTP server (the dashboard?), not the coordinator's gRPC port: "
                                "give --coordinator the address `ctl coordinator --listen` serves (by default "
                                f"port {DEFAULT_COORDINATOR.rpartition(':')[2]})", EXIT_UNREACHABLE)
@@ -113,10 +120,10 @@ class Client:
     def _unreachable(self) -> CtlError:
         """Why no channel came up: nothing listens (exit 3), or something listens but the handshake
         failed: a TLS coordinator refusing plain text, or a certificate it does not accept (exit 2)."""
-        if not _listening(self.address):
+        if not listening(self.address):
             return CtlError(f"cannot reach the coordinator at {self.address} (start one with `ctl coordinator`, "
                             "or set --coordinator / RANKCTL_COORDINATOR)", EXIT_UNREACHABLE)
-        if not _answers(self.address):
+        if not answers(self.address):
             return CtlError(f"the coordinator at {self.address} accepts connections but does not answer (stopped, "
                             "hung or overloaded); check its process and its log", EXIT_UNREACHABLE)
         if not self.tls_dir:
@@ -249,76 +256,13 @@ class Client:
             yield from self.stub.GetLogs(req)
 
 
-def _host_port(address: str) -> tuple[str, int]:
-    """HOST:PORT (``[v6]:PORT``; an empty host is loopback); ValueError for ``unix:PATH`` and the like."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _listening(address: str, timeout: float = 2.0) -> bool:
-    """Whether a TCP connection to ``address`` (HOST:PORT) is accepted."""
-    try:
-        with socket.create_connection(_host_port(address), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
-H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"   # + an empty SETTINGS
-
-
-def _answers(address: str, timeout: float = 2.0) -> bool:
-    """Whether what listens at ``address`` answers an HTTP/2 client's first bytes at all: a gRPC server sends its
-    SETTINGS, a TLS one an alert or a close; a stopped or hung process (the kernel still accepts) says nothing."""
-    try:
-        with socket.create_connection(_host_port(address), timeout=timeout) as sock:
-            sock.sendall(H2_PREFACE)
-            sock.recv(1)   # bytes or b"" (closed): an answer either way
-            return True
-    except socket.timeout:
-        return False
-    except (OSError, ValueError):
-        return True   # reset or refused: something decided, not silence
-
-
-HTTP_PROBE = b"HEAD / HTTP/1.0\r\n\r\n"
-
-
-def _speaks_http(address: str, timeout: float = 1.0) -> bool:
-    """Whether what listens at ``address`` is an HTTP/1 server, not gRPC: it answers a plain HTTP request
-    (``HTTP/1.x ...``), or it speaks TLS without offering HTTP/2 (ALPN ``h2``, which every gRPC server
-    negotiates): the dashboard with or without TLS."""
-    return _answers_http(address, timeout, tls=False) or _answers_http(address, timeout, tls=True)
-
-
-def _answers_http(address: str, timeout: float, tls: bool) -> bool:
-    try:
-        with socket.create_connection(_host_port(address), timeout=timeout) as raw:
-            raw.settimeout(timeout)
-            if tls:
-                with _probe_tls().wrap_socket(raw) as sock:  # completes before a server checks our certificate
-                    return sock.selected_alpn_protocol() != "h2"
-            raw.sendall(HTTP_PROBE)
-            return raw.recv(8).startswith(b"HTTP/")
-    except (OSError, ValueError):
-        return False
-
-
-def _probe_tls():  # noqa: ANN202 - an ssl.SSLContext
-    """A context that only asks which protocol a TLS server offers (it verifies nothing and sends nothing)."""
-    import ssl
-
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-    ctx.set_alpn_protocols(["h2", "http/1.1"])
-    return ctx
-
-
 class _Following:
-    """A ClientService stub over several coordinators: each call goes to the leader (see ``Client``)."""
+    """A ClientService stub that takes each call to the leader (see ``Client``); ``route`` records each address
+    tried and what it said ("connection refused", "standby, names LEADER", "answered")."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, route: list[tuple[str, str]] | None = None) -> None:
         self._client = client
+        self.route = [] if route is None else route
 
     def __getattr__(self, name: str):  # noqa: ANN204 - a grpc multicallable's stand-in
         streaming = name in STREAMING_CALLS
@@ -335,29 +279,32 @@ class _Following:
         yield from it
 
     def _follow(self, attempt):  # noqa: ANN001, ANN202
-        """``attempt()`` on the leader: a refusal naming another moves there, else the next address; after a round of
-        every address, again for ``NO_LEADER_WAIT_S``. A round that itself took half of that (a member that stood
-        still through the call: SIGSTOP, a frozen host) earns one more wait: the others may lead by now (a submit
-        caught in a stopped leader said "no coordinator leads" while the standby had led for 9 s)."""
+        """``attempt()`` on the leader: a standby naming one moves there at once, a refused address is skipped at once
+        (when every address refused, the call fails), else the next address; after a round of every address, again
+        for ``NO_LEADER_WAIT_S``. A round that itself took half of that (a member that stood still through the call:
+        SIGSTOP, a frozen host) earns one more wait: the others may lead by now (a submit caught in a stopped
+        leader said "no coordinator leads" while the standby had led for 9 s)."""
         client, end = self._client, time.monotonic() + NO_LEADER_WAIT_S
-        tried: set[str] = set()
+        tried: dict[str, str] = {}
         began, extended = time.monotonic(), False
         while True:
             try:
-                return attempt()
+                out = attempt()
+                self.route.append((client.address, "answered"))
+                return out
             except grpc.RpcError as exc:
-                if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                elsewhere = _elsewhere(exc, client.address, several=len(client.addresses) > 1)
+                if elsewhere is None:
                     raise
-                leader = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA, "")
-                tried.add(client.address)
-                if leader and leader != client.address and leader not in tried:
-                    client.switch(leader)
-                    continue
-                rest = [a for a in client.addresses if a not in tried]
+                leader, tried[client.address] = elsewhere
+                self.route.append((client.address, tried[client.address]))
+                rest = [a for a in (leader, *client.addresses) if a and a not in tried]
                 if rest:
                     client.switch(rest[0])
                     continue
                 now = time.monotonic()
+                if all(why == REFUSED for why in tried.values()):
+                    raise   # nothing listens anywhere: no coordinator can answer this call
                 if now > end:
                     if extended or now - began < NO_LEADER_WAIT_S / 2:
                         raise
@@ -365,6 +312,24 @@ class _Following:
                 time.sleep(0.25)
                 tried.clear()
                 began = time.monotonic()
+
+
+def _elsewhere(exc: grpc.RpcError, address: str, several: bool) -> tuple[str, str] | None:
+    """For a call another coordinator may answer: (the leader a standby named or "", what ``address`` said); None
+    for any other failure (a leader's answer, a store that refused a write, a lost connection with ``several``
+    False: told as it is, as with one coordinator)."""
+    if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+        return None
+    metadata = dict(exc.trailing_metadata() or ())
+    if LEADER_METADATA in metadata:   # a standby (coordinator.gate): it names the leader when it knows one
+        leader = metadata[LEADER_METADATA]
+        return leader, f"standby, names {leader}" if leader else f"standby: {(exc.details() or '')[:200]}"
+    if _about_store(exc) or not several:
+        return None
+    return "", refused_now(address) or "unavailable"
+
+
+REFUSED = "connection refused"
 
 
 def _started(it: Iterator) -> Iterator:

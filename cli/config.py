@@ -14,7 +14,7 @@ from rankctl.cli.completion import complete_context_names
 from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.contexts import Config, Context, address_problem, config_path, load, name_problem, save, selected
 from rankctl.cli.errors import EXIT_JOB_FAILED, CtlError
-from rankctl.cli.options import example, json_option
+from rankctl.cli.options import SuggestingGroup, example, json_option
 
 
 def _name(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -43,7 +43,7 @@ def _rewrite(name: str, change: Callable[[Config], Config]) -> Path:
 name_argument = click.argument("name", callback=_name, shell_complete=complete_context_names)
 
 
-@click.group("config", epilog=example("ctl config set-context prod --coordinator head:7420 --tls-dir ~/.rankctl/alice",
+@click.group("config", cls=SuggestingGroup, epilog=example("ctl config set-context prod --coordinator head:7420 --tls-dir ~/.rankctl/alice",
                                       "ctl config use-context prod"))
 def config() -> None:
     """Named contexts: a coordinator address and a TLS identity directory, chosen per command with

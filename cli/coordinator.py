@@ -10,7 +10,7 @@ import click
 
 from rankctl.cli.daemons import log_level, plain_text_problem, with_tls
 from rankctl.cli.errors import CtlError
-from rankctl.cli.options import example, log_format
+from rankctl.cli.options import SuggestingGroup, example, log_format
 
 store_options = [
     click.option("--store", "store_url", default=None, metavar="etcd://HOST:PORT[,HOST:PORT...][/prefix]",
@@ -69,7 +69,7 @@ async def _serve(listen: str, state_dir: Path, tls_dir: str | None, **options: o
     await server.stop(1.0)
 
 
-@click.group("coordinator", invoke_without_command=True, epilog=example(
+@click.group("coordinator", cls=SuggestingGroup, invoke_without_command=True, epilog=example(
     "ctl coordinator --listen 0.0.0.0:7420 --state-dir /var/lib/rankctl --tls-dir /etc/rankctl/coordinator \\",
     "    --http-listen 0.0.0.0:9420 --log-format json",
     "ctl coordinator --listen 0.0.0.0:7420 --state-dir /var/lib/rankctl \\",

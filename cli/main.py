@@ -20,6 +20,7 @@ from rankctl.cli.contexts import CONTEXT_ENV, DEFAULT_COORDINATOR
 from rankctl.cli.errors import EXIT_USAGE
 from rankctl.cli.completion import complete_context_names
 from rankctl.cli.globalopts import hoist, lower_json, option_spec
+from rankctl.cli.options import SuggestingGroup
 
 # name -> (module, attribute, one-line help). Modules import only click at top level.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -45,7 +46,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-class LazyGroup(click.Group):
+class LazyGroup(SuggestingGroup):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 

@@ -50,3 +50,15 @@ log_format = click.option("--log-format", default="auto", show_default=True, env
                           type=click.Choice(["auto", "console", "json"]),
                           help="Log lines for people (console) or one JSON object a line (json); auto: console on "
                                "a terminal, else json.")
+
+
+class SuggestingGroup(click.Group):
+    """A command group whose "No such command" names the closest command (``ctl stauts``: did you mean status?)."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):  # noqa: ANN201 - click's signature
+        from rankctl.contract.names import did_you_mean
+
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None and not ctx.resilient_parsing:
+            ctx.fail(f"No such command {name!r}.{did_you_mean(name, self.list_commands(ctx))}")
+        return super().resolve_command(ctx, args)

@@ -34,6 +34,38 @@ def _config_from_file(path: str, overrides: tuple[str, ...]) -> tuple["ParallelC
     return read.layout, read.spec.resources.slots_per_node, read.spec
 
 
+def flag_overrides(flags: dict) -> tuple[str, ...]:
+    """The layout flags given with a job file, as the ``--set parallel.X=V`` they mean; ``--world-size`` is
+    refused (exit 2): a job's world is resources.nodes x resources.slots_per_node."""
+    if flags.get("world_size") is not None:
+        raise CtlError(f"--world-size={flags['world_size']} cannot apply to a job file: its world size is "
+                       "resources.nodes x resources.slots_per_node (--set resources.nodes=N)")
+    return tuple(f"parallel.{k}={v}" for k, v in flags.items() if k != "world_size" and v is not None)
+
+
+def restart_line(spec: object) -> str:
+    """What ``restart.max_restarts`` the job gets, and the spares rule for an unset one."""
+    restart = spec.restart
+    if "max_restarts" in restart.model_fields_set:
+        return f"restarts: max_restarts {restart.max_restarts} (from the file)"
+    return (f"restarts: max_restarts {restart.max_restarts} (the default, unset in the file;\n"
+            "  an allocation with spares raises an unset max_restarts to the number of spares)")
+
+
+NUMERICS_LINE = ("numerics: in fp32 on CPU, per-step losses equal the serial run's within 1e-5 relative for the first\n"
+                 "  steps (measured: 51 of 60 at dp=2, all 60 at tp=2); AdamW amplifies rounding differences, so a\n"
+                 "  small model's losses may drift apart by up to ~1e-2 after some tens of steps")
+
+
+def _job_lines(spec: object) -> list[str]:
+    """What a job file adds to the layout: elastic world sizes, restarts, and the numerical bound (train jobs)."""
+    lines = ["", *_elastic_lines(spec)] if spec.resources.min_nodes is not None else []
+    lines += ["", restart_line(spec)]
+    if getattr(spec, "train", None) is not None:
+        lines.append(NUMERICS_LINE)
+    return lines
+
+
 def elastic_sizes(spec: object) -> list[dict]:
     """An elastic job's (``resources.min_nodes``) world sizes, largest first: nodes, ranks, dp and, for a job
     with a global batch, the micro-batches each rank runs a step (the global batch stays the same)."""
@@ -149,7 +181,8 @@ def _one_rank(layout: "RankLayout", rank: int, gpn: int, as_json: bool) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable layout on stdout.")
 def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None, all_ranks: bool,
          as_json: bool, gpus_per_node: int | None, **flags: object) -> None:
-    """Validate and explain a rank layout (from JOB_FILE or flags)."""
+    """Validate and explain a rank layout (from JOB_FILE or flags; with JOB_FILE, --tp/--pp/--cp/--ep/--etp/--vpp/
+    --order apply to it as --set parallel.X=V does)."""
     from rankctl.contract.limits import MAX_SLOTS_PER_NODE
     from rankctl.contract.jobfile import SpecError
     from rankctl.parallel.layout import LayoutError, RankLayout
@@ -157,7 +190,7 @@ def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None,
     spec = None
     try:
         if job_file:
-            cfg, gpn, spec = _config_from_file(job_file, overrides)
+            cfg, gpn, spec = _config_from_file(job_file, (*flag_overrides(flags), *overrides))
         else:
             if overrides:
                 raise CtlError("--set needs a job file")
@@ -179,8 +212,6 @@ def plan(job_file: str | None, overrides: tuple[str, ...], one_rank: int | None,
             sys.stdout.write("\n")
         else:
             text = _human(layout, gpn, all_ranks)
-            if spec is not None and spec.resources.min_nodes is not None:
-                text += "\n\n" + "\n".join(_elastic_lines(spec))
-            click.echo(text)
+            click.echo(text if spec is None else "\n".join([text, *_job_lines(spec)]))
     except (SpecError, LayoutError) as exc:
         raise CtlError(str(exc)) from None

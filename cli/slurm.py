@@ -16,10 +16,10 @@ import click
 
 from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.follow import exit_for, follow_job
-from rankctl.cli.options import example
+from rankctl.cli.options import SuggestingGroup, example
 
 
-@click.group("slurm", epilog=example("ctl slurm submit examples/gpt-tp-dp.yaml --spares 1 --wait"))
+@click.group("slurm", cls=SuggestingGroup, epilog=example("ctl slurm submit examples/gpt-tp-dp.yaml --spares 1 --wait"))
 def slurm() -> None:
     """Run jobs on Slurm allocations (docs/slurm.md)."""
 

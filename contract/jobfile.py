@@ -17,7 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 from rankctl.contract import limits as L
-from rankctl.contract.names import brief
+from rankctl.contract.names import brief, did_you_mean
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: fast and iterative
 
@@ -69,15 +69,39 @@ def _rule(err: dict) -> str:
     return msg.removeprefix("Value error, ")
 
 
-def spec_errors(exc: ValidationError) -> list[str]:
-    """One line per problem; a bad value is quoted by a short prefix only (never ``repr``'d whole)."""
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """The field names of the section at ``loc`` under the pydantic ``model`` ([] when it is no model)."""
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if isinstance(part, int) or fields is None or part not in fields:
+            return []
+        model = _model_of(fields[part].annotation)
+    return list(getattr(model, "model_fields", None) or ())
+
+
+def _model_of(annotation: Any) -> Any:
+    """The model class in an annotation (``Section | None`` -> ``Section``), else the annotation."""
+    if hasattr(annotation, "model_fields"):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        if hasattr(arg, "model_fields"):
+            return arg
+    return annotation
+
+
+def spec_errors(exc: ValidationError, model: Any = None) -> list[str]:
+    """One line per problem; a bad value is quoted by a short prefix only (never ``repr``'d whole). With the
+    ``model`` validated against, an unknown field names the closest known one at its place (``paralel``)."""
     out, errors = [], exc.errors(include_url=False)
     for err in errors[:L.MAX_ERRORS_SHOWN]:
         value = err.get("input")
         shown = "" if err["type"] in ("missing",) else f" (got {brief(value)})"
         if isinstance(value, dict) and err["type"] != "extra_forbidden":
             shown = ""
-        out.append(f"{_path(err['loc'])}{shown}: {_rule(err)}")
+        hint = ""
+        if err["type"] == "extra_forbidden" and model is not None and err["loc"]:
+            hint = did_you_mean(str(err["loc"][-1]), _fields_at(model, tuple(err["loc"][:-1])))
+        out.append(f"{_path(err['loc'])}{shown}: {_rule(err)}{hint}")
     if len(errors) > L.MAX_ERRORS_SHOWN:
         out.append(f"... and {len(errors) - L.MAX_ERRORS_SHOWN} more problems")
     return out

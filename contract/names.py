@@ -8,8 +8,10 @@ one path component. Errors quote at most a short prefix of the bad value.
 
 from __future__ import annotations
 
+import difflib
 import re
 import reprlib
+from typing import Iterable
 
 JOB_NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 JOB_ID_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?-[0-9a-f]{6}")
@@ -59,3 +61,10 @@ def job_id_problem(value: object, what: str = "job id") -> str | None:
 
 def node_name_problem(value: object, what: str = "node name") -> str | None:
     return _problem(value, NODE_NAME_RE, what, NODE_NAME_RULE)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """" (did you mean NAME?)" for the closest of ``choices`` to a misspelt ``word`` (a job-file field, a ``ctl``
+    command); "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""

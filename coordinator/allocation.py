@@ -68,6 +68,9 @@ class AllocationRequest:
             for arg in args:
                 if len(arg) > 1000 or any(c in arg for c in "\n\r\0"):
                     out.append(f"{option} (got {arg[:40]!r}): at most 1000 characters on one line")
+                elif option == "--sbatch-arg" and any(c.isspace() for c in arg):   # one #SBATCH line: sbatch
+                    out.append(f"{option} (got {arg[:40]!r}): one sbatch option with no spaces, e.g. "  # splits it
+                               "--constraint=h100 (each becomes an #SBATCH line, which sbatch splits at spaces)")
             if len(args) > 64:
                 out.append(f"{option} (got {len(args)} of them): at most 64")
         for name in ("worker_state_dir", "ctl", "worker_tls_dir"):

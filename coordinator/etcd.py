@@ -10,6 +10,7 @@ as SQLite's commit does, with a short deadline; the lease keeper and the watcher
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ class Etcd:
             except grpc.RpcError as exc:
                 if exc.code() not in RETRYABLE:
                     raise
-                problems[self.url.endpoints[idx]] = exc.details() or exc.code().name
+                problems[self.url.endpoints[idx]] = f"{exc.code().name}: {exc.details() or ''}"
                 tries += 1
                 if tries % len(self._channels) == 0:
                     time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
@@ -122,8 +123,24 @@ class Etcd:
             return out
 
     def _unreachable(self, problems: dict[str, str]) -> str:
-        seen = "; ".join(f"{e}: {p[:120]}" for e, p in problems.items()) or "no answer in time"
-        return f"the store {self.url} is unreachable ({seen})"
+        """Why no member answered, true to what they did: a member that accepts connections but cannot commit
+        (etcd's quorum lost) is not called unreachable, and members not tried before the deadline are asked
+        whether they listen."""
+        down, up = [], []
+        for endpoint in self.url.endpoints:
+            said = problems.get(endpoint)
+            if said is None:   # not tried in time: does anything listen there at all?
+                (up if _listens(endpoint) else down).append(endpoint)
+            else:
+                (down if said.startswith("UNAVAILABLE") and "connect" in said.lower() else up).append(endpoint)
+        seen = "; ".join(f"{e}: {p[:120]}" for e, p in problems.items())
+        if up and down:
+            return (f"the store {self.url} has lost its quorum: {len(down)} of {len(self.url.endpoints)} members "
+                    f"are down ({', '.join(down)}); {', '.join(up)} accept(s) connections but cannot commit ({seen})")
+        if up:
+            return f"the store {self.url} does not answer in time: its members accept connections but no call " \
+                   f"completes ({seen or 'no answer in time'})"
+        return f"the store {self.url} is unreachable: no member accepts connections ({seen or 'no answer in time'})"
 
     # -- KV --------------------------------------------------------------------------------------
     def txn(self, req: rpc.TxnRequest, timeout: float | None = None) -> rpc.TxnResponse:
@@ -199,3 +216,13 @@ class Etcd:
     def next_endpoint(self) -> None:
         with self._lock:
             self._current = (self._current + 1) % len(self._channels)
+
+
+def _listens(endpoint: str, timeout: float = 0.2) -> bool:
+    """Whether a TCP connection to ``endpoint`` (HOST:PORT) is accepted within ``timeout``."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False

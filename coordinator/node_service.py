@@ -11,7 +11,6 @@ from typing import AsyncIterator
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 
 from rankctl.coordinator import convert
 from rankctl.coordinator.auth import caller, caller_certificate
@@ -25,6 +24,7 @@ from rankctl.coordinator.servicer import _abort
 from rankctl.coordinator.sessions import MAX_GPUS
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
+from rankctl.security.malformed import MalformedRequest
 from rankctl.security.revocation import serial_of_pem
 from rankctl.security.tls import revoked_problem
 
@@ -73,8 +73,6 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
             return
         except asyncio.TimeoutError:
             await _abort(context, ProtocolError(f"no Register within {REGISTER_WAIT_S:g} s of opening the node stream"))
-        except DecodeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the first message is not a NodeMessage: {exc}")
         if first.WhichOneof("body") != "register":
             await _abort(context, ProtocolError("the first message on a node stream must be Register"))
         who = caller()
@@ -145,9 +143,8 @@ class NodeServiceServicer(rankctl_pb2_grpc.NodeServiceServicer):
                     log.exception("node.message_failed", node=session.name, body=msg.WhichOneof("body"))
         except asyncio.CancelledError:
             raise
-        except DecodeError as exc:   # not a NodeMessage: the daemon is told why its stream ends
-            closed.append((grpc.StatusCode.INVALID_ARGUMENT, f"a message on the node stream is not a NodeMessage: {exc}",
-                           "sent a message that is not a NodeMessage"))
+        except MalformedRequest as exc:   # not a NodeMessage (security.malformed): the daemon is told why its stream ends
+            closed.append((grpc.StatusCode.INVALID_ARGUMENT, str(exc), "sent a message that is not a NodeMessage"))
             log.warning("node.bad_message", node=session.name, error=str(exc))
         except Exception as exc:  # the stream broke: the session ends
             log.warning("node.stream_error", node=session.name, error=str(exc) or type(exc).__name__)

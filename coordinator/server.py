@@ -41,6 +41,7 @@ from rankctl.coordinator.slurm import SlurmAllocator
 from rankctl.coordinator.store import Store, prune_events
 from rankctl.coordinator.transport import SERVER_OPTIONS, keepalive_options
 from rankctl.proto import rankctl_pb2_grpc
+from rankctl.security.malformed import RequestGuard
 
 if TYPE_CHECKING:
     from rankctl.coordinator.etcd import EtcdTLS
@@ -166,8 +167,11 @@ class CoordinatorServer:
         if leader.get("address"):
             return (f"the coordinator at {self.address} is a standby; the leader is {leader['address']}",
                     leader["address"])
-        return (f"the coordinator at {self.address} is a standby and no coordinator leads: "
-                + (why or f"an election on the store {ha.store_url if ha else ''} is under way"), "")
+        if why:   # cut off from the store, it cannot know: another coordinator may well lead
+            return (f"the coordinator at {self.address} is a standby that cannot reach the store, so it cannot tell "
+                    f"which coordinator leads (another may: try the others' addresses): {why}", "")
+        return (f"the coordinator at {self.address} is a standby and no coordinator leads yet: an election on the "
+                f"store {ha.store_url if ha else ''} is under way", "")
 
     async def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving without failing running jobs (their state stays for the next start)."""
@@ -405,12 +409,13 @@ async def _copy_blobs(coord: CoordinatorServer, period_s: float = 5.0) -> None:
 
 def _grpc_server(client: ClientServiceServicer, node: NodeServiceServicer, identity,  # noqa: ANN001 - tls.Identity
                  gate: LeaderGate, heartbeat_timeout: float) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
-    """The server with its services (client, node, health, reflection), every call through the Authorizer
-    (enabled with an ``identity``), then the leader gate; not bound yet."""
+    """The server with its services (client, node, health, reflection), every call through the RequestGuard
+    (undecodable requests refused), the Authorizer (enabled with an ``identity``), then the leader gate; not
+    bound yet."""
     from rankctl.security.tls import peer_identity
 
     server = grpc.aio.server(options=SERVER_OPTIONS + keepalive_options(heartbeat_timeout),
-                             interceptors=[Authorizer(
+                             interceptors=[RequestGuard(), Authorizer(
                                  peer_identity, enabled=identity is not None,
                                  revocations=identity.revocations if identity is not None else None), gate])
     rankctl_pb2_grpc.add_ClientServiceServicer_to_server(client, server)

@@ -41,6 +41,7 @@ from rankctl.coordinator.store import StoreError
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.kinds import registry
 from rankctl.proto import rankctl_pb2_grpc
+from rankctl.security.malformed import MalformedRequest
 
 log = structlog.get_logger("rankctl.coordinator")
 FOLLOW_POLL_S = 1.0  # watchers re-check at least this often even without a wake-up
@@ -94,7 +95,7 @@ def domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     """Abort the RPC with the status code of ``exc``; never sends a traceback."""
-    if isinstance(exc, grpc.aio.AbortError):
+    if isinstance(exc, (grpc.aio.AbortError, MalformedRequest)):   # the RequestGuard answers a corrupt message
         raise exc
     known = domain_status(exc)
     if known is not None:

@@ -55,7 +55,7 @@ def parse_spec(doc: dict[str, Any]) -> JobSpec:
     try:
         return with_defaults(spec_model().model_validate(doc))
     except ValidationError as exc:
-        raise SpecError(spec_errors(exc)) from None
+        raise SpecError(spec_errors(exc, spec_model())) from None
 
 
 def stored_spec(doc: dict[str, Any], name: str, kind: str) -> JobSpec:

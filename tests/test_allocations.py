@@ -57,7 +57,9 @@ def test_a_request_names_each_bad_field_and_stores_nothing(world: World) -> None
     for bad, words in ((AllocationRequest(partition="a b"), "--partition (got 'a b'): a Slurm partition name holds "
                                                             "no spaces"),
                        (AllocationRequest(time="two hours"), "--time (got 'two hours'): a Slurm time limit"),
-                       (AllocationRequest(time="1:00:00:00"), "--time (got '1:00:00:00')")):
+                       (AllocationRequest(time="1:00:00:00"), "--time (got '1:00:00:00')"),
+                       (AllocationRequest(extra_args=("--comment=a b",)), "--sbatch-arg (got '--comment=a b'): one "
+                                                                          "sbatch option with no spaces")):
         with pytest.raises(InvalidRequest, match=re.escape(words)):
             world.core.submit_spec(spec, allocation=bad)
     for good in ("30", "30:00", "1:00:00", "2-0", "2-12:30", "2-12:30:00", "UNLIMITED"):

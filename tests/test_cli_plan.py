@@ -154,3 +154,45 @@ def test_an_elastic_job_shows_every_world_size_it_may_run_at(tmp_path: Path) -> 
     assert res.exit_code == 2
     assert "resources.min_nodes=2: on 3 node(s) (6 ranks) the job cannot run: train.global_batch=16 is not " \
            "divisible by train.micro_batch*dp=6" in res.output
+
+
+def test_a_misspelt_field_names_the_one_meant(tmp_path: Path) -> None:
+    """``paralel:`` and ``parallel.tpp`` said only "unknown field": now the closest field at that place is named."""
+    job = tmp_path / "typo.yaml"
+    job.write_text((EXAMPLES / "gpt-3d.yaml").read_text() + "paralel: {tp: 2}\n")
+    res = run("plan", str(job), "--set", "parallel.tpp=2", "--set", "model.colour=red")
+    assert res.exit_code == 2, res.output
+    assert "paralel (got {'tp': 2}): unknown field (did you mean parallel?)" in res.output, res.output
+    assert "parallel.tpp (got 2): unknown field (did you mean tp?)" in res.output, res.output
+    assert "model.colour (got 'red'): unknown field\n" in res.output + "\n", res.output   # nothing close: no guess
+
+
+@pytest.mark.parametrize("argv, meant", [(["stauts"], "status"), (["slurm", "sbumit"], "submit"),
+                                         (["checkpoint", "exprot"], "export")])
+def test_a_misspelt_command_names_the_one_meant(argv: list[str], meant: str) -> None:
+    res = CliRunner().invoke(cli, argv)
+    assert res.exit_code == 2 and f"No such command '{argv[-1]}'. (did you mean {meant}?)" in res.output, res.output
+
+
+def test_layout_flags_apply_to_a_job_file_and_world_size_is_refused() -> None:
+    """``ctl plan FILE --tp 4`` exited 0 showing the file's tp=2: the flags now apply as ``--set parallel.X=V``."""
+    example = str(EXAMPLES / "gpt-tp-dp.yaml")
+    flagged, set_ = run("plan", example, "--tp", "1", "--order", "tp-cp-ep-pp-dp"), \
+        run("plan", example, "--set", "parallel.tp=1", "--set", "parallel.order=tp-cp-ep-pp-dp")
+    assert flagged.exit_code == 0 and "tp=1 cp=1 dp=4" in flagged.output and "order=tp-cp-ep-pp-dp" in flagged.output
+    assert flagged.output == set_.output
+    bad = run("plan", example, "--tp", "3")
+    assert bad.exit_code == 2 and "parallel" in bad.output and "tp" in bad.output, bad.output
+    world = run("plan", example, "--world-size", "8")
+    assert world.exit_code == 2 and "--world-size=8 cannot apply to a job file" in world.output, world.output
+
+
+def test_plan_states_the_restart_default_and_the_numerical_bound() -> None:
+    example = str(EXAMPLES / "gpt-tp-dp.yaml")
+    unset, given = run("plan", example), run("plan", example, "--set", "restart.max_restarts=3")
+    assert "restarts: max_restarts 0 (the default, unset in the file;\n  an allocation with spares raises an unset " \
+        "max_restarts to the number of spares)" in unset.output, unset.output
+    assert "restarts: max_restarts 3 (from the file)" in given.output, given.output
+    assert "numerics: in fp32 on CPU, per-step losses equal the serial run's within 1e-5 relative for the first" \
+        in unset.output and "drift apart by up to ~1e-2" in unset.output
+    assert "numerics:" not in run("plan", str(EXAMPLES / "comm-check.yaml")).output

@@ -275,3 +275,70 @@ def test_a_sqlite_state_dir_migrated_onto_etcd_keeps_its_jobs(ha: HACluster, tmp
         assert [j["id"] for j in listed] == [queued] and listed[0]["state"] == "PENDING"
     finally:
         proc.stop()
+
+
+def test_ctl_skips_a_refused_address_at_once_and_follows_the_leader_a_standby_names(ha: HACluster) -> None:
+    """A dead coordinator first in the list cost every call 2 s, a refused port alone 5 s, and a standby's address
+    alone ended in its refusal: now a refused address is tried once and skipped, the standby's named leader is
+    called next (and kept for later calls), and a lone refused address fails at once saying so."""
+    from rankctl.cli.client import Client
+    from rankctl.cli.errors import EXIT_UNREACHABLE, CtlError
+
+    leader = ha.addresses[ha.leader()]
+    standby = next(a for a in ha.addresses if a != leader)
+    refused = f"127.0.0.1:{free_ports(1)[0]}"
+    with Client(f"{refused},{standby}") as client:
+        client.jobs()
+        client.jobs()
+    assert client.route == [(refused, "connection refused"), (standby, f"standby, names {leader}"),
+                            (leader, "answered"), (leader, "answered")]
+    with pytest.raises(CtlError) as err:
+        Client(refused)
+    assert err.value.exit_code == EXIT_UNREACHABLE and f"{refused}: connection refused" in str(err.value)
+    out = ctl(standby, "jobs", "--json")
+    assert out.returncode == 0, out.stderr
+
+
+def _refusal(address: str) -> str:
+    """What the coordinator at ``address`` answers a ListJobs with ("" when it serves it)."""
+    import grpc
+
+    from rankctl.proto import rankctl_pb2 as pb
+    from rankctl.proto import rankctl_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            pb_grpc.ClientServiceStub(channel).ListJobs(pb.ListJobsRequest(), timeout=10)
+            return ""
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+
+
+def test_a_coordinator_cut_from_the_store_and_a_lost_quorum_are_named_as_they_are(ha: HACluster,
+                                                                                   tmp_path: Path) -> None:
+    """A standby that reaches only etcd member 0, which dies while the others keep quorum, said "no coordinator
+    leads" while another led; with quorum lost, the problem line called the live member unreachable."""
+    from rankctl.cli.client import Client
+
+    ha.leader()
+    cut_address, (first, second, third) = f"127.0.0.1:{free_ports(1)[0]}", ha.etcd.endpoints
+    cut = Proc(["coordinator", "--listen", cut_address, "--state-dir", str(tmp_path / "cut"),
+                "--store", f"etcd://{first}{ha.etcd.prefix}"], tmp_path / "cut.log")
+    try:
+        wait_for(lambda: "standby" in _refusal(cut_address), 30, "the third coordinator standing by")
+        ha.etcd.kill(0)
+        said = wait_for(lambda: "cannot reach the store" in (r := _refusal(cut_address)) and r, 30, "the cut one")
+        assert said.startswith("UNAVAILABLE") and "no coordinator leads" not in said and "is unreachable" in said
+        with Client(f"{cut_address},{ha.both}") as client:
+            client.jobs()
+        assert client.route[0][0] == cut_address and "cannot reach the store" in client.route[0][1], client.route
+        assert client.route[-1][1] == "answered" and client.route[-1][0] in ha.addresses, client.route
+        ha.etcd.kill(1)
+        problem = wait_for(lambda: "lost its quorum" in (p := ha.info()["store"]["problem"] or "") and p, 30,
+                           "the store problem naming the lost quorum")
+        down, _, live = problem.partition("are down (")[2].partition(")")
+        assert sorted(down.split(", ")) == sorted([first, second]) and live.startswith(f"; {third} accept"), problem
+    finally:
+        cut.stop()
+        ha.etcd.start_all()
+        ha.leader()

@@ -9,6 +9,7 @@ printed (run with ``-s``) and asserted only against a generous bound that catche
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster import CTL, ctl, start_coordinator
+from cluster import CTL, ctl, start_coordinator, start_worker, wait_for
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from test_hostile_input import alias_bomb
@@ -55,10 +56,16 @@ class Poller(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def coordinator(tmp_path_factory: pytest.TempPathFactory):
+def served(tmp_path_factory: pytest.TempPathFactory):
+    """The module's coordinator: (its process, its address)."""
     proc, address = start_coordinator(tmp_path_factory.mktemp("hostile") / "coord")
-    yield address
+    yield proc, address
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def coordinator(served) -> str:  # noqa: ANN001
+    return served[1]
 
 
 @pytest.fixture
@@ -142,3 +149,58 @@ def test_bad_files_are_user_errors(name: str, content: bytes, words: list[str], 
         with pytest.raises(grpc.RpcError) as err:
             stub.SubmitJob(pb.SubmitJobRequest(spec_yaml=content.decode(), source=name), timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words[-1] in err.value.details()
+
+
+GARBAGE = b"\xff\xff\xff\xff"   # field 0x1fffffff, wire type 7: no protobuf parses it
+
+
+def _services(address: str, names: list[str]) -> list[tuple[str, object]]:
+    """(target, method descriptor) for every method of the named services, from the descriptors."""
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    files = (pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)
+    found = [s for f in files for s in f.services_by_name.values() if s.full_name in names]
+    assert sorted(s.full_name for s in found) == sorted(names)
+    return [(address, m) for s in found for m in s.methods]
+
+
+def _send_garbage(target: str, method) -> grpc.RpcError:  # noqa: ANN001 - a MethodDescriptor
+    """One call of ``method`` whose request is bytes that do not parse; the error it ends with."""
+    name = f"/{method.containing_service.full_name}/{method.name}"
+    raw = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with grpc.insecure_channel(target) as channel:
+        kind = ("stream" if method.client_streaming else "unary") + "_" + ("stream" if method.server_streaming else "unary")
+        call = getattr(channel, kind)(name, **raw)
+        request = iter([GARBAGE]) if method.client_streaming else GARBAGE
+        with pytest.raises(grpc.RpcError) as err:
+            answer = call(request, timeout=30)
+            if method.server_streaming:
+                list(answer)
+    return err.value
+
+
+def test_garbage_to_every_method_is_invalid_argument_naming_it_without_a_traceback(served, tmp_path: Path) -> None:
+    """Every method of every service the coordinator and a worker daemon serve, sent a request that is not
+    protobuf (twice): INVALID_ARGUMENT naming the method, and the servers log no traceback and at most one
+    line per method (rate-limited)."""
+    proc, address = served
+    worker = start_worker(address, "g0", 1, tmp_path, idle_warm=False)
+    try:
+        started = wait_for(lambda: re.search(r'"health_port": (\d+).*"peer_port": (\d+)', worker.output()), 60,
+                           "the worker's ports in its log")
+        health, peer = (f"127.0.0.1:{port}" for port in started.groups())
+        coordinator_log = len(proc.output())
+        targets = (_services(address, ["rankctl.v1.ClientService", "rankctl.v1.NodeService", "grpc.health.v1.Health",
+                                       "grpc.reflection.v1alpha.ServerReflection"])
+                   + _services(health, ["grpc.health.v1.Health"]) + _services(peer, ["rankctl.v1.PeerService"]))
+        for target, method in targets * 2:
+            err = _send_garbage(target, method)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (method.full_name, err.code(), err.details())
+            assert f"/{method.containing_service.full_name}/{method.name}: the request is not a valid" in err.details()
+        logs = proc.output()[coordinator_log:] + worker.output()
+        assert "Traceback" not in logs and "Unexpected" not in logs
+        lines = [line for line in logs.splitlines() if "rpc.malformed_request" in line]
+        assert len(lines) == len(targets)   # once per method and server: the second round is not logged
+    finally:
+        worker.stop()

@@ -75,6 +75,15 @@ def test_dry_run_prints_the_batch_script_and_submits_nothing(site: Site) -> None
     assert site.queue_empty() and json.loads(ctl(site.address, "jobs", "--json").stdout) == []
 
 
+def test_an_sbatch_arg_with_a_space_is_refused_at_submit_not_by_sbatch_later(site: Site) -> None:
+    """Each --sbatch-arg becomes one #SBATCH line, which sbatch splits at spaces: refused before anything is stored."""
+    out = ctl(site.address, "slurm", "submit", EXAMPLE, "--sbatch-arg", "--comment=two words")
+    assert out.returncode == 2 and "--sbatch-arg (got '--comment=two words'): one sbatch option with no spaces" \
+        in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert site.queue_empty() and json.loads(ctl(site.address, "jobs", "--json").stdout) == []
+
+
 def test_a_job_runs_on_two_nodes_of_its_allocation_which_ends_with_it(site: Site) -> None:
     out = ctl(site.address, "slurm", "submit", EXAMPLE, "--spares", "1", "--wait",
               "--worker-state-dir", f"{site.workers}/{{node}}", *RUN)

@@ -19,7 +19,10 @@ class Refused(grpc.RpcError):
         return grpc.StatusCode.UNAVAILABLE
 
     def trailing_metadata(self) -> tuple:
-        return ((client_mod.LEADER_METADATA, self.leader),) if self.leader else ()
+        return ((client_mod.LEADER_METADATA, self.leader),)   # a standby always sends it: "" when none leads
+
+    def details(self) -> str:
+        return "a standby"
 
 
 class Members:

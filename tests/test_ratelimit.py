@@ -41,3 +41,18 @@ def test_the_time_a_stream_is_held_back_is_not_the_nodes_silence(tmp_path) -> No
     world.core.tick()
     assert node.session.status is NodeStatus.LOST
     world.store.close()
+
+
+def test_malformed_requests_log_one_line_per_method_a_period_with_the_count() -> None:
+    from structlog.testing import capture_logs
+
+    from rankctl.security.malformed import RequestGuard
+
+    now = [0.0]
+    guard = RequestGuard(period_s=60.0, clock=lambda: now[0])
+    with capture_logs() as logs:
+        for t in (0.0, 1.0, 2.0, 61.0):
+            now[0] = t
+            guard.note("/a/B", "corrupt")
+        guard.note("/a/C", "corrupt")
+    assert [(e["method"], e["refused"]) for e in logs] == [("/a/B", 1), ("/a/B", 3), ("/a/C", 1)]

@@ -329,13 +329,13 @@ def test_a_node_stream_that_sends_no_node_message_is_told_so(tmp_path: Path,
         first = raw_stream(channel)
         await first.write(b"\xff\xff\xff\xff")                    # not a NodeMessage
         assert await first.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "the first message is not a NodeMessage" in await first.details()
+        assert "NodeService/Connect: the request is not a valid protobuf message" in await first.details()
         later = raw_stream(channel)
         await later.write(register.SerializeToString())
         assert (await later.read()).WhichOneof("body") == "registered"
         await later.write(b"\xff\xff\xff\xff")
         assert await later.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "a message on the node stream is not a NodeMessage" in await later.details()
+        assert "NodeService/Connect: the request is not a valid protobuf message" in await later.details()
         await node_when(rankctl_pb2_grpc.ClientServiceStub(channel), lambda n: n.state == pb.NODE_STATE_LOST)
         twice = raw_stream(channel)
         await twice.write(register.SerializeToString())

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from rankctl.contract import checkpoints
+from rankctl.security.malformed import RequestGuard
 from rankctl.worker import mountreg, shm, snapmem
 from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
 from rankctl.worker.relay import RelayInbox
@@ -52,7 +53,7 @@ async def start_health(listen: str,
                        identity=None) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:  # noqa: ANN001
     """The gRPC health service, every service NOT_SERVING until told otherwise: (server, bound port,
     servicer); TLS (no client certificate needed: it tells only whether the node serves) when ``identity``."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = _bind(server, listen, identity, require_client_auth=False)
@@ -76,7 +77,7 @@ async def start_peer(host: str, state_dir, identity=None,  # noqa: ANN001
     """The PeerService (checkpoint replication, relayed messages) on the advertised address; (None, 0) when it
     cannot bind. With ``identity``: mutual TLS, node certificates only; ``bound``: the node's snapshot memory
     bound; ``relay``: where relayed items for this node go (``worker.relay``)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard()])
     identify = None if identity is None else _identify_unrevoked(identity.revocations)
     pb_grpc.add_PeerServiceServicer_to_server(PeerServicer(ShardStore(state_dir), identify, bound, relay), server)
     host = f"[{host}]" if ":" in host and not host.startswith("[") else host
@@ -188,7 +189,7 @@ async def _run_worker(cfg: DaemonConfig, stop: asyncio.Event | None, launcher: A
     try:
         await services.start_metrics(cfg.metrics_listen, daemon)
         log.info("worker started", node=cfg.name, slots=cfg.slots, coordinator=cfg.coordinator,
-                 health_port=services.health_port, metrics_port=services.metrics_port,
+                 health_port=services.health_port, peer_port=services.peer_port, metrics_port=services.metrics_port,
                  gpus=len(launcher.hardware.get("gpus", [])))
         runner = asyncio.create_task(daemon.run())
         await asyncio.wait([runner, stopped], return_when=asyncio.FIRST_COMPLETED)
