@@ -239,7 +239,7 @@ def test_a_full_node_disk_moves_the_job_to_a_ready_spare_naming_path_and_file_sy
                          text=True)
     if out.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({out.stderr.strip() or 'mount failed'})")
-    worker = start_worker(two.address, "a-full", 2, tmp_path)     # its name comes first: placed there first
+    worker = start_worker(two.address, "a-full", 2, tmp_path, data_roots=two.data_roots)   # placed there first
     try:
         wait_for(lambda: "a-full" in ready_nodes(two.address), 60, "a-full READY")
         job = two.submit(str(EXAMPLES / "gpt-tp-dp.yaml"), "--set", "resources.nodes=1", "--set", "train.steps=100000",
