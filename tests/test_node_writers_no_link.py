@@ -127,3 +127,49 @@ def test_a_restore_into_a_linked_checkpoint_root_writes_nothing_there(tmp_path: 
         asyncio.run(scenario())
     assert link in str(info.value) and safepath.RULE in str(info.value)
     assert snapshot(outside) == before
+
+
+# -- the run dir's files: the daemon's and the rank's -----------------------------------------------------------
+@pytest.fixture()
+def victim(tmp_path: Path) -> Path:
+    """A file outside the run dir that a planted link or hard link points at."""
+    f = tmp_path / "outside-file"
+    f.write_text("keep")
+    return f
+
+
+def _planted(run_dir: Path, name: str, victim: Path, how: str) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    at = run_dir / name
+    os.symlink(victim, at) if how == "symlink" else os.link(victim, at)
+    return at
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+def test_the_run_dirs_files_replace_what_a_rank_planted_and_never_write_through_it(tmp_path: Path, victim: Path,
+                                                                                  how: str) -> None:
+    """The daemon's control file (its temporary name), a rank's status file, its collective counters and their
+    labels, its log and the save wake: each replaces a link or hard link planted at its name."""
+    from rankctl.contract import rankfiles
+    from rankctl.runtime.collectives import CollectiveCounters
+    from rankctl.runtime.status import StatusWriter
+    from rankctl.worker.rankio import RankLog
+
+    run_dir = tmp_path / "state" / "jobs" / "j-1" / "0"
+    for name in ("rank-0.control.json.tmp", "rank-0.status.jsonl", "rank-0.coll", "rank-0.coll.json.tmp",
+                 "rank-0.log", "saved.fifo"):
+        _planted(run_dir, name, victim, how)
+    rankfiles.write_control(str(run_dir), 0, {"checkpoint_at": 17})
+    StatusWriter(str(run_dir), 0).write("running", step=1)
+    CollectiveCounters(str(run_dir), 0, 1, {}).slot(None)
+    r, w = os.pipe()
+    log = RankLog(str(run_dir / "rank-0.log"), r)
+    os.write(w, b"printed\n")
+    os.close(w)
+    log.close()   # copies what the pipe holds
+    rankfiles.notify_saved(str(run_dir))
+    assert victim.read_text() == "keep"
+    assert rankfiles.read_control(rankfiles.control_path(str(run_dir), 0)) == {"checkpoint_at": 17}
+    assert '"running"' in (run_dir / "rank-0.status.jsonl").read_text()
+    assert (run_dir / "rank-0.log").read_bytes() == b"printed\n"
+    assert not any(p.is_symlink() for p in run_dir.iterdir() if p.name != "saved.fifo")
