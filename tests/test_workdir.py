@@ -99,6 +99,19 @@ def test_extraction_refuses_what_would_leave_the_workdir(tmp_path: Path, member:
     assert not (tmp_path / "x").exists() and not (tmp_path.parent / "x").exists()
 
 
+@pytest.mark.parametrize("written", ["l/x", "./l/x", "l"])
+def test_extraction_never_writes_at_or_through_a_link_of_the_archive(tmp_path: Path, written: str) -> None:
+    """Issue 43 item 1: a member written through a symlink an earlier member made (a chain the data filter of
+    older Pythons could be led out by) is refused, naming the member and the rule; a link alone is kept."""
+    members = [_member("sub", tarfile.DIRTYPE), _member("sub/y"), _member("l", tarfile.SYMTYPE, "sub")]
+    extract(_archive(tmp_path / "ok.tar.gz", members), tmp_path / "ok")
+    assert os.readlink(tmp_path / "ok" / "l") == "sub"
+    archive = _archive(tmp_path / "a.tar.gz", [*members, _member(written)])
+    with pytest.raises(FetchFailed, match=f"{written!r}, written through its own symlink 'l'.*no symbolic link"):
+        extract(archive, tmp_path / "out")
+    assert not (tmp_path / "out" / "sub" / "x").exists() and (tmp_path / "out" / "sub" / "y").read_text() == "x"
+
+
 def test_extraction_round_trips_a_packed_tree_and_caps_bytes(tmp_path: Path) -> None:
     src = tree(tmp_path / "src", {"t.py": "print(1)\n", "pkg/m.py": "x = 1\n"})
     (src / "t.py").chmod(0o755)

@@ -3,7 +3,9 @@
 ``STATE_DIR/workdirs/<hex>/`` holds the extracted archive once ``STATE_DIR/workdirs/<hex>.done`` exists;
 it is built in a temporary directory beside it and renamed into place, so a crash leaves no half
 workdir that counts as complete. Extraction streams the archive through tarfile's ``data`` filter (no
-absolute paths, no ``..``, no links leading out, no device files), counting the decompressed bytes as they
+absolute paths, no ``..``, no links leading out, no device files), and no member is written at or through a link an
+earlier member made (``_through_link``: the data filter alone, before Python 3.11.13, could be led out by such
+chains), counting the decompressed bytes as they
 arrive: it stops past the spec's ``python.workdir_max_unpacked_mb`` (or the node's cap) or past MAX_RATIO
 times the packed bytes, so a compression bomb writes less than its limit. Concurrent Assigns of one digest
 share one fetch; the cache is bounded, least recently used trees evicted, pinned (running) ones kept.
@@ -69,6 +71,12 @@ def _check(m: tarfile.TarInfo, count: int) -> None:
         raise FetchFailed(f"the archive holds {m.name!r}, which is not a file, a directory or a symlink")
 
 
+def _through_link(name: str, links: set[str]) -> str | None:
+    """The earlier symlink member that ``name`` (a member's name) is at or below, or None."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    return next(("/".join(parts[:i]) for i in range(1, len(parts) + 1) if "/".join(parts[:i]) in links), None)
+
+
 def extract(archive: Path, dest: Path, max_bytes: int = MAX_EXTRACTED_BYTES,
             what: str = "") -> None:
     """Extract the tar.gz ``archive`` into the new directory ``dest``, streaming: FetchFailed for an unsafe
@@ -78,9 +86,15 @@ def extract(archive: Path, dest: Path, max_bytes: int = MAX_EXTRACTED_BYTES,
     what = what or f"the node's cap of {max_bytes} bytes"
     try:
         with open(archive, "rb") as raw, tarfile.open(fileobj=_Meter(raw, max_bytes, what), mode="r|") as tar:
+            links: set[str] = set()
             for count, m in enumerate(tar, 1):
                 _check(m, count)
+                if (link := _through_link(m.name, links)) is not None:
+                    raise FetchFailed(f"the archive holds {m.name!r}, written through its own symlink {link!r}: "
+                                      "rankctl writes a workdir through no symbolic link")
                 tar.extract(m, dest, filter="data")
+                if m.issym():
+                    links.add("/".join(p for p in m.name.split("/") if p not in ("", ".")))
     except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
         raise FetchFailed(f"unsafe or unreadable archive: {exc}") from None
 
