@@ -86,7 +86,8 @@ class _Writer:
     bound; when only accounted, the snapshot files under it are counted once a stream (the ranks write theirs
     from other processes), then this stream's chunks are added as they come."""
 
-    def __init__(self, root_of, base_of, dropped=lambda name: False, bound: Bound | None = None) -> None:  # noqa: ANN001
+    def __init__(self, root_of, base_of, dropped=lambda name: False,  # noqa: ANN001
+                 bound: Bound | None = None) -> None:
         self.root_of, self.base_of, self.dropped = root_of, base_of, dropped  # base_of(area): ShardStore.base
         self.f, self.tmp, self.final, self.base, self.files = None, "", "", "", 0
         self.markers: dict[tuple[str, str], dict[int, int]] = {}  # (name, area) -> rank -> step of a marker
@@ -115,7 +116,8 @@ class _Writer:
             _check(c.job_name, c.step, c.rank, c.file, c.root)
             if c.root == SNAPSHOTS and self.dropped(c.job_name):
                 raise BadShard(f"the snapshots of {c.job_name} were dropped here: its run ended")
-            self.base, self.final = self.base_of(c.root), _path(self.root_of(c.job_name, c.root), c.step, c.rank, c.file)
+            self.base = self.base_of(c.root)
+            self.final = _path(self.root_of(c.job_name, c.root), c.step, c.rank, c.file)
             self.tmp = f"{self.final}.part"   # through no link below the state dir or snapshot memory (the name's)
             self.f = open(safepath.open_write(self.base, self.tmp, create_dirs=True), "wb")  # noqa: SIM115
         self.f.write(c.data)
