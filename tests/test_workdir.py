@@ -178,6 +178,30 @@ def test_concurrent_assigns_of_one_digest_fetch_once_and_a_bad_fetch_leaves_noth
     assert list((tmp_path / "other" / "workdirs").iterdir()) == []
 
 
+def test_a_link_planted_at_a_workdirs_done_marker_is_never_written_through(tmp_path: Path) -> None:
+    """Issue 43 item 1: a python job's code, whose cwd is the node's workdir cache, plants a link at the next
+    digest's ``.done``: the daemon refuses it, naming the path and the rule, and creates nothing where it points."""
+    import asyncio
+
+    from rankctl.contract import safepath
+    from rankctl.worker.blobs import WorkdirCache
+
+    buf = io.BytesIO()
+    digest, _ = pack(tree(tmp_path / "src", {"t.py": "print(1)\n"}), buf, 1 << 20)
+
+    async def fetch(d: str):
+        yield buf.getvalue()
+
+    cache, target = WorkdirCache(tmp_path / "node"), tmp_path / "outside" / "created"
+    (tmp_path / "outside").mkdir()
+    cache.root.mkdir(parents=True)
+    link = cache.root / f"{digest.split(':')[1]}.done"
+    link.symlink_to(target)
+    with pytest.raises(safepath.UnsafePath, match="is a symbolic link.*through no symbolic link"):
+        asyncio.run(cache.path(digest, fetch))
+    assert not target.exists() and link.is_symlink()
+
+
 def bomb(path: Path, unpacked: int, *, name: str = "zeros.bin") -> Path:
     """A tar.gz of one file of ``unpacked`` zero bytes, written streaming (never ``unpacked`` bytes in memory)."""
 

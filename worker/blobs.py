@@ -26,6 +26,8 @@ import zlib
 from pathlib import Path
 from typing import IO, Any, AsyncIterator, Callable
 
+from rankctl.contract import safepath
+
 DIGEST_RE = re.compile(r"sha256:([0-9a-f]{64})")
 MAX_EXTRACTED_BYTES = 8 << 30  # the node's own cap on one archive, whatever its spec allows
 MAX_MEMBERS = 1_000_000
@@ -151,7 +153,7 @@ class WorkdirCache:
                     max_bytes: int | None) -> Path:
         done = self.root / f"{hx}.done"
         if done.exists():
-            done.touch()  # its use time, for eviction
+            os.utime(done, follow_symlinks=False)  # its use time, for eviction (a link's own: never its target's)
             return self.root / hx
         if hx not in self._pending:
             self._pending[hx] = asyncio.ensure_future(self._fetch(digest, hx, fetch, max_bytes))
@@ -177,7 +179,7 @@ class WorkdirCache:
             final = self.root / hx
             shutil.rmtree(final, ignore_errors=True)  # an incomplete one from before a crash
             os.replace(tmp / "tree", final)
-            (self.root / f"{hx}.done").touch()
+            os.close(safepath.open_write(str(self.root), str(self.root / f"{hx}.done")))  # a link there: refused
             self.fetches += 1
             return final
         finally:
@@ -188,7 +190,7 @@ class WorkdirCache:
         """Remove the least recently used trees until the cache holds at most ``max_bytes``; never one in
         ``keep`` (the one just extracted and the pinned ones). Returns the digests' hex removed. Runs on a
         worker thread: it walks the trees (O(files in the cache), once per extraction)."""
-        trees = [(p.stat().st_mtime, p.name[:-5]) for p in self.root.glob("*.done")]
+        trees = [(p.lstat().st_mtime, p.name[:-5]) for p in self.root.glob("*.done")]
         sizes = {hx: _tree_bytes(self.root / hx) for _, hx in trees}
         used, removed = sum(sizes.values()), []
         for _, hx in sorted(trees):
