@@ -18,6 +18,8 @@ import os
 import struct
 from typing import Any
 
+from rankctl.contract.rankfiles import replace_json
+
 MAGIC = b"RKCL"
 VERSION = 1
 MAX_SLOTS = 32
@@ -55,10 +57,7 @@ def slot_offset(slot: int) -> int:
 
 
 def write_meta(path: str, labels: list[dict[str, Any]]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"slots": labels}, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    replace_json(path, {"slots": labels})
 
 
 def in_collective(raw: bytes | None) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch.distributed as dist
 
 from rankctl.contract import collfiles as C
+from rankctl.contract.rankfiles import open_own
 
 # The wrapped functions (module attributes of torch.distributed); a missing one is skipped.
 WRAPPED = C.OPS
@@ -50,7 +51,7 @@ class CollectiveCounters:
         self._labels: list[dict[str, Any]] = []
         self.path = C.counters_path(run_dir, rank)
         self._meta_path = C.meta_path(run_dir, rank)
-        with open(self.path, "w+b") as f:
+        with open(open_own(self.path, os.O_RDWR), "w+b") as f:   # never through a link planted there
             f.truncate(C.FILE_BYTES)
             self._buf = mmap.mmap(f.fileno(), C.FILE_BYTES)
         C.HEADER.pack_into(self._buf, 0, C.MAGIC, C.VERSION, 0, -1, 0.0)

@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from rankctl.contract.rankfiles import status_path
+from rankctl.contract.rankfiles import open_own, status_path
 from rankctl.contract.rankstatus import PHASES, RankStatusRecord
 
 
@@ -24,7 +24,7 @@ class StatusWriter:
         self.rank = rank
         self.path = status_path(run_dir, rank)
         self._clock = clock
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(open_own(self.path, os.O_WRONLY | os.O_APPEND, keep=True), "a", encoding="utf-8")
         self.counters = counters
         self._since: tuple[float, float] | None = None  # (time, wait total) at the previous step record
 

@@ -360,3 +360,27 @@ def test_a_sigkilled_workers_mounts_go_at_the_next_worker_start_on_another_state
     finally:
         reaper.stop()
         doomed.stop()
+
+
+def test_a_peers_replica_dir_linked_out_of_its_state_dir_is_refused_and_the_job_goes_on(two: ProcCluster,
+                                                                                     tmp_path: Path) -> None:
+    """Issue 43 item 1: each node of a 2-node train job pushes its checkpoint steps to the other, which keeps them
+    under ``{state}/replicas/{job name}``; a link planted there on both nodes used to be followed (the steps landed
+    outside the state dir). Refused now, the daemon's log naming the path and the rule; the job still succeeds."""
+    outside = tmp_path / "outside"
+    before = planted(outside)
+    links = [two.root / node / "replicas" / "relinked" for node in two.workers]
+    for link in links:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(outside)
+    path = tmp_path / "relinked.yaml"
+    spec = TRAIN.replace("nodes: 1", "nodes: 2").replace(", checkpoint_dir: {ckpt}", "").replace("steps: 3", "steps: 6")
+    path.write_text(spec.replace("global_batch: 2", "global_batch: 4").format(name="relinked"))
+    job = two.submit(str(path))
+    wait_for(lambda: any(f"passes through the symbolic link '{link}'" in w.output() for w in two.workers.values()
+                         for link in links), 180, "a push into the linked replica dir refused")
+    final = wait_state(two.address, job, {"SUCCEEDED", "FAILED"}, 180)
+    assert final["state"] == "SUCCEEDED", json.dumps(final)[:2000]
+    assert files_in(outside) == before and all(link.is_symlink() for link in links)
+    assert any("replica refused" in w.output() and "through no symbolic link" in w.output()
+               for w in two.workers.values())

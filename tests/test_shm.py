@@ -23,6 +23,27 @@ def test_a_daemon_that_starts_unmounts_what_a_killed_launcher_left(tmp_path: Pat
     assert not os.path.exists(point) and shm.unmount_stale(str(tmp_path)) == []
 
 
+def test_a_link_planted_at_an_attempts_shm_is_refused_never_mounted_over(tmp_path: Path) -> None:
+    """Issue 43 item 1: the attempt's tmpfs goes at ``{run_dir}/shm``; a link there is refused, naming it and the
+    rule, and the directory it points at gets no mount (a detach never follows a link either)."""
+    from rankctl.contract import safepath
+
+    run_dir, outside = tmp_path / "jobs" / "j-1" / "1", tmp_path / "outside"
+    run_dir.mkdir(parents=True)
+    outside.mkdir()
+    (run_dir / "shm").symlink_to(outside)
+    with pytest.raises(safepath.UnsafePath, match="is a symbolic link|passes through the symbolic link"):
+        shm.mount_job_shm(str(run_dir), 8)
+    assert not os.path.ismount(outside)
+    shm.mount("tmpfs", str(outside), "tmpfs", shm.MS_NOSUID | shm.MS_NODEV, "size=1m")
+    try:
+        with pytest.raises(OSError):
+            shm.unmount(str(run_dir / "shm"))   # not through the link
+        assert os.path.ismount(outside)
+    finally:
+        shm.unmount(str(outside))
+
+
 def test_shm_mb_comes_from_the_spec_with_its_documented_default() -> None:
     from rankctl.contract.spec import DEFAULT_SHM_MB, Resources
 

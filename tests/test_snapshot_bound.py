@@ -157,10 +157,10 @@ def test_an_accounted_bound_refuses_a_pushed_step_that_would_pass_it(tmp_path: P
     store = ShardStore(tmp_path / "peer")
     bound = accounted(store.state_dir, 4)
     ckpt.save_rank(store.own_root("gpt", SNAPSHOTS), 2, 0, state_of(1.5), "fp")   # the node's own rank
-    writer = _Writer(store.replica_root, store.dropped, bound)
+    writer = _Writer(store.replica_root, store.base, store.dropped, bound)
     for c in chunks("gpt", 2, 1, 2 * MiB):          # 1.5 + 2 MiB: fits
         writer.feed(c)
-    late = _Writer(store.replica_root, store.dropped, bound)
+    late = _Writer(store.replica_root, store.base, store.dropped, bound)
     with pytest.raises(NoRoom, match=r"--snapshot-memory-mb 4\)") as info:
         for c in chunks("gpt", 4, 1, 2 * MiB):
             late.feed(c)
@@ -267,7 +267,7 @@ def test_a_tmpfs_of_a_few_mib_keeps_the_bound_and_outlives_a_restart_only_with_s
             ckpt.save_snapshot(root, 8, 0, state_of(5), "fp")   # never fits (torch.save's own error hid ENOSPC)
         assert files_under(root) == ["step-00000006/rank-00000.done", "step-00000006/rank-00000.pt"]
         store = ShardStore(state)
-        push = _Writer(store.replica_root, store.dropped, bound)
+        push = _Writer(store.replica_root, store.base, store.dropped, bound)
         with pytest.raises(NoRoom, match="would pass the bound of 4194304 bytes"):
             for c in chunks("gpt", 6, 1, 3 * MiB):              # the kernel refuses a peer's copy alike
                 push.feed(c)

@@ -261,12 +261,12 @@ def test_a_push_that_stops_before_its_marker_leaves_nothing_at_the_peer(tmp_path
 
     store = ShardStore(tmp_path / "peer")
     root = store.replica_root("j", SNAPSHOTS)
-    cut = _Writer(store.replica_root)
+    cut = _Writer(store.replica_root, store.base)
     cut.feed(pb.ShardChunk(job_name="j", step=40, rank=0, file="pt", root=SNAPSHOTS, data=b"x" * 10, last=True))
     assert os.path.exists(os.path.join(layout.step_dir(root, 40), "rank-00000.pt"))
     cut.abort()   # the stream broke before the marker
     assert not os.path.exists(layout.step_dir(root, 40))
-    whole = _Writer(store.replica_root)
+    whole = _Writer(store.replica_root, store.base)
     for file in ("pt", "done"):
         whole.feed(pb.ShardChunk(job_name="j", step=42, rank=0, file=file, root=SNAPSHOTS, data=b"{}", last=True))
     whole.drop_incomplete()   # a complete step stays
@@ -281,12 +281,12 @@ def test_a_push_after_the_run_ended_here_is_refused_until_the_name_runs_again(tm
 
     store = ShardStore(tmp_path / "peer")
     store.drop_snapshots("j", [0, 1])
-    late = _Writer(store.replica_root, store.dropped)
+    late = _Writer(store.replica_root, store.base, store.dropped)
     with pytest.raises(BadShard, match="dropped"):
         late.feed(pb.ShardChunk(job_name="j", step=40, rank=2, file="pt", root=SNAPSHOTS, data=b"x", last=True))
     assert not os.path.exists(store.replica_root("j", SNAPSHOTS))
     store.revive("j")   # the name runs here again
-    again = _Writer(store.replica_root, store.dropped)
+    again = _Writer(store.replica_root, store.base, store.dropped)
     for file in ("pt", "done"):
         again.feed(pb.ShardChunk(job_name="j", step=2, rank=2, file=file, root=SNAPSHOTS, data=b"{}", last=True))
     assert layout.read_marker(store.replica_root("j", SNAPSHOTS), 2, 2) is not None

@@ -99,6 +99,19 @@ def test_extraction_refuses_what_would_leave_the_workdir(tmp_path: Path, member:
     assert not (tmp_path / "x").exists() and not (tmp_path.parent / "x").exists()
 
 
+@pytest.mark.parametrize("written", ["l/x", "./l/x", "l"])
+def test_extraction_never_writes_at_or_through_a_link_of_the_archive(tmp_path: Path, written: str) -> None:
+    """Issue 43 item 1: a member written through a symlink an earlier member made (a chain the data filter of
+    older Pythons could be led out by) is refused, naming the member and the rule; a link alone is kept."""
+    members = [_member("sub", tarfile.DIRTYPE), _member("sub/y"), _member("l", tarfile.SYMTYPE, "sub")]
+    extract(_archive(tmp_path / "ok.tar.gz", members), tmp_path / "ok")
+    assert os.readlink(tmp_path / "ok" / "l") == "sub"
+    archive = _archive(tmp_path / "a.tar.gz", [*members, _member(written)])
+    with pytest.raises(FetchFailed, match=f"{written!r}, written through its own symlink 'l'.*no symbolic link"):
+        extract(archive, tmp_path / "out")
+    assert not (tmp_path / "out" / "sub" / "x").exists() and (tmp_path / "out" / "sub" / "y").read_text() == "x"
+
+
 def test_extraction_round_trips_a_packed_tree_and_caps_bytes(tmp_path: Path) -> None:
     src = tree(tmp_path / "src", {"t.py": "print(1)\n", "pkg/m.py": "x = 1\n"})
     (src / "t.py").chmod(0o755)
@@ -163,6 +176,30 @@ def test_concurrent_assigns_of_one_digest_fetch_once_and_a_bad_fetch_leaves_noth
     with pytest.raises(FetchFailed, match="arrived with"):
         asyncio.run(WorkdirCache(tmp_path / "other").path(wrong, fetch))
     assert list((tmp_path / "other" / "workdirs").iterdir()) == []
+
+
+def test_a_link_planted_at_a_workdirs_done_marker_is_never_written_through(tmp_path: Path) -> None:
+    """Issue 43 item 1: a python job's code, whose cwd is the node's workdir cache, plants a link at the next
+    digest's ``.done``: the daemon refuses it, naming the path and the rule, and creates nothing where it points."""
+    import asyncio
+
+    from rankctl.contract import safepath
+    from rankctl.worker.blobs import WorkdirCache
+
+    buf = io.BytesIO()
+    digest, _ = pack(tree(tmp_path / "src", {"t.py": "print(1)\n"}), buf, 1 << 20)
+
+    async def fetch(d: str):
+        yield buf.getvalue()
+
+    cache, target = WorkdirCache(tmp_path / "node"), tmp_path / "outside" / "created"
+    (tmp_path / "outside").mkdir()
+    cache.root.mkdir(parents=True)
+    link = cache.root / f"{digest.split(':')[1]}.done"
+    link.symlink_to(target)
+    with pytest.raises(safepath.UnsafePath, match="is a symbolic link.*through no symbolic link"):
+        asyncio.run(cache.path(digest, fetch))
+    assert not target.exists() and link.is_symlink()
 
 
 def bomb(path: Path, unpacked: int, *, name: str = "zeros.bin") -> Path:

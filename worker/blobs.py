@@ -3,7 +3,9 @@
 ``STATE_DIR/workdirs/<hex>/`` holds the extracted archive once ``STATE_DIR/workdirs/<hex>.done`` exists;
 it is built in a temporary directory beside it and renamed into place, so a crash leaves no half
 workdir that counts as complete. Extraction streams the archive through tarfile's ``data`` filter (no
-absolute paths, no ``..``, no links leading out, no device files), counting the decompressed bytes as they
+absolute paths, no ``..``, no links leading out, no device files), and no member is written at or through a link an
+earlier member made (``_through_link``: the data filter alone, before Python 3.11.13, could be led out by such
+chains), counting the decompressed bytes as they
 arrive: it stops past the spec's ``python.workdir_max_unpacked_mb`` (or the node's cap) or past MAX_RATIO
 times the packed bytes, so a compression bomb writes less than its limit. Concurrent Assigns of one digest
 share one fetch; the cache is bounded, least recently used trees evicted, pinned (running) ones kept.
@@ -23,6 +25,8 @@ import tempfile
 import zlib
 from pathlib import Path
 from typing import IO, Any, AsyncIterator, Callable
+
+from rankctl.contract import safepath
 
 DIGEST_RE = re.compile(r"sha256:([0-9a-f]{64})")
 MAX_EXTRACTED_BYTES = 8 << 30  # the node's own cap on one archive, whatever its spec allows
@@ -69,6 +73,12 @@ def _check(m: tarfile.TarInfo, count: int) -> None:
         raise FetchFailed(f"the archive holds {m.name!r}, which is not a file, a directory or a symlink")
 
 
+def _through_link(name: str, links: set[str]) -> str | None:
+    """The earlier symlink member that ``name`` (a member's name) is at or below, or None."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    return next(("/".join(parts[:i]) for i in range(1, len(parts) + 1) if "/".join(parts[:i]) in links), None)
+
+
 def extract(archive: Path, dest: Path, max_bytes: int = MAX_EXTRACTED_BYTES,
             what: str = "") -> None:
     """Extract the tar.gz ``archive`` into the new directory ``dest``, streaming: FetchFailed for an unsafe
@@ -78,9 +88,15 @@ def extract(archive: Path, dest: Path, max_bytes: int = MAX_EXTRACTED_BYTES,
     what = what or f"the node's cap of {max_bytes} bytes"
     try:
         with open(archive, "rb") as raw, tarfile.open(fileobj=_Meter(raw, max_bytes, what), mode="r|") as tar:
+            links: set[str] = set()
             for count, m in enumerate(tar, 1):
                 _check(m, count)
+                if (link := _through_link(m.name, links)) is not None:
+                    raise FetchFailed(f"the archive holds {m.name!r}, written through its own symlink {link!r}: "
+                                      "rankctl writes a workdir through no symbolic link")
                 tar.extract(m, dest, filter="data")
+                if m.issym():
+                    links.add("/".join(p for p in m.name.split("/") if p not in ("", ".")))
     except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
         raise FetchFailed(f"unsafe or unreadable archive: {exc}") from None
 
@@ -137,7 +153,7 @@ class WorkdirCache:
                     max_bytes: int | None) -> Path:
         done = self.root / f"{hx}.done"
         if done.exists():
-            done.touch()  # its use time, for eviction
+            os.utime(done, follow_symlinks=False)  # its use time, for eviction (a link's own: never its target's)
             return self.root / hx
         if hx not in self._pending:
             self._pending[hx] = asyncio.ensure_future(self._fetch(digest, hx, fetch, max_bytes))
@@ -163,7 +179,7 @@ class WorkdirCache:
             final = self.root / hx
             shutil.rmtree(final, ignore_errors=True)  # an incomplete one from before a crash
             os.replace(tmp / "tree", final)
-            (self.root / f"{hx}.done").touch()
+            os.close(safepath.open_write(str(self.root), str(self.root / f"{hx}.done")))  # a link there: refused
             self.fetches += 1
             return final
         finally:
@@ -174,7 +190,7 @@ class WorkdirCache:
         """Remove the least recently used trees until the cache holds at most ``max_bytes``; never one in
         ``keep`` (the one just extracted and the pinned ones). Returns the digests' hex removed. Runs on a
         worker thread: it walks the trees (O(files in the cache), once per extraction)."""
-        trees = [(p.stat().st_mtime, p.name[:-5]) for p in self.root.glob("*.done")]
+        trees = [(p.lstat().st_mtime, p.name[:-5]) for p in self.root.glob("*.done")]
         sizes = {hx: _tree_bytes(self.root / hx) for _, hx in trees}
         used, removed = sum(sizes.values()), []
         for _, hx in sorted(trees):

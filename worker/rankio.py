@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import stat
+
+from rankctl.contract.rankfiles import open_own
 
 GENERATION_BYTES = 64 << 20   # one generation of one rank's log (the rotation size)
 JOB_LOG_BYTES = 1 << 30       # every log of one job attempt on one node, all generations
@@ -39,9 +40,9 @@ def output_pipe(path: str | None = None) -> tuple[int, int]:
             os.unlink(path)
         os.mkfifo(path, 0o600)
         try:
-            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            r = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
             try:
-                w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                w = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
             except OSError:
                 os.close(r)
                 raise
@@ -64,18 +65,9 @@ class RankLog:
         self.size = os.fstat(self._out).st_size
 
     def _open(self) -> int:
-        """The log, a regular file: whatever else the rank put at its path (a symlink, a FIFO) is replaced."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        try:
-            fd = os.open(self.path, flags, 0o644)
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                return fd
-            os.close(fd)
-        except OSError:
-            pass
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # unlink removes a symlink itself, never its target
-        return os.open(self.path, flags | os.O_EXCL, 0o644)
+        """The log, a regular file of its own: whatever else the rank put at its path (a symlink, a FIFO, a hard
+        link) is replaced (``contract.rankfiles.open_own``)."""
+        return open_own(self.path, os.O_WRONLY | os.O_APPEND, keep=True)
 
     def pump(self) -> bool:
         """Copy what the pipe holds now; False once every writer has closed it (EOF)."""

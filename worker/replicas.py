@@ -19,7 +19,10 @@ Files travel as ``ShardChunk`` streams (1 MiB chunks, the .pt first, then its do
 written to a temporary name and renamed, and every name from the wire is checked before it
 becomes a path. File IO runs on worker threads, never on the daemon's event loop. A peer without room
 for a pushed step (past its snapshot memory bound, ``worker.snapmem``, or out of space) keeps nothing
-partial and answers RESOURCE_EXHAUSTED; the sender does not push that step again, a newer one it does.
+partial and answers RESOURCE_EXHAUSTED; the sender does not push that step again, a newer one it does. Files are
+written, renamed and removed through no symbolic link below the peer's state dir or snapshot memory
+(``contract.safepath``: the job name is a user's value); a link planted there is refused, FAILED_PRECONDITION
+naming it, and not pushed to again before a newer step.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import grpc
 import structlog
 
 from rankctl.contract import checkpoints as layout
+from rankctl.contract import safepath
 from rankctl.contract.names import job_name_problem
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
@@ -82,10 +86,12 @@ class _Writer:
     bound; when only accounted, the snapshot files under it are counted once a stream (the ranks write theirs
     from other processes), then this stream's chunks are added as they come."""
 
-    def __init__(self, root_of, dropped=lambda name: False, bound: Bound | None = None) -> None:  # noqa: ANN001
-        self.root_of, self.dropped, self.f, self.tmp, self.final, self.files = root_of, dropped, None, "", "", 0
+    def __init__(self, root_of, base_of, dropped=lambda name: False,  # noqa: ANN001
+                 bound: Bound | None = None) -> None:
+        self.root_of, self.base_of, self.dropped = root_of, base_of, dropped  # base_of(area): ShardStore.base
+        self.f, self.tmp, self.final, self.base, self.files = None, "", "", "", 0
         self.markers: dict[tuple[str, str], dict[int, int]] = {}  # (name, area) -> rank -> step of a marker
-        self.written: set[tuple[str, int, int]] = set()   # (root, step, rank) of every file written
+        self.written: set[tuple[str, str, int, int]] = set()   # (base, root, step, rank) of every file written
         self.bound, self.in_use, self.incoming = bound, -1, 0  # in_use: counted at the first snapshot chunk
 
     def feed(self, c: pb.ShardChunk) -> None:
@@ -110,16 +116,16 @@ class _Writer:
             _check(c.job_name, c.step, c.rank, c.file, c.root)
             if c.root == SNAPSHOTS and self.dropped(c.job_name):
                 raise BadShard(f"the snapshots of {c.job_name} were dropped here: its run ended")
+            self.base = self.base_of(c.root)
             self.final = _path(self.root_of(c.job_name, c.root), c.step, c.rank, c.file)
-            os.makedirs(os.path.dirname(self.final), exist_ok=True)
-            self.tmp = f"{self.final}.part"
-            self.f = open(self.tmp, "wb")
+            self.tmp = f"{self.final}.part"   # through no link below the state dir or snapshot memory (the name's)
+            self.f = open(safepath.open_write(self.base, self.tmp, create_dirs=True), "wb")  # noqa: SIM115
         self.f.write(c.data)
         if c.last:
             self.f.close()
-            os.replace(self.tmp, self.final)
+            safepath.replace(self.base, self.tmp, self.final)
             self.f, self.files = None, self.files + 1
-            self.written.add((self.root_of(c.job_name, c.root), c.step, c.rank))
+            self.written.add((self.base, self.root_of(c.job_name, c.root), c.step, c.rank))
             if c.file == "done":
                 self.markers.setdefault((c.job_name, c.root), {})[c.rank] = c.step
 
@@ -127,9 +133,9 @@ class _Writer:
         """Files this stream wrote for a rank's step whose marker never came (the sender stopped half-way, e.g.
         its run ended and dropped its snapshots while pushing): useless to any restore, and in the peer's
         memory for snapshots; removed."""
-        for root, step, rank in self.written:
+        for base, root, step, rank in self.written:
             if layout.read_marker(root, step, rank) is None:
-                layout.remove_rank_step(root, step, rank)
+                layout.remove_rank_step(root, step, rank, base=base)
 
     def abort(self) -> None:
         self.drop_incomplete()
@@ -138,9 +144,9 @@ class _Writer:
                 self.f.close()
             self.f = None
             with contextlib.suppress(OSError):
-                os.unlink(self.tmp)
+                safepath.unlink(self.base, self.tmp)
             with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self.tmp))  # a step directory this stream made for nothing else
+                safepath.rmdir(self.base, os.path.dirname(self.tmp))  # a step directory made for nothing else
 
 
 def _chunks(name: str, step: int, rank: int, root: str, area: str = "") -> Iterable[pb.ShardChunk]:
@@ -196,7 +202,7 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
 
     async def PutShards(self, request_iterator, context):  # noqa: ANN001, ANN201, N802 - gRPC
         await self._admit(context)
-        writer = _Writer(self.store.replica_root, self.store.dropped, self.bound)
+        writer = _Writer(self.store.replica_root, self.store.base, self.store.dropped, self.bound)
         try:
             async for chunk in request_iterator:
                 await asyncio.to_thread(writer.feed, chunk)
@@ -206,6 +212,10 @@ class PeerServicer(pb_grpc.PeerServiceServicer):
         except NoRoom as exc:  # the steps completed before it stay (and are pruned); the rest goes
             await asyncio.to_thread(self._settle, writer, True)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except safepath.UnsafePath as exc:   # a link planted where the job name's files go: nothing written there
+            await asyncio.to_thread(self._settle, writer, True)
+            log.warning("replica refused", error=exc.strerror)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.strerror)
         except BaseException:
             writer.abort()
             raise
@@ -304,8 +314,11 @@ class Replicator:
                      steps={area or "checkpoints": sorted({s for k, _, s in due if k == area}) for area in AREAS
                             if any(k == area for k, _, _ in due)})
         except (grpc.aio.AioRpcError, OSError) as exc:
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self._refuse(peer, name, due)   # the peer answered: its channel is fine
+            elif code == grpc.StatusCode.FAILED_PRECONDITION:   # a link where the peer keeps them: not again
+                self._refused.update(((peer, name, k, r), step) for k, r, step in due)
             else:
                 self.channels.forget(peer)
             log.warning("checkpoint replication failed", peer=peer, job_name=name,
@@ -333,7 +346,7 @@ async def restore(store: ShardStore, peer: str, name: str, ranks: list[int], tim
     step, else (it wrote none there yet: a job resuming another's) any job's: an earlier job of the same name may
     have left newer steps of these ranks on the peer, which the restarting ranks would not take. The damaged
     steps the peer passed over go on ``passed``, one line each."""
-    writer = _Writer(store.own_root)
+    writer = _Writer(store.own_root, store.base)
     steps: list[int] = []
     try:
         async with peer_channel(peer, credentials) as channel:

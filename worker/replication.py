@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 import grpc
 
+from rankctl.contract.safepath import UnsafePath
 from rankctl.worker.replicas import BadShard, Replicator, restore
 from rankctl.worker.runstate import RunState
 from rankctl.worker.shardstore import ShardStore
@@ -50,6 +51,8 @@ class Replication:
         except (grpc.aio.AioRpcError, OSError, BadShard) as exc:
             self._log.warning("checkpoint restore failed; the ranks start over", peer=peer, job_name=name,
                               error=exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc))
+            if isinstance(exc, UnsafePath):   # a link where this node keeps the name's files: on the job's record
+                passed.append(f"not restored, the ranks start over: {exc.strerror}")
         lines = [f"restoring from peer {peer}: {line}" for line in passed]
         for line in lines:
             self._log.warning("checkpoint passed over", job=job_id, job_name=name, detail=line)

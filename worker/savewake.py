@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import stat
 from typing import Any, Callable
 
 from rankctl.contract.rankfiles import saved_path
@@ -36,7 +37,10 @@ class SaveWake:
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkfifo(path, 0o600)
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):   # a file a rank planted there: never watched
+                os.close(fd)
+                raise OSError(f"{path} is not the FIFO the daemon made")
         except OSError as exc:
             self._log.warning("no save wake; new steps are pushed on the poll turn", job=run.job_id, error=str(exc))
             return

@@ -1,6 +1,8 @@
 """A node's checkpoint and snapshot steps on disk and in memory, its own ranks' and the copies it keeps for peers
 (``worker.replicas`` moves them between nodes): which step a restore takes, what is pruned, what a finished run
-frees. Pure file work: call it off the event loop."""
+frees. Every file is created, renamed and deleted through no symbolic link below ``base(area)`` (the state dir or
+the snapshot memory: ``contract.safepath``), since the job name is a user's value. Pure file work: call it off the
+event loop."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from rankctl.contract import checkpoints as layout
+from rankctl.contract import safepath
 
 KEEP_STEPS = layout.KEEP_STEPS
 SNAPSHOTS = "snapshots"
@@ -22,6 +25,13 @@ class ShardStore:
 
     def __init__(self, state_dir: Path | str) -> None:
         self.state_dir = str(state_dir)
+
+    def base(self, area: str = "") -> str:
+        """Where the no-link walk to ``area``'s roots starts: the node's snapshot memory or its state dir (trusted
+        as given; made when missing)."""
+        base = layout.memory_base(self.state_dir) if area == SNAPSHOTS else self.state_dir
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        return base
 
     def own_root(self, name: str, area: str = "") -> str:
         if area == SNAPSHOTS:
@@ -77,39 +87,38 @@ class ShardStore:
     def revive(self, name: str) -> None:
         """A run of ``name`` starts here: snapshot pushes for it are welcome again."""
         with contextlib.suppress(OSError):
-            os.unlink(self._tombstone(name))
+            safepath.unlink(self.base(SNAPSHOTS), self._tombstone(name))
 
     def drop_snapshots(self, name: str, ranks: Iterable[int]) -> int:
         """A run of ``name`` ended with every rank of this node done: its snapshots served only its restarts.
         Removes ``ranks``' own snapshot files and every copy kept for peers under the name (and refuses
         later pushes of them until the name runs here again: ``revive``); files removed."""
-        own, kept = self.own_root(name, SNAPSHOTS), self.replica_root(name, SNAPSHOTS)
+        own, kept, base = self.own_root(name, SNAPSHOTS), self.replica_root(name, SNAPSHOTS), self.base(SNAPSHOTS)
         with contextlib.suppress(OSError):
-            os.makedirs(os.path.dirname(kept), exist_ok=True)
-            open(self._tombstone(name), "w").close()
-        removed = _remove_ranks(own, ranks) + _remove_ranks(kept, layout.ranks_in(kept))
+            os.close(safepath.open_write(base, self._tombstone(name), create_dirs=True))
+        removed = _remove_ranks(base, own, ranks) + _remove_ranks(base, kept, layout.ranks_in(kept))
         for root in (own, kept):
             with contextlib.suppress(OSError):
-                os.rmdir(root)   # only when empty (another run of the name may still write)
+                safepath.rmdir(base, root)   # only when empty (another run of the name may still write)
         return removed
 
     def prune(self, name: str, area: str = "", arrived: dict[int, int] | None = None) -> None:
         """Keep the newest KEEP_STEPS steps of each rank among the copies kept for peers; a rank's
         step that just ``arrived`` (rank -> step) first drops that rank's newer steps."""
-        root = self.replica_root(name, area)
+        root, base = self.replica_root(name, area), self.base(area)
         for rank, step in (arrived or {}).items():
             for newer in layout.list_steps(root):
                 if newer > step:
-                    layout.remove_rank_step(root, newer, rank)
-        layout.prune(root, keep=KEEP_STEPS)
+                    layout.remove_rank_step(root, newer, rank, base=base)
+        layout.prune(root, keep=KEEP_STEPS, base=base)
 
 
-def _remove_ranks(root: str, ranks: Iterable[int]) -> int:
-    """Every step's files of ``ranks`` under ``root``; how many files went."""
+def _remove_ranks(base: str, root: str, ranks: Iterable[int]) -> int:
+    """Every step's files of ``ranks`` under ``root`` (through no link below ``base``); how many files went."""
     before = _files(root)
     for rank in ranks:
         for step in layout.list_steps(root):
-            layout.remove_rank_step(root, step, rank)
+            layout.remove_rank_step(root, step, rank, base=base)
     return before - _files(root)
 
 

@@ -17,12 +17,12 @@ import contextlib
 import ctypes
 import os
 
-from rankctl.contract import checkpoints
+from rankctl.contract import checkpoints, safepath
 from rankctl.worker import mountreg
 
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 4096, 16384, 1 << 19
-MNT_DETACH = 2
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 SHM_MODES = ("auto", "private", "tracked")  # the launcher's --shm; "tracked" is worker.shmtrack
 
 
@@ -44,7 +44,7 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
 
 def unmount(path: str) -> None:
     """Detach the mount at ``path`` (lazily: a process still inside keeps it until it leaves); OSError if refused."""
-    check(libc().umount2(path.encode(), MNT_DETACH), f"umount {path}")
+    check(libc().umount2(path.encode(), MNT_DETACH | UMOUNT_NOFOLLOW), f"umount {path}")
 
 
 def job_shm_dir(run_dir: str) -> str:
@@ -54,7 +54,8 @@ def job_shm_dir(run_dir: str) -> str:
 def mount_job_shm(run_dir: str, size_mb: int) -> str:
     """In the launcher: the attempt's tmpfs at ``{run_dir}/shm`` (mounted once); OSError when refused."""
     path = job_shm_dir(run_dir)
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(run_dir, exist_ok=True)
+    safepath.makedirs(run_dir, path)   # a link planted there is refused (UnsafePath), never mounted over
     if not os.path.ismount(path):
         mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(size_mb)}m,mode=1777")
         mountreg.record(path, [os.getpid(), os.getppid()])   # the launcher and its daemon (worker.mountreg)
