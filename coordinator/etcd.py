@@ -134,9 +134,13 @@ class Etcd:
             else:
                 (down if said.startswith("UNAVAILABLE") and "connect" in said.lower() else up).append(endpoint)
         seen = "; ".join(f"{e}: {p[:120]}" for e, p in problems.items())
-        if up and down:
+        if up and down and len(up) <= len(self.url.endpoints) // 2:
             return (f"the store {self.url} has lost its quorum: {len(down)} of {len(self.url.endpoints)} members "
                     f"are down ({', '.join(down)}); {', '.join(up)} accept(s) connections but cannot commit ({seen})")
+        if up and down:   # a majority listens: the members may be electing a new leader after the loss
+            return (f"the store {self.url} committed nothing in time: {len(down)} of {len(self.url.endpoints)} "
+                    f"members are down ({', '.join(down)}); a majority ({', '.join(up)}) accepts connections and may "
+                    f"still be electing a leader ({seen})")
         if up:
             return f"the store {self.url} does not answer in time: its members accept connections but no call " \
                    f"completes ({seen or 'no answer in time'})"
