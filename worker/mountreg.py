@@ -75,9 +75,10 @@ def _alive(owners: Iterable[Sequence[int | None]]) -> bool:
     return any(started is not None and start_time(pid) == started for pid, started in owners)
 
 
-def _tmpfs_mounts() -> set[str]:
+def mounts() -> list[tuple[str, str]]:
+    """This host's mount table, oldest first: (mount point, file system type), spaces in points decoded."""
     with open("/proc/self/mounts", encoding="utf-8") as f:
-        return {p[1].replace("\\040", " ") for p in (line.split() for line in f) if len(p) > 2 and p[2] == "tmpfs"}
+        return [(p[1].replace("\\040", " "), p[2]) for p in (line.split() for line in f) if len(p) > 2]
 
 
 def reap(unmount: Callable[[str], None], keep: Iterable[str] = ()) -> list[str]:
@@ -87,7 +88,8 @@ def reap(unmount: Callable[[str], None], keep: Iterable[str] = ()) -> list[str]:
     directory = registry_dir()
     if directory is None:
         return []
-    keep, mounted, gone = {os.path.abspath(k) for k in keep}, _tmpfs_mounts(), []
+    keep, gone = {os.path.abspath(k) for k in keep}, []
+    mounted = {point for point, kind in mounts() if kind == "tmpfs"}
     for name in os.listdir(directory):
         entry = os.path.join(directory, name)
         try:

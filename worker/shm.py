@@ -92,10 +92,8 @@ def unmount_stale(state_dir: str) -> list[str]:
     """Every job tmpfs under ``{state}/jobs/`` (a daemon that starts has no rank left alive: a mount
     there outlived a launcher killed with its daemon); the mount points removed."""
     prefix = os.path.join(os.path.realpath(state_dir), "jobs") + os.sep
-    with open("/proc/self/mounts") as f:
-        points = [fields[1] for fields in (line.split() for line in f)
-                  if len(fields) > 2 and fields[2] == "tmpfs" and fields[1].startswith(prefix)
-                  and fields[1].endswith(os.sep + "shm")]
+    points = [point for point, kind in mountreg.mounts()
+              if kind == "tmpfs" and point.startswith(prefix) and point.endswith(os.sep + "shm")]
     for point in points:
         unmount_job_shm(os.path.dirname(point))
     return points

@@ -79,12 +79,7 @@ def default_mb(meminfo: str = "/proc/meminfo") -> int:
 
 def _fstype(path: str) -> str:
     """The type of the filesystem mounted at ``path`` (the newest mount there), "" when none is."""
-    found = ""
-    with open("/proc/self/mounts", encoding="utf-8") as f:
-        for fields in (line.split() for line in f):
-            if len(fields) > 2 and fields[1].replace("\\040", " ") == path:
-                found = fields[2]
-    return found
+    return next((kind for point, kind in reversed(mountreg.mounts()) if point == path), "")
 
 
 def _mount_or_resize(base: str, limit_mb: int) -> Bound:
