@@ -10,6 +10,10 @@ daemon's requests to the rank, replaced whole by a rename; the rank polls its mt
 
     {"checkpoint_at": 17}      # save a checkpoint at the end of step 17 (ctl drain)
 
+Every rank saves such a checkpoint at the same step (the ranks agree on it: S, or a later step when no rank had
+the request by S) and from then on reports that step in each step record's metrics as ``SAVED_ON_REQUEST``: the
+coordinator moves a drained job once the step every rank saved is complete, never on "passed S" alone.
+
 The daemon makes the run directory through no symbolic link below its state dir (``worker.assign``); every file
 in it is opened with ``open_own``, so that whatever a rank (the user's code) planted at a file's name, a link,
 a FIFO or a hard link to a file elsewhere, is replaced, never written through.
@@ -24,6 +28,7 @@ import re
 import stat
 from typing import Any
 
+SAVED_ON_REQUEST = "saved_on_request"   # a step record's metric: the step of the last checkpoint saved on request
 STATUS_RE = re.compile(r"^rank-(\d+)\.status\.jsonl$")
 
 

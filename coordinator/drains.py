@@ -3,7 +3,8 @@ a RUNNING elastic job on fewer nodes than its full size before it grows back (``
 
 When the job's kind saves a checkpoint at a step the daemon asks for (``JobKind.drain_checkpoint``),
 each of its nodes is sent ``CheckpointNow`` for a step a little ahead of its fastest rank
-(``drain_step``); ``due`` says which jobs may move now: every rank passed that step, or
+(``drain_step``); ``due`` says which jobs may move now: every rank saved that checkpoint (the ranks agree on
+its step, that one or a later one: ``contract.rankfiles.SAVED_ON_REQUEST``, a step figure), or
 ``DRAIN_WAIT_S`` passed. Moving a job is a restart without the node (``coordinator.restarts``): this
 module only asks and waits.
 
@@ -21,6 +22,7 @@ from typing import Callable, Iterator
 
 import structlog
 
+from rankctl.contract.rankfiles import SAVED_ON_REQUEST
 from rankctl.coordinator import convert
 from rankctl.coordinator.commit import Outgoing
 from rankctl.coordinator.jobs import JobBook
@@ -128,9 +130,12 @@ class Drains:
             if job is None or job.state is not JobState.RUNNING or job.attempt != wait.attempt:
                 self._waits.pop(job_id, None)
                 continue
-            at = self._book.progress(job).min_step
-            if at >= wait.step:
-                yield job, wait, f"every rank passed step {wait.step} (its checkpoint; {RESUMES.format(step=wait.step)})"
+            progress = self._book.progress(job)
+            at, saved = progress.min_step, progress.latest.get(SAVED_ON_REQUEST)
+            if SAVED_ON_REQUEST not in progress.folds:   # a kind that does not say which step it saved: passing it
+                saved = wait.step if at >= wait.step else None
+            if isinstance(saved, (int, float)) and saved >= wait.step:   # the step is complete: every rank saved it
+                yield job, wait, f"every rank passed step {saved:.0f} (its checkpoint; {RESUMES.format(step=int(saved))})"
             elif now - wait.since > DRAIN_WAIT_S:
                 yield job, wait, (f"no checkpoint at step {wait.step} within {DRAIN_WAIT_S:g} s (slowest rank "
                                         f"at step {at}): the job resumes from the newest checkpoint every rank holds")

@@ -11,6 +11,7 @@ goes into a histogram once. Stragglers by compute time: ``coordinator.skew``. Pu
 from __future__ import annotations
 
 import heapq
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -126,6 +127,18 @@ class _StepAcc:
         return {k: v for k, v in out.items() if v is not None}
 
 
+def _numbers(metrics_json: str, folds: Mapping[str, str]) -> dict[str, float]:
+    """The numbers among a metrics JSON object that ``folds`` names."""
+    if not folds or not metrics_json or metrics_json == "{}":
+        return {}
+    try:
+        doc = json.loads(metrics_json)
+    except ValueError:
+        return {}
+    return {k: float(v) for k, v in doc.items() if k in folds and isinstance(v, (int, float))
+            and not isinstance(v, bool)} if isinstance(doc, dict) else {}
+
+
 @dataclass
 class JobProgress:
     """Counters over one attempt's ranks; ``moved(old, new)`` for every change of a rank record."""
@@ -234,10 +247,14 @@ class JobProgress:
         for a window of steps).
 
         ``st`` is a wire ``RankStatus``: its ``figures`` map and ``step_time_s``/``compute_s``, set by the
-        daemon (``worker.reporting.step_figures``); a ``RankRecord`` (in-process reports) carries none. A
-        status that stands for several ranks (``RankStatus.ranks``) is folded once for each.
+        daemon (``worker.reporting.step_figures``); a ``RankRecord`` (in-process reports) its ``metrics_json``'s
+        numbers the kind folds, and no time. A status that stands for several ranks (``RankStatus.ranks``) is
+        folded once for each.
         """
         if isinstance(st, RankRecord):
+            figures = _numbers(st.metrics_json, self.folds)
+            if figures and self.min_step <= step <= self.min_step + STEP_WINDOW:
+                self._acc.setdefault(step, _StepAcc()).fold(figures, self.folds, None)
             return
         if st.HasField("compute_s"):
             self.compute_sample(st.rank if rank is None else rank, st.compute_s)

@@ -55,7 +55,9 @@ class JobKind:
     under, named by the spec (``path`` built from ``value``); the worker refuses one it cannot reach through no
     symbolic link below a root (``contract.safepath``), the coordinator one under no registered node's roots.
     ``drain_checkpoint``: a running job saves a checkpoint at a step the daemon asks for (a node's drain waits
-    for it, then restarts the job without the node); otherwise a drain restarts it at once.
+    for it, then restarts the job without the node); otherwise a drain restarts it at once. A kind whose ranks
+    agree on that step and report it (``contract.rankfiles.SAVED_ON_REQUEST`` among its ``figures``, folded
+    ``max``) is moved once that step is complete; otherwise once every rank passed the step asked for.
     ``own_rendezvous``: the rank's code creates its default process group itself (torchrun-style scripts);
     the runtime creates no group before the entry runs.
     ``figures``: the per-step numbers the coordinator folds over a job's ranks into its step event, ``ctl``,

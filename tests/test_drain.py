@@ -3,10 +3,12 @@ coordinator core without a network (issue 13): a fake clock, fake node outboxes,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from rankctl.contract.rankfiles import SAVED_ON_REQUEST
 from rankctl.coordinator.drains import DRAIN_LEAD_STEPS, DRAIN_WAIT_S
 from rankctl.coordinator.errors import InvalidRequest
 from rankctl.coordinator.nodes import NodeNotFound
@@ -46,12 +48,14 @@ def connect(world: World, *names: str) -> None:
         world.connect(name).session.peer_port = 7100 + int(name[1:])
 
 
-def step(world: World, job, rank: int, n: int) -> None:
-    """Rank ``rank`` reports step ``n`` (the common running-rank report)."""
+def step(world: World, job, rank: int, n: int, saved: int | None = None) -> None:
+    """Rank ``rank`` reports step ``n`` (the common running-rank report); ``saved``: the step of the checkpoint
+    it saved on request (``SAVED_ON_REQUEST`` in its metrics)."""
     node = world.nodes[job.nodes[rank // job.slots_per_node]]
     node.seq += 1
-    world.deliver(node.session, RankUpdate(job.id, job.attempt, RankRecord(rank, node.name, "running", n),
-                                           "", node.seq))
+    metrics = json.dumps({"loss": 1.0, **({SAVED_ON_REQUEST: saved} if saved is not None else {})})
+    world.deliver(node.session, RankUpdate(job.id, job.attempt, RankRecord(rank, node.name, "running", n,
+                                                                           metrics_json=metrics), "", node.seq))
 
 
 def exit_node(world: World, job, node: str, code: int = -9) -> None:
@@ -94,10 +98,10 @@ def test_a_drained_train_job_checkpoints_then_moves_to_the_spare_without_using_a
     tick(world, 1)
     assert job.state is S.RUNNING                                   # not every rank has passed the step yet
     for r in range(3):
-        step(world, job, r, target)
+        step(world, job, r, target, saved=target)
     tick(world, 1)
     assert job.state is S.RUNNING
-    step(world, job, 3, target)
+    step(world, job, 3, target, saved=target)
     tick(world, 1)
     assert job.state is S.RESTARTING, job.reason
     assert job.reason.startswith("attempt 1 ended: node n0 drained (kernel update)"), job.reason
@@ -115,6 +119,26 @@ def test_a_drained_train_job_checkpoints_then_moves_to_the_spare_without_using_a
         "newer checkpoint every rank holds)" in attempts[0]["reason"]   # the one step convention (``resumed_from``)
     world.run_all(job.id)
     assert job.state is S.SUCCEEDED                                 # max_restarts 0: the drain used none
+
+
+def test_a_drain_moves_the_job_once_every_rank_saved_even_at_a_later_step_than_asked_never_on_passing_alone(
+        world: World) -> None:
+    """A CI run moved a drained job when every rank passed the asked step although the ranks had saved at another
+    (the request reached them late): the next attempt found no step every rank held and started from 0."""
+    connect(world, "n0", "n1", "n2")
+    job = running_train(world, restarts=0)
+    world.core.drain("n0", "kernel update")
+    target = 5 + DRAIN_LEAD_STEPS
+    for r in range(4):
+        step(world, job, r, target + 1)                             # passed the step, saved nothing (late)
+    tick(world, 1)
+    assert job.state is S.RUNNING, job.reason
+    for r in range(4):
+        step(world, job, r, target + 2, saved=target + 2)           # the ranks agreed on a later step
+    tick(world, 1)
+    assert job.state is S.RESTARTING, job.reason
+    assert f"every rank passed step {target + 2} (its checkpoint; the next attempt resumes from step {target + 2}" \
+        in job.reason
 
 
 def test_a_drain_waits_a_bounded_time_for_the_checkpoint_and_says_so(world: World) -> None:

@@ -6,6 +6,7 @@ Declared here once (``KIND``); the modules: ``spec`` (``model``, ``train`` secti
 tables, and the optimiser warm-up are ``kinds.common``'s, shared with ``python``.
 """
 
+from rankctl.contract.rankfiles import SAVED_ON_REQUEST
 from rankctl.kinds.common import TRAINING_FIGURES
 from rankctl.kinds.registry import JobKind
 from rankctl.kinds.train.spec import ModelSpec, TrainSpec
@@ -23,6 +24,6 @@ KIND = JobKind(
     node_paths="rankctl.kinds.train.checks:node_paths",
     written_paths="rankctl.kinds.train.checks:written_paths",
     drain_checkpoint=True,
-    figures=TRAINING_FIGURES,
+    figures={**TRAINING_FIGURES, SAVED_ON_REQUEST: "max"},   # every rank saved it: coordinator.drains waits
     warm="rankctl.kinds.common:warm",
 )

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from rankctl.contract.rankfiles import SAVED_ON_REQUEST
 from rankctl.kinds.context import RankContext
 from rankctl.kinds.train import optim
 from rankctl.kinds.train.data import VAL, TokenDataset
@@ -235,7 +236,8 @@ def train(t: Trainer, step_fn: StepFn | None = None) -> dict[str, Any]:
                 st.val_losses.append({"step": step, "loss": metrics["val_loss"]})
             save_after_step(t, step, snapshots, requests,  # a checkpoint is complete before the step's record
                             stop=step == t.cfg.stop_at)
-            t.ctx.status.write("running", step=step, metrics=metrics)
+            t.ctx.status.write("running", step=step, metrics=metrics if requests.served < 0 else
+                               {**metrics, SAVED_ON_REQUEST: requests.served})
             if printer and printed_step(step, t.cfg.steps, "val_loss" in metrics):  # as a training script prints
                 print(step_line(step, t.cfg.steps, metrics), flush=True)
             log.info("step", step=step, **{k: round(v, 6) for k, v in metrics.items() if isinstance(v, (int, float))})

@@ -50,6 +50,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from rankctl.contract import safepath
 from rankctl.contract.checkpoints import memory_base, state_dir_of
 from rankctl.contract.names import job_name_problem
@@ -227,12 +228,17 @@ class Snapshots:
 
 class CheckpointRequests:
     """The daemon's ``{"checkpoint_at": S}`` in the rank's control file: one ``os.stat`` a step; the
-    file is read only when it was replaced (the daemon renames a new one into place)."""
+    file is read only when it was replaced (the daemon renames a new one into place).
+
+    The ranks agree on the step they save at (``agreed``: one world all-reduce of an int a step), so a rank
+    whose daemon delivered the request late saves at the same step as every other rank, never alone at a later
+    one that no other rank holds. A request at or below the one already served is stale (a late copy, a resend)."""
 
     def __init__(self, run_dir: str, rank: int) -> None:
         self.path = control_path(run_dir, rank)
         self._seen: tuple[int, int, int] | None = None
         self.pending: int | None = None
+        self.served = -1    # the request last saved for
 
     def poll(self) -> int | None:
         """The step a checkpoint is asked for and not yet saved, if any."""
@@ -244,17 +250,39 @@ class CheckpointRequests:
         if key != self._seen:
             self._seen = key
             at = read_control(self.path).get("checkpoint_at")
-            if isinstance(at, int) and not isinstance(at, bool) and at >= 0:
+            if isinstance(at, int) and not isinstance(at, bool) and at > self.served:
                 self.pending = at
         return self.pending
 
     def due(self, step: int) -> int | None:
-        """The requested step when a checkpoint is to be saved at the end of ``step``."""
+        """The requested step when a checkpoint is to be saved at the end of ``step`` (this rank's view)."""
         at = self.poll()
         return at if at is not None and step >= at else None
 
-    def saved(self) -> None:
-        self.pending = None
+    def agreed(self, step: int, world: Callable[[int], int] | None) -> int | None:
+        """The requested step when every rank saves at the end of ``step``: the largest request any rank holds
+        (``world``: the max over the ranks, a collective every rank calls each step; None with one rank)."""
+        at = self.poll()
+        if world is not None:
+            top = world(-1 if at is None else at)
+            at = None if top <= self.served else top
+            self.pending = at
+        return at if at is not None and step >= at else None
+
+    def saved(self, at: int) -> None:
+        self.served, self.pending = max(self.served, at), None
+
+
+def world_max(t: Trainer) -> Callable[[int], int] | None:
+    """The max of one int over every rank (a world all-reduce), or None with one rank."""
+    if t.ctx.assignment.world_size <= 1:
+        return None
+
+    def reduce(value: int) -> int:
+        x = torch.tensor([value], dtype=torch.int64, device=t.device)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return int(x.item())
+    return reduce
 
 
 def save_after_step(t: Trainer, step: int, snapshots: Snapshots, requests: CheckpointRequests, *,
@@ -262,12 +290,12 @@ def save_after_step(t: Trainer, step: int, snapshots: Snapshots, requests: Check
     """What the rank keeps at the end of ``step``, before it reports the step: a checkpoint
     (``train.checkpoint_every``, asked for by the daemon, or ``stop``: the run's last step, ``train.stop_at``)
     and a snapshot copy."""
-    asked = requests.due(step)
+    asked = requests.agreed(step, world_max(t))
     if asked is not None or stop or (t.cfg.checkpoint_every > 0 and step % t.cfg.checkpoint_every == 0):
         with t.ctx.busy("checkpoint"):  # peers may wait for this write: no hang until restart.hang_timeout
             path = save_checkpoint(t, step)
         if asked is not None:
-            requests.saved()
+            requests.saved(asked)
             t.ctx.log.info("checkpoint", step=step, path=path, requested_at=asked)
         else:
             t.ctx.log.info("checkpoint", step=step, path=path)
