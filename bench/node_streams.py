@@ -52,8 +52,8 @@ def real_messages() -> tuple[pb.CoordinatorMessage, pb.NodeMessage]:
 
 
 def _place_and_answer(world) -> tuple[pb.CoordinatorMessage, pb.NodeMessage]:  # noqa: ANN001 - test_core.World
-    from rankctl.worker.reportfold import fold
-    from rankctl.worker.reporting import stamp_update, step_figures
+    from rankctl.worker.uplink.reportfold import fold
+    from rankctl.worker.uplink.reporting import stamp_update, step_figures
 
     for i in range(64):
         world.connect(f"n{i:05d}", slots=8, replaces=True)

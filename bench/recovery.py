@@ -145,7 +145,7 @@ def saves_at_fault(root: Path, victim: str, key: str) -> tuple[int | None, int |
     """Rank 1's newest save on the victim node and its newest copy on a peer (snapshots live in each
     node's memory root, checkpoints under its state dir)."""
     if key == "snapshot_every":
-        from rankctl.contract.checkpoints import snapshot_replica_root, snapshot_root
+        from rankctl.contract.files.checkpoints import snapshot_replica_root, snapshot_root
 
         own = [Path(snapshot_root(str(root / victim), "recovery"))]
         kept = [Path(snapshot_replica_root(str(root / n), "recovery")) for n in NODES if n != victim]
@@ -206,10 +206,10 @@ def kill_node(pid: int) -> float:
 def unmount_left(root: Path) -> list[str]:
     """What the SIGKILLed node's daemon left mounted: its jobs' ``/dev/shm`` tmpfs under its state dir and its
     snapshot memory (``/dev/shm/rankctl-*``). A node whose daemon starts again unmounts them itself
-    (``worker.shm.unmount_stale``, ``worker.snapmem``); the bench's lost node never comes back, so the bench
+    (``worker.files.shm.unmount_stale``, ``worker.files.snapmem``); the bench's lost node never comes back, so the bench
     does the same for each node's state dir. The mount points undone; the snapshot directories removed."""
-    from rankctl.contract.checkpoints import memory_base
-    from rankctl.worker import shm
+    from rankctl.contract.files.checkpoints import memory_base
+    from rankctl.worker.files import shm
 
     states = [p for p in (root / "rankctl").iterdir() if p.is_dir()] if (root / "rankctl").is_dir() else []
     points = [point for state in states for point in shm.unmount_stale(str(state))]

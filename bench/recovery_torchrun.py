@@ -7,7 +7,7 @@ The same job file as rankctl's side, read the way ``ctl`` reads it, with ``train
 (so that torchrun's restart of the worker group resumes from the newest checkpoint every rank
 holds). Checkpoints go to ``SHARED_DIR/checkpoints/{job name}``, shared by every agent on this
 machine (a shared file system, as torchrun users have). The rank's coordinates and groups come
-from ``parallel.layout`` as a daemon computes them (``worker/assign.py``); the default group is
+from ``parallel.layout`` as a daemon computes them (``worker/runs/assign.py``); the default group is
 created here from torchrun's environment (``env://``: the agent's store, ``TORCHELASTIC_USE_AGENT_STORE``)
 with the job's ``restart.collective_timeout``, then ``runtime.rank.run_rank`` runs the rank as a
 rankctl launcher would (it keeps a default group it finds). Status lines go to

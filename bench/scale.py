@@ -186,7 +186,7 @@ def which_code(python: str, env: dict) -> str:
     if out.returncode != 0:
         return f"unknown ({out.stderr.strip()[-200:]})"
     where, has = out.stdout.split()
-    return f"rankctl from {where} ({'has' if has == 'True' else 'no'} rankctl.coordinator.node_service)"
+    return f"rankctl from {where} ({'has' if has == 'True' else 'no'} rankctl.coordinator.api.node_service)"
 
 
 async def job_progress(client: rankctl_pb2_grpc.ClientServiceStub, job_id: str) -> tuple[int, int, str]:
@@ -306,7 +306,6 @@ async def drive(ns: argparse.Namespace, address: str, coord: subprocess.Popen, e
     half-way through the steps and the time until steps are stored again measured."""
     n, slots, steps, rate = ns.nodes, ns.slots, ns.steps, ns.step_rate
     channels = [grpc.aio.insecure_channel(a, options=CLIENT_OPTIONS) for a in address.split(",")]
-    channel = channels[0]
     client = Following(channels)
     say = r["log"]
     metrics_urls = r.get("etcd_metrics", [])

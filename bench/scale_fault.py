@@ -24,7 +24,7 @@ first step handed to gRPC. The coordinator's share of (b) and (c) is the rest: n
 the attempt, waiting for and storing the confirmations, the requeue, the placement, the Assigns, storing
 attempt 2's reports. Reading a Cancel or an Assign is counted as the coordinator's, though the generators'
 loops take part in it. A job of more than ``--relay-width`` nodes gets its Assigns through relay heads
-(``coordinator.relay``): one Relay a group of 65 nodes, which the head (a generator playing it) hands to the
+(``coordinator.scheduling.relay``): one Relay a group of 65 nodes, which the head (a generator playing it) hands to the
 group's daemons in its own process, checked as the real daemon checks them, and their report batches go up
 through it, signed, as many as came in one loop turn in one RelayedBatches; such an Assign counts as read off
 the coordinator's stream when its head read the Relay, and the hand-over is the daemons' share (on a cluster it
@@ -269,7 +269,7 @@ def shares(r: dict, gens: list[Generator], nodes: int, t0: float, k: int = 1) ->
     was handed to gRPC, and from the last first step sent until (c); the rest is the daemons reading (on this
     machine, generator processes that share its cores). A restart in place (no Cancel, no confirmation) counts
     from t0 to the last Assign handed to gRPC instead of the first two. An Assign that came through a relay head
-    (``coordinator.relay``) counts as read off the coordinator's stream when its head read the Relay: from there
+    (``coordinator.scheduling.relay``) counts as read off the coordinator's stream when its head read the Relay: from there
     to the node's first step sent is the daemons' (the head's hand-over, the node's start)."""
     for key, attempt, what, want in (("cancel", k, "cancel", nodes - 1), ("confirm", k, "confirm", nodes - 1),
                                      ("b", k + 1, "assign", nodes), ("read", k + 1, "read", nodes),

@@ -41,10 +41,10 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rankctl.contract.relaymac import DOWN, UP, relay_mac, relay_mac_ok
-from rankctl.coordinator.gcpace import Freezer
+from rankctl.coordinator.app.gcpace import Freezer
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.reportfold import fold
-from rankctl.worker.reporting import exit_status, stamp_update, step_figures
+from rankctl.worker.uplink.reportfold import fold
+from rankctl.worker.uplink.reporting import exit_status, stamp_update, step_figures
 
 FREEZE_EVERY_S = 1.0   # survivors into the permanent generation this often (``amain``)
 MAX_MSG = 16 * 1024 * 1024
@@ -121,7 +121,7 @@ class Sim:
 
     def metrics(self, step: int, with_loss: bool, slot: int = 0) -> str:
         """A rank's step metrics; the step time differs by the rank's ``slot`` on its node, as real ranks' do, so
-        that a daemon never folds a node's step reports into one (``worker.reportfold``) where a real one could not."""
+        that a daemon never folds a node's step reports into one (``worker.uplink.reportfold``) where a real one could not."""
         key = (step, with_loss, slot)
         text = self._metrics.get(key)
         if text is None:
@@ -275,7 +275,7 @@ class Daemon:
         while True:
             beat += 1
             ports = self.ports if beat % 5 == 0 else []
-            # as the real daemon does (worker/daemon.py): a batch within the interval already showed the
+            # as the real daemon does (worker/daemon/daemon.py): a batch within the interval already showed the
             # node alive, so only every fifth beat (free ports) goes
             if ports or time.time() - self.last_batch >= self.interval:
                 await self.write(pb.NodeMessage(heartbeat=pb.Heartbeat(ts=time.time(), free_ports=ports)))
@@ -301,7 +301,7 @@ class Daemon:
         self.tasks[assign.job_id] = asyncio.create_task(self.play(assign.job_id, assign.attempt, ranks, t_recv))
 
     def on_relay(self, relay: pb.Relay) -> None:
-        """A relay head: each item to its daemon, checked as ``worker.relay`` checks it. The daemons of a group are
+        """A relay head: each item to its daemon, checked as ``worker.uplink.relay`` checks it. The daemons of a group are
         played by this process (the coordinator groups consecutive job nodes), so the hand-over is a call here where
         the real daemon's is a PeerService.Deliver: on a cluster that hop runs on the heads' machines, not on the
         coordinator's. A node not played here or an item that fails the check goes back in the RelayDone."""
@@ -416,7 +416,7 @@ class Daemon:
             sim.lateness.append(max(0.0, time.time() - t))
 
         def step(k: int) -> list[pb.RankReport]:
-            # a rank's first step of the attempt is marked, as the daemon marks it (``worker.runs``): never folded
+            # a rank's first step of the attempt is marked, as the daemon marks it (``worker.runs.runs``): never folded
             # away, and nothing folds across it (the ``running`` phase report before it stays in the batch)
             return [self.report(job_id, attempt, r, "running", k, sim.metrics(k, r == first, r - first),
                                 first_step=k == 1) for r in ranks]
@@ -490,7 +490,7 @@ async def amain(ns: argparse.Namespace) -> None:
     async def freezer() -> None:
         # this process's heap holds thousands of daemons' state: a full collection of it paused the loop up to
         # 0.7 s (1.7 s in all at 2,048 daemons in a process), inside a recovery too. A real daemon's heap is one
-        # daemon's; so survivors leave the collector's sight as the coordinator's do (``coordinator.gcpace``)
+        # daemon's; so survivors leave the collector's sight as the coordinator's do (``coordinator.app.gcpace``)
         pace = Freezer(time.monotonic(), freeze_s=FREEZE_EVERY_S)
         while True:
             await asyncio.sleep(FREEZE_EVERY_S)

@@ -11,7 +11,7 @@ Measured on both, interleaved call by call or run by run so that machine noise h
   subchannel, as a new ``ctl`` process would (grpc shares connections between channels otherwise);
 * ``ctl submit --wait``: wall time of the whole process for a 1-rank comm-check (CLI start-up, submit,
   placement, the rank, the watch to the end); median over ``--submits``, after one unmeasured run.
-  The watch gets the job's end as soon as the coordinator stores it (whatever ``cli.follow.WAIT_INTERVAL``
+  The watch gets the job's end as soon as the coordinator stores it (whatever ``cli.view.follow.WAIT_INTERVAL``
   spaces the batches before it), so the runs no longer fall in two groups a batch interval apart.
 
     python bench/tls.py [--calls 300] [--connects 20] [--submits 5] [--keep]

@@ -23,7 +23,7 @@ MAX_RANK_PAGE = 4096  # the most ranks one GetJob answers
 # HTTP/2 pings every 5 s on a call that waits (ctl watch, ctl logs -f): a coordinator that stops answering mid-stream
 # (SIGSTOP, a frozen host, a cut link) ends the stream within ~10 s, and the follow loop reconnects or gives up
 # (exit 3) instead of waiting on a silent stream for ever; the coordinator permits pings every 1 s
-# (``coordinator.transport.SERVER_OPTIONS``)
+# (``coordinator.app.transport.SERVER_OPTIONS``)
 CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 16 << 20),
                    ("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 5000),
                    ("grpc.http2.ping_timeout_ms", 5000), ("grpc.http2.max_pings_without_data", 0))
@@ -249,7 +249,7 @@ class Client:
             return self.stub.UploadBlob(stream())
 
     def logs(self, job_id: str, rank: int | None, follow: bool, tail: int, records: bool = False) -> Iterator[pb.LogLine]:
-        """What the ranks printed (``records``: rankctl's own record lines too, ``contract.logrecords``)."""
+        """What the ranks printed (``records``: rankctl's own record lines too, ``contract.files.logrecords``)."""
         req = pb.GetLogsRequest(job_id=job_id, rank=rank or 0, all_ranks=rank is None, follow=follow, tail=tail,
                                 records=records)
         with rpc_errors(self.address):

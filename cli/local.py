@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
+from rankctl.worker.daemon.daemon import DaemonConfig, WorkerDaemon
 
 
 class LocalCluster:
@@ -64,8 +64,8 @@ class LocalCluster:
             self._ready.set()
 
     async def _main(self) -> None:
-        from rankctl.coordinator.server import start_coordinator
-        from rankctl.worker.launcher_client import Launcher
+        from rankctl.coordinator.app.server import start_coordinator
+        from rankctl.worker.runs.launcher_client import Launcher
 
         from rankctl.kinds import registry
 

@@ -18,31 +18,31 @@ import click
 from rankctl.cli.context import Ctx
 from rankctl.cli.contexts import CONTEXT_ENV, DEFAULT_COORDINATOR
 from rankctl.cli.errors import EXIT_USAGE
-from rankctl.cli.completion import complete_context_names
+from rankctl.cli.commands.completion import complete_context_names
 from rankctl.cli.globalopts import hoist, lower_json, option_spec
 from rankctl.cli.options import SuggestingGroup
 
 # name -> (module, attribute, one-line help). Modules import only click at top level.
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "plan": ("rankctl.cli.plan", "plan", "Validate and explain a rank layout before anything is allocated."),
-    "submit": ("rankctl.cli.jobs", "submit", "Submit a job file; print its id."),
-    "jobs": ("rankctl.cli.jobs", "jobs", "List jobs."),
-    "status": ("rankctl.cli.jobs", "status", "Show one job: state, reason, ranks, result."),
-    "watch": ("rankctl.cli.jobs", "watch", "Follow a job live until it ends."),
-    "logs": ("rankctl.cli.jobs", "logs", "Print (or follow) the ranks' output."),
-    "cancel": ("rankctl.cli.jobs", "cancel", "Cancel a job."),
-    "nodes": ("rankctl.cli.nodes", "nodes", "List worker nodes."),
-    "drain": ("rankctl.cli.nodes", "drain", "Take a node out of service: no new work, its jobs move off it."),
-    "undrain": ("rankctl.cli.nodes", "undrain", "Put a drained node back in service (clears its exclusions)."),
-    "coordinator": ("rankctl.cli.coordinator", "coordinator", "Run the coordinator service (migrate: onto etcd)."),
-    "info": ("rankctl.cli.info", "info", "Who answers, who leads, the store and the coordinators seen."),
-    "worker": ("rankctl.cli.daemons", "worker", "Run a worker daemon for this node."),
-    "slurm": ("rankctl.cli.slurm", "slurm", "Run jobs on Slurm allocations (submit from the login node)."),
-    "up": ("rankctl.cli.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
-    "checkpoint": ("rankctl.cli.checkpoint", "checkpoint", "Work with training checkpoints (export)."),
-    "certs": ("rankctl.cli.certs", "certs", "Create a CA and issue node and user certificates (mutual TLS)."),
-    "config": ("rankctl.cli.config", "config", "Named contexts: coordinator address and TLS directory."),
-    "completion": ("rankctl.cli.completion", "completion", "Print the shell completion script (bash, zsh, fish)."),
+    "plan": ("rankctl.cli.commands.plan", "plan", "Validate and explain a rank layout before anything is allocated."),
+    "submit": ("rankctl.cli.commands.jobs", "submit", "Submit a job file; print its id."),
+    "jobs": ("rankctl.cli.commands.jobs", "jobs", "List jobs."),
+    "status": ("rankctl.cli.commands.jobs", "status", "Show one job: state, reason, ranks, result."),
+    "watch": ("rankctl.cli.commands.jobs", "watch", "Follow a job live until it ends."),
+    "logs": ("rankctl.cli.commands.jobs", "logs", "Print (or follow) the ranks' output."),
+    "cancel": ("rankctl.cli.commands.jobs", "cancel", "Cancel a job."),
+    "nodes": ("rankctl.cli.commands.nodes", "nodes", "List worker nodes."),
+    "drain": ("rankctl.cli.commands.nodes", "drain", "Take a node out of service: no new work, its jobs move off it."),
+    "undrain": ("rankctl.cli.commands.nodes", "undrain", "Put a drained node back in service (clears its exclusions)."),
+    "coordinator": ("rankctl.cli.commands.coordinator", "coordinator", "Run the coordinator service (migrate: onto etcd)."),
+    "info": ("rankctl.cli.commands.info", "info", "Who answers, who leads, the store and the coordinators seen."),
+    "worker": ("rankctl.cli.commands.daemons", "worker", "Run a worker daemon for this node."),
+    "slurm": ("rankctl.cli.commands.slurm", "slurm", "Run jobs on Slurm allocations (submit from the login node)."),
+    "up": ("rankctl.cli.commands.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
+    "checkpoint": ("rankctl.cli.commands.checkpoint", "checkpoint", "Work with training checkpoints (export)."),
+    "certs": ("rankctl.cli.commands.certs", "certs", "Create a CA and issue node and user certificates (mutual TLS)."),
+    "config": ("rankctl.cli.commands.config", "config", "Named contexts: coordinator address and TLS directory."),
+    "completion": ("rankctl.cli.commands.completion", "completion", "Print the shell completion script (bash, zsh, fish)."),
 }
 
 

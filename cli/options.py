@@ -30,7 +30,7 @@ def output_format(output: str | None, as_json: bool) -> str:
 
 def print_document(doc: Any, fmt: str) -> None:
     """``doc`` on stdout as JSON (``print_json``) or YAML (block style, keys in their order)."""
-    from rankctl.cli.console import print_json
+    from rankctl.cli.view.console import print_json
 
     if fmt == "json":
         print_json(doc)

@@ -1,6 +1,6 @@
 """One rank's assignment, shared by the daemon, the launcher and the rank.
 
-The daemon builds these from the coordinator's compact Assign (``worker.assign.expand``), with the typed
+The daemon builds these from the coordinator's compact Assign (``worker.runs.assign.expand``), with the typed
 spec it validated once; it hands them to its launcher as JSON lines (``to_doc``), which reads them back once
 (``from_doc``, with the kinds' spec parser) and forks a rank process that receives exactly that object.
 """

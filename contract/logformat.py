@@ -1,8 +1,8 @@
 """The structlog pieces every rankctl process shares, and the rank's own records.
 
 A print logger that never raises, the processors every entry point runs first (``pre_chain``), and
-``record_logger``: a rank's records as marked JSON lines (``contract.logrecords``) on a logger of its own,
-apart from structlog's global configuration, which a rank leaves to its user's code. ``worker.procutil``
+``record_logger``: a rank's records as marked JSON lines (``contract.files.logrecords``) on a logger of its own,
+apart from structlog's global configuration, which a rank leaves to its user's code. ``worker.launcher.procutil``
 configures each daemon's logging from these; ``runtime.rank`` writes its records with ``record_logger``.
 """
 
@@ -43,7 +43,7 @@ def add_logger_name(logger: object, method: str, event_dict: dict) -> dict:
 
 
 class MarkedJSON(structlog.processors.JSONRenderer):
-    """One JSON object a line, after ``mark`` (a rank's records: ``contract.logrecords``)."""
+    """One JSON object a line, after ``mark`` (a rank's records: ``contract.files.logrecords``)."""
 
     def __init__(self, mark: str) -> None:
         super().__init__()

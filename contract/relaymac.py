@@ -1,4 +1,4 @@
-"""The signature on what a relay head carries (``coordinator.relay``, ``worker.relay``): HMAC-SHA256 under the
+"""The signature on what a relay head carries (``coordinator.scheduling.relay``, ``worker.uplink.relay``): HMAC-SHA256 under the
 node's session key (``Registered.relay_key``) of the direction (``DOWN``: a message for the node; ``UP``: a report
 batch of the node), the node's name, the item's number and its bytes. A relay tree's head holds only its own key:
 it can carry an item, never make or alter one for or of another node, nor turn one direction's into the other's.

@@ -53,10 +53,10 @@ class JobKind:
     the worker's sandbox keeps under its roots before the ranks start.
     ``written_paths(spec) -> [(field, value, path)]``: the node directories a rank creates, writes or deletes
     under, named by the spec (``path`` built from ``value``); the worker refuses one it cannot reach through no
-    symbolic link below a root (``contract.safepath``), the coordinator one under no registered node's roots.
+    symbolic link below a root (``contract.files.safepath``), the coordinator one under no registered node's roots.
     ``drain_checkpoint``: a running job saves a checkpoint at a step the daemon asks for (a node's drain waits
     for it, then restarts the job without the node); otherwise a drain restarts it at once. A kind whose ranks
-    agree on that step and report it (``contract.rankfiles.SAVED_ON_REQUEST`` among its ``figures``, folded
+    agree on that step and report it (``contract.files.rankfiles.SAVED_ON_REQUEST`` among its ``figures``, folded
     ``max``) is moved once that step is complete; otherwise once every rank passed the step asked for.
     ``own_rendezvous``: the rank's code creates its default process group itself (torchrun-style scripts);
     the runtime creates no group before the entry runs.

@@ -2,7 +2,7 @@
 
 Each rank counts, per process group, the collectives and point-to-point batches it has entered
 and completed, the operation it is in and since when, and the seconds spent waiting in them. The
-counters live in a small memory-mapped file the node's daemon reads (``contract.collfiles``):
+counters live in a small memory-mapped file the node's daemon reads (``contract.files.collfiles``):
 no collective, message or syscall is added; a call costs two ``struct.pack_into``. Groups are
 named by the layout kinds that have the same members (``tp``, ``dp,tp-dp`` ...), so a hang can be
 told as "the tp group [2, 3] is in all_reduce #41 and rank 3 never entered it".
@@ -27,15 +27,15 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch.distributed as dist
 
-from rankctl.contract import collfiles as C
-from rankctl.contract.rankfiles import open_own
+from rankctl.contract.files import collfiles as C
+from rankctl.contract.files.rankfiles import open_own
 
 # The wrapped functions (module attributes of torch.distributed); a missing one is skipped.
 WRAPPED = C.OPS
 
 
 class CollectiveCounters:
-    """The counters of one rank, in ``{run_dir}/rank-{rank}.coll`` (layout: ``contract.collfiles``)."""
+    """The counters of one rank, in ``{run_dir}/rank-{rank}.coll`` (layout: ``contract.files.collfiles``)."""
 
     def __init__(self, run_dir: str, rank: int, world_size: int, groups: dict[str, list[int]], *,
                  clock: Callable[[], float] = time.time) -> None:
@@ -136,7 +136,7 @@ class CollectiveCounters:
 
     @contextlib.contextmanager
     def busy(self, activity: str) -> Iterator[None]:
-        """The rank is busy with ``activity`` (``contract.collfiles.ACTIVITIES``: a checkpoint, a restore ...)
+        """The rank is busy with ``activity`` (``contract.files.collfiles.ACTIVITIES``: a checkpoint, a restore ...)
         until the block ends: a peer waiting for it meanwhile is no hang until ``restart.hang_timeout``."""
         index = C.ACTIVITIES.index(activity) if activity in C.ACTIVITIES else C.ACTIVITIES.index("busy")
         (before,) = C.ACTIVITY.unpack_from(self._buf, C.HEADER.size)

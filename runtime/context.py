@@ -20,7 +20,9 @@ from typing import Any, ContextManager
 import torch
 import torch.distributed as dist
 
-from rankctl.contract import checkpoints, safepath
+from rankctl.contract.files import checkpoints
+
+from rankctl.contract.files import safepath
 from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.names import job_name_problem
 from rankctl.contract.spec import JobSpec

@@ -5,7 +5,7 @@ is a function ``(RankContext) -> dict`` (the result, JSON-serialisable) from ``k
 Before it runs, the runtime creates the default group and the rank's groups, unless the entry
 declares ``own_rendezvous`` (the ``python`` kind: the user's script creates the default group).
 The context is ``rankctl.context()`` while the entry runs. rankctl's own records share the rank's
-log with what the program prints, each marked (``contract.logrecords``), from a logger of their own:
+log with what the program prints, each marked (``contract.files.logrecords``), from a logger of their own:
 structlog's global configuration stays the user's. ``ctl logs`` shows the program's lines unless asked
 for the records too.
 """
@@ -24,8 +24,8 @@ from typing import Any, Callable
 import structlog
 
 from rankctl.contract.assignment import RankAssignment
-from rankctl.contract.diskspace import disk_full_line
-from rankctl.contract.logrecords import RECORD_MARK
+from rankctl.contract.files.diskspace import disk_full_line
+from rankctl.contract.files.logrecords import RECORD_MARK
 from rankctl.kinds import registry
 from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.context import RankContext, set_current

@@ -1,4 +1,4 @@
-"""The rank side of the status file: each ``RankStatusRecord`` (``contract.rankstatus``) one flushed line."""
+"""The rank side of the status file: each ``RankStatusRecord`` (``contract.files.rankstatus``) one flushed line."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from rankctl.contract.rankfiles import open_own, status_path
-from rankctl.contract.rankstatus import PHASES, RankStatusRecord
+from rankctl.contract.files.rankfiles import open_own, status_path
+from rankctl.contract.files.rankstatus import PHASES, RankStatusRecord
 
 
 class StatusWriter:

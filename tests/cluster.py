@@ -115,7 +115,7 @@ def ctl_status(address: str, job: str) -> dict:
 STATUS_READER = """
 import json, sys
 from rankctl.cli.client import Client
-from rankctl.cli.render import job_to_dict
+from rankctl.cli.view.render import job_to_dict
 clients = {}
 for line in sys.stdin:
     address, job = line.split()

@@ -10,7 +10,7 @@ pool has started cannot fork safely (the child waits for pool threads that do no
 the test process runs torch single-threaded from the start: no pool is ever created. Ranks
 set their own thread count after the fork, as the launcher's ranks do.
 
-A worker daemon mounts its snapshot memory (``worker.snapmem``) and unmounts it on a clean stop;
+A worker daemon mounts its snapshot memory (``worker.files.snapmem``) and unmounts it on a clean stop;
 one a fault test SIGKILLs leaves it mounted, so the session unmounts what it added.
 """
 
@@ -43,8 +43,8 @@ def _unmount_snapshot_memory_left_by_killed_daemons(tmp_path_factory: pytest.Tem
     base = str(tmp_path_factory.getbasetemp())
     before = _snapshot_mounts(base)
     yield
-    from rankctl.contract.checkpoints import memory_base
-    from rankctl.worker import shm
+    from rankctl.contract.files.checkpoints import memory_base
+    from rankctl.worker.files import shm
 
     # Another pytest-xdist worker's daemons may be running: only the snapshot memory of state dirs under this
     # worker's own base temp directory is its to unmount.

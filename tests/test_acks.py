@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rankctl.coordinator.acks import ACK_BURST, ACK_EVERY_S, ACK_RATE_MIN
+from rankctl.coordinator.fleet.acks import ACK_BURST, ACK_EVERY_S, ACK_RATE_MIN
 from test_core import make_world
 from test_scale_core import batch, start
 

@@ -1,4 +1,4 @@
-"""Allocations without a scheduler or a network: the core's rules (``coordinator.allocations``) driven with fake
+"""Allocations without a scheduler or a network: the core's rules (``coordinator.batch.allocations``) driven with fake
 nodes and the answers an ``Allocator`` would bring back, and the Slurm adapter's pure parts (the batch script)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.allocation import AllocationRequest, Ask, Seen
-from rankctl.coordinator.allocations import GATHER_S, LOSS_GRACE_S
-from rankctl.coordinator.errors import InvalidRequest
-from rankctl.coordinator.records import NodeHello
-from rankctl.coordinator.slurm import batch_script
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.batch.allocation import AllocationRequest, Ask, Seen
+from rankctl.coordinator.batch.allocations import GATHER_S, LOSS_GRACE_S
+from rankctl.coordinator.model.errors import InvalidRequest
+from rankctl.coordinator.model.records import NodeHello
+from rankctl.coordinator.batch.slurm import batch_script
+from rankctl.coordinator.model.states import JobState
 from test_core import FakeNode, World, job_yaml, make_world
 
 S = JobState
@@ -176,7 +176,7 @@ def test_refused_by_the_scheduler_fails_the_job_with_its_words(world: World) -> 
 
 
 def test_the_batch_script_runs_one_named_worker_per_node_and_quotes_what_it_is_given() -> None:
-    from rankctl.coordinator.allocation import Allocation
+    from rankctl.coordinator.batch.allocation import Allocation
 
     req = AllocationRequest(spares=1, partition="gpu", time="1:00:00", extra_args=("--exclusive",),
                             worker_state_dir="/scratch/$USER/rk-{jobid}-{node}", worker_args=("--data-root", "/d e"))
@@ -195,10 +195,10 @@ def test_an_ended_jobs_rank_logs_are_kept_and_read_back_as_a_node_would_answer(w
     cannot answer is skipped, and a job's archive stays within its byte budget."""
     import asyncio
 
-    from rankctl.contract.logrecords import RECORD_MARK
-    from rankctl.coordinator import logarchive
-    from rankctl.coordinator.logarchive import LogArchive
-    from rankctl.coordinator.logfetch import LogsUnavailable
+    from rankctl.contract.files.logrecords import RECORD_MARK
+    from rankctl.coordinator.logs import logarchive
+    from rankctl.coordinator.logs.logarchive import LogArchive
+    from rankctl.coordinator.logs.logfetch import LogsUnavailable
     from rankctl.proto import rankctl_pb2 as pb
 
     class Fetcher:
@@ -241,8 +241,8 @@ def test_a_pending_allocation_shows_the_schedulers_reason_in_the_jobs(world: Wor
 def test_a_controller_that_cannot_be_reached_is_asked_again_not_taken_for_a_refusal(world: World) -> None:
     """slurmctld down for a moment failed the job for good: "slurm refused its allocation: ... Unable to contact slurm
     controller" (an outside probe). Such words are an unanswered call: the request is made again every WATCH_S."""
-    from rankctl.coordinator.allocations import WATCH_S
-    from rankctl.coordinator.slurm import unreachable
+    from rankctl.coordinator.batch.allocations import WATCH_S
+    from rankctl.coordinator.batch.slurm import unreachable
 
     assert unreachable("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect "
                        "failure)") and unreachable("sbatch: error: Slurm temporarily unable to accept job, sleeping")

@@ -1,6 +1,6 @@
 """Whom an attempt's failure is blamed on (issue 43): a lost node over its victims' errors on every path, a full
 disk as its node's fault, and exclusions that never leave a job waiting for ever. The typed rules
-(``coordinator.faults``) on their own, then the core without a network: a fake clock, fake nodes, a real store."""
+(``coordinator.model.faults``) on their own, then the core without a network: a fake clock, fake nodes, a real store."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.advance import ATTRIBUTION_S
-from rankctl.coordinator.allocation import AllocationRequest, Seen
-from rankctl.coordinator.allocations import GATHER_S, LOSS_GRACE_S
-from rankctl.coordinator.faults import Cause, Failed, Fault, outranks, rank_fault, reattributed
-from rankctl.coordinator.records import RankRecord
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.recovery.advance import ATTRIBUTION_S
+from rankctl.coordinator.batch.allocation import AllocationRequest, Seen
+from rankctl.coordinator.batch.allocations import GATHER_S, LOSS_GRACE_S
+from rankctl.coordinator.model.faults import Cause, Failed, Fault, outranks, rank_fault, reattributed
+from rankctl.coordinator.model.records import RankRecord
+from rankctl.coordinator.model.states import JobState
 from test_allocations import answer_request, pool_node
 from test_core import World, job_yaml, make_world
 
@@ -196,7 +196,7 @@ def test_a_full_disk_error_names_its_path_and_file_system(tmp_path: Path) -> Non
     """torch.save turns ENOSPC into "unexpected pos"; the rank's last line names the file and its file system."""
     import errno
 
-    from rankctl.contract.diskspace import disk_full_line, file_system_of
+    from rankctl.contract.files.diskspace import disk_full_line, file_system_of
 
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\ntmpfs {tmp_path} tmpfs rw 0 0\n")

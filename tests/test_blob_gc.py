@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rankctl.coordinator.blobs import BlobRefused, BlobStore, referenced
+from rankctl.coordinator.store.blobs import BlobRefused, BlobStore, referenced
 from rankctl.kinds.spec import build_spec
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,7 +131,7 @@ def test_an_upload_onto_a_full_disk_answers_resource_exhausted_naming_the_disk(f
 
 
 def test_the_collect_loop_collects_at_start_off_the_loop(tmp_path: Path) -> None:
-    from rankctl.coordinator.blobs import collect_loop
+    from rankctl.coordinator.store.blobs import collect_loop
 
     store = BlobStore(tmp_path, retention_s=10)
     old, kept = put(store, b"old"), put(store, b"kept")

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rankctl.cli.certs import certs
+from rankctl.cli.commands.certs import certs
 from rankctl.security.certs import CertError, identity_of_pem, init_ca, issue
 from rankctl.security.identity import ROLES, Identity, role_allows, user_name_problem
 from rankctl.security.tls import (channel_credentials, is_loopback, load_identity_dir, peer_identity,

@@ -113,7 +113,7 @@ def test_a_shard_rewritten_with_its_marker_but_of_another_shape_is_named_not_loa
     """The SHA-256 matches, a tensor is a row short: the export failed with 'start (0) + length (96) exceeds
     dimension size (95)' naming nothing (an outside probe); now the step's check and the export name the file
     and the tensor, and a resume passes the step over for the one before."""
-    from rankctl.contract.checkpoints import damage
+    from rankctl.contract.files.checkpoints import damage
     from rankctl.kinds.train.intact import file_problem
     from rankctl.kinds.train.resume import agree_resume_step
 
@@ -189,7 +189,7 @@ def test_export_writes_atomically_and_never_over_a_device_a_link_or_another_file
 def test_saves_and_removals_never_pass_through_a_link_below_the_base(tmp_path) -> None:
     """``base`` (a worker root) is trusted; a link at the job's root, a step directory or a file below it is
     refused (saves) or never followed (removals), and nothing outside changes."""
-    from rankctl.contract.safepath import UnsafePath
+    from rankctl.contract.files.safepath import UnsafePath
 
     base, outside = tmp_path / "data", tmp_path / "outside"
     (outside / "step-00000001").mkdir(parents=True)

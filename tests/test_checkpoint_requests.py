@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rankctl.contract.rankfiles import write_control
+from rankctl.contract.files.rankfiles import write_control
 from rankctl.kinds.train.train_state import CheckpointRequests
 
 

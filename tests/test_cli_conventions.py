@@ -18,7 +18,7 @@ import yaml
 from click.shell_completion import BashComplete
 from click.testing import CliRunner
 
-from rankctl.cli import console
+from rankctl.cli.view import console
 from rankctl.cli.globalopts import hoist, lower_json, option_spec
 from rankctl.cli.main import COMMANDS, cli
 from rankctl.proto import rankctl_pb2 as pb
@@ -319,7 +319,7 @@ def test_drain_of_an_unknown_node_is_exit_2_on_stderr(coordinator: str) -> None:
 
 def test_logs_json_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     from rankctl.cli.context import Ctx
-    from rankctl.contract.logrecords import RECORD_MARK
+    from rankctl.contract.files.logrecords import RECORD_MARK
 
     asked = []
 
@@ -351,7 +351,7 @@ def test_logs_json_lines(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_state_names_drop_the_enum_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rankctl.cli import render
+    from rankctl.cli.view import render
 
     monkeypatch.setattr(render.pb.JobState, "Name", lambda v: "JOB_STATE_RUNNING")
     monkeypatch.setattr(render.pb.NodeState, "Name", lambda v: "NODE_STATE_READY")
@@ -383,8 +383,8 @@ def test_completion_is_silent_when_no_coordinator_answers() -> None:
 @pytest.fixture
 def in_process_coordinator(tmp_path: Path):
     """A coordinator on its own event loop thread with one fake node registered (no daemon)."""
-    from rankctl.coordinator.records import NodeHello
-    from rankctl.coordinator.server import start_coordinator
+    from rankctl.coordinator.model.records import NodeHello
+    from rankctl.coordinator.app.server import start_coordinator
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -583,7 +583,7 @@ def test_addresses_and_numbers_ctl_cannot_send_are_refused_before_any_call(args:
 def test_the_losses_table_has_step_first_whatever_order_the_wire_gave() -> None:
     """A result's rows come from a protobuf Struct, whose keys come in any order: `ctl status` showed `loss | step`
     on one call and `step | loss` on the next (an outside probe)."""
-    from rankctl.cli.render import rows_table
+    from rankctl.cli.view.render import rows_table
     from rankctl.kinds.common import loss_tables
 
     for rows in ([{"loss": 2.5, "step": 1}], [{"step": 1, "loss": 2.5}], [{"tokens": 3, "loss": 2.5, "step": 1}]):
@@ -593,11 +593,11 @@ def test_the_losses_table_has_step_first_whatever_order_the_wire_gave() -> None:
 
 def test_jobs_wide_shows_how_many_nodes_a_listed_job_runs_on() -> None:
     """ListJobs names no nodes (its pages stay bounded): `ctl jobs -o wide` showed '-' for every job (a probe)."""
-    from rankctl.cli.jobs import _job_row
-    from rankctl.cli.render import job_to_dict
-    from rankctl.coordinator.convert import job_summary_pb
-    from rankctl.coordinator.records import JobRecord
-    from rankctl.coordinator.states import JobState
+    from rankctl.cli.commands.jobs import _job_row
+    from rankctl.cli.view.render import job_to_dict
+    from rankctl.coordinator.api.convert import job_summary_pb
+    from rankctl.coordinator.model.records import JobRecord
+    from rankctl.coordinator.model.states import JobState
     from rankctl.kinds.spec import build_spec
 
     job = JobRecord(id="cc-0a1b2c", name="cc", kind="comm-check", spec=build_spec({"name": "cc"}),
@@ -625,7 +625,7 @@ def test_a_live_view_never_grows_past_its_terminal_and_a_table_title_never_wraps
     titles such as `losses (100 steps)` wrapped over the narrow table beneath them."""
     from rich.console import Console
 
-    from rankctl.cli.render import live_view, rows_table
+    from rankctl.cli.view.render import live_view, rows_table
 
     for width, height in ((80, 24), (120, 40)):
         console = Console(width=width, height=height, force_terminal=True, color_system=None)
@@ -642,7 +642,7 @@ def test_a_live_view_never_grows_past_its_terminal_and_a_table_title_never_wraps
 def test_a_job_without_steps_has_no_step_line_and_the_preflight_reads_in_layout_order() -> None:
     """`steps: 0-0` on a job without steps; the pre-flight's kinds came in the wire map's order (twice, in two
     orders, beside its event)."""
-    from rankctl.cli.render import job_to_dict, summary_text
+    from rankctl.cli.view.render import job_to_dict, summary_text
 
     job = _running_job(8)
     assert "steps: 7-7" in summary_text(job_to_dict(job)["summary"], 8).plain

@@ -13,7 +13,6 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
-import pytest
 
 from cluster import CTL, Proc, ready_nodes, start_worker, wait_for
 

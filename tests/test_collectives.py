@@ -1,5 +1,5 @@
 """Collective counters (``runtime.collectives``): what a rank entered and completed, per group, and
-how long it waited, read back by the daemon's reader (``contract.collfiles``). Forked gloo ranks."""
+how long it waited, read back by the daemon's reader (``contract.files.collfiles``). Forked gloo ranks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ranks import fork_ranks
-from rankctl.contract.collfiles import read_counters
+from rankctl.contract.files.collfiles import read_counters
 from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.status import StatusWriter
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.core import Coordinator
-from rankctl.coordinator.nodes import NodeSession, NodeStatus
-from rankctl.coordinator.records import NodeHello, RankRecord, RankUpdate, RunningJob
+from rankctl.coordinator.jobs.core import Coordinator
+from rankctl.coordinator.fleet.nodes import NodeSession, NodeStatus
+from rankctl.coordinator.model.records import NodeHello, RankRecord, RankUpdate, RunningJob
 from rankctl.contract.jobfile import SpecError
-from rankctl.coordinator.states import JobState
-from rankctl.coordinator.store import Store
+from rankctl.coordinator.model.states import JobState
+from rankctl.coordinator.store.database import Store
 from rankctl.contract.assignment import RankAssignment
-from rankctl.worker.assign import expand
+from rankctl.worker.runs.assign import expand
 
 S = JobState
 
@@ -115,7 +115,7 @@ def kinds(core: Coordinator, job_id: str) -> list[tuple[str, str]]:
 
 
 def test_submit_without_nodes_is_refused_unless_queued_anyway(world: World) -> None:
-    from rankctl.coordinator.errors import CapacityError
+    from rankctl.coordinator.model.errors import CapacityError
 
     with pytest.raises(CapacityError, match=r"needs 2 node\(s\) with 2 slots each; the cluster has 0 such node"):
         world.core.submit(job_yaml())
@@ -244,7 +244,7 @@ def test_stream_closing_marks_the_node_lost(world: World) -> None:
 
 
 def test_cancel(world: World) -> None:
-    n0, n1 = world.connect("n0"), world.connect("n1")
+    _, n1 = world.connect("n0"), world.connect("n1")
     job = world.core.submit(job_yaml())
     queued = world.core.submit(job_yaml("later"))
     world.core.cancel(queued.id, "not needed")
@@ -348,7 +348,7 @@ def test_reconnect_without_the_job_fails_it_and_unknown_jobs_are_cancelled(tmp_p
 
 
 def test_comm_check_result_takes_the_slowest_member_and_the_lowest_busbw() -> None:
-    from rankctl.coordinator.results import aggregate
+    from rankctl.coordinator.jobs.results import aggregate
 
     def row(members: list[int], us: float) -> dict:
         m = {"us": us, "busbw_gbps": 0.0, "algbw_gbps": 0.0, "bytes": 4000}
@@ -370,7 +370,7 @@ def test_comm_check_result_takes_the_slowest_member_and_the_lowest_busbw() -> No
 
 
 def test_register_needs_a_name_and_slots(world: World) -> None:
-    from rankctl.coordinator.errors import ProtocolError
+    from rankctl.coordinator.model.errors import ProtocolError
 
     with pytest.raises(ProtocolError):
         world.connect("", slots=2)
@@ -379,7 +379,7 @@ def test_register_needs_a_name_and_slots(world: World) -> None:
 
 
 def test_same_daemon_reconnecting_after_its_ranks_exited_replays_them_first(world: World) -> None:
-    n0, n1 = world.connect("n0"), world.connect("n1")
+    world.connect("n0"), world.connect("n1")
     job = world.core.submit(job_yaml())
     for r in range(4):
         world.report(job.id, r, "running")

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 import pytest
 
-from rankctl.coordinator.server import CoordinatorServer, start_coordinator
+from rankctl.coordinator.app.server import CoordinatorServer, start_coordinator
 from rankctl.coordinator.web.grid import MAX_CELLS
 from rankctl.coordinator.web.series import MAX_POINTS
 from rankctl.proto import rankctl_pb2 as pb
@@ -175,7 +175,7 @@ def test_nodes_page_and_a_rank_log_read_from_its_node(tmp_path: Path) -> None:
 
 
 def test_metrics_answer_503_until_the_module_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "rankctl.coordinator.metrics", None)  # import fails
+    monkeypatch.setitem(sys.modules, "rankctl.coordinator.web.metrics", None)  # import fails
 
     async def test(coord: CoordinatorServer, s: aiohttp.ClientSession) -> None:
         assert await get(s, coord, "/metrics") == (503, "metrics not available")
@@ -254,8 +254,8 @@ def test_a_taken_dashboard_address_stops_the_coordinator_and_frees_its_state_dir
 
 
 def test_the_grid_marks_stragglers_failed_ranks_and_the_ranks_a_hang_points_at() -> None:
-    from rankctl.coordinator.progress import JobSummary, SlowRank
-    from rankctl.coordinator.records import RankRecord
+    from rankctl.coordinator.diagnosis.progress import JobSummary, SlowRank
+    from rankctl.coordinator.model.records import RankRecord
     from rankctl.coordinator.web.grid import marks
 
     failed = RankRecord(rank=5, node="n1", phase="failed", exited=True, exit_code=1)
@@ -318,8 +318,8 @@ def test_points_carry_their_step_and_value_on_hover_bounded_per_line() -> None:
 
 
 def test_a_cell_is_filled_by_its_phase_and_red_only_when_its_rank_failed() -> None:
-    from rankctl.coordinator.progress import JobSummary
-    from rankctl.coordinator.records import RankRecord
+    from rankctl.coordinator.diagnosis.progress import JobSummary
+    from rankctl.coordinator.model.records import RankRecord
     from rankctl.coordinator.web.grid import fill, rank_grid, window
     from rankctl.parallel.layout import ParallelConfig
 
@@ -399,8 +399,8 @@ def test_after_a_hang_its_victims_are_not_red_and_the_rank_it_waited_for_is_outl
     as no rank counts failed) and rank 2, named by the reason, keeps the hang outline."""
     from test_core import make_world
 
-    from rankctl.contract.rankstatus import STOPPED
-    from rankctl.coordinator.records import RankRecord, RankUpdate
+    from rankctl.contract.files.rankstatus import STOPPED
+    from rankctl.coordinator.model.records import RankRecord, RankUpdate
     from rankctl.coordinator.web.grid import rank_grid, window
 
     world = make_world(tmp_path)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.errors import AmbiguousJob, CapacityError, NodeNameTaken
-from rankctl.coordinator.nodes import NodeStatus
-from rankctl.coordinator.states import JobState
-from rankctl.coordinator.store import StoreError
+from rankctl.coordinator.model.errors import AmbiguousJob, CapacityError, NodeNameTaken
+from rankctl.coordinator.fleet.nodes import NodeStatus
+from rankctl.coordinator.model.states import JobState
+from rankctl.coordinator.store.database import StoreError
 from test_core import World, job_yaml, make_world
 
 S = JobState
@@ -52,7 +52,7 @@ def full_disk(world: World) -> FullDisk:
 
 def test_a_node_cannot_report_for_ranks_it_does_not_run(world: World) -> None:
     n0, n1 = world.connect("n0"), world.connect("n1")
-    stranger = world.connect("stranger")
+    world.connect("stranger")
     job = world.core.submit(job_yaml())            # ranks 0-1 on n0, 2-3 on n1
     assert job.nodes == ["n0", "n1"]
     assert world.report(job.id, 0, "failed", code=1, error="forged", node="n1")      # n1 claims n0's rank
@@ -204,7 +204,8 @@ def test_job_lists_are_paged_and_errors_stay_short(world: World) -> None:
 
 
 def test_the_store_refuses_a_corrupt_or_newer_database_and_a_second_opener(tmp_path: Path) -> None:
-    from rankctl.coordinator.store import SCHEMA_VERSION, StateDirInUse, Store, StoreUnusable
+    from rankctl.coordinator.store.database import StateDirInUse, Store, StoreUnusable
+    from rankctl.coordinator.store.schema import SCHEMA_VERSION
 
     store = Store(tmp_path / "ok")
     assert store.schema_version() == SCHEMA_VERSION
@@ -233,7 +234,7 @@ def test_a_log_line_that_cannot_be_written_is_dropped_not_raised() -> None:
 
     import structlog
 
-    from rankctl.worker.procutil import SafePrintLogger, configure_logging
+    from rankctl.worker.launcher.procutil import SafePrintLogger, configure_logging
 
     class FullDisk(io.StringIO):
         def write(self, text: str) -> int:
@@ -252,8 +253,8 @@ def test_streams_that_close_because_the_coordinator_stood_still_are_waited_for(t
     """SIGSTOP of the coordinator for 20 s failed a healthy job: daemons drop a stream whose pings go unanswered
     (4 s), and on SIGCONT every closed stream read as a lost node. A stream closing while the coordinator stood
     still, or within a grace after, leaves its node DISCONNECTED; it comes back, or is lost after the grace."""
-    from rankctl.coordinator.nodes import NodeStatus
-    from rankctl.coordinator.records import RunningJob
+    from rankctl.coordinator.fleet.nodes import NodeStatus
+    from rankctl.coordinator.model.records import RunningJob
     from test_core import job_yaml, make_world
 
     world = make_world(tmp_path, timeout=10.0)
@@ -283,7 +284,7 @@ def test_streams_that_close_because_the_coordinator_stood_still_are_waited_for(t
 
 def test_a_node_that_does_not_come_back_after_the_coordinator_stood_still_is_lost_after_the_grace(
         tmp_path: Path) -> None:
-    from rankctl.coordinator.nodes import NodeStatus
+    from rankctl.coordinator.fleet.nodes import NodeStatus
     from test_core import job_yaml, make_world
 
     world = make_world(tmp_path, timeout=10.0)
@@ -307,7 +308,7 @@ def test_a_refusal_is_what_the_caller_hears_even_when_memory_cannot_be_resynced(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """A leader stepping down closes its store: the resync after a refused write then fails too (CI once answered
     a submit during an etcd outage with INTERNAL 'ProgrammingError' instead of the store's refusal)."""
-    from rankctl.coordinator.jobs import JobBook
+    from rankctl.coordinator.jobs.book import JobBook
 
     world.connect("n0"), world.connect("n1")
     disk = full_disk(world)

@@ -21,8 +21,8 @@ from structlog.testing import capture_logs
 
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.worker.daemon import DaemonConfig, LauncherLost, WorkerDaemon
-from rankctl.worker.launcher_client import LauncherError
+from rankctl.worker.daemon.daemon import DaemonConfig, LauncherLost, WorkerDaemon
+from rankctl.worker.runs.launcher_client import LauncherError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.grpc_in_process]
 
@@ -190,7 +190,7 @@ def test_ctl_worker_refuses_a_bad_node_name(tmp_path: Path) -> None:
 
 
 def test_ctl_worker_names_the_node_after_the_lower_cased_hostname(monkeypatch) -> None:
-    from rankctl.cli import daemons
+    from rankctl.cli.commands import daemons
 
     monkeypatch.setattr(daemons.socket, "gethostname", lambda: "GPU-Node-07.Cluster")
     assert daemons.node_name(None) == "gpu-node-07.cluster"
@@ -216,7 +216,7 @@ class NameTakenCoordinator(pb_grpc.NodeServiceServicer):
 
 
 def test_daemon_stops_when_its_node_name_is_taken(tmp_path: Path) -> None:
-    from rankctl.worker.daemon import NodeNameTaken
+    from rankctl.worker.daemon.daemon import NodeNameTaken
 
     async def main() -> int:
         fake = NameTakenCoordinator()

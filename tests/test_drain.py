@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.contract.rankfiles import SAVED_ON_REQUEST
-from rankctl.coordinator.drains import DRAIN_LEAD_STEPS, DRAIN_WAIT_S
-from rankctl.coordinator.errors import InvalidRequest
-from rankctl.coordinator.nodes import NodeNotFound
-from rankctl.coordinator.records import RankRecord, RankUpdate, RunningJob
-from rankctl.coordinator.states import JobState
-from rankctl.coordinator.stops import STOP_TIMEOUT_S
-from rankctl.coordinator.store import SCHEMA_VERSION, Store
+from rankctl.contract.files.rankfiles import SAVED_ON_REQUEST
+from rankctl.coordinator.recovery.drains import DRAIN_LEAD_STEPS, DRAIN_WAIT_S
+from rankctl.coordinator.model.errors import InvalidRequest
+from rankctl.coordinator.fleet.nodes import NodeNotFound
+from rankctl.coordinator.model.records import RankRecord, RankUpdate, RunningJob
+from rankctl.coordinator.model.states import JobState
+from rankctl.coordinator.scheduling.stops import STOP_TIMEOUT_S
+from rankctl.coordinator.store.database import Store
+from rankctl.coordinator.store.schema import SCHEMA_VERSION
 from test_core import World, make_world
 
 S = JobState

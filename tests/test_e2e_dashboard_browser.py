@@ -23,7 +23,6 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -315,7 +314,7 @@ def test_the_nodes_page_shows_cpu_memory_and_gpu_use(driver, cluster: ProcCluste
         return heads, [[td.text for td in r.find_elements("css selector", "td")]
                        for r in driver.find_elements("css selector", "#nodes tbody tr")]
 
-    # every daemon's heartbeats carry its usage (worker/usage.py): wait until both have sent one
+    # every daemon's heartbeats carry its usage (worker/daemon/usage.py): wait until both have sent one
     def heard(t: tuple[list[str], list[list[str]]]) -> bool:
         cols = [t[0].index(name) for name in USAGE]
         return len(t[1]) == 2 and all(r[c] != "—" for r in t[1] for c in cols)

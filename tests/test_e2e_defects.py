@@ -183,10 +183,10 @@ def test_a_full_state_disk_refuses_submits_cleanly_and_loses_nothing(tmpfs: Path
 def test_nine_thousand_jobs_list_in_pages_and_errors_stay_short(tmp_path: Path) -> None:
     """Before: one ListJobs response held every job with its ranks (4.7 MB at ~9,000 jobs, over
     gRPC's 4 MiB), and an ambiguous-name error listed every id (120 KB)."""
-    from rankctl.coordinator.records import JobRecord
+    from rankctl.coordinator.model.records import JobRecord
     from rankctl.kinds.spec import build_spec
-    from rankctl.coordinator.states import JobState
-    from rankctl.coordinator.store import Store
+    from rankctl.coordinator.model.states import JobState
+    from rankctl.coordinator.store.database import Store
 
     spec = build_spec({"name": "same", "kind": "comm-check", "resources": {"nodes": 2, "slots_per_node": 4}})
     store = Store(tmp_path / "coord")
@@ -340,7 +340,7 @@ def tmpfs_mounts() -> set[str]:
 
 
 def test_a_sigkilled_workers_mounts_go_at_the_next_worker_start_on_another_state_dir(two: ProcCluster) -> None:
-    from rankctl.contract.checkpoints import memory_base
+    from rankctl.contract.files.checkpoints import memory_base
 
     doomed = start_worker(two.address, "node-7", 2, two.root / "doomed", data_roots=two.data_roots)
     wait_for(lambda: "node-7" in ready_nodes(two.address), 60, "node-7 READY")

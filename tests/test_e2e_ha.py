@@ -158,7 +158,7 @@ def test_the_leader_sigkilled_the_standby_answers_within_5_s_and_the_job_goes_on
 
 def _log_entries(ha: HACluster) -> list[tuple[int, str]]:
     """(mod revision, writer id) of every log entry on etcd (the writer: ``holder:fence:seq``)."""
-    from rankctl.coordinator import mirror
+    from rankctl.coordinator.store import mirror
 
     out = ha.etcd.ctl("get", "--prefix", f"{ha.etcd.prefix}/log/", "-w", "json")
     import base64

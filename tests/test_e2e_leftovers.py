@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from cluster import ProcCluster, ctl, wait_for
-from rankctl.worker.procutil import pid_alive
-from rankctl.worker.rankio import GENERATION_BYTES
+from rankctl.worker.launcher.procutil import pid_alive
+from rankctl.worker.runs.rankio import GENERATION_BYTES
 
 pytestmark = pytest.mark.timeout(600)
 JOB = """

@@ -18,7 +18,7 @@ from rankctl.cli.errors import CtlError
 from rankctl.kinds.python.checks import absolute_workdir
 from rankctl.kinds.spec import build_spec
 from rankctl.parallel.layout import ParallelConfig, RankLayout
-from rankctl.worker.config import cpu_share
+from rankctl.worker.daemon.config import cpu_share
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

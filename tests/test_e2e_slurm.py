@@ -274,7 +274,7 @@ def test_a_tls_coordinators_allocation_gets_each_nodes_identity(site: Site, tmp_
 
 def test_ctl_is_what_the_batch_script_runs() -> None:
     """The batch script runs this interpreter's ctl (the login node's software, as on a Slurm cluster)."""
-    from rankctl.coordinator.slurm import ctl_command
+    from rankctl.coordinator.batch.slurm import ctl_command
 
     assert ctl_command("") in ([str(Path(CTL[0]).with_name("ctl"))], CTL[:1] + ["-m", "rankctl.cli.main"])
     assert ctl_command("/opt/ctl") == ["/opt/ctl"]

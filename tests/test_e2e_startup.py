@@ -8,7 +8,6 @@ batch: ``--wait`` asked for 1 s and returned up to a second late). Figures: ``be
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import grpc
 import pytest

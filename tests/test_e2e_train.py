@@ -19,7 +19,7 @@ import pytest
 from rankctl.cli.context import Ctx
 from rankctl.cli.errors import CtlError
 from rankctl.cli.local import LocalCluster
-from rankctl.cli.render import job_to_dict
+from rankctl.cli.view.render import job_to_dict
 from rankctl.kinds.train.checkpoint import export_full_state_dict, step_dir
 from compare import assert_params_close, lr_schedule
 

@@ -160,7 +160,7 @@ def _stopped_at(reason: str) -> int:
 
 
 def test_a_3mb_archive_that_expands_to_3gib_fails_at_the_ratio_having_written_less(runner, bomb_blob) -> None:
-    from rankctl.worker.blobs import MAX_RATIO
+    from rankctl.worker.files.blobs import MAX_RATIO
 
     digest, packed = bomb_blob
     job = _bombed(runner, digest, "name=bomb-ratio")

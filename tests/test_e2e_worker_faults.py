@@ -83,14 +83,14 @@ def test_hung_rank_fails_the_job_within_its_collective_timeout_blaming_no_one(no
 
 
 def launcher_pid(daemon_pid: int) -> int | None:
-    """The daemon's launcher: its child running ``python -m rankctl.worker.launcher``."""
+    """The daemon's launcher: its child running ``python -m rankctl.worker.launcher.main``."""
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid and b"rankctl.worker.launcher" in cmdline:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == daemon_pid and b"rankctl.worker.launcher.main" in cmdline:
             return int(entry)
     return None
 

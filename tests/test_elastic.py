@@ -10,8 +10,8 @@ import json
 import pytest
 
 from rankctl.contract.jobfile import SpecError
-from rankctl.coordinator import convert
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.api import convert
+from rankctl.coordinator.model.states import JobState
 from test_core import World, world  # noqa: F401 - the fixture
 
 S = JobState
@@ -74,7 +74,7 @@ def test_a_lost_node_without_a_spare_runs_on_fewer_nodes_then_grows_back(world: 
 
 
 def test_an_elastic_job_starts_on_the_nodes_there_are_and_is_refused_below_min_nodes(world: World) -> None:
-    from rankctl.coordinator.errors import CapacityError
+    from rankctl.coordinator.model.errors import CapacityError
 
     world.connect("n0")
     with pytest.raises(CapacityError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rankctl.coordinator.fanout import KEPT, Fanouts
+from rankctl.coordinator.scheduling.fanout import KEPT, Fanouts
 from rankctl.proto import rankctl_pb2 as pb
 from test_core import World, world  # noqa: F401 - the fixture
 from test_metrics import get, job_yaml, scrape

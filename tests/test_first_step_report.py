@@ -3,10 +3,10 @@ first step from it (CI saw step 1 replaced by step 2, so the step histogram coun
 
 from __future__ import annotations
 
-from rankctl.contract.rankstatus import RankStatusRecord
-from rankctl.worker.outbox import Outbox
-from rankctl.worker.runs import Runs
-from rankctl.worker.runstate import RunState
+from rankctl.contract.files.rankstatus import RankStatusRecord
+from rankctl.worker.uplink.outbox import Outbox
+from rankctl.worker.runs.runs import Runs
+from rankctl.worker.runs.runstate import RunState
 
 
 def test_the_first_step_stays_and_later_steps_coalesce() -> None:
@@ -25,7 +25,7 @@ def test_a_rank_ended_by_a_signal_says_so_in_its_last_error_line() -> None:
     outside probe saw): the exit report's last line names the signal, which the job's reason quotes."""
     import structlog
 
-    from rankctl.coordinator.faults import last_error_line
+    from rankctl.coordinator.model.faults import last_error_line
 
     outbox = Outbox(maxlen=100)
     runs = Runs(node="n0", outbox=outbox, watch=None, replication=None, background=None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import socket
 
-from rankctl.worker.reporting import ephemeral_range, free_ports, port_candidates
+from rankctl.worker.uplink.reporting import ephemeral_range, free_ports, port_candidates
 
 
 def test_candidates_lie_outside_the_ephemeral_range_in_the_wider_gap() -> None:

@@ -1,4 +1,4 @@
-"""The coordinator's collector pacing (``coordinator.gcpace``), pure: survivors frozen every FREEZE_S, and
+"""The coordinator's collector pacing (``coordinator.app.gcpace``), pure: survivors frozen every FREEZE_S, and
 everything collected (frozen cycles too) every FULL_S."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from rankctl.coordinator.gcpace import FREEZE_S, FULL_S, Freezer
+from rankctl.coordinator.app.gcpace import FREEZE_S, FULL_S, Freezer
 
 
 class Cycle:

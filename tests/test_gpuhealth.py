@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from rankctl.worker import launcher
+from rankctl.worker.launcher import main as launcher
 from rankctl.contract.gpuhealth import GpuFacts, GpuHealth, gpu_health, load_nvml
-from rankctl.worker.usage import _load_nvml
+from rankctl.worker.daemon.usage import _load_nvml
 
 
 def _has_nvidia_driver() -> bool:

@@ -1,5 +1,5 @@
-"""Hang attribution (issue 13): the daemon's evidence of a stalled rank (``worker.hangwatch``) and the
-coordinator's reason built from it (``coordinator.hangs``), on constructed evidence of a tp2·pp2 job
+"""Hang attribution (issue 13): the daemon's evidence of a stalled rank (``worker.runs.hangwatch``) and the
+coordinator's reason built from it (``coordinator.diagnosis.hangs``), on constructed evidence of a tp2·pp2 job
 (tp groups [0, 1], [2, 3]; pp groups [0, 2], [1, 3]; the world [0..3] is named ``mp``)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from rankctl.coordinator.hangs import REASON_CHARS, compact_stack, hang_reason
-from rankctl.coordinator.records import RankRecord
-from rankctl.worker import hangwatch
-from rankctl.worker.hangwatch import MOVED, MOVED_JSON, STALLED, HangWatch, evidence_json
+from rankctl.coordinator.diagnosis.hangs import REASON_CHARS, compact_stack, hang_reason
+from rankctl.coordinator.model.records import RankRecord
+from rankctl.worker.runs import hangwatch
+from rankctl.worker.runs.hangwatch import MOVED, MOVED_JSON, STALLED, HangWatch, evidence_json
 
 TP = "tp,tp_cp,tp_dp,tp_dp_cp,expt_tp,tp_ep"
 PP = "pp,embd"
@@ -42,7 +42,7 @@ def pp(rank: int) -> list[int]:
 
 def counters(rank: int, *, tp_n: tuple[int, int], pp_n: tuple[int, int], mp_n: tuple[int, int] = (1, 1),
              blocked: str = "", op: dict[str, str] | None = None) -> dict:
-    """``contract.collfiles.read_counters``'s shape: (entered, completed) per group, ``blocked`` the kind it is in."""
+    """``contract.files.collfiles.read_counters``'s shape: (entered, completed) per group, ``blocked`` the kind it is in."""
     op = op or {}
     groups = [{"kind": TP, "members": tp(rank), "size": 2, "entered": tp_n[0], "completed": tp_n[1],
                "op": op.get("tp", "all_reduce"), "since": 1000.0, "wait_s": 1.0},
@@ -315,7 +315,7 @@ def test_cpu_time_outside_collectives_is_computing_and_a_throttled_rank_is_not_s
 
 
 def test_the_counter_file_says_whether_the_rank_waits_in_an_operation(tmp_path) -> None:
-    from rankctl.contract import collfiles
+    from rankctl.contract.files import collfiles
     from rankctl.runtime.collectives import CollectiveCounters
 
     c = CollectiveCounters(str(tmp_path), 0, 2, {"tp": [0, 1]})
@@ -330,7 +330,7 @@ def test_the_counter_file_says_whether_the_rank_waits_in_an_operation(tmp_path) 
 
 
 def test_a_process_sample_reads_the_main_threads_cpu_time_and_a_stop(spinner) -> None:
-    from rankctl.worker.reporting import process_sample
+    from rankctl.worker.uplink.reporting import process_sample
 
     p, _ = spinner
     state, ticks = process_sample(p.pid)
@@ -344,7 +344,7 @@ def test_a_process_sample_reads_the_main_threads_cpu_time_and_a_stop(spinner) ->
 
 
 def wait_state(pid: int, want: str) -> bool:
-    from rankctl.worker.reporting import process_sample
+    from rankctl.worker.uplink.reporting import process_sample
 
     for _ in range(200):
         if process_sample(pid)[0] == want:

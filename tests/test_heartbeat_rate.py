@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.core import Coordinator
-from rankctl.coordinator.nodes import NodeStatus
-from rankctl.coordinator.sessions import beat_interval
-from rankctl.coordinator.states import JobState
-from rankctl.coordinator.store import Store
+from rankctl.coordinator.jobs.core import Coordinator
+from rankctl.coordinator.fleet.nodes import NodeStatus
+from rankctl.coordinator.fleet.sessions import beat_interval
+from rankctl.coordinator.model.states import JobState
+from rankctl.coordinator.store.database import Store
 from test_core import Clock, World, job_yaml
 
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from rankctl.cli.main import cli
 from rankctl.contract import limits as L
 from rankctl.contract import spec as spec_module
-from rankctl.coordinator.planner import plan_layout
+from rankctl.coordinator.scheduling.planner import plan_layout
 from rankctl.contract.jobfile import SpecError, load_yaml_text, read_job_text
 from rankctl.kinds.spec import build_spec
 from rankctl.parallel.layout import LayoutError, ParallelConfig

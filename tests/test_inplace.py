@@ -1,4 +1,4 @@
-"""A daemon's side of a restart in place (``worker.inplace``), without processes: a newer attempt's Assign
+"""A daemon's side of a restart in place (``worker.runs.inplace``), without processes: a newer attempt's Assign
 waits for the older attempt's ranks to go, and a Cancel meanwhile keeps the new ranks from ever starting."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import structlog
 
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.inplace import InPlace
-from rankctl.worker.runstate import RunState
+from rankctl.worker.runs.inplace import InPlace
+from rankctl.worker.runs.runstate import RunState
 
 
 class FakeRuns:
@@ -106,7 +106,7 @@ def test_a_cancel_of_an_older_attempt_does_not_stop_the_newer_ones_start() -> No
 
 
 def test_a_cancelled_attempt_is_remembered_for_an_assign_that_comes_after_its_cancel() -> None:
-    """A relayed Assign can come after the Cancel of its attempt (``worker.relay``): the node remembers the Cancel,
+    """A relayed Assign can come after the Cancel of its attempt (``worker.uplink.relay``): the node remembers the Cancel,
     whether or not an Assign of the job was waiting when it came."""
     w = World([])
     w.inplace.cancel(pb.Cancel(job_id="j", attempt=3))

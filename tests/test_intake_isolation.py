@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.records import RankRecord, RankUpdate
-from rankctl.coordinator.reports import ReportApplier
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.model.records import RankRecord, RankUpdate
+from rankctl.coordinator.jobs.reports import ReportApplier
+from rankctl.coordinator.model.states import JobState
 from test_core import World, job_yaml, make_world
 
 
@@ -82,8 +82,8 @@ def test_a_bug_on_one_nodes_reports_stores_the_others_and_never_acknowledges_its
 
 def test_a_bug_on_every_nodes_reports_holds_them_after_a_few_instead_of_resyncing_for_each(
         world: World, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rankctl.coordinator import intake
-    from rankctl.coordinator.jobs import JobBook
+    from rankctl.coordinator.jobs import intake
+    from rankctl.coordinator.jobs.book import JobBook
 
     names = [f"n{i}" for i in range(6)]
     for n in names:

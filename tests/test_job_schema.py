@@ -8,7 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from rankctl.coordinator import auth, convert
+from rankctl.coordinator.api import auth
+
+from rankctl.coordinator.api import convert
 from rankctl.kinds import registry
 from toykind import KIND as TOY
 

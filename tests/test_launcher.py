@@ -21,10 +21,10 @@ from rankctl.contract.spec import JobSpec
 from rankctl.kinds import registry
 from rankctl.kinds.spec import parse_spec
 from rankctl.kinds.comm_check.results import comm_check_result
-from rankctl.worker import shm
-from rankctl.worker.launcher import Launcher
-from rankctl.worker.procutil import pid_alive
-from rankctl.worker.status import StatusTailer, read_status
+from rankctl.worker.files import shm
+from rankctl.worker.launcher.main import Launcher
+from rankctl.worker.launcher.procutil import pid_alive
+from rankctl.worker.runs.status import StatusTailer, read_status
 
 KINDS_MODULE = '''
 """Job kinds for launcher tests (imported by the launcher with --import)."""
@@ -287,7 +287,7 @@ def test_a_setsid_child_that_ignores_sigterm_ends_with_its_rank(loop, request, w
 
 def test_a_burst_on_stdout_is_rotated_as_it_arrives(loop, launcher, tmp_path) -> None:
     """64 MiB in one burst, then exit, with 1 MiB generations: two generations stay on disk."""
-    from rankctl.worker.rankio import MIN_GENERATION_BYTES
+    from rankctl.worker.runs.rankio import MIN_GENERATION_BYTES
 
     loop.run_until_complete(launcher.launch(assignments("burst", "test-burst", str(tmp_path)),
                                             log_bytes=MIN_GENERATION_BYTES))
@@ -303,7 +303,7 @@ def test_a_burst_on_stdout_is_rotated_as_it_arrives(loop, launcher, tmp_path) ->
 # -- status files (no processes) ---------------------------------------------------------------
 
 def test_status_tailer_returns_only_complete_new_lines(tmp_path) -> None:
-    from rankctl.contract.rankfiles import status_path
+    from rankctl.contract.files.rankfiles import status_path
     from rankctl.runtime.status import StatusWriter
 
     tailer = StatusTailer(str(tmp_path))
@@ -324,7 +324,7 @@ def test_status_tailer_returns_only_complete_new_lines(tmp_path) -> None:
 
 
 def test_tail_lines(tmp_path) -> None:
-    from rankctl.worker.status import tail_lines
+    from rankctl.worker.runs.status import tail_lines
 
     path = tmp_path / "rank-0.log"
     path.write_text("".join(f"line {i}\n" for i in range(5000)))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rankctl.contract.spec import Resources
-from rankctl.worker.limits import Controller, Limits, RankLimits, Unenforceable
+from rankctl.worker.launcher.limits import Controller, Limits, RankLimits, Unenforceable
 
 
 def test_limits_come_from_the_spec_and_default_to_none() -> None:

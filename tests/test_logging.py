@@ -16,7 +16,7 @@ import pytest
 import structlog
 from click.testing import CliRunner
 
-from rankctl.worker.procutil import SafeStreamHandler, configure_logging
+from rankctl.worker.launcher.procutil import SafeStreamHandler, configure_logging
 
 
 class Tty(io.StringIO):
@@ -159,7 +159,7 @@ def test_the_coordinator_logs_json_lines_with_log_format_json(tmp_path: Path) ->
 def test_a_ranks_records_are_marked_json_lines_whatever_its_users_logging_does() -> None:
     """A rank's records share its log with what its program prints: each is one marked JSON line (multi-line
     values included) from a logger of their own; the user's structlog and stdlib logging stay unmarked."""
-    from rankctl.contract.logrecords import RECORD_MARK, parse_record
+    from rankctl.contract.files.logrecords import RECORD_MARK, parse_record
     from rankctl.contract.logformat import record_logger
 
     stream = Tty()

@@ -1,4 +1,4 @@
-"""Rank logs stay on the nodes: the daemon's answers (``worker.logship``), the coordinator's
+"""Rank logs stay on the nodes: the daemon's answers (``worker.uplink.logship``), the coordinator's
 request matching (``LogFetcher``) and GetLogs (``get_logs``) against fake nodes that answer
 from real files (no network, no processes, each well under a second); then ``ctl logs`` and ``ctl nodes``
 through a real coordinator and daemon, on a job that printed (what it printed, rankctl's records apart)."""
@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 
-from rankctl.contract.logrecords import RECORD_MARK, parse_record
-from rankctl.coordinator.errors import InvalidRequest, JobNotFound
-from rankctl.coordinator.logfetch import LogFetcher, LogsUnavailable, get_logs
-from rankctl.coordinator.records import JobRecord, RankRecord
-from rankctl.coordinator.states import JobState
+from rankctl.contract.files.logrecords import RECORD_MARK, parse_record
+from rankctl.coordinator.model.errors import InvalidRequest, JobNotFound
+from rankctl.coordinator.logs.logfetch import LogFetcher, LogsUnavailable, get_logs
+from rankctl.coordinator.model.records import JobRecord, RankRecord
+from rankctl.coordinator.model.states import JobState
 from rankctl.kinds.spec import build_spec
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker import rankio
-from rankctl.worker.logship import MAX_CHUNK_BYTES, MAX_LINE_BYTES, answer_fetch
+from rankctl.worker.runs import rankio
+from rankctl.worker.uplink.logship import MAX_CHUNK_BYTES, MAX_LINE_BYTES, answer_fetch
 
 JOB = "train-0a1b2c"
 CUT = f" [rankctl: line cut at {MAX_LINE_BYTES} bytes]"
@@ -642,7 +642,7 @@ def test_follow_reads_on_once_a_node_that_did_not_answer_answers_and_marks_the_o
 
 
 def test_a_coordinator_that_stood_still_does_not_take_a_waiting_answer_for_silence(monkeypatch) -> None:
-    from rankctl.coordinator import logfetch
+    from rankctl.coordinator.logs import logfetch
 
     monkeypatch.setattr(logfetch, "SLICE_S", 0.1)
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rankctl.coordinator.histogram import Histogram, exponential_bounds
-from rankctl.coordinator.metrics import FINISHED_KEPT, FINISHED_KEPT_S, CoordinatorMetrics
-from rankctl.coordinator.progress import STEP_TIME_BUCKETS, JobProgress
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.model.histogram import Histogram, exponential_bounds
+from rankctl.coordinator.web.metrics import FINISHED_KEPT, FINISHED_KEPT_S, CoordinatorMetrics
+from rankctl.coordinator.diagnosis.progress import STEP_TIME_BUCKETS, JobProgress
+from rankctl.coordinator.model.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.daemon import WorkerDaemon
-from rankctl.worker.metrics import WorkerMetrics, serve_metrics
+from rankctl.worker.daemon.daemon import WorkerDaemon
+from rankctl.worker.daemon.metrics import WorkerMetrics, serve_metrics
 from figured import FIGURED, figured_kind  # noqa: F401 - the module's autouse fixture
 from test_core import World, make_world
 from test_defects_worker import FakeCoordinator, RecordingLauncher, config, serve, until

@@ -1,4 +1,4 @@
-"""``worker.mountreg``: a dead owner's recorded tmpfs is unmounted by the next start; a live one's never is."""
+"""``worker.files.mountreg``: a dead owner's recorded tmpfs is unmounted by the next start; a live one's never is."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.contract import checkpoints
-from rankctl.worker import mountreg, shm
+from rankctl.contract.files import checkpoints
+from rankctl.worker.files import mountreg
+from rankctl.worker.files import shm
 
 pytestmark = pytest.mark.skipif(not shm.can_mount(f"/tmp/rankctl-mountreg-test-{os.getpid()}"),
                                 reason="this process may not mount a tmpfs")

@@ -105,7 +105,7 @@ def test_the_daemon_s_expansion_hands_each_rank_its_node_address() -> None:
     import json
 
     from rankctl.proto import rankctl_pb2 as pb
-    from rankctl.worker.assign import expand
+    from rankctl.worker.runs.assign import expand
 
     doc = {"name": "a", "kind": "comm-check", "resources": {"nodes": 2, "slots_per_node": 2}}
     msg = pb.Assign(job_id="a-000001", attempt=1, world_size=4, first_rank=2, rank_count=2,

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from rankctl.contract import checkpoints as layout
-from rankctl.contract import safepath
+from rankctl.contract.files import checkpoints as layout
+from rankctl.contract.files import safepath
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.worker.replicas import SNAPSHOTS, PeerServicer, ShardStore, restore
+from rankctl.worker.replication.replicas import SNAPSHOTS, PeerServicer, ShardStore, restore
 
 
 @pytest.fixture()
@@ -150,10 +150,10 @@ def test_the_run_dirs_files_replace_what_a_rank_planted_and_never_write_through_
                                                                                   how: str) -> None:
     """The daemon's control file (its temporary name), a rank's status file, its collective counters and their
     labels, its log and the save wake: each replaces a link or hard link planted at its name."""
-    from rankctl.contract import rankfiles
+    from rankctl.contract.files import rankfiles
     from rankctl.runtime.collectives import CollectiveCounters
     from rankctl.runtime.status import StatusWriter
-    from rankctl.worker.rankio import RankLog
+    from rankctl.worker.runs.rankio import RankLog
 
     run_dir = tmp_path / "state" / "jobs" / "j-1" / "0"
     for name in ("rank-0.control.json.tmp", "rank-0.status.jsonl", "rank-0.coll", "rank-0.coll.json.tmp",

@@ -1,10 +1,10 @@
-"""``coordinator.noderoots``: a submit's train.checkpoint_dir against the roots registered nodes reported (pure)."""
+"""``coordinator.scheduling.noderoots``: a submit's train.checkpoint_dir against the roots registered nodes reported (pure)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rankctl.coordinator.noderoots import roots_problems
+from rankctl.coordinator.scheduling.noderoots import roots_problems
 from rankctl.kinds.spec import build_spec
 
 

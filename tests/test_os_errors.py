@@ -1,12 +1,12 @@
 """Every gRPC method answers an OSError by its cause, never INTERNAL "internal error (OSError)" (issue 24): the
-servicer's one mapping (``domain_status``) sends it through ``coordinator.errors.os_status``."""
+servicer's one mapping (``domain_status``) sends it through ``coordinator.model.errors.os_status``."""
 
 import errno
 
 import grpc
 import pytest
 
-from rankctl.coordinator.servicer import domain_status
+from rankctl.coordinator.api.servicer import domain_status
 
 
 @pytest.mark.parametrize("code, status, words", [

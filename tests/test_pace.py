@@ -1,10 +1,10 @@
-"""The adaptive hang judgement (``coordinator.pace``): pure, no processes."""
+"""The adaptive hang judgement (``coordinator.diagnosis.pace``): pure, no processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from rankctl.coordinator.pace import PACE_FLOOR_S, Pace
+from rankctl.coordinator.diagnosis.pace import PACE_FLOOR_S, Pace
 
 WAITING = '{"still_s":2.1,"groups":[{"kind":"tp","members":[0,1],"size":2,"entered":9,"in":true}]}'
 SPINNING = '{"still_s":2.1,"groups":[{"kind":"tp","members":[0,1],"size":2,"entered":8,"in":false}]}'
@@ -78,7 +78,7 @@ def test_a_judgement_waits_for_every_live_ranks_evidence_and_a_little_for_stacks
     stall time and may be computing, so no judgement on the pace (only restart.hang_timeout); once every live
     rank's counters are in, up to EVIDENCE_GRACE_S more for their stacks (a second report), so that the reason
     can show them; then judged without them."""
-    from rankctl.coordinator.pace import EVIDENCE_GRACE_S
+    from rankctl.coordinator.diagnosis.pace import EVIDENCE_GRACE_S
 
     p = paced(0.2)
     for r in (2, 3):
@@ -124,7 +124,7 @@ def test_growing_steps_move_the_limit_with_their_trend_and_a_pause_is_no_step() 
     that, not 4 x the median (issue 43 saw "judged after 6 s ...: a step every 0.16 s" right after a 3.2 s
     step). The longest recent step counts while it is in the window; a step in which a rank was stopped is a
     pause and counts not at all."""
-    from rankctl.coordinator.pace import GROWTH_MAX, PACE_FACTOR
+    from rankctl.coordinator.diagnosis.pace import GROWTH_MAX, PACE_FACTOR
 
     p = Pace()
     t = 0.0

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from google.protobuf.json_format import MessageToDict
 
-from rankctl.coordinator.server import start_coordinator
+from rankctl.coordinator.app.server import start_coordinator
 from rankctl.kinds.spec import build_spec, check_job
 from rankctl.kinds.train.data import data_problem
 from rankctl.proto import rankctl_pb2 as pb

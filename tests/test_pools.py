@@ -1,4 +1,4 @@
-"""Worker pools (``ctl slurm workers``) without a scheduler or a network: the core's rules (``coordinator.pools``)
+"""Worker pools (``ctl slurm workers``) without a scheduler or a network: the core's rules (``coordinator.batch.pools``)
 driven with fake nodes and the answers an ``Allocator`` would bring back. The real Slurm path is
 ``tests/test_e2e_slurm.py``."""
 
@@ -11,14 +11,14 @@ from test_allocations import pool_node
 from test_core import World, job_yaml, world  # noqa: F401 - world: the fixture
 from test_drain import exit_node, tick
 
-from rankctl.coordinator.allocation import AllocationRequest, Seen
-from rankctl.coordinator.allocations import RELEASE_GRACE_S, WATCH_S
-from rankctl.coordinator.core import Coordinator
-from rankctl.coordinator.errors import InvalidRequest, PoolNotFound
-from rankctl.coordinator.pools import ACTIVE, ENDED, RELEASING, pool_to_pb
-from rankctl.coordinator.slurm import batch_script
-from rankctl.coordinator.states import JobState
-from rankctl.coordinator.store import Store
+from rankctl.coordinator.batch.allocation import AllocationRequest, Seen
+from rankctl.coordinator.batch.allocations import RELEASE_GRACE_S, WATCH_S
+from rankctl.coordinator.jobs.core import Coordinator
+from rankctl.coordinator.model.errors import InvalidRequest, PoolNotFound
+from rankctl.coordinator.batch.pools import ACTIVE, ENDED, RELEASING, pool_to_pb
+from rankctl.coordinator.batch.slurm import batch_script
+from rankctl.coordinator.model.states import JobState
+from rankctl.coordinator.store.database import Store
 
 S = JobState
 

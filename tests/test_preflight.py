@@ -7,7 +7,7 @@ import json
 
 from rankctl.contract.preflight import line
 from rankctl.contract.spec import JobSpec
-from rankctl.coordinator.preflight import parse
+from rankctl.coordinator.diagnosis.preflight import parse
 from rankctl.runtime.preflight import SLOW_ABS_S, Outcome, judge, preflight_on
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator import rankbounds as bounds
+from rankctl.coordinator.model import rankbounds as bounds
 from rankctl.proto import rankctl_pb2 as pb
 from test_core import World, job_yaml, make_world
 
@@ -74,8 +74,8 @@ def test_huge_fields_and_odd_phases_are_bounded_before_the_record(world: World) 
     ({"data_roots": ("/" + "d" * 5000,)}, r"data_roots\[0\] must be an absolute path"),
 ])
 def test_a_register_out_of_bounds_is_refused_naming_the_field(world: World, change: dict, named: str) -> None:
-    from rankctl.coordinator.errors import ProtocolError
-    from rankctl.coordinator.records import NodeHello
+    from rankctl.coordinator.model.errors import ProtocolError
+    from rankctl.coordinator.model.records import NodeHello
 
     hello = NodeHello(**{"name": "n0", "address": "n0.lan", "slots": 2, **change})
     with pytest.raises(ProtocolError, match=named):

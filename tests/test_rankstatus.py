@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from rankctl.contract.rankstatus import RankStatusRecord
+from rankctl.contract.files.rankstatus import RankStatusRecord
 from rankctl.runtime.status import StatusWriter
-from rankctl.worker.reporting import to_wire
-from rankctl.worker.status import read_status
+from rankctl.worker.uplink.reporting import to_wire
+from rankctl.worker.runs.status import read_status
 
 
 class Counters:

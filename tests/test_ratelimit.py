@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rankctl.coordinator.ratelimit import BYTES_BURST, REPORTS_BURST, REPORTS_PER_S, StreamBudget, TokenBucket
+from rankctl.coordinator.api.ratelimit import BYTES_BURST, REPORTS_BURST, REPORTS_PER_S, StreamBudget, TokenBucket
 
 
 def test_a_burst_passes_and_then_the_rate_holds() -> None:
@@ -27,8 +27,8 @@ def test_a_node_replaying_many_reports_is_slowed_not_dropped() -> None:
 
 
 def test_the_time_a_stream_is_held_back_is_not_the_nodes_silence(tmp_path) -> None:  # noqa: ANN001
-    from rankctl.coordinator.node_service import held_back
-    from rankctl.coordinator.nodes import NodeStatus
+    from rankctl.coordinator.api.node_service import held_back
+    from rankctl.coordinator.fleet.nodes import NodeStatus
     from test_core import make_world
 
     world = make_world(tmp_path, timeout=10.0)

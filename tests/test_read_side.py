@@ -20,15 +20,15 @@ from typing import Any, Awaitable, Callable, Iterable
 import grpc
 import pytest
 
-from rankctl.coordinator import servicer
-from rankctl.coordinator.core import Coordinator
-from rankctl.coordinator.nodes import NodeSession
-from rankctl.coordinator.records import NodeHello
-from rankctl.coordinator.server import CoordinatorServer, start_coordinator
-from rankctl.coordinator.servicer import ClientServiceServicer
+from rankctl.coordinator.api import servicer
+from rankctl.coordinator.jobs.core import Coordinator
+from rankctl.coordinator.fleet.nodes import NodeSession
+from rankctl.coordinator.model.records import NodeHello
+from rankctl.coordinator.app.server import CoordinatorServer, start_coordinator
+from rankctl.coordinator.api.servicer import ClientServiceServicer
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
-from rankctl.worker.reporting import step_figures
+from rankctl.worker.uplink.reporting import step_figures
 from figured import FIGURED, figured_kind  # noqa: F401 - the module's autouse fixture
 
 pytestmark = pytest.mark.grpc_in_process
@@ -432,7 +432,7 @@ def test_ctl_watch_says_so_when_the_coordinator_lacks_a_call(served: ThreadedCoo
 
 # -- what ctl makes of the messages (no server) -------------------------------------------
 def test_a_followed_job_takes_ranks_steps_and_summary_from_events_and_batches() -> None:
-    from rankctl.cli.render import apply_batch
+    from rankctl.cli.view.render import apply_batch
 
     job = pb.Job(id="j", state=pb.JOB_STATE_STARTING, attempt=1, world_size=512, rank_offset=256,
                  ranks=[pb.RankStatus(rank=r, phase="starting") for r in range(256, 320)])
@@ -466,10 +466,10 @@ def test_progress_comes_from_the_summary_and_before_any_step_is_finished_by_all_
 
 
 def test_ctl_json_keeps_its_shape_with_times_from_the_timestamps_and_the_result_from_its_struct() -> None:
-    from rankctl.cli.render import job_to_dict
-    from rankctl.coordinator import convert
-    from rankctl.coordinator.records import JobRecord
-    from rankctl.coordinator.states import JobState
+    from rankctl.cli.view.render import job_to_dict
+    from rankctl.coordinator.api import convert
+    from rankctl.coordinator.model.records import JobRecord
+    from rankctl.coordinator.model.states import JobState
 
     result = {"comm": [{"kind": "tp", "groups": 2, "mean_us": 12.5}], "losses": [{"step": 1, "loss": 2.25}]}
     from rankctl.kinds.spec import build_spec

@@ -14,7 +14,7 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2 as wire
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from rankctl.coordinator.server import start_coordinator
+from rankctl.coordinator.app.server import start_coordinator
 
 pytestmark = pytest.mark.grpc_in_process
 JOB = "name: waits\nkind: comm-check\nresources: {nodes: 1, slots_per_node: 2}\n"  # PENDING: no nodes

@@ -1,5 +1,5 @@
-"""Relay trees, pure: the coordinator's grouping and fall-backs (``coordinator.relay``) and what a node takes
-(``worker.relay``). No processes; the end-to-end path runs in tests/test_e2e_restart.py (``--relay-width 1``)."""
+"""Relay trees, pure: the coordinator's grouping and fall-backs (``coordinator.scheduling.relay``) and what a node takes
+(``worker.uplink.relay``). No processes; the end-to-end path runs in tests/test_e2e_restart.py (``--relay-width 1``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from rankctl.contract.relaymac import DOWN, UP, relay_mac
-from rankctl.coordinator.nodes import NodeSession, NodeStatus, NodeTable
-from rankctl.coordinator.records import NodeRecord
-from rankctl.coordinator.relay import WAIT_S, Relays
+from rankctl.coordinator.fleet.nodes import NodeSession, NodeStatus, NodeTable
+from rankctl.coordinator.model.records import NodeRecord
+from rankctl.coordinator.scheduling.relay import WAIT_S, Relays
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.relay import RelayInbox, RelayRefused, Uplink, forward
+from rankctl.worker.uplink.relay import RelayInbox, RelayRefused, Uplink, forward
 
 
 def assign(job: str = "j-000001", attempt: int = 2, first: int = 0) -> pb.CoordinatorMessage:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator import mirror
-from rankctl.coordinator.etcd import StoreURL, StoreURLError
-from rankctl.coordinator.records import EventRecord, NodeRecord, RankRecord
-from rankctl.coordinator.states import JobState
-from rankctl.coordinator.store import Store, StoreError, replicated
+from rankctl.coordinator.store import mirror
+from rankctl.coordinator.ha.etcd import StoreURL, StoreURLError
+from rankctl.coordinator.model.records import EventRecord, NodeRecord, RankRecord
+from rankctl.coordinator.model.states import JobState
+from rankctl.coordinator.store.database import Store, StoreError, replicated
 from test_store import _job
 
 
@@ -97,9 +97,9 @@ def test_bad_store_urls_name_the_value_and_the_rule(text: str, says: str) -> Non
 
 
 def test_a_registration_storm_is_one_store_write_and_a_name_taken_twice_at_once_is_refused(tmp_path: Path) -> None:
-    from rankctl.coordinator.core import Coordinator
-    from rankctl.coordinator.errors import NodeNameTaken
-    from rankctl.coordinator.records import NodeHello
+    from rankctl.coordinator.jobs.core import Coordinator
+    from rankctl.coordinator.model.errors import NodeNameTaken
+    from rankctl.coordinator.model.records import NodeHello
 
     log = Log()
     store = replicated(tmp_path, log, None, [], "leader")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.model.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.reportbuf import ReportBuffer
-from rankctl.worker.reportfold import fold
-from rankctl.worker.reporting import exit_status, stamp_update, step_figures
+from rankctl.worker.uplink.reportbuf import ReportBuffer
+from rankctl.worker.uplink.reportfold import fold
+from rankctl.worker.uplink.reporting import exit_status, stamp_update, step_figures
 from test_core import World, make_world
 from test_scale_core import start
 
@@ -26,7 +26,7 @@ def status(rank: int, phase: str, step: int = 0, metrics: dict | None = None, ts
 
 def start_up(buf: ReportBuffer, job: str, ranks: range, loss_rank: int | None = None, marked: bool = False) -> None:
     """What a node's daemon makes for a start-up: three phases of each rank, then step 1 (a loss on one rank;
-    ``marked``: each rank's first step of the attempt, as the daemon marks it in ``worker.runs``)."""
+    ``marked``: each rank's first step of the attempt, as the daemon marks it in ``worker.runs.runs``)."""
     for phase in ("rendezvous", "groups", "running"):
         for r in ranks:
             buf.add(job, 1, status(r, phase, ts=100.0 + r))
@@ -57,7 +57,7 @@ def test_a_ranks_first_step_is_never_folded_away_by_its_next_one() -> None:
     for step in (1, 2, 3):
         for r in (0, 1):
             st = status(r, "running", step, {"step_time": 0.5 + r})
-            st.first_step = step == 1   # as the daemon marks it (``worker.runs``)
+            st.first_step = step == 1   # as the daemon marks it (``worker.runs.runs``)
             buf.add(JOB, 1, st, step_only=step > 1)
     out = fold(buf.take(1000))
     assert [(r.status.rank, r.status.step, r.status.first_step) for r in out] == \
@@ -134,8 +134,8 @@ def test_a_watcher_sees_every_rank_of_a_folded_report_move(tmp_path: Path) -> No
     """Issue 43, item 8: a node's ranks reporting alike make one event; it named the node's last rank only,
     so `ctl watch` kept the others at their first phase for the whole run. The event (read back from the
     store, as WatchJob sends it) now stands for the node's ranks, and the view moves them all."""
-    from rankctl.cli.render import apply_event
-    from rankctl.coordinator.convert import event_to_pb
+    from rankctl.cli.view.render import apply_event
+    from rankctl.coordinator.api.convert import event_to_pb
 
     w = make_world(tmp_path)
     job, names = start(w, 2)

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from rankctl.coordinator.restart_decision import (
+from rankctl.coordinator.recovery.restart_decision import (
     REASONS_SHOWN, AttemptFacts, Fail, JobFacts, Requeue, Restart, StopFacts, Wait, decide,
 )
-from rankctl.coordinator.stops import STOP_TIMEOUT_S
+from rankctl.coordinator.scheduling.stops import STOP_TIMEOUT_S
 
 
 def running(attempt: int, max_restarts: int) -> JobFacts:
@@ -76,7 +76,7 @@ def test_results_are_frozen_values() -> None:
 
 
 def test_an_attempt_that_fails_the_same_way_at_the_same_step_ends_the_job() -> None:
-    from rankctl.coordinator.restart_decision import Failure, same_way
+    from rankctl.coordinator.recovery.restart_decision import Failure, same_way
 
     boom = "rank 0 on node n1 exited with code 1: _pickle.UnpicklingError: invalid load key, 'x'."
     again = boom.replace("node n1", "node n2")            # the same error after a restart on a spare

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.records import RankRecord, RankUpdate
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.model.records import RankRecord, RankUpdate
+from rankctl.coordinator.model.states import JobState
 from test_core import World, make_world
 
 S = JobState
@@ -170,7 +170,7 @@ def test_a_pair_whose_link_a_hang_pointed_at_is_kept_apart_until_a_pre_flight_pa
     assert job.attempt == 3 and sorted(job.nodes) == ["n0", "n1"], (job.attempt, job.nodes)
     assert world.core.nodes.apart[job.id] == {("n0", "n1")}
     progress = world.core.book.progress(job)
-    from rankctl.coordinator.preflight import Preflight
+    from rankctl.coordinator.diagnosis.preflight import Preflight
 
     progress.preflight = Preflight(figures={"tp": 0.1})             # rank 0's pre-flight: nothing excluded
     world.report(job.id, 0, "running")

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from cryptography import x509
 
-from rankctl.cli.certs import certs
+from rankctl.cli.commands.certs import certs
 from rankctl.security.certs import CertError, init_ca, issue, revoke
 from rankctl.security.revocation import CRL, INDEX, Revocations, issued, serial_of_pem
 from rankctl.security.tls import load_identity_dir, revoked_problem
@@ -107,7 +107,7 @@ class FakeContext:
 
 
 def test_the_workers_peer_service_refuses_a_revoked_node(ca: Path) -> None:
-    from rankctl.worker.serve import _identify_unrevoked
+    from rankctl.worker.daemon.serve import _identify_unrevoked
 
     now = [0.0]
     idd = load_identity_dir(ca.parent / "n2")
@@ -127,7 +127,7 @@ def test_one_watcher_closes_only_the_streams_of_revoked_serials_and_stops_when_n
         ca: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
-    from rankctl.coordinator import node_service
+    from rankctl.coordinator.api import node_service
 
     monkeypatch.setattr(node_service, "REVOCATION_CHECK_S", 0.01)
     idd = load_identity_dir(ca / "coordinator")

@@ -1,4 +1,4 @@
-"""``contract.safepath``: paths under a root with no symbolic-link component, on real files under tmp_path."""
+"""``contract.files.safepath``: paths under a root with no symbolic-link component, on real files under tmp_path."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.contract import safepath
-from rankctl.contract.safepath import UnsafePath
+from rankctl.contract.files import safepath
+from rankctl.contract.files.safepath import UnsafePath
 
 
 @pytest.fixture

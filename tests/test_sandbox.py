@@ -1,4 +1,4 @@
-"""The worker's path sandbox (``worker.sandbox``): pure, on files under tmp_path, no processes."""
+"""The worker's path sandbox (``worker.files.sandbox``): pure, on files under tmp_path, no processes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from rankctl.kinds.spec import build_spec
 from rankctl.kinds.python import run as python_run
 from rankctl.kinds.python.checks import node_paths as python_paths
 from rankctl.kinds.train.checks import node_paths as train_paths
-from rankctl.worker import paths, sandbox
-from rankctl.worker.sandbox import allowed_roots, assignment_problem, derived_problem, path_problem
+from rankctl.worker.files import paths
+from rankctl.worker.files import sandbox
+from rankctl.worker.files.sandbox import allowed_roots, assignment_problem, derived_problem, path_problem
 
 HOSTILE_NAMES = ["..", ".", "/", "a/b", "../etc", "x\x00y", "a" * 64, "", "A", "-a", "a-", "a" * 100_000, 7, None]
 

@@ -1,4 +1,4 @@
-"""The save wake (``worker.savewake``, ``contract.rankfiles.notify_saved``): a rank's completed save reaches the
+"""The save wake (``worker.replication.savewake``, ``contract.files.rankfiles.notify_saved``): a rank's completed save reaches the
 daemon's loop through the run's FIFO at once, and a push asked for while one to the same peer is in flight runs
 right after it. No processes."""
 
@@ -10,10 +10,10 @@ import stat
 
 import pytest
 import structlog
-from rankctl.contract.rankfiles import notify_saved, saved_path
-from rankctl.worker.replicas import Replicator, ShardStore
-from rankctl.worker.runstate import RunState
-from rankctl.worker.savewake import SaveWake
+from rankctl.contract.files.rankfiles import notify_saved, saved_path
+from rankctl.worker.replication.replicas import Replicator, ShardStore
+from rankctl.worker.runs.runstate import RunState
+from rankctl.worker.replication.savewake import SaveWake
 
 LOG = structlog.get_logger("test")
 

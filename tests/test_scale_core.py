@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.progress import JobProgress, is_failed
-from rankctl.coordinator.skew import SHOWN
-from rankctl.coordinator.records import RankRecord, RunningJob
-from rankctl.coordinator.nodes import NodeStatus
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.diagnosis.progress import JobProgress, is_failed
+from rankctl.coordinator.diagnosis.skew import SHOWN
+from rankctl.coordinator.model.records import RankRecord, RunningJob
+from rankctl.coordinator.fleet.nodes import NodeStatus
+from rankctl.coordinator.model.states import JobState
 from rankctl.kinds.common import TRAINING_FIGURES
 from rankctl.parallel.layout import ParallelConfig, RankLayout
-from rankctl.worker.reportbuf import ReportBuffer
-from rankctl.worker.reporting import step_figures
+from rankctl.worker.uplink.reportbuf import ReportBuffer
+from rankctl.worker.uplink.reporting import step_figures
 from rankctl.proto import rankctl_pb2 as pb
 from test_core import World, make_world
 
@@ -202,9 +202,9 @@ def test_report_buffer_keeps_the_newest_step_per_rank_and_never_drops_phase_chan
 def test_a_coordinator_killed_between_group_commits_loses_nothing_it_acknowledged(tmp_path: Path) -> None:
     """The daemon's buffer (worker.reportbuf) against a core that dies with reports queued but not stored:
     after the restart, Registered.last_seq is what the store holds and the replay fills the gap exactly."""
-    from rankctl.coordinator.core import Coordinator
-    from rankctl.coordinator.records import NodeHello
-    from rankctl.coordinator.store import Store
+    from rankctl.coordinator.jobs.core import Coordinator
+    from rankctl.coordinator.model.records import NodeHello
+    from rankctl.coordinator.store.database import Store
 
     w = make_world(tmp_path)
     job, names = start(w, 2)
@@ -254,7 +254,7 @@ def test_a_steps_figures_are_the_numbers_the_daemon_copied_folded_by_the_kinds_r
     """The daemon copies the numbers of a rank's metrics into ``figures`` (worker.reporting.step_figures); the
     coordinator folds those the job's kind names, each by its rule (train: loss first, tokens/s min), and the
     step time's spread; what the kind does not name (lr) and what is not a number stay out."""
-    from rankctl.worker.reporting import MAX_FIGURES
+    from rankctl.worker.uplink.reporting import MAX_FIGURES
 
     rows = [{"loss": None, "tokens_per_s": 900.0, "step_time_s": 0.52},
             {"loss": 2.25, "val_loss": 2.5, "tokens_per_s": 1000, "step_time_s": 0.5},

@@ -1,5 +1,5 @@
 """The simulated daemons of ``bench/scale.py`` send what a real daemon sends: the restart batch they build directly
-is what ``worker.reportfold.fold`` makes of the phase reports a daemon would fold (pure, no processes)."""
+is what ``worker.uplink.reportfold.fold`` makes of the phase reports a daemon would fold (pure, no processes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.reportfold import fold
+from rankctl.worker.uplink.reportfold import fold
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from scale_sim import Daemon, Sim  # noqa: E402 - bench/ is no package

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 from structlog.testing import capture_logs
 
-from rankctl.coordinator.convert import REDACTED
+from rankctl.coordinator.api.convert import REDACTED
 from rankctl.proto import from_struct
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc

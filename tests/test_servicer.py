@@ -11,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rankctl.coordinator import convert
-from rankctl.coordinator.node_service import NodeServiceServicer
-from rankctl.coordinator.nodes import NodeSession, NodeStatus
-from rankctl.coordinator.records import NodeRecord
-from rankctl.coordinator.server import CoordinatorServer, start_coordinator
+from rankctl.coordinator.api import convert
+from rankctl.coordinator.api.node_service import NodeServiceServicer
+from rankctl.coordinator.fleet.nodes import NodeSession, NodeStatus
+from rankctl.coordinator.model.records import NodeRecord
+from rankctl.coordinator.app.server import CoordinatorServer, start_coordinator
 from rankctl.proto import from_struct
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
@@ -246,9 +246,9 @@ def test_silent_node_is_lost_and_its_stream_closed(tmp_path: Path) -> None:
 
 def store_finished_jobs(state_dir: Path, count: int) -> None:
     """``count`` finished jobs j0 .. j{count-1}, oldest first: even ones SUCCEEDED, odd ones FAILED."""
-    from rankctl.coordinator.records import JobRecord
-    from rankctl.coordinator.states import JobState
-    from rankctl.coordinator.store import Store
+    from rankctl.coordinator.model.records import JobRecord
+    from rankctl.coordinator.model.states import JobState
+    from rankctl.coordinator.store.database import Store
     from rankctl.kinds.spec import build_spec
 
     spec = build_spec({"name": "cc", "kind": "comm-check", "resources": {"nodes": 1, "slots_per_node": 2}})
@@ -320,7 +320,7 @@ def raw_stream(channel: grpc.aio.Channel):  # noqa: ANN201 - a Connect call that
 
 def test_a_node_stream_that_sends_no_node_message_is_told_so(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from rankctl.coordinator import node_service
+    from rankctl.coordinator.api import node_service
 
     monkeypatch.setattr(node_service, "REGISTER_WAIT_S", 0.5)
     register = pb.NodeMessage(register=pb.Register(name="n0", address="127.0.0.1", slots=2, session="s1"))

@@ -18,8 +18,8 @@ import structlog.testing
 
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.worker.daemon import WorkerDaemon
-from rankctl.worker.session import raise_ended
+from rankctl.worker.daemon.daemon import WorkerDaemon
+from rankctl.worker.uplink.session import raise_ended
 from test_defects_worker import RecordingLauncher, config
 
 REFUSAL = "the certificate of node node-a is revoked (serial 7)"

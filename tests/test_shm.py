@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.worker import shm
+from rankctl.worker.files import shm
 
 pytestmark = pytest.mark.skipif(not shm.can_mount(f"/tmp/rankctl-shm-test-{os.getpid()}"),
                                 reason="this machine refuses tmpfs mounts")
@@ -26,7 +26,7 @@ def test_a_daemon_that_starts_unmounts_what_a_killed_launcher_left(tmp_path: Pat
 def test_a_link_planted_at_an_attempts_shm_is_refused_never_mounted_over(tmp_path: Path) -> None:
     """Issue 43 item 1: the attempt's tmpfs goes at ``{run_dir}/shm``; a link there is refused, naming it and the
     rule, and the directory it points at gets no mount (a detach never follows a link either)."""
-    from rankctl.contract import safepath
+    from rankctl.contract.files import safepath
 
     run_dir, outside = tmp_path / "jobs" / "j-1" / "1", tmp_path / "outside"
     run_dir.mkdir(parents=True)
@@ -54,7 +54,7 @@ def test_shm_mb_comes_from_the_spec_with_its_documented_default() -> None:
 
 
 def test_tracked_shm_takes_what_was_held_and_leaves_what_overlapping_jobs_closed(tmp_path) -> None:
-    from rankctl.worker.shmtrack import ShmTracker
+    from rankctl.worker.files.shmtrack import ShmTracker
 
     track = ShmTracker(str(tmp_path))
     track.started(("a", 1))
@@ -71,7 +71,7 @@ def test_tracked_shm_takes_what_was_held_and_leaves_what_overlapping_jobs_closed
 
 
 def test_tracked_shm_alone_takes_what_it_created_and_nobody_holds(tmp_path) -> None:
-    from rankctl.worker.shmtrack import ShmTracker
+    from rankctl.worker.files.shmtrack import ShmTracker
 
     (tmp_path / "older").write_bytes(b"x")
     time.sleep(0.05)

@@ -1,4 +1,4 @@
-"""rankctl's snapshot memory under its own bound (``ctl worker --snapshot-memory-mb``, ``worker.snapmem``):
+"""rankctl's snapshot memory under its own bound (``ctl worker --snapshot-memory-mb``, ``worker.files.snapmem``):
 the option reaches the daemon's config, a rank whose snapshot does not fit makes room once and otherwise
 gives up naming the bound, a peer without room answers RESOURCE_EXHAUSTED and keeps nothing partial, and,
 where this process may mount, a real tmpfs of a few MiB keeps the bound."""
@@ -17,13 +17,15 @@ import pytest
 import structlog
 import torch
 from click.testing import CliRunner
-from rankctl.contract import checkpoints as layout
+from rankctl.contract.files import checkpoints as layout
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train.train_state import Snapshots
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.worker import replicas, shm as node_shm, snapmem
-from rankctl.worker.replicas import SNAPSHOTS, NoRoom, PeerServicer, Replicator, ShardStore, _Writer
+from rankctl.worker.replication import replicas
+from rankctl.worker.files import shm as node_shm
+from rankctl.worker.files import snapmem
+from rankctl.worker.replication.replicas import SNAPSHOTS, NoRoom, PeerServicer, Replicator, ShardStore, _Writer
 from test_snapshots import save, shm  # noqa: F401 - shm: a fixture (a stand-in for /dev/shm)
 
 MiB = 1 << 20
@@ -48,7 +50,7 @@ def files_under(root: str) -> list[str]:
 # -- the option --------------------------------------------------------------------------------
 def worker_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *extra: str):  # noqa: ANN201
     from rankctl.cli.main import cli
-    from rankctl.worker import serve
+    from rankctl.worker.daemon import serve
 
     seen = []
 

@@ -11,11 +11,11 @@ import os
 import grpc
 import pytest
 import torch
-from rankctl.contract import checkpoints as layout
+from rankctl.contract.files import checkpoints as layout
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train.resume import agree_resume_step, holding_root, holdings, intact_root
 from rankctl.proto import rankctl_pb2_grpc as pb_grpc
-from rankctl.worker.replicas import SNAPSHOTS, PeerServicer, Replicator, ShardStore, restore
+from rankctl.worker.replication.replicas import SNAPSHOTS, PeerServicer, Replicator, ShardStore, restore
 
 
 @pytest.fixture()
@@ -261,7 +261,7 @@ def test_a_push_that_stops_before_its_marker_leaves_nothing_at_the_peer(tmp_path
     """CI: a run's last snapshot push was cut off when the sender dropped its snapshots at the run's end; the
     peer kept rank-00000.pt of step 40 without its marker in memory. A stream's unmarked files now go."""
     from rankctl.proto import rankctl_pb2 as pb
-    from rankctl.worker.replicas import _Writer
+    from rankctl.worker.replication.replicas import _Writer
 
     store = ShardStore(tmp_path / "peer")
     root = store.replica_root("j", SNAPSHOTS)
@@ -281,7 +281,7 @@ def test_a_push_after_the_run_ended_here_is_refused_until_the_name_runs_again(tm
     """CI: the job's other node pushed its last snapshot step after this node's ranks had exited and dropped
     the job's snapshots; the copy stayed in memory. Dropping leaves a tombstone that refuses such pushes."""
     from rankctl.proto import rankctl_pb2 as pb
-    from rankctl.worker.replicas import BadShard, _Writer
+    from rankctl.worker.replication.replicas import BadShard, _Writer
 
     store = ShardStore(tmp_path / "peer")
     store.drop_snapshots("j", [0, 1])

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from rankctl.coordinator.records import RankRecord, RankUpdate
+from rankctl.coordinator.model.records import RankRecord, RankUpdate
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.daemon import DaemonConfig, WorkerDaemon
-from rankctl.worker.reportbuf import ReportBuffer
+from rankctl.worker.daemon.daemon import DaemonConfig, WorkerDaemon
+from rankctl.worker.uplink.reportbuf import ReportBuffer
 from test_core import job_yaml, make_world
 from test_read_side import Cluster, read_all, run
 from figured import figured_kind  # noqa: F401 - the module's autouse fixture (its jobs fold a loss)
@@ -139,7 +139,7 @@ def test_a_jobs_end_is_sent_at_once_whatever_min_interval(tmp_path: Path) -> Non
 
 
 def test_a_run_counts_as_starting_until_every_rank_runs_or_ended_and_at_most_fast_poll_s() -> None:
-    from rankctl.worker.runstate import FAST_POLL_S, RunState
+    from rankctl.worker.runs.runstate import FAST_POLL_S, RunState
 
     run = RunState(job_id="j", attempt=1, run_dir="", ranks={0, 1, 2}, alive={0, 1, 2})
     run.phase.update({0: "running", 1: "groups"})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rankctl.coordinator.states import (
+from rankctl.coordinator.model.states import (
     TERMINAL, TRANSITIONS, IllegalTransition, JobState, can_transition, is_active, is_terminal, transition,
 )
 from rankctl.proto import rankctl_pb2 as pb

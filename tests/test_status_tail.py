@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from rankctl.contract.logrecords import RECORD_MARK
-from rankctl.worker.status import tail_lines
+from rankctl.contract.files.logrecords import RECORD_MARK
+from rankctl.worker.runs.status import tail_lines
 
 
 def test_the_tail_of_a_rank_log_leaves_out_rankctl_records(tmp_path: Path) -> None:

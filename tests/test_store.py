@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.records import EventRecord, JobRecord, NodeRecord, RankRecord
-from rankctl.coordinator.states import JobState
-from rankctl.coordinator.store import Store, prune_events
+from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeRecord, RankRecord
+from rankctl.coordinator.model.states import JobState
+from rankctl.coordinator.store.database import Store, prune_events
 from rankctl.kinds.spec import build_spec
 
 

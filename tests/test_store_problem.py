@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 from grpc._channel import _InactiveRpcError, _RPCState
 
-from rankctl.coordinator.etcd import Unreachable
-from rankctl.coordinator.leadership import store_problem
+from rankctl.coordinator.ha.etcd import Unreachable
+from rankctl.coordinator.ha.leadership import store_problem
 
 
 def test_an_etcd_error_is_one_line_naming_its_code_and_details() -> None:

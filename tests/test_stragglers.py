@@ -4,14 +4,14 @@ report, and how a flagged rank reaches GetJob and ``ctl status``."""
 
 from __future__ import annotations
 
-from rankctl.cli.render import job_to_dict, node_to_dict, summary_text
-from rankctl.coordinator.convert import summary_to_pb
-from rankctl.coordinator.progress import JobProgress
-from rankctl.coordinator.skew import (
+from rankctl.cli.view.render import job_to_dict, node_to_dict, summary_text
+from rankctl.coordinator.api.convert import summary_to_pb
+from rankctl.coordinator.diagnosis.progress import JobProgress
+from rankctl.coordinator.diagnosis.skew import (
     SHOWN, SLOW_LEAST, SLOW_STEPS, SLOW_WINDOW, WARMUP_STEPS, ComputeSkew, SlowRank, pipeline_peers,
 )
-from rankctl.coordinator.records import JobRecord
-from rankctl.coordinator.states import JobState
+from rankctl.coordinator.model.records import JobRecord
+from rankctl.coordinator.model.states import JobState
 from rankctl.proto import rankctl_pb2 as pb
 
 NODES = ["node-a", "node-b"]

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from rankctl.cli.errors import CtlError
 from rankctl.cli.main import cli
-from rankctl.cli.up import _cluster_shape
+from rankctl.cli.commands.up import _cluster_shape
 from rankctl.kinds.spec import build_spec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -66,7 +66,7 @@ def test_up_starts_an_elastic_job_on_as_few_nodes_as_it_may_run_on() -> None:
 @pytest.mark.parametrize("flag", ["--nodes", "--slots"])
 def test_ctl_up_with_a_zero_flag_exits_2_and_starts_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            flag: str) -> None:
-    from rankctl.worker import procutil
+    from rankctl.worker.launcher import procutil
 
     monkeypatch.setattr(procutil, "configure_logging", lambda **_: None)  # keep this process's logging as it is
     state = tmp_path / "state"

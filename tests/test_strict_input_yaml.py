@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from rankctl.cli.main import cli
 from rankctl.contract.jobfile import SpecError, load_yaml_text, parse_override
-from rankctl.coordinator.core import Coordinator
-from rankctl.coordinator.store import Store
+from rankctl.coordinator.jobs.core import Coordinator
+from rankctl.coordinator.store.database import Store
 from rankctl.kinds.spec import build_spec
 
 TWO_NAMES = "name: x\nname: y\nkind: comm-check\nresources: {nodes: 1, slots_per_node: 2}\n"

@@ -13,7 +13,7 @@ import pytest
 from rankctl.cli.context import Ctx
 from rankctl.cli.errors import CtlError
 from rankctl.cli.local import LocalCluster
-from rankctl.cli.render import job_to_dict
+from rankctl.cli.view.render import job_to_dict
 from rankctl.kinds import registry
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]

@@ -23,7 +23,7 @@ from rankctl.parallel.layout import ParallelConfig, RankLayout
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.contract.assignment import RankAssignment
 from rankctl.runtime.rank import run_rank
-from rankctl.worker.status import read_status
+from rankctl.worker.runs.status import read_status
 
 STEPS = 6
 CRASH = 17

@@ -1,4 +1,4 @@
-"""The node usage sampler (worker/usage.py): CPU busy share between samples, memory, GPUs through NVML."""
+"""The node usage sampler (worker/daemon/usage.py): CPU busy share between samples, memory, GPUs through NVML."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rankctl.worker.usage import UsageSampler, _load_nvml
+from rankctl.worker.daemon.usage import UsageSampler, _load_nvml
 
 MEMINFO = "MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    4000000 kB\n"
 

@@ -14,7 +14,7 @@ import pytest
 from rankctl.cli.errors import CtlError
 from rankctl.cli.workdir import IgnoreRules, TooLarge, pack, pack_workdir, walk
 from rankctl.kinds.spec import build_spec
-from rankctl.worker.blobs import FetchFailed, extract
+from rankctl.worker.files.blobs import FetchFailed, extract
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:
@@ -133,8 +133,8 @@ def test_the_blob_store_verifies_caps_and_stores_once(tmp_path: Path) -> None:
     import asyncio
     import hashlib
 
-    from rankctl.coordinator.blobs import BlobStore
-    from rankctl.coordinator.errors import InvalidRequest
+    from rankctl.coordinator.store.blobs import BlobStore
+    from rankctl.coordinator.model.errors import InvalidRequest
 
     store, data = BlobStore(tmp_path, max_bytes=10), b"0123456789"
     digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
@@ -153,7 +153,7 @@ def test_concurrent_assigns_of_one_digest_fetch_once_and_a_bad_fetch_leaves_noth
     import asyncio
     import hashlib
 
-    from rankctl.worker.blobs import WorkdirCache
+    from rankctl.worker.files.blobs import WorkdirCache
 
     src = tree(tmp_path / "src", {"t.py": "print(1)\n"})
     buf = io.BytesIO()
@@ -183,8 +183,8 @@ def test_a_link_planted_at_a_workdirs_done_marker_is_never_written_through(tmp_p
     digest's ``.done``: the daemon refuses it, naming the path and the rule, and creates nothing where it points."""
     import asyncio
 
-    from rankctl.contract import safepath
-    from rankctl.worker.blobs import WorkdirCache
+    from rankctl.contract.files import safepath
+    from rankctl.worker.files.blobs import WorkdirCache
 
     buf = io.BytesIO()
     digest, _ = pack(tree(tmp_path / "src", {"t.py": "print(1)\n"}), buf, 1 << 20)
@@ -230,7 +230,7 @@ def _written(root: Path) -> int:
 
 
 def test_a_compression_bomb_stops_at_the_ratio_with_less_than_it_written(tmp_path: Path) -> None:
-    from rankctl.worker.blobs import MAX_RATIO, RATIO_FLOOR
+    from rankctl.worker.files.blobs import MAX_RATIO, RATIO_FLOOR
 
     archive = bomb(tmp_path / "b.tar.gz", 256 << 20)  # ~250 KiB packed: over 1000x
     packed = archive.stat().st_size
@@ -265,7 +265,7 @@ def test_the_node_cache_evicts_the_least_recently_used_tree_but_never_a_pinned_o
     import asyncio
     import hashlib
 
-    from rankctl.worker.blobs import WorkdirCache
+    from rankctl.worker.files.blobs import WorkdirCache
 
     archives = {}
     for i in range(3):

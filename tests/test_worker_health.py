@@ -15,9 +15,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster import start_coordinator, start_worker, wait_for
-from rankctl.worker.daemon import WorkerDaemon
-from rankctl.worker.serve import PEER_SERVICE
-from rankctl.worker.session import reconnect_delay
+from rankctl.worker.daemon.daemon import WorkerDaemon
+from rankctl.worker.daemon.serve import PEER_SERVICE
+from rankctl.worker.uplink.session import reconnect_delay
 from test_defects_worker import RecordingLauncher, config
 
 INITIAL, CAP = 0.2, 5.0

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from rankctl.worker.launcher import hardware_facts
+from rankctl.worker.launcher.main import hardware_facts
 
 facts = hardware_facts()
 print(f"launcher facts: gpu_count={facts['gpu_count']} gpus={facts['gpus']} torch={facts['torch']} cuda={facts['cuda']}")

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from rankctl.coordinator.auth import CLIENT_ROLES
+from rankctl.coordinator.api.auth import CLIENT_ROLES
 from rankctl.security.certs import CertError, identity_of_pem
 from rankctl.security.identity import ROLES, Identity, role_allows
 from rankctl.security.tls import revoked_problem

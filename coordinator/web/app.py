@@ -18,9 +18,9 @@ from aiohttp import web
 
 from rankctl.contract.jobfile import SpecError
 from rankctl.contract.limits import MAX_JOB_FILE_BYTES
-from rankctl.coordinator.logfetch import get_logs
-from rankctl.coordinator.servicer import ATTEMPTS_SHOWN, domain_status, stopping_reason
-from rankctl.coordinator.store import StoreError
+from rankctl.coordinator.logs.logfetch import get_logs
+from rankctl.coordinator.api.servicer import ATTEMPTS_SHOWN, domain_status, stopping_reason
+from rankctl.coordinator.store.database import StoreError
 from rankctl.coordinator.web import jobview, views
 from rankctl.coordinator.web.access import ANY_CERT, WHO, guarded
 from rankctl.coordinator.web.grid import rank_grid, window
@@ -177,7 +177,7 @@ class Dashboard:
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         if self._metrics is None:
             try:
-                from rankctl.coordinator.metrics import CoordinatorMetrics
+                from rankctl.coordinator.web.metrics import CoordinatorMetrics
             except ImportError:
                 return web.Response(text="metrics not available", status=503)
             self._metrics = CoordinatorMetrics(self.core, per_rank=self.metrics_per_rank)

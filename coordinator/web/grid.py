@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rankctl.coordinator.progress import is_failed, stopped_on_request
+from rankctl.coordinator.diagnosis.progress import is_failed, stopped_on_request
 from rankctl.coordinator.web.html import e
 from rankctl.parallel.layout import ParallelConfig
 from rankctl.parallel.placement import ranks_of_node

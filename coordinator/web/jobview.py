@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rankctl.coordinator.states import is_terminal
+from rankctl.coordinator.model.states import is_terminal
 from rankctl.coordinator.web.charts import Series, line_chart
 from rankctl.coordinator.web.html import age, e, job_href, number, page, state_badge, table
 from rankctl.coordinator.web.series import Snapshot

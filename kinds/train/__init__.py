@@ -6,7 +6,7 @@ Declared here once (``KIND``); the modules: ``spec`` (``model``, ``train`` secti
 tables, and the optimiser warm-up are ``kinds.common``'s, shared with ``python``.
 """
 
-from rankctl.contract.rankfiles import SAVED_ON_REQUEST
+from rankctl.contract.files.rankfiles import SAVED_ON_REQUEST
 from rankctl.kinds.common import TRAINING_FIGURES
 from rankctl.kinds.registry import JobKind
 from rankctl.kinds.train.spec import ModelSpec, TrainSpec

@@ -7,7 +7,7 @@ Layout on disk::
 
 Both are written to a temporary name and ``os.replace``d, so a reader never sees a torn
 file. In-memory snapshots (``train.snapshot_every``) are the same files under
-``snapshot_root`` (``contract.checkpoints``: the node's tmpfs, bounded: ``save_snapshot`` makes room once
+``snapshot_root`` (``contract.files.checkpoints``: the node's tmpfs, bounded: ``save_snapshot`` makes room once
 when it is full). A step counts as complete only when every rank of the world has its marker with the
 same ``fingerprint``: a hash of the run's identity (world size, layout, model, seed, data; see
 ``kinds.train.train_state.identity_of``), which the marker also keeps so that a refused resume
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from rankctl.contract import safepath
-from rankctl.contract.checkpoints import (
+from rankctl.contract.files import safepath
+from rankctl.contract.files.checkpoints import (
     RANK_FILE_RE, STEP_RE, complete_for, damage, list_steps, marker_file, prune, rank_file, read_marker,
     remove_rank_step, root_in, snapshot_root, state_dir_of, step_dir,
 )
@@ -62,7 +62,7 @@ def checkpoint_root(run_dir: str, job_name: str) -> str:
 
 
 def snapshot_root_for(run_dir: str, job_name: str) -> str:
-    """The node's in-memory snapshot root of ``job_name`` (``contract.checkpoints.snapshot_root``)."""
+    """The node's in-memory snapshot root of ``job_name`` (``contract.files.checkpoints.snapshot_root``)."""
     return snapshot_root(state_dir_of(run_dir), job_name)
 
 
@@ -125,7 +125,7 @@ class _Recorder:
 
 def atomic_write(path: str, write: Any, *, base: str | None = None) -> _Recorder:
     """``write(f)`` to a temporary name renamed over ``path`` (a link there is replaced, never written through),
-    both reached from ``base`` (default: ``path``'s directory) through no link (``contract.safepath``); the
+    both reached from ``base`` (default: ``path``'s directory) through no link (``contract.files.safepath``); the
     temporary file goes when it fails, and the OSError a full filesystem raised is raised as it is (not
     torch.save's RuntimeError), naming the file. Returns what was written (its SHA-256 and size)."""
     base = os.path.dirname(os.path.abspath(path)) if base is None else base
@@ -163,7 +163,7 @@ def _base(root: str, base: str | None) -> str:
 def save_rank(root: str, step: int, rank: int, state: dict[str, Any], fp: str,
               identity: dict[str, Any] | None = None, job_id: str | None = None, *, base: str | None = None) -> str:
     """Write this rank's state for ``step`` and then its done-marker (``fp``, ``identity``, the writing job's
-    id, and the shard's SHA-256 and size, which a restore verifies: ``contract.checkpoints.damage``);
+    id, and the shard's SHA-256 and size, which a restore verifies: ``contract.files.checkpoints.damage``);
     returns the .pt path. Every directory and file is made through no link below ``base`` (``_base``)."""
     base = _base(root, base)
     safepath.makedirs(base, step_dir(root, step))
@@ -250,7 +250,7 @@ def _load_all(step_paths: list[str]) -> list[dict[str, Any]]:
         path = by_name[name]
         step_path, rank_match = os.path.dirname(path), RANK_FILE_RE.match(name)
         step_match = STEP_RE.match(os.path.basename(step_path))
-        if step_match and rank_match:   # its marker's size and SHA-256 (``contract.checkpoints.damage``)
+        if step_match and rank_match:   # its marker's size and SHA-256 (``contract.files.checkpoints.damage``)
             why = damage(os.path.dirname(step_path), int(step_match.group(1)), int(rank_match.group(1)))
             if why:
                 raise ValueError(f"rank {int(rank_match.group(1))}'s shard is damaged: {why}")

@@ -97,7 +97,7 @@ def _train_errors(spec: JobSpec, cfg: ParallelConfig) -> list[str]:
 def _data_errors(spec: JobSpec) -> list[str]:
     """``train.data`` by its text alone: where the job is checked (the coordinator, ``ctl``) is not where it
     reads its data, and the coordinator's answer must not depend on the files of its host. The node checks
-    the file, inside its sandbox (``worker.sandbox``), before the ranks read it."""
+    the file, inside its sandbox (``worker.files.sandbox``), before the ranks read it."""
     from rankctl.contract.names import shown
     from rankctl.kinds.train.data import TOKEN_SUFFIXES, VOCAB, data_problem, is_token_file  # numpy only, no torch
 

@@ -2,7 +2,7 @@
 
 A shard rewritten together with its marker matches the SHA-256 the marker records, yet may hold a tensor of
 another shape; loading it failed deep in a copy or a narrow ("start (0) + length (96) exceeds dimension size
-(95)") naming no step, file or tensor. ``file_problem`` checks the checksum (``contract.checkpoints.damage``),
+(95)") naming no step, file or tensor. ``file_problem`` checks the checksum (``contract.files.checkpoints.damage``),
 then that the file loads (``mmap``: only its metadata is read) and that every tensor, AdamW's moments included,
 has the shape its parameter metadata says (or, given ``expected``, this layout's). A step where some rank's
 shard fails is passed over like a torn one (``kinds.train.resume``, ``kinds.train.reshard``).
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rankctl.contract.checkpoints import damage, rank_file
+from rankctl.contract.files.checkpoints import damage, rank_file
 from rankctl.parallel.tensor import padded
 
 Shapes = Mapping[str, tuple[int, ...]]
@@ -71,7 +71,7 @@ def _optimizer_problem(state: dict[str, Any], model: dict[str, torch.Tensor]) ->
 
 def file_problem(root: str, step: int, rank: int, expected: Shapes | None = None) -> str:
     """Why ``rank``'s shard of ``step`` under ``root`` cannot be restored ("" when it can), naming the file: its
-    checksum (``contract.checkpoints.damage``), then whether it loads and holds tensors of the right shapes."""
+    checksum (``contract.files.checkpoints.damage``), then whether it loads and holds tensors of the right shapes."""
     if why := damage(root, step, rank):
         return why
     path = rank_file(root, step, rank)

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from rankctl.contract.rankfiles import SAVED_ON_REQUEST
+from rankctl.contract.files.rankfiles import SAVED_ON_REQUEST
 from rankctl.kinds.context import RankContext
 from rankctl.kinds.train import optim
 from rankctl.kinds.train.data import VAL, TokenDataset

@@ -3,7 +3,7 @@
 Every rank lists the steps its own markers say it finished with this run's fingerprint (in the checkpoint
 root and the snapshot root; only its own job's files on a restart without ``train.resume``); one all-gather
 over the world finds the newest step common to all. That step is then checked on every rank against the
-SHA-256 and size its marker recorded (``contract.checkpoints.damage``) and, by the trainer, for tensors of this
+SHA-256 and size its marker recorded (``contract.files.checkpoints.damage``) and, by the trainer, for tensors of this
 layout's shapes (``kinds.train.intact``): a step some rank holds only damaged (torn, truncated, overwritten,
 missing, rewritten with its marker) is passed over by every rank and the next older common step is
 tried (one all-gather per step tried). Steps newer than the one taken that some rank holds damaged are
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rankctl.contract.checkpoints import damage
+from rankctl.contract.files.checkpoints import damage
 from rankctl.kinds.train import checkpoint as ckpt
 
 Check = Callable[[str, int, int], str]   # (root, step, rank) -> why that shard cannot be restored ("": it can)

@@ -21,7 +21,7 @@ checkpoint on request, if any).
 
 Snapshots (``train.snapshot_every: K``, ``Snapshots``): every K steps the same state as a
 checkpoint, copied synchronously at the step boundary (tensors cloned to the CPU) and written
-by one background thread to the node's tmpfs (``contract.checkpoints.snapshot_root``), marker
+by one background thread to the node's tmpfs (``contract.files.checkpoints.snapshot_root``), marker
 last; the rank keeps its newest ``KEEP_STEPS`` (2) snapshot steps. One write is outstanding at a
 time: the next snapshot *waits* for the previous write rather than skipping a step, so a fault
 loses at most K steps plus the newest write, and at most two copies of the state are held. When the
@@ -35,7 +35,7 @@ without ``train.resume`` takes only files its own job wrote (the marker's ``job_
 run under the same name with the same identity is never mixed in.
 
 Checkpoints on request (``CheckpointRequests``): the daemon writes ``{"checkpoint_at": S}`` to the
-rank's control file (``contract.rankfiles``); the rank stats it once per step and saves a full
+rank's control file (``contract.files.rankfiles``); the rank stats it once per step and saves a full
 checkpoint at the end of step S (or of the step it is in when it sees S late), complete before
 that step's status record, so "every rank reported step >= S" means the checkpoint is saved.
 """
@@ -51,10 +51,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from rankctl.contract import safepath
-from rankctl.contract.checkpoints import memory_base, state_dir_of
+from rankctl.contract.files import safepath
+from rankctl.contract.files.checkpoints import memory_base, state_dir_of
 from rankctl.contract.names import job_name_problem
-from rankctl.contract.rankfiles import control_path, notify_saved, read_control
+from rankctl.contract.files.rankfiles import control_path, notify_saved, read_control
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train import initfrom, reshard
 from rankctl.kinds.train.intact import file_problem
@@ -100,7 +100,7 @@ def snapshot_root_of(t: Trainer) -> str:
 
 def base_of(t: Trainer, root: str) -> str:
     """Where the rank's no-link walk to ``root`` (``root_of`` or ``snapshot_root_of``) starts
-    (``contract.safepath``): the worker root ``train.checkpoint_dir`` lies under (``RankAssignment.roots``;
+    (``contract.files.safepath``): the worker root ``train.checkpoint_dir`` lies under (``RankAssignment.roots``;
     the directory itself, made here, when the daemon named none), the node's snapshot memory, or its state dir."""
     state = state_dir_of(t.ctx.assignment.run_dir)
     if root == snapshot_root_of(t):
@@ -173,7 +173,7 @@ def save_checkpoint(t: Trainer, step: int) -> str:
     identity = identity_of(t)
     path = ckpt.save_rank(root, step, a.rank, state_dict(t, step), ckpt.fingerprint(identity), identity, a.job_id,
                           base=base_of(t, root))
-    notify_saved(a.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
+    notify_saved(a.run_dir)  # the daemon pushes it to the replica peer now (``worker.replication.savewake``)
     return path
 
 
@@ -207,7 +207,7 @@ class Snapshots:
         try:
             ckpt.save_snapshot(self.root, step, self.rank, state, self.fp, self.identity, self.job_id,
                                base=self.base)
-            notify_saved(self.run_dir)  # the daemon pushes it to the replica peer now (``worker.savewake``)
+            notify_saved(self.run_dir)  # the daemon pushes it to the replica peer now (``worker.replication.savewake``)
             ckpt.prune(self.root, [self.rank], base=self.base)
             self.written.append(step)
         except BaseException as exc:  # noqa: BLE001 - reported on the loop's thread (wait)
@@ -338,7 +338,7 @@ def _resharded(t: Trainer, root: str, identity: dict[str, Any], job_id: str | No
 
 
 def resumed_note(step: int, what: str, how: str = "") -> str:
-    """The job event of a resume, in the one step convention (``coordinator.drains``): the checkpoint at step S
+    """The job event of a resume, in the one step convention (``coordinator.recovery.drains``): the checkpoint at step S
     holds the state after step S, ``resumed_from`` is S, and step S + 1 runs next."""
     return f"resumed from {what} step {step}{how}; step {step + 1} runs next"
 

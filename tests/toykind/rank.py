@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from rankctl.contract.rankfiles import control_path, read_control
+from rankctl.contract.files.rankfiles import control_path, read_control
 
 
 def _checkpoint(ctx) -> str:

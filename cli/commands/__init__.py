@@ -1,0 +1,1 @@
+"""One module per ``ctl`` command group, loaded lazily by ``cli.main``."""

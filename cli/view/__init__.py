@@ -1,0 +1,1 @@
+"""What ``ctl`` shows: rendering, the live view, log lines, stdout/stderr."""

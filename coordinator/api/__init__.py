@@ -1,0 +1,1 @@
+"""The gRPC surface: servicers, protobuf <-> domain conversion, authorization, who answers."""

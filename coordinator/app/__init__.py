@@ -1,0 +1,1 @@
+"""The coordinator process: its gRPC server, threads and tuning (what runs where)."""

@@ -1,0 +1,1 @@
+"""Jobs on batch-scheduler allocations (Slurm) and worker pools."""

@@ -1,0 +1,1 @@
+"""The worker nodes: sessions, heartbeats, registrations, acks."""

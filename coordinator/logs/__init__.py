@@ -1,0 +1,1 @@
+"""Rank logs: fetched from their nodes, archived before an allocation ends."""

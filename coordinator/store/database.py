@@ -1,0 +1,448 @@
+"""The coordinator's store: nodes, jobs, attempts, events, ranks, drains, exclusions, worker pools.
+
+Two kinds behind one class. The embedded default is a SQLite (WAL) file under ``--state-dir``. A
+replicated store (``--store etcd://...``) is an in-memory SQLite copy of the state kept on etcd: each
+transaction's row changes (``coordinator.store.mirror``) go to the ``Replica`` (``coordinator.ha.journal``) before the
+copy commits, and a refused replication rolls the copy back like a refused disk write. Reads never leave
+the process. The schema and its versions are in ``coordinator.store.schema``. Rank logs are not stored here: they
+stay on the nodes (``coordinator.logs.logfetch``).
+
+One connection, owned by the coordinator and used from the event loop thread. Writes
+happen inside ``transaction()``; the outermost block commits before it returns, so a
+write that an RPC acknowledges is on disk first. Each method opens its own (nested)
+transaction, so a single call outside a block also commits at once. A write that SQLite
+refuses (disk full, I/O error) rolls the whole outermost transaction back and raises
+``StoreError``; the core then brings its memory back to what the store holds.
+
+Opening a store takes an exclusive lock on ``state_dir/coordinator.lock`` for the life of
+the process (two coordinators never share one state dir), checks the database
+(``PRAGMA quick_check``) and its schema version (``PRAGMA user_version``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import sqlite3
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol
+
+from rankctl.kinds.spec import stored_spec
+from rankctl.coordinator.batch.allocation import Allocation
+from rankctl.coordinator.model.errors import CoordinatorError
+from rankctl.coordinator.store import mirror
+from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeRecord, RankRecord
+from rankctl.coordinator.store.schema import StoreUnusable, open_checked
+from rankctl.coordinator.model.states import JobState
+
+DB_NAME = "coordinator.db"
+LOCK_NAME = "coordinator.lock"
+
+_JOB_COLS = (
+    "seqno, id, name, kind, spec_json, state, reason, attempt, world_size, slots_per_node, "
+    "created_at, finished_at, nodes_json, rendezvous, result_json, submitted_by, allocation_json"
+)
+_RANK_COLS = "rank, node, phase, step, metrics_json, error, exit_code, exited, updated_at, result_json"
+
+
+class StoreError(CoordinatorError):
+    """A write the database refused; nothing of the operation was kept."""
+
+    def __init__(self, message: str, *, full: bool = False) -> None:
+        super().__init__(message)
+        self.full = full
+
+
+class StateDirInUse(OSError):
+    """Another process holds the state directory's lock."""
+
+
+def _lock_state_dir(state_dir: Path) -> int:
+    """An exclusive, non-blocking flock on the state dir's lock file, holding our PID; returns its fd."""
+    path = state_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            raise StateDirInUse(f"state dir {state_dir} is in use by another coordinator (pid {holder}); "
+                                "stop it or choose another --state-dir") from None
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _store_error(exc: sqlite3.Error, what: str, path: Path) -> StoreError:
+    text = str(exc)
+    full = "full" in text.lower() or getattr(exc, "sqlite_errorcode", None) == 13  # SQLITE_FULL
+    where = f" (the file system of {path} is full)" if full else f" ({path})"
+    return StoreError(f"the coordinator could not store {what}: {text}{where}; nothing was changed", full=full)
+
+
+def _job_from_row(row: tuple) -> JobRecord:
+    (seqno, jid, name, kind, spec, state, reason, attempt, world, spn, created, finished, nodes, rdv, res, by,
+     alloc) = row
+    return JobRecord(
+        id=jid, name=name, kind=kind, spec=stored_spec(json.loads(spec), name, kind), state=JobState(state), reason=reason,
+        world_size=world, slots_per_node=spn, created_at=created, attempt=attempt, finished_at=finished,
+        nodes=json.loads(nodes), rendezvous=rdv, result=json.loads(res) if res else None, seqno=seqno,
+        submitted_by=by, allocation=Allocation.from_dict(json.loads(alloc)) if alloc else None,
+    )
+
+
+def _rank_from_row(row: tuple) -> RankRecord:
+    rank, node, phase, step, metrics, error, code, exited, updated, result = row
+    return RankRecord(rank, node, phase, step, metrics, error, code, bool(exited), updated, result)
+
+
+def _rank_to_json(r: RankRecord) -> str:
+    return json.dumps(asdict(r), separators=(",", ":"))
+
+
+class Replica(Protocol):
+    """Where a replicated store's transactions go (``coordinator.ha.journal.Journal``): ``commit`` raises
+    StoreError when it cannot, and then nothing of the transaction is kept."""
+
+    def commit(self, changes: list, what: str) -> None: ...
+
+
+class Store:
+    """The coordinator's database under ``state_dir/coordinator.db``; or, with a ``replica``, an in-memory copy
+    of a replicated one (``replicated``): each transaction's row changes go to the replica before it commits."""
+
+    def __init__(self, state_dir: Path | str, *, replica: Replica | None = None) -> None:
+        self.path = Path(state_dir) / DB_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_state_dir(self.path.parent)
+        self._depth = 0
+        self.replica = replica
+        try:
+            if replica is None and self.path.exists() and self.path.stat().st_size == 0:
+                raise StoreUnusable(f"{self.path} is empty (0 bytes): a truncated database, not a new one (a new state "
+                                    "dir has none); move it away to start with an empty state, or restore a backup")
+            self._db = sqlite3.connect(":memory:" if replica else self.path, isolation_level=None,
+                                       check_same_thread=False)
+            if replica is None:
+                open_checked(self._db, str(self.path))
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def apply_entries(self, entries: list[tuple[int, list]]) -> None:
+        """Replicated changes written by the leader (a standby following it, a leader catching up)."""
+        self._db.execute("BEGIN")
+        try:
+            for _, changes in entries:
+                mirror.apply(self._db, changes)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def serialize(self) -> bytes:
+        """The whole database as one byte string (a replicated store's snapshot)."""
+        return self._db.serialize()
+
+    def close(self) -> None:
+        self._db.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    def schema_version(self) -> int:
+        return self._db.execute("PRAGMA user_version").fetchone()[0]
+
+    def journal_mode(self) -> str:
+        return self._db.execute("PRAGMA journal_mode").fetchone()[0]
+
+    @contextmanager
+    def transaction(self, what: str = "a change") -> Iterator[None]:
+        """Group writes; the outermost block commits on success and rolls back on error.
+
+        Any SQLite error inside (or at COMMIT) rolls back and is raised as ``StoreError``.
+        """
+        outer = self._depth == 0
+        if outer:
+            self._run("BEGIN IMMEDIATE", what)
+        self._depth += 1
+        try:
+            yield
+        except BaseException as exc:
+            self._depth -= 1
+            if outer:
+                self._rollback()
+            if isinstance(exc, sqlite3.Error):
+                raise _store_error(exc, what, self.path) from None
+            raise
+        self._depth -= 1
+        if outer:
+            try:
+                if self.replica is not None and (changes := mirror.collect(self._db)):
+                    self.replica.commit(changes, what)
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._rollback()
+                raise _store_error(exc, what, self.path) from None
+            except BaseException:
+                self._rollback()
+                raise
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a ``transaction()`` block is open."""
+        return self._depth > 0
+
+    def _run(self, sql: str, what: str) -> None:
+        try:
+            self._db.execute(sql)
+        except sqlite3.Error as exc:
+            raise _store_error(exc, what, self.path) from None
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # SQLite may have rolled back already (e.g. SQLITE_FULL at COMMIT)
+
+    def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        with self.transaction():
+            return self._db.execute(sql, args)
+
+    # -- jobs ----------------------------------------------------------------
+    def insert_job(self, job: JobRecord) -> None:
+        """Store a new job; sets ``job.seqno`` (submission order)."""
+        cur = self._write(
+            f"INSERT INTO jobs ({_JOB_COLS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._job_args(job)
+        )
+        job.seqno = cur.lastrowid
+
+    def update_job(self, job: JobRecord) -> None:
+        cols = [c.strip() for c in _JOB_COLS.split(",")][1:]
+        sets = ", ".join(f"{c}=?" for c in cols[1:])
+        args = self._job_args(job)
+        self._write(f"UPDATE jobs SET {sets} WHERE id=?", (*args[1:], job.id))
+
+    @staticmethod
+    def _job_args(job: JobRecord) -> tuple:
+        return (
+            job.id, job.name, job.kind, json.dumps(job.spec.to_dict()), job.state.value, job.reason, job.attempt,
+            job.world_size, job.slots_per_node, job.created_at, job.finished_at, json.dumps(job.nodes),
+            job.rendezvous, json.dumps(job.result) if job.result is not None else None, job.submitted_by,
+            json.dumps(job.allocation.to_dict()) if job.allocation is not None else "",
+        )
+
+    def load_jobs(self) -> list[JobRecord]:
+        """Every job, in submission order."""
+        rows = self._db.execute(f"SELECT {_JOB_COLS} FROM jobs ORDER BY seqno").fetchall()
+        return [_job_from_row(r) for r in rows]
+
+    # -- attempts ------------------------------------------------------------
+    def put_attempt(self, job: JobRecord, started_at: float) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO attempts (job_id, attempt, nodes_json, rendezvous, started_at, finished_at, "
+            "state, reason) VALUES (?,?,?,?,?,?,?,?)",
+            (job.id, job.attempt, json.dumps(job.nodes), job.rendezvous, started_at, 0.0, job.state.value,
+             job.reason),
+        )
+
+    def finish_attempt(self, job: JobRecord) -> None:
+        self._write(
+            "UPDATE attempts SET finished_at=?, state=?, reason=? WHERE job_id=? AND attempt=?",
+            (job.finished_at, job.state.value, job.reason, job.id, job.attempt),
+        )
+
+    def end_attempt(self, job_id: str, attempt: int, ts: float, state: str, reason: str, cause: str = "failure"
+                    ) -> None:
+        """Close one attempt (a restart's: the job itself goes on); ``cause`` "failure", "drain" or "grow"."""
+        self._write(
+            "UPDATE attempts SET finished_at=?, state=?, reason=?, cause=? WHERE job_id=? AND attempt=?",
+            (ts, state, reason, cause, job_id, attempt),
+        )
+
+    def blame_attempt(self, job_id: str, attempt: int, node: str) -> None:
+        """The node an attempt's failure is attributed to ("" for none)."""
+        self._write("UPDATE attempts SET blamed=? WHERE job_id=? AND attempt=?", (node, job_id, attempt))
+
+    def attempt_nodes(self, job_id: str, attempt: int) -> list[str]:
+        """The nodes one stored attempt ran on ([] when it has no row)."""
+        row = self._db.execute("SELECT nodes_json FROM attempts WHERE job_id=? AND attempt=?",
+                               (job_id, attempt)).fetchone()
+        return json.loads(row[0]) if row else []
+
+    def attempt_blamed(self, job_id: str, attempt: int) -> str:
+        """The node one attempt's failure was attributed to ("": none, or it did not fail)."""
+        row = self._db.execute("SELECT blamed FROM attempts WHERE job_id=? AND attempt=?",
+                               (job_id, attempt)).fetchone()
+        return row[0] if row else ""
+
+    def drained_attempts(self, job_id: str) -> int:
+        """How many of the job's attempts ended because a node of theirs was drained."""
+        return self._db.execute("SELECT COUNT(*) FROM attempts WHERE job_id=? AND cause='drain'",
+                                (job_id,)).fetchone()[0]
+
+    def attempts(self, job_id: str, last: int = 0) -> list[dict]:
+        """The job's attempts, oldest first (``last`` > 0: only the newest ``last``), with how many nodes each ran
+        on but not their names."""
+        cur = self._db.execute(
+            "SELECT * FROM (SELECT job_id, attempt, rendezvous, started_at, finished_at, state, reason, cause, "
+            "json_array_length(nodes_json) AS nodes FROM attempts "
+            "WHERE job_id=? ORDER BY attempt DESC LIMIT ?) ORDER BY attempt", (job_id, last if last > 0 else -1))
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    # -- events --------------------------------------------------------------
+    def append_event(self, event: EventRecord) -> None:
+        rank = _rank_to_json(event.rank) if event.rank is not None else None
+        data = json.dumps(event.data()) if event.data() is not None else None
+        self._write(
+            "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
+            (event.job_id, event.seq, event.ts, event.state.value, event.kind, event.message, rank, data),
+        )
+
+    def events(self, job_id: str, after_seq: int = 0, limit: int = 0, *, ranks: bool = True) -> list[EventRecord]:
+        """Events after ``after_seq`` in order; ``limit`` > 0 keeps the first ``limit``. ``ranks=False`` leaves
+        out the per-rank events (one per rank and phase change): read through a partial index, so a job's
+        step series costs its job-level events only, whatever its size."""
+        only = "" if ranks else " AND kind != 'rank'"
+        rows = self._db.execute(
+            "SELECT seq, ts, state, kind, message, rank_json, data_json FROM events WHERE job_id=? AND seq>?"
+            f"{only} ORDER BY seq LIMIT ?", (job_id, after_seq, limit if limit > 0 else -1),
+        ).fetchall()
+        out = []
+        for seq, ts, state, kind, msg, r, d in rows:
+            data = json.loads(d) if d else {}
+            out.append(EventRecord(job_id, seq, ts, JobState(state), kind, msg,
+                                   RankRecord(**json.loads(r)) if r else None,
+                                   int(data.get("step") or 0), data.get("metrics"), int(data.get("ranks") or 0)))
+        return out
+
+    def last_step(self, job_id: str) -> int:
+        """The step of the job's newest ``step`` event (0: none)."""
+        row = self._db.execute(
+            "SELECT data_json FROM events WHERE job_id=? AND kind='step' ORDER BY seq DESC LIMIT 1", (job_id,)
+        ).fetchone()
+        return int(json.loads(row[0]).get("step") or 0) if row and row[0] else 0
+
+    def last_event_seqs(self) -> dict[str, int]:
+        rows = self._db.execute("SELECT job_id, MAX(seq) FROM events GROUP BY job_id").fetchall()
+        return dict(rows)
+
+    # -- ranks ---------------------------------------------------------------
+    def put_rank(self, job_id: str, r: RankRecord) -> None:
+        self.put_ranks([(job_id, r)])
+
+    def put_ranks(self, rows: Iterable[tuple[str, RankRecord]]) -> None:
+        """Many ranks' records (job id, record) in one statement."""
+        with self.transaction():
+            self._db.executemany(
+                f"INSERT OR REPLACE INTO ranks (job_id, {_RANK_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                ((job_id, r.rank, r.node, r.phase, r.step, r.metrics_json, r.error, r.exit_code, int(r.exited),
+                  r.updated_at, r.result_json) for job_id, r in rows))
+
+    def all_ranks(self) -> dict[str, dict[int, RankRecord]]:
+        """job id -> rank -> record, for every job (one query)."""
+        out: dict[str, dict[int, RankRecord]] = {}
+        for row in self._db.execute(f"SELECT job_id, {_RANK_COLS} FROM ranks ORDER BY job_id, rank"):
+            out.setdefault(row[0], {})[row[1]] = _rank_from_row(row[1:])
+        return out
+
+    def clear_ranks(self, job_id: str) -> None:
+        self._write("DELETE FROM ranks WHERE job_id=?", (job_id,))
+
+    def ranks(self, job_id: str) -> dict[int, RankRecord]:
+        rows = self._db.execute(
+            f"SELECT {_RANK_COLS} FROM ranks WHERE job_id=? ORDER BY rank", (job_id,)
+        ).fetchall()
+        return {row[0]: _rank_from_row(row) for row in rows}
+
+    # -- nodes ---------------------------------------------------------------
+    def put_node(self, n: NodeRecord) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?)",
+            (n.name, n.address, n.slots, json.dumps(n.hardware), n.session, n.last_seq, n.last_seen),
+        )
+
+    def set_node_seqs(self, seqs: Iterable[tuple[str, int]]) -> None:
+        """Many nodes' last stored report numbers, (name, last_seq), in one statement (a group commit's)."""
+        with self.transaction():
+            self._db.executemany("UPDATE nodes SET last_seq=? WHERE name=?", ((seq, name) for name, seq in seqs))
+
+    def load_nodes(self) -> list[NodeRecord]:
+        rows = self._db.execute("SELECT * FROM nodes ORDER BY name").fetchall()
+        return [NodeRecord(n, a, s, json.loads(h), sess, seq, seen) for n, a, s, h, sess, seq, seen in rows]
+
+    # -- drains and exclusions ---------------------------------------------------
+    def set_drain(self, node: str, reason: str, since: float) -> None:
+        self._write("INSERT OR REPLACE INTO drains VALUES (?,?,?)", (node, reason, since))
+
+    def clear_drain(self, node: str) -> None:
+        self._write("DELETE FROM drains WHERE node=?", (node,))
+
+    def load_drains(self) -> dict[str, str]:
+        """node -> the reason it was drained."""
+        return dict(self._db.execute("SELECT node, reason FROM drains ORDER BY node").fetchall())
+
+    # -- worker pools (ctl slurm workers) ----------------------------------------
+    def save_pool(self, pool_id: str, created_at: float, body: dict) -> None:
+        self._write("INSERT OR REPLACE INTO worker_pools VALUES (?,?,?)", (pool_id, created_at, json.dumps(body)))
+
+    def load_pools(self) -> list[dict]:
+        return [json.loads(b) for (b,) in self._db.execute("SELECT body_json FROM worker_pools ORDER BY created_at")]
+
+    def add_exclusion(self, job_id: str, node: str, reason: str, since: float) -> None:
+        self._write("INSERT OR REPLACE INTO exclusions VALUES (?,?,?,?)", (job_id, node, reason, since))
+
+    def clear_exclusions(self, *, job_id: str | None = None, node: str | None = None) -> None:
+        """Forget the exclusions of a job (it ended) or of a node (ctl undrain)."""
+        if job_id is not None:
+            self._write("DELETE FROM exclusions WHERE job_id=?", (job_id,))
+        if node is not None:
+            self._write("DELETE FROM exclusions WHERE node=?", (node,))
+
+    def load_exclusions(self) -> dict[str, dict[str, str]]:
+        """job id -> node -> why it is not placed for that job again."""
+        out: dict[str, dict[str, str]] = {}
+        for job_id, node, reason in self._db.execute("SELECT job_id, node, reason FROM exclusions ORDER BY job_id"):
+            out.setdefault(job_id, {})[node] = reason
+        return out
+
+
+def replicated(state_dir: Path | str, replica: Replica, snapshot: bytes | None, entries: list[tuple[int, list]],
+               where: str) -> Store:
+    """A copy of a replicated database: ``snapshot`` (serialized) with ``entries`` applied after it."""
+    store = Store(state_dir, replica=replica)
+    try:
+        if snapshot is not None:
+            store._db.deserialize(snapshot)
+        open_checked(store._db, where, wal=False)
+        mirror.install(store._db)
+        store.apply_entries(entries)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def prune_events(store: Store, finished_before: float, limit: int) -> int:
+    """Delete about ``limit`` events (at least that many when there are) of jobs that finished before
+    ``finished_before``; each job keeps its last event, so its numbering goes on. How many were deleted.
+    Per job through the events' primary key: no scan of the whole history."""
+    db, deleted = store._db, 0  # noqa: SLF001 - the store's own module
+    for (job_id,) in db.execute("SELECT id FROM jobs WHERE finished_at > 0 AND finished_at < ?",
+                                (finished_before,)).fetchall():
+        first, last = db.execute("SELECT MIN(seq), MAX(seq) FROM events WHERE job_id=?", (job_id,)).fetchone()
+        if first is None or first == last:
+            continue
+        upto = min(last, first + limit - deleted)
+        deleted += store._write("DELETE FROM events WHERE job_id=? AND seq < ?", (job_id, upto)).rowcount  # noqa: SLF001
+        if deleted >= limit:
+            break
+    return deleted

@@ -1,0 +1,1 @@
+"""Checkpoint and snapshot copies between nodes."""
