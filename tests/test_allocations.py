@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.batch.allocation import AllocationRequest, Ask, Seen
+from rankctl.coordinator.model.allocation import AllocationRequest, Ask, Seen
 from rankctl.coordinator.batch.allocations import GATHER_S, LOSS_GRACE_S
 from rankctl.coordinator.model.errors import InvalidRequest
 from rankctl.coordinator.model.records import NodeHello
@@ -176,7 +176,7 @@ def test_refused_by_the_scheduler_fails_the_job_with_its_words(world: World) -> 
 
 
 def test_the_batch_script_runs_one_named_worker_per_node_and_quotes_what_it_is_given() -> None:
-    from rankctl.coordinator.batch.allocation import Allocation
+    from rankctl.coordinator.model.allocation import Allocation
 
     req = AllocationRequest(spares=1, partition="gpu", time="1:00:00", extra_args=("--exclusive",),
                             worker_state_dir="/scratch/$USER/rk-{jobid}-{node}", worker_args=("--data-root", "/d e"))

@@ -1,4 +1,4 @@
-"""Who may import whom (docs/architecture.md, Packages), checked from the source with ``ast``.
+"""Who may import whom (docs/architecture.md, Rooms; the rules are the rooms' "May import:" lines), checked from the source with ``ast``.
 
 Every ``import rankctl.X...`` / ``from rankctl.X... import`` counts, at module level or inside a
 function (a lazy import is still a dependency between packages). ``TYPE_CHECKING`` blocks count for
@@ -95,6 +95,78 @@ def test_cli_never_imports_the_rank_side_at_import_time() -> None:
     forbidden = ("runtime", "torch")
     assert _offenders("cli", lambda m: _top(m) in forbidden or m.startswith(KIND_RANK_MODULES), lazy=False) == []
     assert _offenders("cli", lambda m: _top(m) == "runtime") == []
+
+
+def _room_offenders(package: str, room: str, allowed_rooms: set[str], banned: tuple[str, ...]) -> list[str]:
+    """Imports of ``package/room`` that reach another room of ``package`` outside ``allowed_rooms``, or a banned
+    module (``grpc``, ``rankctl.proto``)."""
+    prefix = f"rankctl.{package}."
+    rooms = {d.name for d in (ROOT / package).iterdir() if (d / "__init__.py").is_file()}
+    out = []
+    for f, mods in package_imports(f"{package}/{room}").items():
+        for m in sorted(mods):
+            other = m[len(prefix):].split(".")[0] if m.startswith(prefix) else None
+            if (other in rooms and other != room and other not in allowed_rooms) or m.split(".")[0] in banned \
+                    or m.startswith(banned):
+                out.append(f"{f} imports {m}")
+    return out
+
+
+def test_the_domain_model_imports_no_other_room_and_no_wire() -> None:
+    """``coordinator/model`` (records, states, typed failures, errors) is plain data: no grpc, no protobuf, no
+    other room of the coordinator (the api maps its errors to status codes: ``coordinator.api.grpcstatus``)."""
+    assert _room_offenders("coordinator", "model", set(), ("grpc", "rankctl.proto")) == []
+
+
+def test_the_launcher_process_loads_no_grpc_and_no_daemon_uplink() -> None:
+    """The warm launcher is its own process: it forks ranks and never talks to the coordinator."""
+    assert _room_offenders("worker", "launcher", {"files", "runs", "daemon"}, ("grpc", "rankctl.proto")) == []
+
+
+def _declared(doc: str) -> tuple[set[str], tuple[str, ...]]:
+    """A room docstring's "May import:" line -> (the rooms it may import, the wire modules it may not)."""
+    line = " ".join(doc.split("May import:", 1)[1].split())
+    rooms = set() if line.startswith("no other room") else \
+        {r.strip() for r in line.removeprefix("the rooms ").split(" of ``")[0].split(",")}
+    wire = line.split(";", 1)[1]
+    banned = tuple(m for m, word in (("grpc", "grpc"), ("rankctl.proto", "protobuf")) if word not in wire
+                   or "no " + word in wire)
+    return rooms, banned
+
+
+def test_every_room_imports_only_what_its_docstring_declares() -> None:
+    """Each room's ``__init__`` says what it may import ("May import: the rooms ... ; grpc and protobuf stubs"):
+    that line is the rule."""
+    found = []
+    for pkg in ("coordinator", "worker", "cli", "contract"):
+        for d in sorted((ROOT / pkg).iterdir()):
+            if (d / "__init__.py").is_file():
+                rooms, banned = _declared(ast.get_docstring(ast.parse((d / "__init__.py").read_text())) or "")
+                found += _room_offenders(pkg, d.name, rooms, banned)
+    assert found == []
+
+
+def test_the_declared_rules_read_as_meant() -> None:
+    assert _declared("X.\n\nMay import: no other room of ``coordinator``; no grpc, no protobuf (``t``).") == \
+        (set(), ("grpc", "rankctl.proto"))
+    assert _declared("X.\n\nMay import: the rooms fleet, model of ``coordinator``; protobuf stubs (``t``).") == \
+        ({"fleet", "model"}, ("grpc",))
+
+
+def test_every_room_says_what_it_owns() -> None:
+    rooms = [p for pkg in ("coordinator", "worker", "cli", "contract") for p in sorted((ROOT / pkg).iterdir())
+             if (p / "__init__.py").is_file()]
+    assert len(rooms) >= 20
+    empty = [str(p.relative_to(ROOT)) for p in rooms
+             if "May import:" not in (ast.get_docstring(ast.parse((p / "__init__.py").read_text())) or "")]
+    assert empty == []
+
+
+def test_no_package_folder_holds_more_than_15_modules() -> None:
+    crowded = {str(d.relative_to(ROOT)): n for pkg in PACKAGES | {"api", "integrations"} for d in [ROOT / pkg,
+               *(p for p in (ROOT / pkg).rglob("*") if p.is_dir())]
+               if (d / "__init__.py").is_file() and (n := len(list(d.glob("*.py")))) > 15}
+    assert crowded == {}
 
 
 def _graph() -> dict[str, set[str]]:

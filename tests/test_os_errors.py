@@ -1,5 +1,5 @@
 """Every gRPC method answers an OSError by its cause, never INTERNAL "internal error (OSError)" (issue 24): the
-servicer's one mapping (``domain_status``) sends it through ``coordinator.model.errors.os_status``."""
+servicer's one mapping (``domain_status``) sends it through ``coordinator.api.grpcstatus.os_status``."""
 
 import errno
 

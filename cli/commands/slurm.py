@@ -53,7 +53,7 @@ def _request(spares: int, partition: str, time_: str, account: str, qos: str, gp
              sbatch_args: tuple[str, ...], worker_args: tuple[str, ...], worker_state_dir: str, worker_tls_dir: str,
              ctl_path: str):  # noqa: ANN202 - an AllocationRequest (imported late: ctl --help stays light)
     from rankctl.cli.errors import CtlError
-    from rankctl.coordinator.batch.allocation import AllocationRequest
+    from rankctl.coordinator.model.allocation import AllocationRequest
 
     request = AllocationRequest(spares=spares, partition=partition, time=time_, account=account, qos=qos,
                                 extra_args=tuple(sbatch_args), worker_state_dir=worker_state_dir, ctl=ctl_path,
@@ -162,7 +162,7 @@ def _show_pool(pool, as_json: bool) -> None:  # noqa: ANN001 - a pb.WorkerPool
 
 
 def _print_dry_run(ctx: Ctx, spec, request) -> None:  # noqa: ANN001 - a JobSpec and an AllocationRequest
-    from rankctl.coordinator.batch.allocation import Allocation, Ask
+    from rankctl.coordinator.model.allocation import Allocation, Ask
     from rankctl.coordinator.batch.slurm import batch_script, sbatch_options
 
     job_id = f"{spec.name}-XXXXXX"

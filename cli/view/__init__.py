@@ -1,1 +1,4 @@
-"""What ``ctl`` shows: rendering, the live view, log lines, stdout/stderr."""
+"""What ``ctl`` shows: rendering, the live view, log lines, stdout/stderr.
+
+May import: no other room of ``cli``; protobuf stubs (``tests/test_import_rules.py``).
+"""

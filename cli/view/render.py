@@ -35,7 +35,7 @@ def metrics_dict(metrics: Any) -> dict[str, Any]:
 
 
 def job_to_dict(job: pb.Job) -> dict[str, Any]:
-    """The documented ``ctl status --json`` shape (docs/architecture.md, Status and results).
+    """The documented ``ctl status --json`` shape (docs/adr/0014-status-and-results.md).
 
     ``ranks`` holds the ranks the job message carries (one page of a large job); when that is
     not the whole world, ``ranks_shown`` says which ({"first", "last"}) and ``next_rank_offset``

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from rankctl.coordinator.batch.allocation import Allocation, AllocationRequest
+from rankctl.coordinator.model.allocation import Allocation, AllocationRequest
 from rankctl.coordinator.fleet.nodes import NodeSession, NodeStatus
 from rankctl.coordinator.diagnosis.progress import SHOWN
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob

@@ -28,10 +28,11 @@ from rankctl.coordinator.store.blobs import BlobMissing, BlobStore
 from rankctl.coordinator.scheduling.capacity import jobs_by_node
 from rankctl.coordinator.jobs.core import Coordinator
 from rankctl.coordinator.model.errors import (
-    AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, PoolNotFound, ProtocolError, os_status,
+    AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, PoolNotFound, ProtocolError,
 )
 from rankctl.coordinator.jobs.book import MAX_PAGE
 from rankctl.coordinator.logs.logfetch import get_logs
+from rankctl.coordinator.api.grpcstatus import os_status
 from rankctl.coordinator.fleet.nodes import NodeNotFound, NodeSession
 from rankctl.coordinator.batch.pools import pool_to_pb
 from rankctl.coordinator.model.records import EventRecord, JobRecord

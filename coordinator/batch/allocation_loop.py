@@ -10,7 +10,7 @@ from typing import Awaitable, Callable, Sequence
 
 import structlog
 
-from rankctl.coordinator.batch.allocation import AllocationRefused, Allocator
+from rankctl.coordinator.model.allocation import AllocationRefused, Allocator
 from rankctl.coordinator.batch.allocations import Allocations, Work
 from rankctl.coordinator.batch.pools import WorkerPools
 from rankctl.coordinator.store.database import StoreError

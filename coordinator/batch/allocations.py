@@ -26,7 +26,7 @@ from typing import Callable
 
 import structlog
 
-from rankctl.coordinator.batch.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
+from rankctl.coordinator.model.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
                                             Ask, Seen, pool_name)
 from rankctl.coordinator.jobs.commit import StoreGuard
 from rankctl.coordinator.model.faults import Cause, Fault

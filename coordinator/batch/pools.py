@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import structlog
 
-from rankctl.coordinator.batch.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
+from rankctl.coordinator.model.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
                                             Ask, Seen)
 from rankctl.coordinator.batch.allocations import RELEASE_GRACE_S, WATCH_S, Work, release_message
 from rankctl.coordinator.api.convert import allocation_to_pb, stamp

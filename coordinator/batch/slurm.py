@@ -1,4 +1,4 @@
-"""The Slurm adapter of ``coordinator.batch.allocation.Allocator``: one batch job per allocation.
+"""The Slurm adapter of ``coordinator.model.allocation.Allocator``: one batch job per allocation.
 
 The batch script (``batch_script``, printed by ``ctl slurm submit --dry-run``) starts one ``ctl worker`` per node
 with ``srun --ntasks-per-node=1``, each named by its Slurm node name and registered with the allocation's pool,
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rankctl.coordinator.batch.allocation import Allocation, AllocationRefused, Ask, Seen
+from rankctl.coordinator.model.allocation import Allocation, AllocationRefused, Ask, Seen
 from rankctl.security.tls import is_loopback
 
 CALL_TIMEOUT_S = 30.0

@@ -28,7 +28,7 @@ from rankctl.contract.names import node_name_problem
 from rankctl.contract.spec import JobSpec
 from rankctl.coordinator.scheduling import capacity
 from rankctl.coordinator.recovery.advance import Advancer
-from rankctl.coordinator.batch.allocation import AllocationRequest
+from rankctl.coordinator.model.allocation import AllocationRequest
 from rankctl.coordinator.batch.allocations import Allocations
 from rankctl.coordinator.jobs.commit import Outgoing, StoreGuard
 from rankctl.coordinator.recovery.drains import Drains

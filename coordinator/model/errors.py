@@ -1,11 +1,9 @@
-"""Domain errors of the coordinator; the servicers map them to gRPC status codes."""
+"""Domain errors of the coordinator; the servicers map them to gRPC status codes (``coordinator.api.grpcstatus``)."""
 
 from __future__ import annotations
 
 import errno
 import os
-
-import grpc
 
 from rankctl.contract.files.diskspace import DISK_FULL
 
@@ -43,18 +41,18 @@ class InvalidRequest(CoordinatorError):
 
 
 NOT_PERMITTED = (errno.EACCES, errno.EPERM, errno.EROFS)
+DISK_IS_FULL, NOT_PERMITTED_TO_WRITE, FILESYSTEM_FAILED = "disk-full", "not-permitted", "filesystem"
 
 
-def os_status(exc: OSError, where: str | os.PathLike[str] = "") -> tuple[grpc.StatusCode, str]:
-    """The status code and message for an OSError a coordinator call hit, by its cause: a full disk
-    (RESOURCE_EXHAUSTED naming the disk under ``where``, the state dir or the file), a permission
-    (FAILED_PRECONDITION naming the path), anything else (INTERNAL naming the path and the cause)."""
+def os_problem(exc: OSError, where: str | os.PathLike[str] = "") -> tuple[str, str]:
+    """What an OSError a coordinator call hit means, by its cause: a full disk (naming the disk under ``where``, the
+    state dir or the file), a permission (naming the path), anything else (naming the path and the cause); the api
+    maps each kind to its status code (``coordinator.api.grpcstatus``)."""
     path = str(where or exc.filename or "its state dir")
     cause = exc.strerror or type(exc).__name__
     if exc.errno in DISK_FULL:
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"the coordinator's disk under {path} is full ({cause}); " \
-            "nothing was stored"
+        return DISK_IS_FULL, f"the coordinator's disk under {path} is full ({cause}); nothing was stored"
     path = str(exc.filename or where or "its state dir")
     if exc.errno in NOT_PERMITTED:
-        return grpc.StatusCode.FAILED_PRECONDITION, f"the coordinator may not write {path} ({cause})"
-    return grpc.StatusCode.INTERNAL, f"the coordinator's filesystem failed at {path} ({cause})"
+        return NOT_PERMITTED_TO_WRITE, f"the coordinator may not write {path} ({cause})"
+    return FILESYSTEM_FAILED, f"the coordinator's filesystem failed at {path} ({cause})"

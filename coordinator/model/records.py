@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rankctl.contract.spec import JobSpec
-from rankctl.coordinator.batch.allocation import Allocation
+from rankctl.coordinator.model.allocation import Allocation
 from rankctl.coordinator.model.states import JobState
 from rankctl.parallel.placement import ranks_of_node
 

@@ -1,6 +1,6 @@
 """The scheduler: pending jobs placed in queue order and started on their nodes.
 
-A job pinned to an allocation (``coordinator.batch.allocation``) is placed on its pool's nodes only, and no other job
+A job pinned to an allocation (``coordinator.model.allocation``) is placed on its pool's nodes only, and no other job
 on them; it neither holds back nor waits behind the general queue. A pass walks the other PENDING jobs in submission order; the first that cannot start holds the ones behind it
 back for ``head_wait`` seconds unless they fit beside it (``capacity.may_pass``). A job is placed on the
 free slots of READY nodes that are neither draining nor excluded for it; a restarted attempt keeps the

@@ -25,7 +25,8 @@ from typing import Any, AsyncIterator, Callable, Iterable
 import grpc
 import structlog
 
-from rankctl.coordinator.model.errors import CoordinatorError, InvalidRequest, os_status
+from rankctl.coordinator.api.grpcstatus import os_status
+from rankctl.coordinator.model.errors import CoordinatorError, InvalidRequest
 from rankctl.coordinator.store.database import StoreError
 from rankctl.kinds import registry
 

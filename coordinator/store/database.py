@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
 from rankctl.kinds.spec import stored_spec
-from rankctl.coordinator.batch.allocation import Allocation
+from rankctl.coordinator.model.allocation import Allocation
 from rankctl.coordinator.model.errors import CoordinatorError
 from rankctl.coordinator.store import mirror
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeRecord, RankRecord

@@ -1,1 +1,4 @@
-"""Checkpoint and snapshot copies between nodes."""
+"""Checkpoint and snapshot copies between nodes.
+
+May import: the rooms daemon, files, runs, uplink of ``worker``; grpc and protobuf stubs (``tests/test_import_rules.py``).
+"""
