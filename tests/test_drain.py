@@ -212,7 +212,7 @@ def test_drains_exclusions_and_the_previous_attempts_nodes_survive_a_coordinator
     w.store.close()
 
     w2 = make_world(tmp_path)
-    assert w2.store.schema_version() == SCHEMA_VERSION == 6
+    assert w2.store.schema_version() == SCHEMA_VERSION == 7
     assert w2.core.nodes.draining == {"n0": "disk"}
     connect(w2, "n0", "n2", "n3")
     again = w2.core.get(job.id)
@@ -353,7 +353,7 @@ def test_a_version_2_store_is_upgraded_in_place(tmp_path: Path) -> None:
         PRAGMA user_version=2;""")
     db.close()
     store = Store(tmp_path)
-    assert store.schema_version() == SCHEMA_VERSION == 6
+    assert store.schema_version() == SCHEMA_VERSION == 7
     (job,) = store.load_jobs()
     assert job.id == "j-000001" and job.submitted_by == "" and job.reason == "boom" and job.allocation is None
     assert store.attempt_nodes("j-000001", 1) == ["n0", "n1"] and store.attempt_blamed("j-000001", 1) == ""

@@ -25,7 +25,7 @@ def test_a_rank_ended_by_a_signal_says_so_in_its_last_error_line() -> None:
     outside probe saw): the exit report's last line names the signal, which the job's reason quotes."""
     import structlog
 
-    from rankctl.coordinator.model.faults import last_error_line
+    from rankctl.coordinator.model.errortext import last_error_line
 
     outbox = Outbox(maxlen=100)
     runs = Runs(node="n0", outbox=outbox, watch=None, replication=None, background=None,

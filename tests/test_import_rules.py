@@ -255,3 +255,37 @@ def test_the_cycle_finder_finds_a_hidden_cycle() -> None:
 def test_every_package_is_installed(package: str) -> None:
     text = (ROOT / "pyproject.toml").read_text()
     assert f'"rankctl.{package}" = "{package}"' in text
+
+
+def test_modules_that_decide_restarts_read_no_english() -> None:
+    """What follows a failure is decided over typed faults (``coordinator.model.faults``); a rank's words are read
+    once, by ``coordinator.model.errortext``, and nothing that decides imports ``re``."""
+    deciders = [*sorted((ROOT / "coordinator" / "recovery").glob("*.py")), ROOT / "coordinator/model/faults.py"]
+    readers = [str(p.relative_to(ROOT)) for p in deciders if "re" in _plain_imports(p)]
+    assert readers == []
+
+
+def _plain_imports(path: Path) -> set[str]:
+    return {a.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Import)
+            for a in node.names} | {node.module for node in ast.walk(ast.parse(path.read_text()))
+                                    if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def test_job_records_are_written_in_one_module() -> None:
+    """Every assignment to a ``JobRecord`` field (``job.state = ...``, ``job.attempt += 1``) is in the job book."""
+    from dataclasses import fields
+
+    from rankctl.coordinator.model.records import JobRecord
+
+    names = {f.name for f in fields(JobRecord)}
+    writers = []
+    for p in sorted((ROOT / "coordinator").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            for t in flat:
+                if isinstance(t, ast.Attribute) and t.attr in names and isinstance(t.value, ast.Name) \
+                        and t.value.id in ("job", "j", "rec", "record"):
+                    writers.append(f"{p.relative_to(ROOT)}:{node.lineno} {t.value.id}.{t.attr}")
+    assert {w.split(":")[0] for w in writers} <= {"coordinator/jobs/book.py"}, writers

@@ -76,22 +76,36 @@ def test_results_are_frozen_values() -> None:
 
 
 def test_an_attempt_that_fails_the_same_way_at_the_same_step_ends_the_job() -> None:
-    from rankctl.coordinator.recovery.restart_decision import Failure, same_way
+    from rankctl.coordinator.model.faults import Cause, Fault, same_way
+    from rankctl.coordinator.recovery.restart_decision import Failure
 
-    boom = "rank 0 on node n1 exited with code 1: _pickle.UnpicklingError: invalid load key, 'x'."
-    again = boom.replace("node n1", "node n2")            # the same error after a restart on a spare
-    assert same_way((boom, 0), (again, 0))
-    assert not same_way((boom, 0), (again, 40))           # another step
-    assert not same_way((boom, None), (again, None))      # no step known (e.g. a lost node): never
-    assert not same_way((boom, 3), (boom.replace("code 1", "code 2"), 3))
-    assert not same_way(("node n1 lost (heartbeat timeout); rank 1 is gone", 3), ("node n1 lost", 3))
-    assert same_way(("hang: no rank advanced for 7 s (...)", 12), ("hang: no rank advanced for 9 s (x)", 12))
-    assert not same_way(("hang: no rank advanced for 7 s", 12), (boom, 12))
+    line = "_pickle.UnpicklingError: invalid load key, 'x'."
 
-    first = decide(running(1, 3), [], None, 0.0, Failure(boom, 0))
+    def exit_(node: str, step: int | None, code: int = 1, rank: int = 0, cause: Cause = Cause.RANK_EXIT) -> Fault:
+        return Fault(cause=cause, reason=f"rank {rank} on node {node} exited with code {code}: {line}", node=node,
+                     rank=rank, code=code, step=step, detail=line)
+
+    def hang(step: int, why: str) -> Fault:
+        return Fault(cause=Cause.HANG, reason=f"hang: no rank advanced for {why}", step=step)
+
+    boom, again = exit_("n1", 0), exit_("n2", 0)          # the same error after a restart on a spare
+    assert same_way(boom, again)
+    assert not same_way(boom, exit_("n2", 40))            # another step
+    assert not same_way(exit_("n1", None), exit_("n2", None))   # no step known: never
+    assert not same_way(exit_("n1", 3), exit_("n1", 3, code=2))
+    assert not same_way(exit_("n1", 3), exit_("n1", 3, rank=1))
+    assert not same_way(exit_("n1", 3), exit_("n1", 3, cause=Cause.PEER_ERROR))
+    lost = Fault(cause=Cause.NODE_LOST, reason="node n1 lost (heartbeat timeout)", node="n1", step=3)
+    assert not same_way(lost, lost)                       # a lost node is no failure that repeats
+    assert same_way(hang(12, "7 s (...)"), hang(12, "9 s (x)"))
+    assert not same_way(hang(12, "7 s"), exit_("n1", 12))
+    assert Fault.from_json(boom.to_json()) == boom        # stored with its attempt: it survives a failover
+    assert Fault.from_json("") is None and Fault.from_json('{"cause": "from-a-newer-rankctl"}') is None
+
+    first = decide(running(1, 3), [], None, 0.0, Failure(boom))
     assert isinstance(first, Restart)
-    second = decide(running(2, 3), [AttemptFacts(1, boom)], None, 0.0, Failure(again, 0, (boom, 0)))
+    second = decide(running(2, 3), [AttemptFacts(1, boom.reason)], None, 0.0, Failure(again, boom))
     assert isinstance(second, Fail) and second.reason.startswith(
         "attempt 2 failed the same way as attempt 1, at step 0; not restarting it again: rank 0 on node n2"), second
-    other_step = decide(running(2, 3), [AttemptFacts(1, boom)], None, 0.0, Failure(again, 7, (boom, 0)))
+    other_step = decide(running(2, 3), [AttemptFacts(1, boom.reason)], None, 0.0, Failure(exit_("n2", 7), boom))
     assert isinstance(other_step, Restart)

@@ -27,8 +27,8 @@ def test_wal_mode_and_file_location(tmp_path: Path) -> None:
 def test_jobs_events_ranks_nodes_survive_reopen(tmp_path: Path) -> None:
     store = Store(tmp_path)
     first, second = _job("a-000001"), _job("b-000002", name="b")
-    store.insert_job(first)
-    store.insert_job(second)
+    first.seqno = store.insert_job(first)    # (the job book sets it: the one writer of a JobRecord)
+    second.seqno = store.insert_job(second)
     first.state, first.nodes, first.rendezvous, first.result = JobState.RUNNING, ["n0", "n1"], "h:1", {"x": 1}
     store.update_job(first)
     store.append_event(EventRecord(first.id, 1, 1.0, JobState.PENDING, "transition", "submitted"))

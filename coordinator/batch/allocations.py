@@ -89,8 +89,8 @@ class Allocations:
     # -- submit ----------------------------------------------------------------------------
     def attach(self, job: JobRecord, request: AllocationRequest) -> None:
         """A new job's first allocation (stored with the job)."""
-        job.allocation = Allocation(request=request, pool=pool_name(job.id, 1), attempt=job.attempt)
-        job.reason = f"waiting for its allocation: asking {request.scheduler} for {self.nodes_of(job)} node(s)"
+        self._book.pin(job, Allocation(request=request, pool=pool_name(job.id, 1), attempt=job.attempt),
+                       f"waiting for its allocation: asking {request.scheduler} for {self.nodes_of(job)} node(s)")
 
     def added(self, job: JobRecord) -> None:
         if job.allocation is not None:
@@ -271,7 +271,7 @@ class Allocations:
 
     def _set(self, job: JobRecord, allocation: Allocation) -> None:
         with self._store.transaction(f"the allocation of job {job.id}"):
-            job.allocation = allocation
+            self._book.pin(job, allocation)
             self._store.update_job(job)
 
     def _release_workers(self, job: JobRecord, why: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 import structlog
 
 from rankctl.contract.names import shown as shown_value
+from rankctl.coordinator.model.allocation import Allocation
 from rankctl.coordinator.model.errors import AmbiguousJob, JobNotFound
 from rankctl.coordinator.diagnosis.progress import JobProgress
 from rankctl.coordinator.model.records import EventRecord, JobRecord, RankRecord
@@ -187,7 +188,7 @@ class JobBook:
         """Store a new job and its first event; memory changes only once both are committed."""
         ev = EventRecord(job.id, 1, self.clock(), job.state, "transition", _cap(f"submitted: {job.reason}"))
         with self.store.transaction("the new job"):
-            self.store.insert_job(job)
+            job.seqno = self.store.insert_job(job)
             self.store.append_event(ev)
         self.jobs[job.id] = job
         self._order.append(job)
@@ -236,6 +237,33 @@ class JobBook:
         if is_terminal(dst):
             self._cache_finished(job.id)
         log.info("job.transition", job=job.id, state=dst.value, reason=reason)
+
+    # -- the one writer of a JobRecord's fields (``tests/test_import_rules.py``): every change goes through here --
+    def next_attempt(self, job: JobRecord) -> int:
+        """The job's next attempt, on no nodes yet (the caller's transaction stores it with the transition)."""
+        job.attempt, job.nodes, job.rendezvous = job.attempt + 1, [], ""
+        return job.attempt
+
+    def placed(self, job: JobRecord, names: list[str], rendezvous: str) -> None:
+        """The attempt's nodes and rendezvous (its size: an elastic job's attempt may run on fewer nodes)."""
+        job.world_size = len(names) * job.slots_per_node
+        job.nodes, job.rendezvous = names, rendezvous
+
+    def sized(self, job: JobRecord, nodes: int) -> None:
+        """The attempt's size before its placement is stored (the assignments are built for it)."""
+        job.world_size = nodes * job.slots_per_node
+
+    def set_result(self, job: JobRecord, result: Any) -> None:
+        """The job's aggregated result, stored."""
+        job.result = result
+        self.save(job)
+
+    def pin(self, job: JobRecord, allocation: Allocation, reason: str | None = None) -> None:
+        """The allocation the job is pinned to (and its waiting reason, for a new job's first ask); a job not yet
+        stored is stored by its submit."""
+        job.allocation = allocation
+        if reason is not None:
+            job.reason = reason
 
     def set_waiting(self, job: JobRecord, reason: str) -> None:
         """Update a pending job's reason, with an event, only when it changes."""

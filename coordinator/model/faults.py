@@ -1,6 +1,7 @@
 """What failed an attempt, as typed data: its cause, the rank and node it came from, its exit code and step.
 
-A rank's English error is read once, here (``rank_fault``), into a ``Fault``; the rules that decide whom an
+A rank's English error is read once (``rank_fault``, with ``coordinator.model.errortext``, the one reader of a
+rank's words) into a ``Fault``; the rules that decide whom an
 attempt's failure is blamed on and what follows are read from its cause, never from its words again:
 
 - a node's loss outranks the errors of its victims (the other ranks' broken collectives): ``outranks``;
@@ -12,11 +13,11 @@ attempt's failure is blamed on and what follows are read from its cause, never f
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass
 from enum import Enum
 
-from rankctl.contract.files.diskspace import DISK_FULL
+from rankctl.coordinator.model.errortext import ErrorText, last_error_line, read_error
 from rankctl.coordinator.model.records import RankRecord
 
 
@@ -40,6 +41,23 @@ class Fault:
     rank: int | None = None
     code: int | None = None
     step: int | None = None
+    detail: str = ""     # a rank's last error line: what "the same way" compares (wherever the rank ran)
+
+    def to_json(self) -> str:
+        """The fault as stored with its attempt (``attempts.fault_json``): it survives a restart and a failover."""
+        return json.dumps({"cause": self.cause.value, "reason": self.reason, "node": self.node, "rank": self.rank,
+                           "code": self.code, "step": self.step, "detail": self.detail}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Fault | None":
+        """A stored fault; None for none, or one this code cannot read (an older or newer coordinator's)."""
+        try:
+            d = json.loads(text) if text else None
+            return None if not isinstance(d, dict) else cls(
+                cause=Cause(d["cause"]), reason=str(d["reason"]), node=str(d.get("node") or ""), rank=d.get("rank"),
+                code=d.get("code"), step=d.get("step"), detail=str(d.get("detail") or ""))
+        except (ValueError, KeyError, TypeError):
+            return None
 
     @property
     def blames_node(self) -> bool:
@@ -55,6 +73,14 @@ class Fault:
     def repeatable(self) -> bool:
         """A failure that may repeat the same way at the same step wherever the job runs (``same_way``)."""
         return self.cause in (Cause.RANK_EXIT, Cause.PEER_ERROR, Cause.HANG)
+
+
+def same_way(a: Fault, b: Fault) -> bool:
+    """Two attempts failed the same way: both repeatable failures of one cause at the same known step, and either
+    both hangs or the same rank's exit with the same code and last error line (wherever it ran)."""
+    if not (a.repeatable and b.repeatable) or a.cause is not b.cause or a.step is None or a.step != b.step:
+        return False
+    return a.cause is Cause.HANG or (a.rank == b.rank and a.code == b.code and a.detail == b.detail)
 
 
 def outranks(a: Fault, b: Fault) -> bool:
@@ -88,17 +114,6 @@ def reattributed(last: Failed | None, node: str, detail: str, last_heard: float)
                  reason=f"node {node} lost ({detail}); before it: {last.fault.reason}")
 
 
-def last_error_line(error: str) -> str:
-    lines = [line.strip() for line in error.splitlines() if line.strip()]
-    return lines[-1] if lines else "no error reported"
-
-
-# what a rank prints when a peer's failure broke its collective (gloo, NCCL, torch.distributed): a consequence
-_PEER_FAILURE = re.compile(r"closed by peer|reset by peer|broken pipe|remote process exited|communicator was aborted|"
-                           r"ncclRemoteError|DistNetworkError|DistBackendError|timed out", re.IGNORECASE)
-_DISK_FULL = re.compile(rf"\[Errno ({'|'.join(map(str, DISK_FULL))})\]|No space left on device|Disk quota exceeded")
-
-
 def rank_fault(r: RankRecord) -> Fault:
     """The fault a failed rank's record says: killed by a signal or its own error (``RANK_EXIT``), a full disk
     (``DISK_FULL``), or a peer's failure it saw (``PEER_ERROR``)."""
@@ -106,8 +121,7 @@ def rank_fault(r: RankRecord) -> Fault:
     reason = f"rank {r.rank} on node {r.node} exited with code {r.exit_code}: {line}"
     if r.exit_code < 0:
         cause = Cause.RANK_EXIT
-    elif _DISK_FULL.search(line):
-        cause = Cause.DISK_FULL
     else:
-        cause = Cause.PEER_ERROR if _PEER_FAILURE.search(line) else Cause.RANK_EXIT
-    return Fault(cause=cause, reason=reason, node=r.node, rank=r.rank, code=r.exit_code, step=r.step)
+        cause = {ErrorText.DISK_FULL: Cause.DISK_FULL, ErrorText.PEER: Cause.PEER_ERROR}.get(read_error(line),
+                                                                                            Cause.RANK_EXIT)
+    return Fault(cause=cause, reason=reason, node=r.node, rank=r.rank, code=r.exit_code, step=r.step, detail=line)

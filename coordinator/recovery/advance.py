@@ -19,8 +19,8 @@ import structlog
 from rankctl.coordinator.jobs.commit import StoreGuard
 from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.model.faults import Cause, Fault, rank_fault
-from rankctl.coordinator.diagnosis.progress import PEER_FAILED, failure_weight
 from rankctl.coordinator.model.records import JobRecord
+from rankctl.coordinator.recovery.reconcile import ATTRIBUTION_S, Hold, Running, Succeed, reconcile
 from rankctl.coordinator.recovery.restarts import Restarts
 from rankctl.coordinator.jobs.results import aggregate, parse_rank_results
 from rankctl.coordinator.model.states import JobState, is_active
@@ -29,7 +29,6 @@ from rankctl.coordinator.store.database import Store, StoreError
 
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
-ATTRIBUTION_S = 1.0   # how long a failure whose error names a peer's (a broken collective) waits for its cause
 
 
 class Advancer:
@@ -85,18 +84,24 @@ class Advancer:
                 return
             self._restarts.together_again(job)
         bad = progress.likely_cause()
-        if bad is not None:
-            held = self._clock() - self._held.setdefault(job.id, self._clock()) < ATTRIBUTION_S
-            if (failure_weight(bad) == PEER_FAILED and held) or self._restarts.loss_held(job):
+        since = self._held.setdefault(job.id, self._clock()) if bad is not None else None
+        plan = reconcile(self._restarts.view(
+            job, failed=rank_fault(bad) if bad is not None else None, failed_since=since,
+            loss_held=self._restarts.loss_held(job), all_running=progress.all_running(),
+            all_succeeded=progress.all_succeeded()))
+        match plan:
+            case Hold():
                 return   # held for its cause: a killed peer's report, or a lost node's held failure (``check_held``)
-            self._held.pop(job.id, None)
-            self._restarts.fail_attempt(job, rank_fault(bad))
-            return
-        if job.state is S.STARTING and progress.all_running():
-            self._book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
-            progress.advanced_at = self._clock()
-        if job.state is S.RUNNING and progress.all_succeeded():
-            self._succeed(job)
+            case Running():
+                self._book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
+                progress.advanced_at = self._clock()
+                if progress.all_succeeded():   # every rank ran and exited 0 between two advances
+                    self._succeed(job)
+            case Succeed():
+                self._succeed(job)
+            case _:
+                self._held.pop(job.id, None)
+                self._restarts.apply(job, plan)
 
     def _preflight_failed(self, job: JobRecord, exclude: list[tuple[int, str]]) -> None:
         """The attempt's pre-flight found nodes to leave out: each is excluded for this job, and the attempt
@@ -111,8 +116,7 @@ class Advancer:
         ranks = self._book.ranks(job.id)
         results = parse_rank_results({r: rec.result_json for r, rec in ranks.items()})
         with self._store.transaction(f"the result of job {job.id}"):
-            job.result = aggregate(job.kind, results)
-            self._book.save(job)
+            self._book.set_result(job, aggregate(job.kind, results))
             self._book.event(job, "result", f"result from {len(results)} rank(s)")
         ended = job.result.get("ended") if isinstance(job.result, dict) else None   # the kind's word on the end
         self._restarts.finish(job, S.SUCCEEDED, f"all {job.world_size} ranks exited 0"
@@ -139,7 +143,8 @@ class Advancer:
                 reason = self._hang_reason(job, idle, progress.pace.rule(timeout), links, progress.hang)
                 for a, b in links:
                     self._restarts.keep_apart(job, a, b)
-                self._restarts.fail_attempt(job, Fault(cause=Cause.HANG, reason=reason, step=progress.min_step))
+                hang = Fault(cause=Cause.HANG, reason=reason, step=progress.min_step)
+                self._restarts.apply(job, reconcile(self._restarts.view(job, hang=hang)))
 
     def _hang_reason(self, job: JobRecord, idle: float, rule: str, links: list[tuple[str, str]],
                      named: list[int]) -> str:

@@ -4,16 +4,17 @@
 stop of its failed attempt has come, the time) and returns a small frozen result that
 ``coordinator.recovery.restarts`` carries out: no store, clock or network here, so it is tested on its own.
 ``restart.max_restarts`` counts failures only: attempts that ended because a node was drained are free.
-An attempt that fails the same way as the one before it (``same_way``: the same rank error at the same
-step, or a hang at the same step) ends the job instead of looping through its restarts.
+An attempt that fails the same way as the one before it (``faults.same_way``, over typed faults: the same rank
+error at the same step, or a hang at the same step; the previous one read from the store, so it survives a
+failover) ends the job instead of looping through its restarts.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Sequence
 
+from rankctl.coordinator.model.faults import Fault, same_way
 from rankctl.coordinator.scheduling.stops import STOP_TIMEOUT_S
 
 REASONS_SHOWN = 400      # characters of each attempt's reason in a final failure
@@ -38,28 +39,15 @@ class AttemptFacts:
 
 @dataclass(frozen=True)
 class Failure:
-    """What the current attempt's failure was: its reason, and the step it failed at (None: not known,
-    or a failure that is no repeatable one: a lost node); ``previous``: the same of the attempt before."""
+    """What the current attempt's failure was (``fault``, typed); ``previous``: the fault the attempt before it
+    failed with, as stored (None: it did not fail, or ended by a drain)."""
 
-    reason: str
-    step: int | None = None
-    previous: tuple[str, int | None] | None = None
+    fault: Fault
+    previous: Fault | None = None
 
-
-_NODE = re.compile(r" on node \S+")
-
-
-def same_way(a: tuple[str, int | None], b: tuple[str, int | None]) -> bool:
-    """Two failures (reason, step) are the same way: both at the same known step, and both the same rank's
-    exit with the same code and last error line (wherever it ran), or both a hang."""
-    (ra, sa), (rb, sb) = a, b
-    if sa is None or sa != sb:
-        return False
-    if ra.startswith("hang:") and rb.startswith("hang:"):
-        return True
-    rank_exit = re.compile(r"^rank \d+ exited with code")
-    na, nb = _NODE.sub("", ra, count=1), _NODE.sub("", rb, count=1)
-    return bool(rank_exit.match(na)) and na == nb
+    @property
+    def reason(self) -> str:
+        return self.fault.reason
 
 
 @dataclass(frozen=True)
@@ -107,13 +95,13 @@ def decide(job: JobFacts, attempts: Sequence[AttemptFacts], stop: StopFacts | No
     current attempt (its reason, or a ``Failure`` with its step) and the ``attempts`` stored before it."""
     if job.restarting:
         return _after_stop(job, stop, now)
-    fact = failure if isinstance(failure, Failure) else Failure(failure)
-    failure = fact.reason
+    fact = failure if isinstance(failure, Failure) else None
+    failure = fact.reason if fact is not None else str(failure)
     drained = sum(1 for a in attempts if a.attempt < job.attempt and a.cause in FREE_CAUSES)
     if job.attempt - 1 - drained < job.max_restarts:
-        if fact.previous is not None and same_way((fact.reason, fact.step), fact.previous):
+        if fact is not None and fact.previous is not None and same_way(fact.fault, fact.previous):
             return Fail(f"attempt {job.attempt} failed the same way as attempt {job.attempt - 1}, at step "
-                        f"{fact.step}; not restarting it again: {failure}")
+                        f"{fact.fault.step}; not restarting it again: {failure}")
         return Restart(f"attempt {job.attempt} failed: {failure}", failure)
     if job.max_restarts == 0:
         return Fail(failure)

@@ -17,7 +17,7 @@ checkpoint where their kind saves one (``drains``); a drain is no failure.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import structlog
 
@@ -29,8 +29,11 @@ from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.fleet.nodes import NodeTable
 from rankctl.coordinator.diagnosis.progress import rank_span
 from rankctl.coordinator.model.records import JobRecord
+from rankctl.coordinator.recovery.reconcile import (
+    Continue, EndAttempt, JobView, MoveOff, Plan, reconcile,
+)
 from rankctl.coordinator.recovery.restart_decision import (
-    AttemptFacts, Decision, Fail, Failure, JobFacts, Requeue, Restart, StopFacts, Wait, decide,
+    AttemptFacts, Decision, Fail, Requeue, Restart, StopFacts, Wait,
 )
 from rankctl.coordinator.scheduling.scheduler import Scheduler
 from rankctl.coordinator.model.states import LIVE, JobState, is_terminal
@@ -68,15 +71,44 @@ class Restarts:
 
     # -- failures ---------------------------------------------------------------------------
     def fail_attempt(self, job: JobRecord, fault: Fault) -> None:
-        """The current attempt failed with ``fault``: restart the job if it may, else fail it with every attempt's
-        reason; one that fails the same way as the attempt before it ends the job (``restart_decision.same_way``,
-        for a ``Fault.repeatable`` one only). A RESTARTING job only re-checks its stop."""
-        last = self._failed.get(job.id)
-        previous = (last.fault.reason, last.step) if last is not None and last.attempt == job.attempt - 1 else None
-        step = fault.step if fault.repeatable else None
-        if job.state is not S.RESTARTING:
-            self._failed[job.id] = Failed(job.attempt, fault, step, self._clock(), tuple(job.nodes))
-        self._carry_out(job, self._decide(job, Failure(fault.reason, step, previous)), fault=fault)
+        """The current attempt failed with ``fault``: what follows is ``reconcile``'s (restart the job if it may,
+        else fail it with every attempt's reason; one that fails the same way as the attempt before it, as stored,
+        ends the job). A RESTARTING job only re-checks its stop."""
+        slot = {Cause.NODE_LOST: "lost", Cause.NODE_BACK: "lost", Cause.HANG: "hang"}.get(fault.cause, "failed")
+        self.apply(job, reconcile(self.view(job, **{slot: (fault,) if slot == "lost" else fault})))
+
+    def view(self, job: JobRecord, **facts: Any) -> JobView:
+        """The job's level state for ``reconcile``: its attempt, restart budget and stored attempts, the fault its
+        previous attempt failed with (stored: it survives a failover), its stop, the time; plus ``facts``."""
+        stop = None
+        if job.state is S.RESTARTING:
+            begun = self._stops.begin(job)
+            stop = StopFacts(begun.since, self._stops.left(job))
+        # the stored attempts only when a failure is at hand (the common advance has none: no store read)
+        failing = job.state is not S.RESTARTING and any(facts.get(k) for k in ("lost", "failed", "hang"))
+        attempts = [AttemptFacts(a["attempt"], a["reason"], a["cause"]) for a in self._store.attempts(job.id)] \
+            if failing else []
+        previous = Fault.from_json(self._store.attempt_fault(job.id, job.attempt - 1)) \
+            if failing and job.attempt > 1 else None
+        return JobView(state=job.state, attempt=job.attempt, max_restarts=max_restarts(job), attempts=attempts,
+                       previous=previous, stop=stop, now=self._clock(), **facts)
+
+    def apply(self, job: JobRecord, plan: Plan) -> bool:
+        """Carry out ``reconcile``'s plan for the attempt's end (True: it did something); the rest (Running, Succeed,
+        Hold, Nothing) is the caller's."""
+        match plan:
+            case EndAttempt(fault, decision):
+                if job.state is not S.RESTARTING:
+                    step = fault.step if fault.repeatable else None
+                    self._failed[job.id] = Failed(job.attempt, fault, step, self._clock(), tuple(job.nodes))
+                self._carry_out(job, decision, fault=fault)
+            case MoveOff(nodes, why):
+                self.drain_restart(job, list(nodes), why)
+            case Continue(decision):
+                self._carry_out(job, decision)
+            case _:
+                return False
+        return True
 
     def loss_held(self, job: JobRecord) -> bool:
         """A node of the job's attempt is lost and its failure held (``hold_loss``): its victims' errors wait."""
@@ -85,15 +117,7 @@ class Restarts:
     def requeue_when_stopped(self, job: JobRecord) -> None:
         """Queue a RESTARTING job's next attempt once every rank of the stopping one is confirmed gone."""
         if job.state is S.RESTARTING:
-            self._carry_out(job, self._decide(job))
-
-    def _decide(self, job: JobRecord, failure: str | Failure = "") -> Decision:
-        facts = JobFacts(attempt=job.attempt, restarting=job.state is S.RESTARTING, max_restarts=max_restarts(job))
-        if facts.restarting:
-            stop = self._stops.begin(job)
-            return decide(facts, (), StopFacts(stop.since, self._stops.left(job)), self._clock())
-        attempts = [AttemptFacts(a["attempt"], a["reason"], a["cause"]) for a in self._store.attempts(job.id)]
-        return decide(facts, attempts, None, self._clock(), failure)
+            self.apply(job, reconcile(self.view(job)))
 
     def _carry_out(self, job: JobRecord, decision: Decision, *, fault: Fault | None = None) -> None:
         match decision:
@@ -116,6 +140,8 @@ class Restarts:
             self._book.transition(job, S.RESTARTING, f"{headline}; stopping its ranks")
             self._lost_ranks_gone(job)
             self._store.end_attempt(job.id, job.attempt, self._clock(), S.RESTARTING.value, reason, cause)
+            if fault is not None:
+                self._store.fault_attempt(job.id, job.attempt, fault.to_json())
             if fault is not None and fault.blames_node:
                 self._store.blame_attempt(job.id, job.attempt, fault.node)
                 if fault.moves_off_node:
@@ -167,7 +193,7 @@ class Restarts:
         previous = job.attempt
         self._scheduler.remember_nodes(job)
         with self._store.transaction(f"the next attempt of job {job.id}"):
-            job.attempt, job.nodes, job.rendezvous = previous + 1, [], ""
+            self._book.next_attempt(job)
             self._book.transition(job, S.PENDING, f"attempt {previous}'s ranks are gone; queued as attempt "
                                                   f"{job.attempt}")
         self._stops.forget(job.id)
@@ -225,11 +251,12 @@ class Restarts:
             loss = Fault(cause=Cause.NODE_LOST, reason=f"node {name} lost ({detail}); {_gone(job.ranks_on(name))}",
                          node=name)
             if name in self._nodes.draining:  # drained, then taken away: still no failure
-                self.drain_restart(job, [name], f"then lost ({detail}); {_gone(job.ranks_on(name))}")
+                why = f"then lost ({detail}); {_gone(job.ranks_on(name))}"
+                self.apply(job, reconcile(self.view(job, draining_lost=((name,), why), lost=(loss,))))
             elif job.pool and self.hold_loss is not None and self.hold_loss(job, loss):
                 self._losing.setdefault(job.id, {})[name] = detail
             else:
-                self.fail_attempt(job, loss)
+                self.apply(job, reconcile(self.view(job, lost=(loss,))))
         for job, last in earlier:   # a victim's error that failed an attempt just before: the loss is why
             self._reattribute(job, last, name, detail)
         for job in {j.id: j for j in touched + stopping}.values():
@@ -262,7 +289,7 @@ class Restarts:
         do elastic jobs growing back to their full size."""
         for job, wait, detail in self._drains.due():
             if wait.nodes:
-                self.drain_restart(job, wait.nodes, detail)
+                self.apply(job, reconcile(self.view(job, drain_due=(tuple(wait.nodes), detail))))
             else:
                 self._begin_restart(job, f"attempt {job.attempt} ended to grow back to {job.nodes_needed} nodes: "
                                          f"{detail}", f"nodes free again; {detail}", cause="grow")
@@ -296,6 +323,7 @@ class Restarts:
         with self._store.transaction(f"the reason of attempt {last.attempt} of job {job.id}"):
             self._store.end_attempt(job.id, last.attempt, last.at, S.RESTARTING.value, loss.reason)
             self._store.blame_attempt(job.id, last.attempt, name)
+            self._store.fault_attempt(job.id, last.attempt, loss.to_json())
             self._book.event(job, "node", f"attempt {last.attempt} failed with node {name}'s loss; "
                                           f"{last.fault.reason} followed from it")
         if self._failed.get(job.id) is last:

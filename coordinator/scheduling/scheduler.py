@@ -254,7 +254,7 @@ class Scheduler:
         try:
             with self._guard.consistent(), self._outgoing.after_commit(), \
                     self._store.transaction(f"the next attempt of job {job.id}"):
-                job.attempt = previous + 1
+                self._book.next_attempt(job)
                 self._book.transition(job, S.PENDING, f"queued as attempt {job.attempt}, in place: each node "
                                                       f"stops attempt {previous}'s ranks before it starts its own")
                 self._start(job, names, port)
@@ -267,7 +267,7 @@ class Scheduler:
 
     def _start(self, job: JobRecord, names: list[str], port: int) -> None:
         rendezvous = f"{self._nodes.get(names[0]).record.host}:{port}"
-        job.world_size = len(names) * job.slots_per_node   # an elastic job's attempt may run on fewer nodes
+        self._book.sized(job, len(names))   # an elastic job's attempt may run on fewer nodes
         try:
             messages = assign_messages(job, names, rendezvous, [self._nodes.get(n).peer for n in names],
                                        self._restore_sources(job, names))
@@ -277,7 +277,7 @@ class Scheduler:
             return
         waited = self._book.waited(job)
         with self._store.transaction(f"the placement of job {job.id}"):
-            job.nodes, job.rendezvous = names, rendezvous
+            self._book.placed(job, names, rendezvous)
             self._book.transition(job, S.PLACED, f"placed on {_node_span(names)}; rendezvous {job.rendezvous}")
             self._store.put_attempt(job, self._clock())
             self._book.start_ranks(job)

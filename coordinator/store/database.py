@@ -217,12 +217,12 @@ class Store:
             return self._db.execute(sql, args)
 
     # -- jobs ----------------------------------------------------------------
-    def insert_job(self, job: JobRecord) -> None:
-        """Store a new job; sets ``job.seqno`` (submission order)."""
+    def insert_job(self, job: JobRecord) -> int:
+        """Store a new job; its ``seqno`` (submission order), which the job book sets."""
         cur = self._write(
             f"INSERT INTO jobs ({_JOB_COLS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._job_args(job)
         )
-        job.seqno = cur.lastrowid
+        return int(cur.lastrowid or 0)
 
     def update_job(self, job: JobRecord) -> None:
         cols = [c.strip() for c in _JOB_COLS.split(",")][1:]
@@ -266,6 +266,16 @@ class Store:
             "UPDATE attempts SET finished_at=?, state=?, reason=?, cause=? WHERE job_id=? AND attempt=?",
             (ts, state, reason, cause, job_id, attempt),
         )
+
+    def fault_attempt(self, job_id: str, attempt: int, fault_json: str) -> None:
+        """The typed fault an attempt failed with (``Fault.to_json``; "" for none)."""
+        self._write("UPDATE attempts SET fault_json=? WHERE job_id=? AND attempt=?", (fault_json, job_id, attempt))
+
+    def attempt_fault(self, job_id: str, attempt: int) -> str:
+        """The typed fault one attempt failed with, as stored ("": none, or it did not fail)."""
+        row = self._db.execute("SELECT fault_json FROM attempts WHERE job_id=? AND attempt=?",
+                               (job_id, attempt)).fetchone()
+        return row[0] if row else ""
 
     def blame_attempt(self, job_id: str, attempt: int, node: str) -> None:
         """The node an attempt's failure is attributed to ("" for none)."""

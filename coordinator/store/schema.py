@@ -2,7 +2,8 @@
 
 Schema version 2 adds the events' ``data_json`` (a ``step`` event's step and metrics). Version 3 (issue 13)
 adds the ``drains`` and ``exclusions`` tables and the attempts' ``cause`` and ``blamed``. Version 4 adds the
-jobs' ``submitted_by``; version 5 (issue 26) the jobs' ``allocation_json``; version 6 the ``worker_pools``.
+jobs' ``submitted_by``; version 5 the jobs' ``allocation_json``; version 6 the ``worker_pools``; version 7 the
+attempts' ``fault_json`` (a failed attempt's typed fault, ``coordinator.model.faults.Fault``).
 An older database is upgraded in place; a newer one is refused.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 6  # PRAGMA user_version of a database this code writes
+SCHEMA_VERSION = 7  # PRAGMA user_version of a database this code writes
 WAL_CHECKPOINT_PAGES = 128  # checkpoint the WAL into the database every ~512 KiB
 WAL_SIZE_LIMIT = 1 << 20    # and truncate it back to 1 MiB after a checkpoint
 
@@ -27,7 +28,8 @@ CREATE INDEX IF NOT EXISTS jobs_name ON jobs(name);
 CREATE TABLE IF NOT EXISTS attempts (
   job_id TEXT NOT NULL, attempt INTEGER NOT NULL, nodes_json TEXT NOT NULL, rendezvous TEXT NOT NULL,
   started_at REAL NOT NULL, finished_at REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL,
-  cause TEXT NOT NULL DEFAULT '', blamed TEXT NOT NULL DEFAULT '', PRIMARY KEY (job_id, attempt));
+  cause TEXT NOT NULL DEFAULT '', blamed TEXT NOT NULL DEFAULT '', fault_json TEXT NOT NULL DEFAULT '',
+  PRIMARY KEY (job_id, attempt));
 CREATE TABLE IF NOT EXISTS events (
   job_id TEXT NOT NULL, seq INTEGER NOT NULL, ts REAL NOT NULL, state TEXT NOT NULL, kind TEXT NOT NULL,
   message TEXT NOT NULL, rank_json TEXT, data_json TEXT, PRIMARY KEY (job_id, seq));
@@ -49,6 +51,7 @@ ADDED_COLUMNS = (
     ("attempts", "blamed", "TEXT NOT NULL DEFAULT ''"),      # version 3
     ("jobs", "submitted_by", "TEXT NOT NULL DEFAULT ''"),    # version 4
     ("jobs", "allocation_json", "TEXT NOT NULL DEFAULT ''"), # version 5
+    ("attempts", "fault_json", "TEXT NOT NULL DEFAULT ''"),  # version 7
 )
 
 
