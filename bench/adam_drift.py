@@ -1,8 +1,8 @@
 """Why a parallel layout's final parameters can sit ~1e-5 off the serial run's while every
 loss agrees: the per-step AdamW history of single parameter elements.
 
-Trains the job of ``tests/test_e2e_parallel.py`` (``--config parallel``: 4 layers, lr 3e-3,
-10 steps) or ``tests/test_e2e_train.py`` (``--config train``: 2 layers, lr 1e-2, 20 steps),
+Trains the job of ``tests/e2e/test_e2e_parallel.py`` (``--config parallel``: 4 layers, lr 3e-3,
+10 steps) or ``tests/e2e/test_e2e_train.py`` (``--config train``: 2 layers, lr 1e-2, 20 steps),
 built by the test's own ``job_yaml``, serially and in the layouts given, each in forked gloo
 ranks over a FileStore running the real ``kinds.train.loop`` code. Optimizer step hooks record,
 per step and parameter, the clipped gradient Adam sees, ``exp_avg``, ``exp_avg_sq`` and the
@@ -264,7 +264,7 @@ def loss_drift(ref: list[float], ours: list[float], label: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", choices=("parallel", "train"), default="parallel",
-                    help="the job of tests/test_e2e_parallel.py or tests/test_e2e_train.py")
+                    help="the job of tests/e2e/test_e2e_parallel.py or tests/e2e/test_e2e_train.py")
     ap.add_argument("--layouts", nargs="+", help="default: the layouts CI reported (parallel), or three "
                     "dp layouts (train)")
     ap.add_argument("--watch", nargs="*", help="elements NAME:I,J whose history to print besides each layout's "

@@ -370,7 +370,7 @@ class Daemon:
         """What ``fold`` makes of a restarted node's phase reports (``rendezvous``, ``groups``, ``running`` of each
         rank, in that order), built directly: one ``running`` report for the node's ranks with the newest one's
         sequence number. The same wire as the daemon's, without paying the generator's CPU for the fold
-        (``tests/test_scale_sim.py`` holds the two equal)."""
+        (``tests/unit/worker/test_scale_sim.py`` holds the two equal)."""
         if not self.folds or len(ranks) < 2 or ranks != list(range(ranks[0], ranks[0] + len(ranks))):
             return [self.report(job_id, attempt, r, p, 0) for p in ("rendezvous", "groups", "running") for r in ranks]
         self.seq += 3 * len(ranks)

@@ -1,7 +1,7 @@
 """Generate the protobuf and gRPC stubs (with .pyi) for ``rankctl/v1/rankctl.proto``.
 
 Run ``python -m rankctl.proto.generate`` (needs the dev extra: grpcio-tools, mypy-protobuf).
-The stubs are committed; ``tests/test_proto_stubs.py`` fails when they are stale.
+The stubs are committed; ``tests/unit/proto/test_proto_stubs.py`` fails when they are stale.
 Pass ``--out DIR`` to write elsewhere (the freshness test does).
 
 The .proto lives under ``rankctl/v1/`` (its package, as buf's PACKAGE_DIRECTORY_MATCH wants);

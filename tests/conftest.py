@@ -10,6 +10,11 @@ pool has started cannot fork safely (the child waits for pool threads that do no
 the test process runs torch single-threaded from the start: no pool is ever created. Ranks
 set their own thread count after the fork, as the launcher's ranks do.
 
+Tests live by layer: ``tests/unit/<package>`` (pure: no processes), ``tests/integration`` (processes, gloo ranks,
+an in-process gRPC server), ``tests/e2e`` (the real coordinator, daemons and ``ctl``); each test gets its layer's
+marker (``unit``, ``integration``, ``e2e``), so ``pytest -m "not e2e"`` runs the first two. The helpers (``cluster``,
+``ranks``, ``test_core``'s world ...) are importable from every layer: each test folder is on ``sys.path``.
+
 A worker daemon mounts its snapshot memory (``worker.files.snapmem``) and unmounts it on a clean stop;
 one a fault test SIGKILLs leaves it mounted, so the session unmounts what it added.
 """
@@ -18,8 +23,16 @@ import contextlib
 import fcntl
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+LAYERS = ("unit", "integration", "e2e")
+for _folder in sorted({p.parent for p in TESTS.rglob("*.py")} - {TESTS / "notorch"}, reverse=True):
+    if str(_folder) not in sys.path and "toykind" not in _folder.parts:
+        sys.path.insert(0, str(_folder))
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -112,7 +125,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 # worker is free in this order, so the long ones start early and the short ones fill in around them. The straggler
 # check comes before them: it runs alone, and at the start the other worker has the least to finish first.
 LONGEST_FIRST = ("test_e2e_straggler", "test_e2e_slurm", "test_e2e_ha", "test_e2e_parallel", "test_e2e_train", "test_e2e_control", "test_e2e_netns_faults",
-                 "test_e2e_restart", "test_e2e_defects", "test_e2e_tls", "test_e2e_drain", "test_e2e_leftovers")
+                 "test_e2e_restart", "test_e2e_defects", "test_e2e_tls", "test_e2e_drain", "test_e2e_leftovers",
+                 # then the longest of the other layers (multi-rank and launcher tests, 5-30 s each)
+                 "test_launcher", "test_launcher_faults", "test_tensor_parallel", "test_train_ranks", "test_context_parallel", "test_moe_ranks",
+                 "test_layout_megatron", "test_pipeline_ranks", "test_defects_worker", "test_megatron_conformance")
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:  # noqa: ANN001 - pytest hook
+    """``-m "not e2e"`` does not even import the end-to-end modules (their collection was a third of the run)."""
+    if config.getoption("markexpr", "").replace(" ", "") == "note2e" and collection_path.name == "e2e" \
+            and collection_path.parent == TESTS:
+        return True
+    return None
 
 
 def _module(item: pytest.Item) -> str:
@@ -123,12 +147,16 @@ def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pyte
     """Run the modules with a test that starts gRPC inside the pytest process last, whole (see above; pytest-xdist
     hands out whole modules), and within each part the end-to-end modules first, the longest of them first
     (``LONGEST_FIRST``); order otherwise kept (a stable sort)."""
+    for item in items:
+        layer = next((part for part in Path(str(item.path)).relative_to(TESTS).parts if part in LAYERS), None)
+        if layer is not None:
+            item.add_marker(getattr(pytest.mark, layer))
     grpc = {_module(item) for item in items if item.get_closest_marker("grpc_in_process") is not None}
 
     def order(item: pytest.Item) -> tuple[bool, int]:
         module = _module(item)
         rank = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
-        return module in grpc, rank if module.startswith("test_e2e_") else rank + 1
+        return module in grpc, rank if module.startswith("test_e2e_") or module in LONGEST_FIRST else rank + 1
 
     items.sort(key=order)
 

@@ -238,32 +238,22 @@ class JobBook:
             self._cache_finished(job.id)
         log.info("job.transition", job=job.id, state=dst.value, reason=reason)
 
-    # -- the one writer of a JobRecord's fields (``tests/test_import_rules.py``): every change goes through here --
-    def next_attempt(self, job: JobRecord) -> int:
-        """The job's next attempt, on no nodes yet (the caller's transaction stores it with the transition)."""
+    # -- the one writer of a JobRecord's fields (tests/unit/repo/test_import_rules.py); the caller's transaction stores
+    def next_attempt(self, job: JobRecord) -> None:
         job.attempt, job.nodes, job.rendezvous = job.attempt + 1, [], ""
-        return job.attempt
 
     def placed(self, job: JobRecord, names: list[str], rendezvous: str) -> None:
-        """The attempt's nodes and rendezvous (its size: an elastic job's attempt may run on fewer nodes)."""
-        job.world_size = len(names) * job.slots_per_node
-        job.nodes, job.rendezvous = names, rendezvous
+        job.world_size, job.nodes, job.rendezvous = len(names) * job.slots_per_node, names, rendezvous
 
-    def sized(self, job: JobRecord, nodes: int) -> None:
-        """The attempt's size before its placement is stored (the assignments are built for it)."""
+    def sized(self, job: JobRecord, nodes: int) -> None:   # an elastic job's attempt may run on fewer nodes
         job.world_size = nodes * job.slots_per_node
 
     def set_result(self, job: JobRecord, result: Any) -> None:
-        """The job's aggregated result, stored."""
         job.result = result
         self.save(job)
 
     def pin(self, job: JobRecord, allocation: Allocation, reason: str | None = None) -> None:
-        """The allocation the job is pinned to (and its waiting reason, for a new job's first ask); a job not yet
-        stored is stored by its submit."""
-        job.allocation = allocation
-        if reason is not None:
-            job.reason = reason
+        job.allocation, job.reason = allocation, job.reason if reason is None else reason
 
     def set_waiting(self, job: JobRecord, reason: str) -> None:
         """Update a pending job's reason, with an event, only when it changes."""

@@ -1,4 +1,4 @@
 """Rank logs: fetched from their nodes, archived before an allocation ends.
 
-May import: the rooms fleet, model of ``coordinator``; protobuf stubs (``tests/test_import_rules.py``).
+May import: the rooms fleet, model of ``coordinator``; protobuf stubs (``tests/unit/repo/test_import_rules.py``).
 """

@@ -1,4 +1,4 @@
 """The domain model: records, the job state machine, typed failures, errors, bounds (no grpc, no store).
 
-May import: no other room of ``coordinator``; no grpc, no protobuf (``tests/test_import_rules.py``).
+May import: no other room of ``coordinator``; no grpc, no protobuf (``tests/unit/repo/test_import_rules.py``).
 """

@@ -39,7 +39,7 @@ from rankctl.coordinator.scheduling.scheduler import Scheduler
 from rankctl.coordinator.model.states import LIVE, JobState, is_terminal
 from rankctl.coordinator.model.stats import CoordinatorStats
 from rankctl.coordinator.scheduling.stops import Stops
-from rankctl.coordinator.store.database import Store
+from rankctl.coordinator.store.database import Store, store_fault, stored_fault
 
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
@@ -88,7 +88,7 @@ class Restarts:
         failing = job.state is not S.RESTARTING and any(facts.get(k) for k in ("lost", "failed", "hang"))
         attempts = [AttemptFacts(a["attempt"], a["reason"], a["cause"]) for a in self._store.attempts(job.id)] \
             if failing else []
-        previous = Fault.from_json(self._store.attempt_fault(job.id, job.attempt - 1)) \
+        previous = Fault.from_json(stored_fault(self._store, job.id, job.attempt - 1)) \
             if failing and job.attempt > 1 else None
         return JobView(state=job.state, attempt=job.attempt, max_restarts=max_restarts(job), attempts=attempts,
                        previous=previous, stop=stop, now=self._clock(), **facts)
@@ -141,7 +141,7 @@ class Restarts:
             self._lost_ranks_gone(job)
             self._store.end_attempt(job.id, job.attempt, self._clock(), S.RESTARTING.value, reason, cause)
             if fault is not None:
-                self._store.fault_attempt(job.id, job.attempt, fault.to_json())
+                store_fault(self._store, job.id, job.attempt, fault.to_json())
             if fault is not None and fault.blames_node:
                 self._store.blame_attempt(job.id, job.attempt, fault.node)
                 if fault.moves_off_node:
@@ -323,7 +323,7 @@ class Restarts:
         with self._store.transaction(f"the reason of attempt {last.attempt} of job {job.id}"):
             self._store.end_attempt(job.id, last.attempt, last.at, S.RESTARTING.value, loss.reason)
             self._store.blame_attempt(job.id, last.attempt, name)
-            self._store.fault_attempt(job.id, last.attempt, loss.to_json())
+            store_fault(self._store, job.id, last.attempt, loss.to_json())
             self._book.event(job, "node", f"attempt {last.attempt} failed with node {name}'s loss; "
                                           f"{last.fault.reason} followed from it")
         if self._failed.get(job.id) is last:

@@ -27,12 +27,10 @@ import json
 import os
 import sqlite3
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
-from rankctl.kinds.spec import stored_spec
-from rankctl.coordinator.model.allocation import Allocation
+from rankctl.coordinator.store.rows import _JOB_COLS, _RANK_COLS, _job_from_row, _rank_from_row, _rank_to_json
 from rankctl.coordinator.model.errors import CoordinatorError
 from rankctl.coordinator.store import mirror
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeRecord, RankRecord
@@ -42,11 +40,6 @@ from rankctl.coordinator.model.states import JobState
 DB_NAME = "coordinator.db"
 LOCK_NAME = "coordinator.lock"
 
-_JOB_COLS = (
-    "seqno, id, name, kind, spec_json, state, reason, attempt, world_size, slots_per_node, "
-    "created_at, finished_at, nodes_json, rendezvous, result_json, submitted_by, allocation_json"
-)
-_RANK_COLS = "rank, node, phase, step, metrics_json, error, exit_code, exited, updated_at, result_json"
 
 
 class StoreError(CoordinatorError):
@@ -84,26 +77,6 @@ def _store_error(exc: sqlite3.Error, what: str, path: Path) -> StoreError:
     full = "full" in text.lower() or getattr(exc, "sqlite_errorcode", None) == 13  # SQLITE_FULL
     where = f" (the file system of {path} is full)" if full else f" ({path})"
     return StoreError(f"the coordinator could not store {what}: {text}{where}; nothing was changed", full=full)
-
-
-def _job_from_row(row: tuple) -> JobRecord:
-    (seqno, jid, name, kind, spec, state, reason, attempt, world, spn, created, finished, nodes, rdv, res, by,
-     alloc) = row
-    return JobRecord(
-        id=jid, name=name, kind=kind, spec=stored_spec(json.loads(spec), name, kind), state=JobState(state), reason=reason,
-        world_size=world, slots_per_node=spn, created_at=created, attempt=attempt, finished_at=finished,
-        nodes=json.loads(nodes), rendezvous=rdv, result=json.loads(res) if res else None, seqno=seqno,
-        submitted_by=by, allocation=Allocation.from_dict(json.loads(alloc)) if alloc else None,
-    )
-
-
-def _rank_from_row(row: tuple) -> RankRecord:
-    rank, node, phase, step, metrics, error, code, exited, updated, result = row
-    return RankRecord(rank, node, phase, step, metrics, error, code, bool(exited), updated, result)
-
-
-def _rank_to_json(r: RankRecord) -> str:
-    return json.dumps(asdict(r), separators=(",", ":"))
 
 
 class Replica(Protocol):
@@ -266,16 +239,6 @@ class Store:
             "UPDATE attempts SET finished_at=?, state=?, reason=?, cause=? WHERE job_id=? AND attempt=?",
             (ts, state, reason, cause, job_id, attempt),
         )
-
-    def fault_attempt(self, job_id: str, attempt: int, fault_json: str) -> None:
-        """The typed fault an attempt failed with (``Fault.to_json``; "" for none)."""
-        self._write("UPDATE attempts SET fault_json=? WHERE job_id=? AND attempt=?", (fault_json, job_id, attempt))
-
-    def attempt_fault(self, job_id: str, attempt: int) -> str:
-        """The typed fault one attempt failed with, as stored ("": none, or it did not fail)."""
-        row = self._db.execute("SELECT fault_json FROM attempts WHERE job_id=? AND attempt=?",
-                               (job_id, attempt)).fetchone()
-        return row[0] if row else ""
 
     def blame_attempt(self, job_id: str, attempt: int, node: str) -> None:
         """The node an attempt's failure is attributed to ("" for none)."""
@@ -456,3 +419,14 @@ def prune_events(store: Store, finished_before: float, limit: int) -> int:
         if deleted >= limit:
             break
     return deleted
+
+
+def store_fault(store: Store, job_id: str, attempt: int, fault_json: str) -> None:
+    """The typed fault an attempt failed with (``Fault.to_json``; "" for none): it survives a restart and a failover."""
+    store._write("UPDATE attempts SET fault_json=? WHERE job_id=? AND attempt=?", (fault_json, job_id, attempt))
+
+
+def stored_fault(store: Store, job_id: str, attempt: int) -> str:
+    """The typed fault one attempt failed with, as stored ("": none, or it did not fail)."""
+    row = store._db.execute("SELECT fault_json FROM attempts WHERE job_id=? AND attempt=?", (job_id, attempt)).fetchone()
+    return row[0] if row else ""

@@ -3,7 +3,7 @@
 Megatron's ``initialize_model_parallel`` creates every group of every kind on every rank and
 keeps the ones the rank belongs to; the tables below name, for each global it sets, the
 rankctl kind whose group (or member list) that global holds. The layout reproduces
-Megatron's groups exactly (``tests/test_layout_megatron.py``), so the getters answer the same.
+Megatron's groups exactly (``tests/unit/parallel/test_layout_megatron.py``), so the getters answer the same.
 Pure: no torch, no megatron-core; ``init.py`` writes the values.
 """
 

@@ -1,7 +1,7 @@
 """Which megatron-core rankctl.megatron supports, and loading it with a clear error otherwise.
 
 ``rankctl.megatron`` writes ``parallel_state``'s private globals, so it is tied to the
-versions it was checked against (``tests/test_megatron_conformance.py``); the range here is
+versions it was checked against (``tests/integration/test_megatron_conformance.py``); the range here is
 the ``rankctl[megatron]`` extra of ``pyproject.toml`` (a test keeps the two equal).
 """
 

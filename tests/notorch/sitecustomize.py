@@ -1,5 +1,5 @@
 """Put on PYTHONPATH, this makes the interpreter behave as if torch were not installed (a client-only venv):
-importing or looking up ``torch`` raises ModuleNotFoundError. tests/test_client_without_torch.py uses it."""
+importing or looking up ``torch`` raises ModuleNotFoundError. tests/e2e/test_client_without_torch.py uses it."""
 
 import sys
 

@@ -52,7 +52,7 @@ class Inbound(Protocol):
 # HTTP/2 pings every 2 s: a coordinator that stopped answering (SIGSTOP, a frozen host, a cut link) ends the
 # session within ~4 s, so the daemon moves to another coordinator instead of waiting on a silent stream
 # (gRPC 1.85 ends an unanswered ping on ``ping_timeout_ms`` only: with ``keepalive_timeout_ms`` alone a stopped
-# coordinator's stream stayed open, measured; tests/test_e2e_keepalive.py checks both directions)
+# coordinator's stream stayed open, measured; tests/e2e/test_e2e_keepalive.py checks both directions)
 KEEPALIVE = (("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000),
              ("grpc.http2.ping_timeout_ms", 2000), ("grpc.keepalive_permit_without_calls", 1),
              ("grpc.http2.max_pings_without_data", 0))
