@@ -8,10 +8,11 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rankctl.contract.preflight import line as preflight_line
+from rankctl.coordinator.model.states import TERMINAL as TERMINAL_STATES
 from rankctl.proto import from_struct, short_name
 from rankctl.proto import rankctl_pb2 as pb
 
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+TERMINAL = frozenset(s.value for s in TERMINAL_STATES)   # the state names a job ends in (one definition)
 
 
 def state_name(state: int) -> str:

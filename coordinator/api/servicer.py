@@ -15,9 +15,10 @@ end of its reason ("; stopping: N rank(s) not yet confirmed gone"), so every cli
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
-from typing import AsyncIterator, Callable, NoReturn
+from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn
 
 import grpc
 import structlog
@@ -92,6 +93,18 @@ def domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
         if isinstance(exc, kind):
             return code, "\n".join(exc.errors) if isinstance(exc, SpecError) else str(exc)
     return None
+
+
+def _answers(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+             ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    """A unary RPC's one error path: any exception becomes its status code (``_abort``), never a traceback."""
+    @functools.wraps(method)
+    async def answer(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            await _abort(context, exc)
+    return answer
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
@@ -202,106 +215,88 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         _fill(batch.events, map(convert.event_to_pb, events), BATCH_BYTES)
         return batch
 
+    @_answers
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
-        try:
-            spec = await _off_loop(self.core.validate, request.spec_yaml, list(request.overrides),
-                                   request.source or "job file")
-            missing = self.blobs.missing(registry.blobs_of(spec))
-            if missing:
-                raise BlobMissing(f"the job references {missing[0]}, which the coordinator does not hold: "
-                                  "upload it first (ctl submit packs and uploads python.workdir)")
-            who = caller()
-            allocation = convert.allocation_request_from_pb(request.allocation) \
-                if request.HasField("allocation") else None
-            job = self.core.submit_spec(spec, queue_anyway=request.queue_anyway, submitted_by=who.name if who else "",
-                                        allocation=allocation)
-            return pb.SubmitJobResponse(job=self._job(job.id))
-        except Exception as exc:
-            await _abort(context, exc)
+        spec = await _off_loop(self.core.validate, request.spec_yaml, list(request.overrides),
+                               request.source or "job file")
+        missing = self.blobs.missing(registry.blobs_of(spec))
+        if missing:
+            raise BlobMissing(f"the job references {missing[0]}, which the coordinator does not hold: "
+                              "upload it first (ctl submit packs and uploads python.workdir)")
+        who = caller()
+        allocation = convert.allocation_request_from_pb(request.allocation) \
+            if request.HasField("allocation") else None
+        job = self.core.submit_spec(spec, queue_anyway=request.queue_anyway, submitted_by=who.name if who else "",
+                                    allocation=allocation)
+        return pb.SubmitJobResponse(job=self._job(job.id))
 
+    @_answers
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
         """Summary and one page of ranks: ``rank_limit`` 0 means RANK_PAGE; ``next_rank_offset`` 0: no more."""
-        try:
-            limit = _rank_window(request.rank_offset, request.rank_limit)
-            return self._job(request.job_id, request.rank_offset, limit, request.summary_only)
-        except Exception as exc:
-            await _abort(context, exc)
+        limit = _rank_window(request.rank_offset, request.rank_limit)
+        return self._job(request.job_id, request.rank_offset, limit, request.summary_only)
 
+    @_answers
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
-        try:
-            if request.page_size < 0:
-                raise InvalidRequest(f"page_size={request.page_size} must not be negative")
-            size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
-            before = _page_token(request.page_token)
-            states = [_job_state(s) for s in request.states]
-            jobs, cursor = self.core.book.page(size, before, states)
-            out, used = pb.ListJobsResponse(), 0
-            for i, job in enumerate(jobs):
-                msg = convert.job_summary_pb(job)
-                used += msg.ByteSize()
-                if used > PAGE_BYTES and i > 0:  # bounded whatever the page size: continue from here
-                    cursor = jobs[i - 1].seqno
-                    break
-                out.jobs.append(msg)
-            if cursor:
-                out.next_page_token = str(cursor)
-            return out
-        except Exception as exc:
-            await _abort(context, exc)
+        if request.page_size < 0:
+            raise InvalidRequest(f"page_size={request.page_size} must not be negative")
+        size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
+        before = _page_token(request.page_token)
+        states = [_job_state(s) for s in request.states]
+        jobs, cursor = self.core.book.page(size, before, states)
+        out, used = pb.ListJobsResponse(), 0
+        for i, job in enumerate(jobs):
+            msg = convert.job_summary_pb(job)
+            used += msg.ByteSize()
+            if used > PAGE_BYTES and i > 0:  # bounded whatever the page size: continue from here
+                cursor = jobs[i - 1].seqno
+                break
+            out.jobs.append(msg)
+        if cursor:
+            out.next_page_token = str(cursor)
+        return out
 
+    @_answers
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
-        try:
-            who = caller()
-            if who is not None and who.role != ADMIN:
-                owner = self.core.book.get(request.job_id).submitted_by
-                if owner != who.name:
-                    await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                        f"{who} may not cancel job {request.job_id} of {owner or 'another user'}: "
-                                        f"cancelling another user's job needs the admin role")
-            job = self.core.cancel(request.job_id, request.reason)
-            return pb.CancelJobResponse(job=self._job(job.id))
-        except Exception as exc:
-            await _abort(context, exc)
+        who = caller()
+        if who is not None and who.role != ADMIN:
+            owner = self.core.book.get(request.job_id).submitted_by
+            if owner != who.name:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{who} may not cancel job {request.job_id} of {owner or 'another user'}: "
+                                    f"cancelling another user's job needs the admin role")
+        job = self.core.cancel(request.job_id, request.reason)
+        return pb.CancelJobResponse(job=self._job(job.id))
 
+    @_answers
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
-        try:
-            excluded, jobs = self.core.nodes.exclusions_by_node(), jobs_by_node(self.core.book.active())
-            return pb.ListNodesResponse(nodes=[self._node(s, free, excluded, jobs) for s, free in self.core.node_views()])
-        except Exception as exc:
-            await _abort(context, exc)
+        excluded, jobs = self.core.nodes.exclusions_by_node(), jobs_by_node(self.core.book.active())
+        return pb.ListNodesResponse(nodes=[self._node(s, free, excluded, jobs) for s, free in self.core.node_views()])
 
+    @_answers
     async def StartWorkers(self, request: pb.StartWorkersRequest,
                            context: grpc.aio.ServicerContext) -> pb.StartWorkersResponse:
         """A worker pool for the general queue on a new allocation (``ctl slurm workers``)."""
-        try:
-            who = caller()
-            pool = self.core.pools.start(convert.allocation_request_from_pb(request.allocation), request.nodes,
-                                         request.slots, requested_by=who.name if who else "")
-            return pb.StartWorkersResponse(pool=pool_to_pb(pool))
-        except Exception as exc:
-            await _abort(context, exc)
+        who = caller()
+        pool = self.core.pools.start(convert.allocation_request_from_pb(request.allocation), request.nodes,
+                                     request.slots, requested_by=who.name if who else "")
+        return pb.StartWorkersResponse(pool=pool_to_pb(pool))
 
+    @_answers
     async def ReleaseWorkers(self, request: pb.ReleaseWorkersRequest,
                              context: grpc.aio.ServicerContext) -> pb.ReleaseWorkersResponse:
         """Drain a worker pool's nodes, then let its workers go (``ctl slurm release``)."""
-        try:
-            return pb.ReleaseWorkersResponse(pool=pool_to_pb(self.core.pools.release(request.id,
-                                                                                             request.reason)))
-        except Exception as exc:
-            await _abort(context, exc)
+        return pb.ReleaseWorkersResponse(pool=pool_to_pb(self.core.pools.release(request.id,
+                                                                                         request.reason)))
 
+    @_answers
     async def ListWorkerPools(self, request: pb.ListWorkerPoolsRequest,
                               context: grpc.aio.ServicerContext) -> pb.ListWorkerPoolsResponse:
-        try:
-            return pb.ListWorkerPoolsResponse(pools=[pool_to_pb(p) for p in self.core.pools.listing()])
-        except Exception as exc:
-            await _abort(context, exc)
+        return pb.ListWorkerPoolsResponse(pools=[pool_to_pb(p) for p in self.core.pools.listing()])
 
+    @_answers
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
-        try:
-            return await asyncio.to_thread(self.info)
-        except Exception as exc:
-            await _abort(context, exc)
+        return await asyncio.to_thread(self.info)
 
     def _node(self, session: NodeSession, free: int, excluded: dict[str, list[str]],
               jobs: dict[str, list[str]]) -> pb.Node:
@@ -310,58 +305,48 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
                                   draining=session.name in self.core.nodes.draining,
                                   excluded_for=excluded.get(session.name, ()), jobs=jobs.get(session.name, ()))
 
+    @_answers
     async def DrainNode(self, request: pb.DrainNodeRequest, context: grpc.aio.ServicerContext) -> pb.DrainNodeResponse:
         """Drain: ``jobs`` are the jobs that move off the node. Undrain: the jobs it may run again (its
         exclusions, cleared). ``node`` is the node afterwards."""
-        try:
-            if request.undrain:
-                jobs = self.core.undrain(request.node)
-            else:
-                jobs = [job.id for job in self.core.drain(request.node, request.reason)]
-            session, free = self.core.node_view(request.node)
-            node = self._node(session, free, self.core.nodes.exclusions_by_node(), jobs_by_node(self.core.book.active()))
-            return pb.DrainNodeResponse(node=node, jobs=jobs)
-        except Exception as exc:
-            await _abort(context, exc)
+        if request.undrain:
+            jobs = self.core.undrain(request.node)
+        else:
+            jobs = [job.id for job in self.core.drain(request.node, request.reason)]
+        session, free = self.core.node_view(request.node)
+        node = self._node(session, free, self.core.nodes.exclusions_by_node(), jobs_by_node(self.core.book.active()))
+        return pb.DrainNodeResponse(node=node, jobs=jobs)
 
+    @_answers
     async def PlanJob(self, request: pb.PlanJobRequest, context: grpc.aio.ServicerContext) -> pb.PlanJobResponse:
-        try:
-            layout, spec = await _off_loop(self.core.plan, request.spec_yaml, list(request.overrides),
-                                           request.source or "job file")
-            return convert.plan_to_pb(layout, spec)
-        except Exception as exc:
-            await _abort(context, exc)
+        layout, spec = await _off_loop(self.core.plan, request.spec_yaml, list(request.overrides),
+                                       request.source or "job file")
+        return convert.plan_to_pb(layout, spec)
 
+    @_answers
     async def GetJobSchema(self, request: pb.GetJobSchemaRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetJobSchemaResponse:
         """The job file's JSON Schema: built once (tens of ms, on a worker thread), then cached."""
-        try:
-            return await _off_loop(convert.job_schema_to_pb)
-        except Exception as exc:
-            await _abort(context, exc)
+        return await _off_loop(convert.job_schema_to_pb)
 
+    @_answers
     async def StatBlob(self, request: pb.StatBlobRequest, context: grpc.aio.ServicerContext) -> pb.StatBlobResponse:
-        try:
-            size = self.blobs.size(request.digest)
-            return pb.StatBlobResponse(exists=size is not None, size=size or 0)
-        except Exception as exc:
-            await _abort(context, exc)
+        size = self.blobs.size(request.digest)
+        return pb.StatBlobResponse(exists=size is not None, size=size or 0)
 
+    @_answers
     async def UploadBlob(self, request_iterator: AsyncIterator[pb.BlobChunk],
                          context: grpc.aio.ServicerContext) -> pb.BlobRef:
         """The first chunk names the digest and the size; the blob is stored once, verified."""
-        try:
-            chunks = request_iterator.__aiter__()
-            first = await anext(chunks, None)
-            if first is None:
-                raise InvalidRequest("an upload needs at least one chunk naming its digest and size")
-            who = caller()  # the blob is charged to its first uploader's quota
-            size = await self.blobs.put(first.digest, first.size, _upload_chunks(first, chunks),
-                                        owner=who.name if who else "")
-            log.info("blob.stored", digest=first.digest, size=size)
-            return pb.BlobRef(digest=first.digest, size=size)
-        except Exception as exc:
-            await _abort(context, exc)
+        chunks = request_iterator.__aiter__()
+        first = await anext(chunks, None)
+        if first is None:
+            raise InvalidRequest("an upload needs at least one chunk naming its digest and size")
+        who = caller()  # the blob is charged to its first uploader's quota
+        size = await self.blobs.put(first.digest, first.size, _upload_chunks(first, chunks),
+                                    owner=who.name if who else "")
+        log.info("blob.stored", digest=first.digest, size=size)
+        return pb.BlobRef(digest=first.digest, size=size)
 
     async def WatchJob(self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
         """Stored events after ``after_seq``, then live ones, until the job is terminal; one per message."""

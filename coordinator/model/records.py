@@ -7,11 +7,13 @@ from typing import Any
 
 from rankctl.contract.spec import JobSpec
 from rankctl.coordinator.model.allocation import Allocation
+from rankctl.contract.files.rankstatus import PHASES as RANK_PHASES
 from rankctl.coordinator.model.states import JobState
 from rankctl.parallel.placement import ranks_of_node
 
-# rank phases in order; a rank at index >= RUNNING_INDEX has passed "running"
-PHASES = ("pending", "starting", "rendezvous", "groups", "running", "done", "failed", "exited")
+# rank phases in order, as the coordinator sees them: before its daemon hears it, launched, what the rank writes
+# (``contract.files.rankstatus.PHASES``, the one list), gone; a rank at index >= RUNNING_INDEX has passed "running"
+PHASES = ("pending", "starting", *RANK_PHASES, "exited")
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}
 RUNNING_INDEX = PHASES.index("running")
 

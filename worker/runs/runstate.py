@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from rankctl.contract.files.rankstatus import PHASES
 from rankctl.worker.runs.hangwatch import HangWatch
 from rankctl.worker.runs.status import StatusTailer
 
-STARTED_PHASES = ("running", "done", "failed")
+STARTED_PHASES = PHASES[PHASES.index("running"):]   # a rank that wrote one of these has started its work
 FAST_POLL_S = 10.0  # a run's status files are polled at start_poll_interval at most this long
 
 
