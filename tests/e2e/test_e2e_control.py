@@ -127,10 +127,9 @@ def test_worker_sigkill_fails_job_and_leaves_no_rank(cluster: ProcCluster) -> No
     st = cluster.wait_state(job, {"RUNNING"}, 60)
     victim = st["nodes"][1]
     assert rank_pids(job), "ranks should be running"
-    killed_at = time.monotonic()
     cluster.workers[victim].kill(signal.SIGKILL)
-    st = cluster.wait_state(job, {"FAILED"}, HEARTBEAT_TIMEOUT + 10)
-    assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT + 10
+    st = cluster.wait_state(job, {"FAILED"}, HEARTBEAT_TIMEOUT + 10)   # not FAILED by then: fails here
+    assert st["state"] == "FAILED" and f"node {victim} lost" in st["reason"], st   # failed by the node's loss
     assert victim in st["reason"] and "4-7" in st["reason"], st["reason"]
     wait_for(lambda: not rank_pids(job), 15, "no rank of the failed job left on any node")
     nodes = json.loads(ctl(cluster.address, "nodes", "--json").stdout)

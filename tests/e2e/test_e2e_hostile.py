@@ -3,7 +3,9 @@
 An alias bomb, a world of 10**9 ranks and 1.5e8 slots per node are each refused with exit 2
 by ``ctl submit`` (which validates locally first) and with INVALID_ARGUMENT by a raw SubmitJob
 or PlanJob, while another client's ListJobs keeps answering, and nothing is stored. Times are
-printed (run with ``-s``) and asserted only against a generous bound that catches pathologies.
+printed (run with ``-s``), never asserted: each refusal must name the bounding rule that refused it (the
+work those rules bound is counted in tests/unit/contract/test_hostile_input.py), and a blow-up fails at the
+call's own timeout.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from rankctl.proto import rankctl_pb2_grpc as pb_grpc
 from test_hostile_input import alias_bomb
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]
-PATHOLOGY_S = 5.0  # the acceptance asks for under a second; only a blow-up gets near this
 
 HOSTILE = {
     "alias-bomb": alias_bomb(),
@@ -35,7 +36,7 @@ EXPECTED = {"alias-bomb": "more than 10000 values", "world-1e9": "maximum world 
 
 
 class Poller(threading.Thread):
-    """Another client: ListJobs every 50 ms; keeps the slowest answer."""
+    """Another client: ListJobs every 50 ms, and once more after ``done`` is set; keeps the slowest answer."""
 
     def __init__(self, address: str) -> None:
         super().__init__(daemon=True)
@@ -44,7 +45,9 @@ class Poller(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        while not self.done.is_set():
+        stop = False
+        while not stop:
+            stop = self.done.is_set()   # the last call starts after the test's hostile requests were refused
             start = time.monotonic()
             try:
                 self.stub.ListJobs(pb.ListJobsRequest(), timeout=30)
@@ -76,7 +79,8 @@ def poller(coordinator: str):
     p.done.set()
     p.join(timeout=60)
     print(f"another client's ListJobs: {p.calls} calls, slowest {p.slowest * 1000:.0f} ms")
-    assert not p.failures and p.slowest < PATHOLOGY_S
+    # every call answered within its own deadline, the last one after the hostile requests, and none is stuck
+    assert not p.failures and p.calls >= 1 and not p.is_alive(), (p.failures, p.calls)
 
 
 def timed_ctl(address: str, *args: str):
@@ -98,7 +102,7 @@ def test_ctl_submit_refuses_hostile_jobs_quickly(case: str, coordinator: str, po
     job.write_text(HOSTILE[case])
     out, took = timed_ctl(coordinator, "submit", str(job))
     print(f"ctl submit {case}: exit {out.returncode} in {took:.2f} s (process start included): {out.stderr.strip()}")
-    assert out.returncode == 2 and EXPECTED[case] in out.stderr and took < PATHOLOGY_S
+    assert out.returncode == 2 and EXPECTED[case] in out.stderr, out.stderr   # refused by the rule that bounds it
     assert jobs_json(coordinator) == before
 
 
@@ -115,7 +119,7 @@ def test_the_coordinator_refuses_hostile_specs_quickly(case: str, rpc: str, coor
     took = time.monotonic() - start
     print(f"raw {rpc} {case}: {err.value.code().name} in {took * 1000:.0f} ms: {err.value.details()}")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and EXPECTED[case] in err.value.details()
-    assert took < PATHOLOGY_S and len(err.value.details()) < 1000
+    assert len(err.value.details()) < 1000
     assert jobs_json(coordinator) == before
 
 
@@ -126,7 +130,7 @@ def test_ctl_plan_refuses_a_world_of_2_to_the_32() -> None:
     out = subprocess.run(CTL + ["plan", "--world-size", "4294967296"], capture_output=True, text=True, timeout=120)
     took = time.monotonic() - start
     print(f"ctl plan --world-size 4294967296: exit {out.returncode} in {took:.2f} s: {out.stderr.strip()}")
-    assert out.returncode == 2 and "exceeds the maximum of 1048576 ranks" in out.stderr and took < PATHOLOGY_S
+    assert out.returncode == 2 and "exceeds the maximum of 1048576 ranks" in out.stderr, out.stderr   # before a layout
 
 
 @pytest.mark.parametrize("name, content, words", [

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import grpc
@@ -69,14 +68,12 @@ def test_hung_rank_fails_the_job_within_its_collective_timeout_blaming_no_one(no
     node.wait_state(job, {"RUNNING"}, 60)
     pid = wait_for(lambda: rank_pid(job, 1), 30, "rank 1's process")
     os.kill(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
     try:
-        st = node.wait_state(job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 60)
-        took = time.monotonic() - stopped
+        st = node.wait_state(job, {"FAILED", "SUCCEEDED", "CANCELLED"}, 60)   # a job still running at 60 s fails here
     finally:
         with contextlib.suppress(ProcessLookupError):  # the daemon may have continued and ended it already
             os.kill(pid, signal.SIGKILL)
-    assert st["state"] == "FAILED" and took < 60, (st, took)
+    assert st["state"] == "FAILED", st
     reason = st["reason"]
     assert reason.startswith("rank 0 on node node-a"), reason
     assert "timed out after 5 s waiting in a collective" in reason and "victim, not necessarily the cause" in reason, reason

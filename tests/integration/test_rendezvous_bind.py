@@ -4,16 +4,18 @@ every interface. Linux routes all of 127.0.0.0/8 to loopback: a listener reachab
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
-import time
 from datetime import timedelta
+from typing import Iterator
 
 import pytest
 import torch.distributed as dist
 
 from rankctl.contract.assignment import RankAssignment
 from rankctl.kinds.spec import parse_spec
+from rankctl.runtime import rendezvous
 from rankctl.runtime.rendezvous import await_listener, listen_on, open_store
 
 # the store's server thread stays in this process: run after the tests that fork ranks (tests/conftest.py)
@@ -70,7 +72,35 @@ def test_rank_0_hosts_the_store_on_the_rendezvous_address_and_ranks_reach_it(loo
         del store
 
 
-def test_a_rank_that_starts_before_rank_0_reaches_the_store_it_opens_later() -> None:
+class ProbeClock:
+    """``await_listener``'s clock made of its own pauses (``time.sleep`` advances ``time.monotonic``, without
+    waiting), with its connection attempts counted: how long it waits is counted, not timed."""
+
+    def __init__(self) -> None:
+        self.now, self.slept, self.tries = 0.0, [], 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    @contextlib.contextmanager
+    def installed(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        connect = socket.create_connection
+
+        def counted(*args, **kwargs) -> socket.socket:  # noqa: ANN002, ANN003 - socket.create_connection's
+            self.tries += 1
+            return connect(*args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(rendezvous, "time", self)
+            m.setattr(rendezvous.socket, "create_connection", counted)
+            yield
+
+
+def test_a_rank_that_starts_before_rank_0_reaches_the_store_it_opens_later(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client rank started before rank 0 waits for the listener itself (torch's own client backs off for up to
     about a second between tries) and then reaches the store; with nothing listening it returns at its timeout
     and leaves the error to the store."""
@@ -87,7 +117,13 @@ def test_a_rank_that_starts_before_rank_0_reaches_the_store_it_opens_later() -> 
     finally:
         late.join()
         opened.clear()
-    start = time.monotonic()
-    await_listener("127.0.0.1", port, 0.2)  # closed now: returns, no error of its own
-    assert time.monotonic() - start >= 0.15  # it waited (a lower bound: noise only lengthens it)
-    await_listener("no-such-host.invalid", port, 30)  # unresolvable: returns at once for the store to name it
+    clock = ProbeClock()
+    with clock.installed(monkeypatch):
+        await_listener("127.0.0.1", port, 0.2)  # closed now: returns, no error of its own
+    # it waited out its timeout, probing every 5 ms: each refused try but the last followed by a 5 ms pause
+    assert clock.slept == [0.005] * (clock.tries - 1), (clock.tries, clock.slept)
+    assert 0.195 - 1e-9 <= clock.now <= 0.2 + 1e-9, clock.now
+    clock = ProbeClock()
+    with clock.installed(monkeypatch):
+        await_listener("no-such-host.invalid", port, 30)  # unresolvable: returns at once for the store to name it
+    assert clock.tries == 1 and clock.slept == [], (clock.tries, clock.slept)

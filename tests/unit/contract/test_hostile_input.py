@@ -1,26 +1,84 @@
 """Hostile or mistyped job files are quick user errors, never work proportional to what they expand to.
 
 Pure: no processes (tests/e2e/test_e2e_hostile.py shows the same through a real coordinator and ctl).
-Times are asserted only against generous bounds that catch pathologies; they are printed.
+No clock: each test counts the work its input caused (YAML events walked, documents built, values quoted,
+layouts and rank arrays made, see ``counting``) and asserts it against the documented limits.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
+from unittest import mock
 
+import numpy as np
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from rankctl.cli.main import cli
+from rankctl.contract import jobfile, names
 from rankctl.contract import limits as L
 from rankctl.contract import spec as spec_module
 from rankctl.coordinator.scheduling.planner import plan_layout
 from rankctl.contract.jobfile import SpecError, load_yaml_text, read_job_text
 from rankctl.kinds.spec import build_spec
-from rankctl.parallel.layout import LayoutError, ParallelConfig
+from rankctl.parallel import layout, placement
+from rankctl.parallel.layout import GROUP_NAMES, LayoutError, ParallelConfig
 
-PATHOLOGY_S = 5.0  # far above what any of these take; only a blow-up gets near it
+
+@dataclass
+class Work:
+    """What validating one input did, counted at the functions that do the work."""
+
+    events: int = 0        # YAML events the bounded reader walked (``jobfile._Shape.feed``)
+    documents: int = 0     # YAML documents built into Python values (``construct_document``)
+    quoted: int = 0        # values quoted back in an error (``jobfile.brief``)
+    matched: int = 0       # unknown fields matched against the known ones (``jobfile.did_you_mean``)
+    repr_steps: int = 0    # values the bounded repr visited (``names._REPR.repr1``)
+    configs: int = 0       # ParallelConfigs constructed
+    arrays: list[int] = field(default_factory=list)  # the size of every rank array built (``_Grid.groups``)
+    rank_lists: int = 0    # groups turned into per-rank Python lists (``RankLayout.groups``)
+    per_rank: int = 0      # ``node_of_rank`` asked about one rank (a Python loop over ranks), not an array
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Work]:
+    """Count, while inside, the work of reading, validating and laying out a job (each function still runs)."""
+    work = Work()
+
+    def count(owner: object, name: str, note) -> contextlib.AbstractContextManager:  # noqa: ANN001 - note(args, result)
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            result = None
+            try:
+                result = original(*args, **kwargs)
+                return result
+            finally:
+                note(args, result)
+        return mock.patch.object(owner, name, counted)
+
+    def add(attr: str):  # noqa: ANN202
+        return lambda args, result: setattr(work, attr, getattr(work, attr) + 1)
+
+    with contextlib.ExitStack() as stack:
+        for owner, name, note in [
+            (jobfile._Shape, "feed", add("events")),
+            (jobfile._StrictLoader, "construct_document", add("documents")),
+            (jobfile, "brief", add("quoted")),
+            (jobfile, "did_you_mean", add("matched")),
+            (names._REPR, "repr1", add("repr_steps")),
+            (ParallelConfig, "__post_init__", add("configs")),
+            (layout._Grid, "groups", lambda args, result: work.arrays.append(-1 if result is None else result.size)),
+            (layout.RankLayout, "groups", add("rank_lists")),
+            (placement, "node_of_rank",
+             lambda args, result: setattr(work, "per_rank", work.per_rank + (not isinstance(args[0], np.ndarray)))),
+        ]:
+            stack.enter_context(count(owner, name, note))
+        yield work
 
 
 def alias_bomb(levels: int = 9) -> str:
@@ -30,26 +88,31 @@ def alias_bomb(levels: int = 9) -> str:
     return "\n".join(lines) + "\n"
 
 
-def nested_bomb(levels: int = 9) -> list:
+def nested_bomb(levels: int = 9, leaf: object = "lol") -> list:
     """The same blow-up built in Python: 9 shared references per level."""
-    value: list = ["lol"] * 9
+    value: list = [leaf] * 9
     for _ in range(levels):
         value = [value] * 9
     return value
 
 
-def refused(text: str, *words: str) -> str:
-    start = time.monotonic()
-    with pytest.raises(SpecError) as err:
+def refused(text: str, *words: str) -> tuple[str, Work]:
+    """The refusal of ``text`` as a job file, which names ``words``, and the work it took: the text built once at
+    most (never again per problem), nothing built when the YAML itself is refused, and no more values quoted or
+    matched than the problems an answer shows."""
+    with counting() as work, pytest.raises(SpecError) as err:
         build_spec(load_yaml_text(text, "job.yaml"))
-    took = time.monotonic() - start
-    print(f"refused in {took * 1000:.1f} ms: {err.value}")
-    assert took < PATHOLOGY_S
+    print(f"refused ({work}): {err.value}")
     message = str(err.value)
     for word in words:
         assert word in message, message
     assert len(message) < 3000, message  # 20 problems at most, each value by a short prefix
-    return message
+    assert work.documents <= 1, work
+    if "refused YAML" in message:   # from its events alone: no value exists yet
+        assert work.documents == 0, work
+    assert work.quoted <= L.MAX_ERRORS_SHOWN and work.matched <= L.MAX_ERRORS_SHOWN, work
+    assert work.configs == 0 and work.arrays == [], work   # a job file's schema lays nothing out
+    return message, work
 
 
 def errors_of(doc: dict) -> str:
@@ -63,12 +126,15 @@ def errors_of(doc: dict) -> str:
 def test_alias_bomb_is_refused_without_expanding_it() -> None:
     text = alias_bomb()
     assert len(text) < 1024
-    refused(text, "job.yaml", "more than 10000 values")
+    _, work = refused(text, "job.yaml", "more than 10000 values")
+    # nothing built, and the walk stopped part-way through the text's own events: no alias was walked into
+    assert work.documents == 0 and 0 < work.events < len(list(yaml.parse(text))), work
 
 
 def test_more_aliases_than_the_limit_are_refused_even_when_small() -> None:
     text = "name: x\nk: &a 1\n" + "".join(f"r{i}: *a\n" for i in range(L.MAX_YAML_ALIASES + 1))
-    refused(text, f"more than {L.MAX_YAML_ALIASES} aliases")
+    _, work = refused(text, f"more than {L.MAX_YAML_ALIASES} aliases")
+    assert work.documents == 0 and work.events == len(list(yaml.parse(text))) - 3, work  # at the 101st alias
 
 
 def test_a_few_aliases_still_work() -> None:
@@ -76,16 +142,39 @@ def test_a_few_aliases_still_work() -> None:
     assert build_spec(load_yaml_text(text)).world_size == 4
 
 
+class Leaf:
+    """A leaf of a value built from shared references that counts each time it is rendered; rendering more of
+    them than an echo could show raises at once (instead of walking 9**10 of them)."""
+
+    rendered = 0
+
+    def __repr__(self) -> str:
+        Leaf.rendered += 1
+        if Leaf.rendered > 1000:
+            raise WalkedWhole(f"{Leaf.rendered} leaves of a shared-reference value rendered")
+        return "'lol'"
+
+
+class WalkedWhole(Exception):
+    """A value that should be echoed by a prefix was walked (not a ValueError: pydantic would take it in)."""
+
+
 def test_a_value_built_from_shared_references_is_echoed_by_a_short_prefix() -> None:
-    start = time.monotonic()
-    message = errors_of({"name": "x", "junk": nested_bomb(), "train": {"lr": nested_bomb()}})
-    print(f"{time.monotonic() - start:.3f} s: {message}")
-    assert time.monotonic() - start < PATHOLOGY_S
+    Leaf.rendered = 0
+    leaf = Leaf()
+    with counting() as work:
+        message = errors_of({"name": "x", "junk": nested_bomb(leaf=leaf), "train": {"lr": nested_bomb(leaf=leaf)}})
+    print(f"{work}: {message}")
     assert "junk (got [[[[" in message and "train.lr" in message and len(message) < 600
+    # two values quoted, each by a bounded repr: at most maxlist items a level, maxlevel levels deep (85 steps),
+    # which never reaches the leaves 10 levels down
+    assert work.quoted == 2, work
+    per_value = sum(names._REPR.maxlist ** level for level in range(names._REPR.maxlevel + 1))
+    assert 0 < work.repr_steps <= 2 * per_value and Leaf.rendered == 0, (work, Leaf.rendered)
 
 
 def test_a_long_bad_value_is_quoted_by_a_prefix_with_its_length() -> None:
-    message = refused("name: " + "a" * 100_000 + "\n", "name (got 'aaaa", "(100000 characters)")
+    message, _ = refused("name: " + "a" * 100_000 + "\n", "name (got 'aaaa", "(100000 characters)")
     assert "a" * 100 not in message
 
 
@@ -125,10 +214,11 @@ def test_overrides_are_bounded_like_the_file() -> None:
     ({"nodes": 1025, "slots_per_node": 1024}, "maximum world size of 1048576"),
 ])
 def test_world_sizes_above_the_maximum_are_refused_before_any_layout(resources: dict, field: str) -> None:
-    start = time.monotonic()
-    message = errors_of({"name": "big", "kind": "comm-check", "resources": resources})
-    print(f"{(time.monotonic() - start) * 1000:.1f} ms: {message}")
-    assert field in message and time.monotonic() - start < PATHOLOGY_S
+    with counting() as work:
+        message = errors_of({"name": "big", "kind": "comm-check", "resources": resources})
+    print(f"{work}: {message}")
+    assert field in message
+    assert work.configs == 0 and work.arrays == [] and work.per_rank == 0, work   # nothing laid out
 
 
 def test_the_largest_world_is_accepted_and_planned_in_bounded_size() -> None:
@@ -136,11 +226,14 @@ def test_the_largest_world_is_accepted_and_planned_in_bounded_size() -> None:
 
     spec = build_spec({"name": "big", "kind": "comm-check", "resources": {"nodes": 1024, "slots_per_node": 1024},
                        "parallel": {"tp": 8, "pp": 8}})
-    start = time.monotonic()
-    doc = plan_layout(check_job(spec), 1024)
-    print(f"plan of {spec.world_size} ranks: {time.monotonic() - start:.2f} s")
-    assert time.monotonic() - start < 30 * PATHOLOGY_S
+    with counting() as work:
+        doc = plan_layout(check_job(spec), 1024)
+    print(f"plan of {spec.world_size} ranks: {work}")
     assert "groups" not in doc and "node_of_rank" not in doc and "omitted" in doc
+    # bounded by the world, per group name: one rank array of the world's size at most per name (pp's is shared
+    # by embd and pos_embd), no group turned into Python lists, no Python loop over ranks
+    assert 0 < len(work.arrays) <= len(GROUP_NAMES) and set(work.arrays) == {spec.world_size}, work.arrays
+    assert work.rank_lists == 0 and work.per_rank == 0, work
     assert doc["kinds"]["tp"] == {"groups": 131072, "size": 8, "cross_node": 0}
 
 
@@ -166,10 +259,10 @@ def test_moe_counts_have_maxima() -> None:
 
 
 def test_parallel_config_refuses_a_huge_world_before_allocating() -> None:
-    start = time.monotonic()
-    with pytest.raises(LayoutError, match="world_size=4294967296 exceeds the maximum of 1048576 ranks"):
+    with counting() as work, pytest.raises(LayoutError, match="world_size=4294967296 exceeds the maximum of 1048576 "
+                                                              "ranks"):
         ParallelConfig(world_size=4_294_967_296)
-    assert time.monotonic() - start < PATHOLOGY_S
+    assert work.configs == 1 and work.arrays == [] and work.rank_lists == 0, work   # no rank array allocated
 
 
 def test_ctl_plan_refuses_a_huge_world_with_exit_2() -> None:
@@ -197,8 +290,12 @@ def test_non_utf8_file_names_the_byte_offset(tmp_path: Path) -> None:
 
 
 def test_deep_nesting_names_the_depth_limit() -> None:
-    refused("name: deep\nx: " + "[" * 10_000 + "]" * 10_000 + "\n", "nested deeper than the limit of 32 levels")
-    refused("".join(" " * i + "a:\n" for i in range(40)) + " " * 40 + "b: 1\n", "the limit of 32 levels")
+    # refused at the first collection past the limit: the walk is as long as the limit, not as the nesting
+    flow = "name: deep\nx: " + "[" * 10_000 + "]" * 10_000 + "\n"
+    _, work = refused(flow, "nested deeper than the limit of 32 levels")
+    assert work.documents == 0 and work.events <= 6 + L.MAX_YAML_DEPTH, work   # 6 up to "x:", then one a level
+    _, work = refused("".join(" " * i + "a:\n" for i in range(40)) + " " * 40 + "b: 1\n", "the limit of 32 levels")
+    assert work.documents == 0 and work.events <= 2 + 2 * (L.MAX_YAML_DEPTH + 1), work   # a key and a mapping a level
 
 
 def test_an_integer_too_long_to_parse_is_a_yaml_error() -> None:
@@ -239,8 +336,10 @@ def test_collective_timeout_defaults_to_300_seconds_and_is_bounded() -> None:
 
 def test_a_file_of_many_problems_lists_the_first_few() -> None:
     text = "name: x\n" + "".join(f"k{i}: {'x' * 40}\n" for i in range(4000))
-    message = refused(text, "unknown field", "... and 3980 more problems")
+    message, work = refused(text, "unknown field", "... and 3980 more problems")
     assert message.count("unknown field") == L.MAX_ERRORS_SHOWN
+    # the 3980 others are counted only: neither quoted nor matched against the known fields
+    assert work.quoted == work.matched == L.MAX_ERRORS_SHOWN and work.documents == 1, work
 
 
 @pytest.mark.parametrize("doc", [{"name": "k", "kind": "a" * 200_000},

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rankctl.coordinator.api import auth
 
 from rankctl.coordinator.api import convert
+from rankctl.contract.spec import JobSpec
 from rankctl.kinds import registry
 from toykind import KIND as TOY
 
@@ -53,16 +54,27 @@ def test_every_example_job_file_is_described_by_the_schema() -> None:
         assert doc.get("kind", s["properties"]["kind"]["default"]) in s["properties"]["kind"]["enum"]
 
 
-def test_the_schema_is_built_once_and_follows_the_registered_kinds() -> None:
+def test_the_schema_is_built_once_and_follows_the_registered_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[type] = []   # every JSON Schema generation of a job-file model (each ``spec_model()`` is a JobSpec)
+    generate = JobSpec.model_json_schema.__func__
+
+    def counted(cls: type, *args, **kwargs) -> dict:  # noqa: ANN002, ANN003 - pydantic's own signature
+        built.append(cls)
+        return generate(cls, *args, **kwargs)
+
+    monkeypatch.setattr(JobSpec, "model_json_schema", classmethod(counted))
     before, version = schema()
-    start = time.perf_counter()
-    assert schema()[1] == version
-    assert time.perf_counter() - start < 0.01  # cached: no model_json_schema() per call
+    assert len(built) <= 1   # built now, or by an earlier test for the same kinds
+    built.clear()
+    assert schema()[1] == version and schema()[1] == version
+    assert built == []   # cached: no model_json_schema() per call
     assert "toy" not in before["properties"]
     registry.register(TOY)
     try:
         after, new_version = schema()
         assert new_version != version and "toy" in after["properties"] and "toy-kind" in after["properties"]["kind"]["enum"]
+        assert len(built) == 1   # a new kind: built again, once (the counter sees a build)
+        assert schema()[1] == new_version and len(built) == 1
     finally:
         registry.unregister("toy-kind")
     assert "toy" not in schema()[0]["properties"]
