@@ -44,7 +44,7 @@ def address_problem(address: str) -> str | None:
         return None
     for part in address.split(","):
         host, _, port = part.rpartition(":")
-        if not (host and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in part)):
+        if not (host and port.isascii() and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in part)):
             return (f"coordinator {address!r} must be HOST:PORT with a port 1-65535, several joined by commas, "
                     "or unix:PATH")
     return None

@@ -42,7 +42,7 @@ class JobKind:
     ``entry``: the rank's function ``(RankContext) -> dict | None`` (its result).
     ``aggregate(rank -> result) -> job result``: on the coordinator, pure; default: every rank's result.
     ``summary(result) -> dict``: extra top-level fields of ``ctl status --json``.
-    ``tables(result) -> [rich renderable]`` and ``progress(spec dict, job) -> renderable | None``: ``ctl``'s view.
+    ``tables(result, rows_table) -> [(result key, table)]`` and ``progress(job) -> renderable | None``: ``ctl``'s view.
     ``client_overrides(spec, job_dir) -> ["key=value"]``: what ``ctl`` adds before submitting (e.g. absolute
     paths); ``job_dir`` is the job file's directory, absolute.
     ``blobs(spec dict) -> ["sha256:<hex>"]``: blobs the spec references (a packed workdir), pure; the
