@@ -22,7 +22,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster import CTL, ProcCluster, ctl, ready_nodes, start_coordinator, start_worker, status, wait_for, wait_state
+from cluster import (
+    CTL, ProcCluster, ctl, rank_pids, ready_nodes, start_coordinator, start_worker, status, wait_for, wait_state,
+)
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.proto import rankctl_pb2_grpc
 
@@ -141,7 +143,9 @@ def test_a_full_state_disk_refuses_submits_cleanly_and_loses_nothing(tmpfs: Path
     worker = start_worker(address, "disk-0", 2, tmp_path / "workers")
     try:
         wait_for(lambda: ready_nodes(address) == ["disk-0"], 60, "the worker READY")
-        running = comm_check(address, 6, "--set", "resources.nodes=1")
+        # long enough to outlast the refused submits under load (a checkpointed WAL may store one more
+        # transaction: a job that ended before the disk refused was stored, not held)
+        running = comm_check(address, 15, "--set", "resources.nodes=1")
         wait_state(address, running, {"RUNNING"}, 60)
         _fill(tmpfs / "filler")
         # SQLite may still write a few transactions into WAL space it already holds (after a checkpoint the WAL
@@ -162,7 +166,7 @@ def test_a_full_state_disk_refuses_submits_cleanly_and_loses_nothing(tmpfs: Path
         assert "Traceback" not in refused.stderr
         listed = json.loads(ctl(address, "jobs", "--json").stdout)
         assert sorted(j["id"] for j in listed) == sorted([running, *accepted]), listed   # nothing phantom, nothing lost
-        time.sleep(8)                                             # the running job ends while the disk is full
+        wait_for(lambda: not rank_pids(running), 60, "the running job's ranks to exit while the disk is full")
         assert status(address, running)["state"] == "RUNNING"      # its exits are held, not lost
         problem = json.loads(ctl(address, "info", "--json").stdout)["store"]["problem"] or ""
         assert "the store refuses writes" in problem and "held in memory" in problem, problem

@@ -29,6 +29,7 @@ from rankctl.worker.replication.replicas import PeerServicer
 from rankctl.worker.replication.shardstore import ShardStore
 
 log = structlog.get_logger("rankctl.worker")
+REAP_EVERY_S = 5.0   # how often a daemon unmounts what dead workers left on its host (``worker.files.mountreg``)
 
 
 OVERALL = ""                               # the node: coordinator session and launcher
@@ -162,11 +163,23 @@ async def run_worker(cfg: DaemonConfig, stop: asyncio.Event | None = None, launc
         log.info("unmounted what dead workers left", node=cfg.name, paths=reaped)
     bound = snapmem.apply(str(cfg.state_dir), cfg.snapshot_memory_mb)
     log.info("snapshot memory bound", node=cfg.name, **bound.fields())
+    reaper = asyncio.create_task(_reap_dead_owners(cfg.name, [checkpoints.memory_base(str(cfg.state_dir))]))
     try:
         await _run_worker(cfg, stop, launcher, bound)
     finally:
+        reaper.cancel()
         if snapmem.release(bound):  # empty: it would outlive the daemon for nothing
             log.info("snapshot memory unmounted", node=cfg.name, path=bound.base)
+
+
+async def _reap_dead_owners(node: str, keep: list[str], every: float = REAP_EVERY_S) -> None:
+    """Again every ``every`` seconds: a worker SIGKILLed after this one started leaves mounts whose last owner (its
+    launcher) may outlive it by a moment, past the next worker's start; the next turn takes them."""
+    while True:
+        await asyncio.sleep(every)
+        reaped = await asyncio.to_thread(mountreg.reap, shm.unmount, keep)
+        if reaped:
+            log.info("unmounted what dead workers left", node=node, paths=reaped)
 
 
 async def _run_worker(cfg: DaemonConfig, stop: asyncio.Event | None, launcher: Any, bound: snapmem.Bound) -> None:

@@ -5,7 +5,8 @@ per-attempt ``/dev/shm`` (``worker.files.shm``), and a Slurm worker's state dir 
 used again, so no restart on it would. Each such mount is recorded in a host-wide registry,
 ``{SHM}/rankctl-mounts/{hash of the mount point}``: the mount point and its owners (pid and start time: the
 daemon, and for an attempt's the launcher that mounted it). A worker's start (``reap``), whatever its state
-dir, unmounts every recorded tmpfs whose owners are all gone; never one with a live owner (a reused pid does
+dir, and again every few seconds while it runs (a launcher may outlive its SIGKILLed daemon past the next worker's
+start), unmounts every recorded tmpfs whose owners are all gone; never one with a live owner (a reused pid does
 not count as the owner: its start time differs), nor a mount no record names (made before the registry).
 """
 
