@@ -145,7 +145,7 @@ def test_a_full_state_disk_refuses_submits_cleanly_and_loses_nothing(tmpfs: Path
         wait_for(lambda: ready_nodes(address) == ["disk-0"], 60, "the worker READY")
         # long enough to outlast the refused submits under load (a checkpointed WAL may store one more
         # transaction: a job that ended before the disk refused was stored, not held)
-        running = comm_check(address, 15, "--set", "resources.nodes=1")
+        running = comm_check(address, 10, "--set", "resources.nodes=1")
         wait_state(address, running, {"RUNNING"}, 60)
         _fill(tmpfs / "filler")
         # SQLite may still write a few transactions into WAL space it already holds (after a checkpoint the WAL
