@@ -80,8 +80,11 @@ class ConfigError(CtlError):
 
 def _context(path: Path, name: Any, body: Any) -> Context:
     where = f"contexts.{name}"
-    if not isinstance(name, str) or name_problem(name):
-        raise ConfigError(path, f"{where}: {name_problem(str(name))}")
+    if not isinstance(name, str):   # YAML read `1:` or `null:` as a number or None, not a name
+        raise ConfigError(path, f"{where}: a context name is a string; YAML read this key as "
+                                f"{type(name).__name__} {name!r} (quote it)")
+    if name_problem(name):
+        raise ConfigError(path, f"{where}: {name_problem(name)}")
     if not isinstance(body, dict):
         raise ConfigError(path, f"{where} is {body!r}: must be a mapping with coordinator (and tls_dir)")
     unknown = sorted(set(map(str, body)) - set(CONTEXT_KEYS))

@@ -236,3 +236,16 @@ def test_a_port_of_non_ascii_digits_is_a_problem_not_a_traceback() -> None:
     assert address_problem("host:\u00b2") is not None
     assert address_problem("host:\u0667\u0664\u0662\u0660") is not None
     assert address_problem("host:7420") is None
+
+
+def test_a_context_name_yaml_read_as_a_number_or_null_is_named_with_the_rule() -> None:
+    from pathlib import Path
+
+    import pytest
+
+    from rankctl.cli.contexts import ConfigError, parse
+
+    for key in (1, None):
+        with pytest.raises(ConfigError) as err:
+            parse(Path("c.yaml"), {"contexts": {key: {"coordinator": "h:1"}}})
+        assert f"contexts.{key}: a context name is a string" in str(err.value) and not str(err.value).endswith("None")
