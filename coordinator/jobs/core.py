@@ -16,6 +16,7 @@ stalled (``tick(loop_lag=...)``), so a slow moment never marks live nodes LOST.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections import Counter
@@ -60,6 +61,11 @@ S = JobState
 DRAIN_REASON_MAX = 1000     # characters of a ctl drain --reason
 
 
+def _free_slots(nodes: NodeTable, book: JobBook, stops: Stops) -> dict[str, int]:
+    """READY node -> its slots no job holds (active jobs, and ended ones whose ranks are not confirmed gone)."""
+    return capacity.free_slots(nodes.ready(), book.active() + list(stops.ended()))
+
+
 class Coordinator:
     """Jobs and nodes of one coordinator, assembled from its collaborators (see the module docstring).
 
@@ -84,16 +90,16 @@ class Coordinator:
         self._guard, self.relays = StoreGuard(store, self.book, self.nodes), self._outgoing.relays   # relay heads
         self._stops = Stops(self.book, self.nodes, clock)
         self._drains = Drains(self.book, clock, self._outgoing)
+        self.pools = WorkerPools(self.nodes, store, clock, self.drain, self.undrain,
+                                 functools.partial(_free_slots, self.nodes, self.book, self._stops))
         self._scheduler = Scheduler(self.book, self.nodes, store, clock, self._guard, self._outgoing, self.stats,
                                     ended=self._stops.ended, shutting_down=self._is_shutting_down,
-                                    head_wait=head_wait)
+                                    head_wait=head_wait, general=self.pools.general)
         self._restarts = Restarts(self.book, self.nodes, store, clock, self._outgoing, self._stops, self._drains,
                                   self._scheduler, self.stats)
         self._advancer = Advancer(self.book, store, clock, self._guard, self._restarts, self._stops)
         self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self.schedule)
         self._restarts.hold_loss, self._scheduler.gathering = self.allocations.hold_loss, self.allocations.gathering
-        self.pools = WorkerPools(self.nodes, store, clock, self.drain, self.undrain, self._scheduler.free_slots)
-        self._scheduler.general = self.pools.general
         self._assemble_node_side(heartbeat_timeout, max_heartbeat_rate)
         for job in self.book.active():  # restarts under way before the coordinator stopped: confirm them again
             if job.state is S.RESTARTING:

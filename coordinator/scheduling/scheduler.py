@@ -49,7 +49,7 @@ class Scheduler:
     def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
                  guard: StoreGuard, outgoing: Outgoing, stats: CoordinatorStats, *,
                  ended: Callable[[], Iterable[JobRecord]], shutting_down: Callable[[], bool],
-                 head_wait: float = HEAD_WAIT_S) -> None:
+                 head_wait: float = HEAD_WAIT_S, general: Callable[[str], bool] = lambda pool: False) -> None:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
         self._guard, self._outgoing, self._stats = guard, outgoing, stats
         self._ended, self._shutting_down = ended, shutting_down
@@ -61,7 +61,7 @@ class Scheduler:
         # ``allocations``: why a job of an allocation waits for more of its workers (set by the core)
         self.gathering: Callable[[JobRecord, int], str | None] = lambda job, ready: None
         # ``pools``: whether a worker's pool is a worker pool of the general queue (ctl slurm workers)
-        self.general: Callable[[str], bool] = lambda pool: False
+        self.general = general
 
     def _placement_pool(self, pool: str) -> str:
         """The pool a node serves: its allocation's, or "" (the general queue) for a worker pool's and unpooled."""
