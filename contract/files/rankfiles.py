@@ -26,7 +26,7 @@ import json
 import os
 import re
 import stat
-from typing import Any
+from typing import Any, Callable
 
 SAVED_ON_REQUEST = "saved_on_request"   # a step record's metric: the step of the last checkpoint saved on request
 STATUS_RE = re.compile(r"^rank-(\d+)\.status\.jsonl$")
@@ -108,3 +108,50 @@ def notify_saved(run_dir: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class CheckpointRequests:
+    """The daemon's ``{"checkpoint_at": S}`` in the rank's control file: one ``os.stat`` a step; the
+    file is read only when it was replaced (the daemon renames a new one into place).
+
+    The ranks agree on the step they save at (``agreed``: one world all-reduce of an int a step), so a rank
+    whose daemon delivered the request late saves at the same step as every other rank, never alone at a later
+    one that no other rank holds. A request at or below the one already served is stale (a late copy, a resend)."""
+
+    def __init__(self, run_dir: str, rank: int) -> None:
+        self.path = control_path(run_dir, rank)
+        self._seen: tuple[int, int, int] | None = None
+        self.pending: int | None = None
+        self.served = -1    # the request last saved for
+
+    def poll(self) -> int | None:
+        """The step a checkpoint is asked for and not yet saved, if any."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return self.pending
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._seen:
+            self._seen = key
+            at = read_control(self.path).get("checkpoint_at")
+            if isinstance(at, int) and not isinstance(at, bool) and at > self.served:
+                self.pending = at
+        return self.pending
+
+    def due(self, step: int) -> int | None:
+        """The requested step when a checkpoint is to be saved at the end of ``step`` (this rank's view)."""
+        at = self.poll()
+        return at if at is not None and step >= at else None
+
+    def agreed(self, step: int, world: Callable[[int], int] | None) -> int | None:
+        """The requested step when every rank saves at the end of ``step``: the largest request any rank holds
+        (``world``: the max over the ranks, a collective every rank calls each step; None with one rank)."""
+        at = self.poll()
+        if world is not None:
+            top = world(-1 if at is None else at)
+            at = None if top <= self.served else top
+            self.pending = at
+        return at if at is not None and step >= at else None
+
+    def saved(self, at: int) -> None:
+        self.served, self.pending = max(self.served, at), None

@@ -37,7 +37,7 @@ PACE_FACTOR = 4.0     # times the longest of its recent step intervals (or the o
 GROWTH_STEPS = 3      # consecutive intervals whose ratio is the growth trend
 GROWTH_MAX = 4.0      # a projected step grows at most this much over the last one
 PACE_WINDOW = 16      # step intervals remembered
-PACE_MIN_STEPS = 2    # step intervals known before the pace is trusted (until then: restart.hang_timeout)
+PACE_MIN_STEPS = 2    # step intervals seen before the pace is trusted (until then: restart.hang_timeout)
 EVIDENCE_GRACE_S = 3.0   # past the limit, how long a judgement waits for ranks that have sent no evidence yet
 
 MOVED = '{"moved":true}'     # evidence withdrawn (``worker.runs.hangwatch.MOVED_JSON``)
@@ -53,6 +53,7 @@ class Pace:
     intervals: deque = field(default_factory=lambda: deque(maxlen=PACE_WINDOW))
     last_step_at: float | None = None
     last_step: int = 0
+    known: int = 0          # step intervals seen (a jump of several steps counts as that many)
     paused: bool = False    # some rank was stopped since the last step
     waiting: set[int] = field(default_factory=set)
     busy: set[int] = field(default_factory=set)
@@ -64,10 +65,12 @@ class Pace:
     # -- updates ----------------------------------------------------------------------------
     def step_completed(self, step: int, now: float) -> None:
         """Every rank finished ``step`` (the job-level step) at ``now``; a jump of several steps (reports
-        coalesced) counts as that many intervals of its mean; one in which some rank was stopped is a pause,
-        not the job's pace, and is left out."""
+        coalesced) is one interval of its mean that counts as that many towards trusting the pace (a loaded
+        daemon that coalesced a fast job's first steps must not leave it judged on ``hang_timeout`` alone);
+        one in which some rank was stopped is a pause, not the job's pace, and is left out."""
         if self.last_step_at is not None and step > self.last_step and not self.paused:
             self.intervals.append(max(0.0, now - self.last_step_at) / (step - self.last_step))
+            self.known += step - self.last_step
         self.last_step_at, self.last_step = now, step
         self.paused = bool(self.stopped)
 
@@ -110,7 +113,7 @@ class Pace:
     def limit(self, hang_timeout: float) -> float:
         """Seconds of stillness after which a job whose ranks wait is hung (``hang_timeout`` until the pace
         is known)."""
-        if len(self.intervals) < PACE_MIN_STEPS:
+        if self.known < PACE_MIN_STEPS:
             return hang_timeout
         return min(hang_timeout, max(PACE_FLOOR_S, PACE_FACTOR * self.expected()))
 

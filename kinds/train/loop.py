@@ -54,7 +54,8 @@ from rankctl.kinds.context import RankContext
 from rankctl.kinds.train import optim
 from rankctl.kinds.train.data import VAL, TokenDataset
 from rankctl.kinds.train.render import printed_step, step_line
-from rankctl.kinds.train.train_state import CheckpointRequests, Snapshots, restore_or_reset, save_after_step
+from rankctl.contract.files.rankfiles import CheckpointRequests
+from rankctl.kinds.train.train_state import Snapshots, restore_or_reset, save_after_step
 from rankctl.kinds.train.trainer import Batch, Layout, StepFn, Trainer, TrainState
 from rankctl.models.attention import RingAttention, set_attention
 from rankctl.models.embedding_sync import duplicate_params, sync_embedding_grads

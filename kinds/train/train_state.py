@@ -34,10 +34,10 @@ preferred when both hold the step, or a snapshot), with the same identity check.
 without ``train.resume`` takes only files its own job wrote (the marker's ``job_id``): an earlier
 run under the same name with the same identity is never mixed in.
 
-Checkpoints on request (``CheckpointRequests``): the daemon writes ``{"checkpoint_at": S}`` to the
-rank's control file (``contract.files.rankfiles``); the rank stats it once per step and saves a full
-checkpoint at the end of step S (or of the step it is in when it sees S late), complete before
-that step's status record, so "every rank reported step >= S" means the checkpoint is saved.
+Checkpoints on request (``contract.files.rankfiles.CheckpointRequests``, which any kind may use): the daemon
+writes ``{"checkpoint_at": S}`` to the rank's control file; the rank stats it once per step, the ranks agree on
+the step they save at (S, or the step they are in when some rank saw S late) and save a full checkpoint at its
+end, complete before that step's status record, which reports the saved step (``SAVED_ON_REQUEST``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from rankctl.contract.files import safepath
 from rankctl.contract.files.checkpoints import memory_base, state_dir_of
 from rankctl.contract.names import job_name_problem
-from rankctl.contract.files.rankfiles import control_path, notify_saved, read_control
+from rankctl.contract.files.rankfiles import CheckpointRequests, notify_saved
 from rankctl.kinds.train import checkpoint as ckpt
 from rankctl.kinds.train import initfrom, reshard
 from rankctl.kinds.train.intact import file_problem
@@ -224,53 +224,6 @@ class Snapshots:
             step, exc = self._failure
             self._failure = None
             t.ctx.log.warning("snapshot not written", step=step, root=self.root, error=f"{type(exc).__name__}: {exc}")
-
-
-class CheckpointRequests:
-    """The daemon's ``{"checkpoint_at": S}`` in the rank's control file: one ``os.stat`` a step; the
-    file is read only when it was replaced (the daemon renames a new one into place).
-
-    The ranks agree on the step they save at (``agreed``: one world all-reduce of an int a step), so a rank
-    whose daemon delivered the request late saves at the same step as every other rank, never alone at a later
-    one that no other rank holds. A request at or below the one already served is stale (a late copy, a resend)."""
-
-    def __init__(self, run_dir: str, rank: int) -> None:
-        self.path = control_path(run_dir, rank)
-        self._seen: tuple[int, int, int] | None = None
-        self.pending: int | None = None
-        self.served = -1    # the request last saved for
-
-    def poll(self) -> int | None:
-        """The step a checkpoint is asked for and not yet saved, if any."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return self.pending
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if key != self._seen:
-            self._seen = key
-            at = read_control(self.path).get("checkpoint_at")
-            if isinstance(at, int) and not isinstance(at, bool) and at > self.served:
-                self.pending = at
-        return self.pending
-
-    def due(self, step: int) -> int | None:
-        """The requested step when a checkpoint is to be saved at the end of ``step`` (this rank's view)."""
-        at = self.poll()
-        return at if at is not None and step >= at else None
-
-    def agreed(self, step: int, world: Callable[[int], int] | None) -> int | None:
-        """The requested step when every rank saves at the end of ``step``: the largest request any rank holds
-        (``world``: the max over the ranks, a collective every rank calls each step; None with one rank)."""
-        at = self.poll()
-        if world is not None:
-            top = world(-1 if at is None else at)
-            at = None if top <= self.served else top
-            self.pending = at
-        return at if at is not None and step >= at else None
-
-    def saved(self, at: int) -> None:
-        self.served, self.pending = max(self.served, at), None
 
 
 def world_max(t: Trainer) -> Callable[[int], int] | None:

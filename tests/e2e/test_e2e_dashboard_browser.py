@@ -59,11 +59,12 @@ resources: {{nodes: 2, slots_per_node: 2}}
 backend: gloo
 python: {{entrypoint: hung.py, workdir: {workdir}}}
 """
-# rank 1 sleeps inside step 5 while the others wait in its all-reduce: a hang, judged on the job's pace
+# rank 1 sleeps inside step 10 while the others wait in its all-reduce: a hang, judged on the job's pace
+# (known from the 9 steps before, even when a loaded daemon coalesced some of their reports)
 HUNG_PY = """import time, torch, torch.distributed as dist, rankctl
 ctx = rankctl.context()
 for step in range(1, 100):
-    if ctx.rank == 1 and step == 5:
+    if ctx.rank == 1 and step == 10:
         time.sleep(120)
     x = torch.ones(1)
     dist.all_reduce(x, group=ctx.group("world"))

@@ -8,6 +8,7 @@ folder names it.
 
 from pydantic import StrictInt, StrictStr
 
+from rankctl.contract.files.rankfiles import SAVED_ON_REQUEST
 from rankctl.contract.spec import Section
 from rankctl.kinds.registry import JobKind
 
@@ -35,4 +36,5 @@ KIND = JobKind(
     summary="toykind.results:summary",
     node_paths=node_paths,
     drain_checkpoint=True,
+    figures={SAVED_ON_REQUEST: "max"},   # the step every rank saved on request: a drain moves the job once it is complete
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rankctl.contract.files.rankfiles import write_control
-from rankctl.kinds.train.train_state import CheckpointRequests
+from rankctl.contract.files.rankfiles import CheckpointRequests
 
 
 def test_ranks_that_saw_the_request_late_save_at_the_step_the_others_save_at(tmp_path: Path) -> None:

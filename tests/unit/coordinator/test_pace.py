@@ -59,11 +59,16 @@ def test_slow_steps_are_judged_on_their_own_scale() -> None:
     p.evidence(0, WAITING)
     assert p.limit(300) == 120.0 and not p.hung(100.0, 300) and p.hung(121.0, 300)
     assert paced(200.0).limit(300) == 300          # never past the timeout
-    coalesced = Pace()                             # a jump of 4 steps is 4 intervals of its mean
+    coalesced = Pace()                             # a jump of 4 steps is one interval of its mean ...
     coalesced.step_completed(1, 0.0)
     coalesced.step_completed(5, 4.0)
     coalesced.step_completed(9, 8.0)
     assert list(coalesced.intervals) == [1.0, 1.0]
+    first = Pace()                                 # ... that counts as 4 towards trusting the pace: a loaded
+    first.step_completed(2, 0.0)                   # daemon coalesced a fast job's first steps (CI: a rank that
+    first.step_completed(4, 0.1)                   # slept 120 s inside step 5 was judged on the 300 s timeout)
+    first.evidence(0, WAITING)
+    assert first.limit(300) == PACE_FLOOR_S and first.hung(PACE_FLOOR_S + 0.1, 300)
 
 
 def test_the_rule_says_how_the_job_was_judged() -> None:
