@@ -39,7 +39,8 @@ from rankctl.coordinator.batch.pools import pool_to_pb
 from rankctl.coordinator.model.records import EventRecord, JobRecord
 from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.model.states import JobState, is_terminal
-from rankctl.coordinator.store.database import StoreError
+from rankctl.coordinator.store.database import StoreError, durability
+from rankctl.coordinator.store.durability import AT_ONCE
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.kinds import registry
 from rankctl.proto import rankctl_pb2_grpc
@@ -97,11 +98,18 @@ def domain_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
 
 def _answers(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
              ) -> Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]:
-    """A unary RPC's one error path: any exception becomes its status code (``_abort``), never a traceback."""
+    """A unary RPC's one error path: any exception becomes its status code (``_abort``), never a traceback. An
+    RPC that wrote answers once its writes are stored (a replicated store stores behind the loop:
+    ``coordinator.store.durability``); a read never waits."""
     @functools.wraps(method)
     async def answer(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await method(self, request, context)
+            stored = durability(self.core.store) if self.core is not None else AT_ONCE   # (a standby's GetInfo)
+            since = stored.submitted
+            response = await method(self, request, context)
+            if stored.submitted != since:
+                await stored.stored(since)
+            return response
         except Exception as exc:
             await _abort(context, exc)
     return answer

@@ -30,6 +30,7 @@ from rankctl.coordinator.store.blobs import QUOTA_BYTES, RETENTION_S, BlobStore,
 from rankctl.coordinator.jobs.core import Coordinator
 from rankctl.coordinator.api import reflection
 from rankctl.coordinator.ha.etcd import StoreURL
+from rankctl.coordinator.ha.replicator import Replicator, snapshots
 from rankctl.coordinator.api.gate import LeaderGate
 from rankctl.coordinator.app.gcpace import Freezer
 from rankctl.coordinator.api.info import VERSION, coordinator_info
@@ -38,7 +39,7 @@ from rankctl.coordinator.scheduling.relay import WIDTH as RELAY_WIDTH
 from rankctl.coordinator.jobs.intake import FLUSH_S
 from rankctl.coordinator.api.servicer import ClientServiceServicer
 from rankctl.coordinator.batch.slurm import SlurmAllocator
-from rankctl.coordinator.store.database import Store, prune_events
+from rankctl.coordinator.store.database import Store, prune_events, restore
 from rankctl.coordinator.app.transport import SERVER_OPTIONS, keepalive_options
 from rankctl.proto import rankctl_pb2_grpc
 from rankctl.security.malformed import RequestGuard
@@ -64,6 +65,8 @@ class Leading:
 
     async def stop(self) -> None:
         self.core.shutdown()
+        if isinstance(self.store.replica, Replicator):
+            self.store.replica.close()
         if self.http is not None:
             await self.http.stop()
         for task in self.tasks:
@@ -126,6 +129,9 @@ class CoordinatorServer:
     async def lead(self, store: Store) -> None:
         """Lead on ``store``: assemble the core over it and serve (see ``LeaderSettings``)."""
         s = self.settings
+        if store.replica is not None:   # a replicated store: its writes are stored behind the loop
+            store.replica = Replicator(store.replica, store.serialize(), asyncio.get_running_loop(),
+                                       on_refused=lambda exc: self._refused(store))
         core = Coordinator(store, clock=s.clock, heartbeat_timeout=s.heartbeat_timeout, **s.core_extra)
         core.relays.width = s.relay_width
         blobs = await asyncio.to_thread(BlobStore, s.state_dir, quota_bytes=s.blob_quota_bytes,
@@ -141,11 +147,20 @@ class CoordinatorServer:
             (core.allocations, core.pools), SlurmAllocator(Path(s.state_dir)), functools.partial(_archive_logs, core))))
         leading.tasks.append(asyncio.create_task(_prune_events(store, s.clock, s.event_retention_s)))
         if store.replica is not None:
-            leading.tasks.append(asyncio.create_task(_snapshots(store, store.replica)))
+            leading.tasks.append(asyncio.create_task(snapshots(store.replica)))
         self.leading = leading
         if s.http_listen is not None:
             await _start_dashboard(self, s.http_listen, s.identity, s.metrics_per_rank, Path(s.state_dir))
         core.schedule()
+
+    def _refused(self, store: Store) -> None:
+        """The replicated store refused writes this leader had committed to its copy: the copy goes back to what
+        the store holds, and the core's memory with it (``Coordinator.rewound``)."""
+        leading = self.leading
+        if leading is None or leading.store is not store or not isinstance(store.replica, Replicator):
+            return
+        restore(store, store.replica.stored_image()[0])
+        leading.core.rewound()
 
     async def follow(self) -> None:
         """Stop leading (a replicated store's leadership was lost): node streams close, so daemons move on."""
@@ -382,15 +397,6 @@ async def _prune_events(store: Store, clock: Callable[[], float], retention_s: f
         except Exception as exc:  # noqa: BLE001 - the store refused: the next round tries again
             log.warning("events.prune_failed", error=str(exc))
         await asyncio.sleep(PRUNE_PERIOD_S)
-
-
-async def _snapshots(store: Store, journal, period_s: float = 1.0) -> None:  # noqa: ANN001 - a journal.Journal
-    """A leader's snapshots of a replicated store: when its log has grown enough, the database as it is now
-    (taken on the loop, between transactions) is written off the loop (``coordinator.ha.journal``)."""
-    while True:
-        await asyncio.sleep(period_s)
-        if journal.snapshot_due():
-            await asyncio.to_thread(journal.write_snapshot, store.serialize(), journal.seq)
 
 
 async def _copy_blobs(coord: CoordinatorServer, period_s: float = 5.0) -> None:

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 from rankctl.contract.names import shown
 from rankctl.coordinator.model.errors import CoordinatorError
 from rankctl.coordinator.model.records import NodeHello, NodeRecord
+from rankctl.coordinator.store.durability import AT_ONCE, Durability
 from rankctl.proto import rankctl_pb2 as pb
 
 Outbox = Callable[[pb.CoordinatorMessage], None]
@@ -84,12 +85,16 @@ class NodeTable:
     # job id -> node pairs whose link a hang pointed at: not placed together for it while others fit, until a
     # pre-flight of an attempt on both passes (memory only)
     apart: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
+    # when what is committed is stored (a replicated store's leader stores behind the loop): a message goes
+    # once everything committed before it is stored, in order ("persist, then send")
+    durability: Durability = field(default=AT_ONCE, repr=False)
 
     @classmethod
     def from_records(cls, records: list[NodeRecord], draining: dict[str, str] | None = None,
-                     excluded: dict[str, dict[str, str]] | None = None) -> "NodeTable":
+                     excluded: dict[str, dict[str, str]] | None = None, *,
+                     durability: Durability = AT_ONCE) -> "NodeTable":
         sessions = {r.name: NodeSession(r, NodeStatus.DISCONNECTED, detail="waiting to reconnect") for r in records}
-        return cls(sessions, draining=dict(draining or {}), excluded=dict(excluded or {}))
+        return cls(sessions, draining=dict(draining or {}), excluded=dict(excluded or {}), durability=durability)
 
     def get(self, name: str) -> NodeSession | None:
         return self.sessions.get(name)
@@ -150,9 +155,17 @@ class NodeTable:
                 s.outbox(None)
 
     def send(self, name: str, msg: pb.CoordinatorMessage) -> bool:
-        """Put ``msg`` in the node's outbox if it is connected; False when dropped."""
+        """Put ``msg`` in the node's outbox if it is connected, once what was committed before it is stored;
+        False when dropped (a message held for the store goes to the session current then, if any)."""
         s = self.sessions.get(name)
         if s is None or s.status is not NodeStatus.READY or s.outbox is None:
             return False
-        s.outbox(msg)
+        if self.durability.pending():
+            self.durability.after(lambda: self._put(s, msg))
+        else:
+            s.outbox(msg)
         return True
+
+    def _put(self, s: NodeSession, msg: pb.CoordinatorMessage) -> None:
+        if self.sessions.get(s.name) is s and s.status is NodeStatus.READY and s.outbox is not None:
+            s.outbox(msg)

@@ -3,8 +3,8 @@
 ``StoreURL.parse("etcd://h1:2379,h2:2379/prefix")`` checks a ``--store`` value. ``Etcd`` holds one gRPC
 channel per endpoint (etcd's own API, through aetcd's generated stubs) and fails over among them: a call
 that finds its member unreachable is tried on the next one until ``timeout`` passes; then ``Unreachable``
-names every endpoint. Calls block their thread: the store's commit runs them on the event loop thread,
-as SQLite's commit does, with a short deadline; the lease keeper and the watcher have their own threads.
+names every endpoint. Calls block their thread, never the event loop's: the leader's store writer
+(``coordinator.ha.replicator``), the lease keeper and the watcher have their own threads.
 """
 
 from __future__ import annotations

@@ -167,6 +167,22 @@ class Journal:
         self.since_snapshot += len(body)
         self.entries_written += 1
 
+    def probe(self) -> None:
+        """Return when the store answers, this leader still holds its fence and no entry follows the newest one
+        it wrote; else ``Unreachable``, or ``Deposed`` (fenced out, or a write whose answer was lost is in the
+        store: this copy is behind it) after resigning."""
+        fence = self._fence_or_refuse("a change")
+        held = self.etcd.get(fence.key)
+        if held is None or held.create_revision != fence.revision:
+            self.on_deposed("its election key is gone")
+            raise Deposed("the coordinator could not store a change: another coordinator leads now; nothing was changed")
+        if self.etcd.get(_seq_key(self.log_key, self.seq + 1)) is not None:
+            self.on_deposed("a write whose answer was lost is in the store")
+            raise Deposed("the coordinator could not store a change: the store holds a newer entry than its copy; "
+                          "nothing was changed")
+
+    submit = commit   # as a store's replica (a standby's copy, which writes nothing; a leader's is a Replicator)
+
     def _put_fenced(self, fence: Fence, key: bytes, value: bytes, what: str) -> None:
         resp = self.etcd.txn(rpc.TxnRequest(compare=[self._fenced(fence)], success=[
             rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value))]))

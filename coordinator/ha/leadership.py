@@ -84,7 +84,7 @@ class Leadership:
                 pass
 
     def resign(self, why: str) -> None:
-        """Step down now (a fenced write failed): from the event loop thread."""
+        """Step down now (a fenced write failed): from any thread."""
         if self.fence is not None:
             self._lose(why)
 

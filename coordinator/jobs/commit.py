@@ -51,6 +51,15 @@ class StoreGuard:
             session.record.last_seq = stored.get(session.name, 0)
         nodes.draining, nodes.excluded = store.load_drains(), store.load_exclusions()
 
+    def rewound(self) -> None:
+        """Writes committed here were refused by a replicated store after the fact (``coordinator.ha.replicator``):
+        memory back to what it holds, and each connected node sends its reports after the newest stored again."""
+        self.resync()
+        for session in self._nodes:
+            session.ack_seq = session.record.last_seq
+            self._nodes.send(session.name, pb.CoordinatorMessage(ack=pb.Ack(last_seq=session.record.last_seq,
+                                                                            resend=True)))
+
 
 class Outgoing:
     """Messages to nodes; inside ``after_commit()`` they wait until the block completes. A big fan-out of Assigns

@@ -53,7 +53,7 @@ from rankctl.coordinator.jobs.signals import Signals
 from rankctl.coordinator.model.states import JobState, is_terminal
 from rankctl.coordinator.model.stats import CoordinatorStats
 from rankctl.coordinator.scheduling.stops import Stops
-from rankctl.coordinator.store.database import Store, StoreError
+from rankctl.coordinator.store.database import Store, StoreError, durability
 from rankctl.kinds.spec import build_spec, check_job
 
 log = structlog.get_logger("rankctl.coordinator")
@@ -64,6 +64,19 @@ DRAIN_REASON_MAX = 1000     # characters of a ctl drain --reason
 def _free_slots(nodes: NodeTable, book: JobBook, stops: Stops) -> dict[str, int]:
     """READY node -> its slots no job holds (active jobs, and ended ones whose ranks are not confirmed gone)."""
     return capacity.free_slots(nodes.ready(), book.active() + list(stops.ended()))
+
+
+def validate_spec(spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> JobSpec:
+    """Build and check a spec; raises SpecError with one line per problem. Pure."""
+    spec = build_spec(load_yaml_text(spec_yaml, source), list(overrides))
+    check_job(spec)
+    return spec
+
+
+def plan_spec(spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> tuple[dict, dict]:
+    """(layout document, spec dict) of a job file, without storing anything. Pure."""
+    spec = build_spec(load_yaml_text(spec_yaml, source), list(overrides))
+    return plan_layout(check_job(spec), spec.resources.slots_per_node), spec.to_dict()
 
 
 class Coordinator:
@@ -80,7 +93,8 @@ class Coordinator:
         self.store, self.clock = store, clock
         self.signals = signals or Signals()
         self.book = JobBook(store, clock, self.signals)
-        self.nodes = NodeTable.from_records(store.load_nodes(), store.load_drains(), store.load_exclusions())
+        self.nodes = NodeTable.from_records(store.load_nodes(), store.load_drains(), store.load_exclusions(),
+                                            durability=durability(store))
         self.stats = CoordinatorStats()
         self.logfetch = LogFetcher(self.nodes.send)
         self.logarchive = LogArchive(store.path.parent)   # logs of ranks whose allocation's nodes left
@@ -120,6 +134,11 @@ class Coordinator:
     def _is_shutting_down(self) -> bool:
         return self.shutting_down
 
+    def rewound(self) -> None:
+        """The replicated store refused writes committed to its copy, which is back to what it holds (``StoreGuard``)."""
+        self._guard.rewound()
+        self.schedule()
+
     def shutdown(self) -> None:
         """Stop reacting to closing streams: a coordinator going down must not fail its jobs."""
         self.shutting_down = True
@@ -142,16 +161,7 @@ class Coordinator:
         self._sessions.started_at = value
 
     # -- client operations ---------------------------------------------------
-    def validate(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> JobSpec:
-        """Build and check a spec; raises SpecError with one line per problem. Pure: any thread may call it."""
-        spec = build_spec(load_yaml_text(spec_yaml, source), list(overrides))
-        check_job(spec)
-        return spec
-
-    def plan(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file") -> tuple[dict, dict]:
-        """(layout document, spec dict) of a job file, without storing anything. Pure: any thread may call it."""
-        spec = build_spec(load_yaml_text(spec_yaml, source), list(overrides))
-        return plan_layout(check_job(spec), spec.resources.slots_per_node), spec.to_dict()
+    validate, plan = staticmethod(validate_spec), staticmethod(plan_spec)   # pure: any thread may call them
 
     def submit(self, spec_yaml: str, overrides: Sequence[str] = (), source: str = "job file", *,
                queue_anyway: bool = False) -> JobRecord:

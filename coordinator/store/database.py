@@ -2,10 +2,11 @@
 
 Two kinds behind one class. The embedded default is a SQLite (WAL) file under ``--state-dir``. A
 replicated store (``--store etcd://...``) is an in-memory SQLite copy of the state kept on etcd: each
-transaction's row changes (``coordinator.store.mirror``) go to the ``Replica`` (``coordinator.ha.journal``) before the
-copy commits, and a refused replication rolls the copy back like a refused disk write. Reads never leave
-the process. The schema and its versions are in ``coordinator.store.schema``. Rank logs are not stored here: they
-stay on the nodes (``coordinator.logs.logfetch``).
+transaction's row changes (``coordinator.store.mirror``) go to its ``Replica`` as the copy commits: a standby's
+journal (``coordinator.ha.journal``), or a leader's writer thread (``coordinator.ha.replicator``), which stores them
+behind the loop; ``coordinator.store.durability`` says when they are stored. A replica that refuses rolls the
+transaction back like a refused disk write. Reads never leave the process. The schema and its versions are in
+``coordinator.store.schema``. Rank logs are not stored here: they stay on the nodes (``coordinator.logs.logfetch``).
 
 One connection, owned by the coordinator and used from the event loop thread. Writes
 happen inside ``transaction()``; the outermost block commits before it returns, so a
@@ -28,18 +29,18 @@ import os
 import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator
 
 from rankctl.coordinator.store.rows import _JOB_COLS, _RANK_COLS, _job_from_row, _rank_from_row, _rank_to_json
 from rankctl.coordinator.model.errors import CoordinatorError
 from rankctl.coordinator.store import mirror
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeRecord, RankRecord
+from rankctl.coordinator.store.durability import AT_ONCE, Durability, Replica
 from rankctl.coordinator.store.schema import StoreUnusable, open_checked
 from rankctl.coordinator.model.states import JobState
 
 DB_NAME = "coordinator.db"
 LOCK_NAME = "coordinator.lock"
-
 
 
 class StoreError(CoordinatorError):
@@ -79,13 +80,6 @@ def _store_error(exc: sqlite3.Error, what: str, path: Path) -> StoreError:
     return StoreError(f"the coordinator could not store {what}: {text}{where}; nothing was changed", full=full)
 
 
-class Replica(Protocol):
-    """Where a replicated store's transactions go (``coordinator.ha.journal.Journal``): ``commit`` raises
-    StoreError when it cannot, and then nothing of the transaction is kept."""
-
-    def commit(self, changes: list, what: str) -> None: ...
-
-
 class Store:
     """The coordinator's database under ``state_dir/coordinator.db``; or, with a ``replica``, an in-memory copy
     of a replicated one (``replicated``): each transaction's row changes go to the replica before it commits."""
@@ -94,8 +88,7 @@ class Store:
         self.path = Path(state_dir) / DB_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_state_dir(self.path.parent)
-        self._depth = 0
-        self.replica = replica
+        self._depth, self.replica = 0, replica
         try:
             if replica is None and self.path.exists() and self.path.stat().st_size == 0:
                 raise StoreUnusable(f"{self.path} is empty (0 bytes): a truncated database, not a new one (a new state "
@@ -122,6 +115,7 @@ class Store:
     def serialize(self) -> bytes:
         """The whole database as one byte string (a replicated store's snapshot)."""
         return self._db.serialize()
+
 
     def close(self) -> None:
         self._db.close()
@@ -158,7 +152,7 @@ class Store:
         if outer:
             try:
                 if self.replica is not None and (changes := mirror.collect(self._db)):
-                    self.replica.commit(changes, what)
+                    self.replica.submit(changes, what)
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
                 self._rollback()
@@ -402,6 +396,23 @@ def replicated(state_dir: Path | str, replica: Replica, snapshot: bytes | None, 
         store.close()
         raise
     return store
+
+
+def durability(store: Store) -> Durability:
+    """When the store's committed transactions are stored (its replica's, if that stores behind the loop)."""
+    return store.replica if isinstance(store.replica, Durability) else AT_ONCE
+
+
+def restore(store: Store, image: bytes) -> None:
+    """A replicated store's copy back to ``image`` (what etcd holds: the writes after it were refused), on a
+    connection of its own: the capture triggers of one whose database was replaced would not fire."""
+    assert not store.in_transaction, "restore inside a transaction"
+    db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+    db.deserialize(image)
+    open_checked(db, "the stored copy", wal=False)   # the connection's pragmas (foreign keys) as at the start
+    mirror.install(db)
+    old, store._db = store._db, db  # noqa: SLF001 - the store's own module
+    old.close()
 
 
 def prune_events(store: Store, finished_before: float, limit: int) -> int:

@@ -27,6 +27,8 @@ class Log:
             raise StoreError(f"the coordinator could not store {what}: refused; nothing was changed")
         self.entries.append((len(self.entries) + 1, mirror.decode(mirror.encode({"changes": changes}))["changes"]))
 
+    submit = commit   # a store's replica, as a standby's journal
+
 
 def dump(store: Store) -> dict[str, list]:
     db = store._db  # noqa: SLF001
