@@ -245,7 +245,7 @@ def test_a_stalled_etcd_delays_writes_never_reads_or_heartbeats(ha: HACluster) -
     etcd is still stopped, both nodes READY; a submit is refused naming the store and leaves nothing (its write was
     never stored). Past its lease (3 s) the leader stands down, as it must; once etcd goes on, a coordinator leads
     again and the job succeeds on attempt 1 with every step's loss."""
-    job = ha.submit("etcd-stall", steps=OUTAGE_STEPS)
+    job = ha.submit("etcd-stall")
     stepping(ha, job, 5)
     path = ha.root / "during-the-stall.yaml"
     path.write_text(JOB.format(name="during-the-stall", steps=5))
@@ -265,7 +265,7 @@ def test_a_stalled_etcd_delays_writes_never_reads_or_heartbeats(ha: HACluster) -
     assert refused.returncode == 1 and "etcd://" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
     done = ha.done(job)
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["reason"]
-    assert [s for s, _ in losses(done)] == list(range(1, OUTAGE_STEPS + 1))
+    assert [s for s, _ in losses(done)] == list(range(1, STEPS + 1))
     assert not any(j["name"] == "during-the-stall" for j in json.loads(ctl(ha.both, "jobs", "--json").stdout))
 
 
