@@ -10,11 +10,20 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Mapping
 
-from rankctl.kinds.registry import Fold
+from rankctl.kinds.figures import Figure
 
 # The per-step figures the coordinator folds into a step event (``JobKind.figures``): the loss every rank
-# that holds it agrees on (the dp-reduced loss of a last pipeline stage), and the slowest rank's tokens/s.
-TRAINING_FIGURES: Mapping[str, Fold] = {"loss": "first", "val_loss": "first", "tokens_per_s": "min"}
+# that holds it agrees on (the dp-reduced loss of a last pipeline stage), and the slowest rank's tokens/s; each
+# with its dashboard chart and its gauge.
+TRAINING_FIGURES: Mapping[str, Figure] = {
+    "loss": Figure("first", label="loss", chart="loss-curve", line="train", metric="rankctl_job_loss",
+                   help="Training loss of the last completed step."),
+    "val_loss": Figure("first", label="val loss", chart="loss-curve", line="val", metric="rankctl_job_val_loss",
+                       help="The latest validation loss (of the last step that had one).", sparse=True),
+    "tokens_per_s": Figure("min", label="tokens/s", unit="tokens/s", chart="throughput", line="tps",
+                           metric="rankctl_job_tokens_per_second",
+                           help="Tokens/s of the last completed step (slowest rank)."),
+}
 SAMPLED_ROWS = 12
 
 

@@ -19,7 +19,9 @@ import pkgutil
 import threading
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from rankctl.kinds.figures import Figure, Fold  # noqa: F401 - Fold: the kinds name it from here too
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -30,7 +32,6 @@ ENTRY_POINT_GROUP = "rankctl.kinds"
 ENV_VAR = "RANKCTL_KINDS"
 
 Ref = "str | Callable[..., Any] | None"  # "module:function", a callable, or nothing
-Fold = Literal["first", "min", "max"]      # how a step's figure is folded over the ranks that report it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +62,8 @@ class JobKind:
     ``own_rendezvous``: the rank's code creates its default process group itself (torchrun-style scripts);
     the runtime creates no group before the entry runs.
     ``figures``: the per-step numbers the coordinator folds over a job's ranks into its step event, ``ctl``,
-    the dashboard and the metrics (name -> ``Fold``: ``first`` a value every reporting rank agrees on, such as
-    a loss; ``min``/``max`` the slowest or largest rank's). Other numbers a rank reports stay in its metrics.
+    the dashboard and the metrics (name -> ``kinds.figures.Figure``: how it is folded and shown, its chart and
+    its gauge; or only its ``Fold``). Other numbers a rank reports stay in its metrics.
     ``warm() -> None``: imports too heavy for the launcher's start-up that every rank would pay; the launcher
     calls it once, before it first forks ranks of this kind, so its forks inherit them.
     """
@@ -83,7 +84,7 @@ class JobKind:
     written_paths: Any = None
     drain_checkpoint: bool = False
     own_rendezvous: bool = False
-    figures: Mapping[str, "Fold"] = field(default_factory=dict)
+    figures: Mapping[str, "Fold | Figure"] = field(default_factory=dict)
     warm: Any = None
 
     def resolve(self, attr: str) -> Callable[..., Any] | None:

@@ -25,6 +25,7 @@ from rankctl.coordinator.diagnosis.preflight import Preflight
 from rankctl.coordinator.model.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
 from rankctl.coordinator.diagnosis.skew import SHOWN, ComputeSkew, SlowRank, pipeline_peers
 from rankctl.kinds import registry
+from rankctl.kinds.figures import folds_of
 from rankctl.parallel.placement import node_of_rank
 from rankctl.proto import rankctl_pb2 as pb
 
@@ -188,7 +189,7 @@ class JobProgress:
             self.peers = (stride, pp, lambda r: nodes[node_of_rank(r, slots)]
                           if slots and node_of_rank(r, slots) < len(nodes) else "")
             kind = registry.kinds().get(job.spec.kind)
-            self.folds = dict(kind.figures) if kind is not None else {}
+            self.folds = folds_of(kind.figures) if kind is not None else {}
 
     def compute_sample(self, rank: int, compute_s: float) -> None:
         """One rank's compute time of its latest step (``RankStatus.compute_s``)."""

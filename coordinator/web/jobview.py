@@ -6,34 +6,47 @@ grid (``grid``), the newest notable events and the attempt history; everything i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from rankctl.coordinator.model.states import is_terminal
 from rankctl.coordinator.web.charts import Series, line_chart
 from rankctl.coordinator.web.html import age, e, job_href, number, page, state_badge, table
 from rankctl.coordinator.web.series import Snapshot
+from rankctl.kinds import registry
+from rankctl.kinds.figures import Figure, charts_of, described
 
 REASON_SHOWN = 4000   # characters of an attempt's reason shown
 LOG_TAIL = 50         # lines of a rank's log shown
 LINE_CHARS = 2000     # characters of one log line shown
 
 
-def charts(series: Snapshot) -> str:
-    loss = line_chart("loss-curve", [Series("train", series.loss, "train loss"),
-                                     Series("val", series.val_loss, "val loss")])
-    tps = line_chart("throughput", [Series("tps", series.tokens_per_s, "tokens/s")])
-    return f'<div class="charts"><figure>{loss}</figure><figure>{tps}</figure></div>'
+def charts(series: Snapshot, figures: Mapping[str, Figure]) -> str:
+    """A chart per chart the job's kind describes, a line per figure on it (``kinds.figures``)."""
+    drawn = [line_chart(chart, [Series(f.line or name, series.line(name), f.label or name) for name, f in lines])
+             for chart, lines in charts_of(figures).items()]
+    return '<div class="charts">' + "".join(f"<figure>{svg}</figure>" for svg in drawn) + "</div>"
 
 
-def figures(summary: Any, series: Snapshot) -> str:
+def figures_list(summary: Any, series: Snapshot, figures: Mapping[str, Figure]) -> str:
+    """The step, then each figure the job's kind describes (a sparse one: its latest), the step times, the ranks."""
     m = series.latest or summary.metrics or {}
-    val = m.get("val_loss", series.val_loss[-1][1] if series.val_loss else None)
+    shown = []
+    for name, f in figures.items():
+        value = m.get(name)
+        if value is None and f.sparse and series.line(name):
+            value = series.line(name)[-1][1]
+        shown.append((f.label or name, number(value)))
     items = [("step", f"{summary.min_step} (fastest {summary.max_step})"), ("step events", str(series.step_events)),
-             ("loss", number(m.get("loss"))), ("val loss", number(val)),
-             ("tokens/s", number(m.get("tokens_per_s"))),
+             *shown,
              ("step time", f"{number(m.get('step_time_min'), ' s')} – {number(m.get('step_time_max'), ' s')}"),
              ("ranks", f"{summary.running} running, {summary.exited} exited, {summary.failed} failed")]
     return '<dl class="figures">' + "".join(f"<dt>{e(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
+
+
+def kind_figures(kind: str) -> dict[str, Figure]:
+    """The figures the job's kind describes (none for a kind no longer registered)."""
+    known = registry.kinds().get(kind)
+    return {name: f for name, f in described(known.figures).items() if f.label or f.chart} if known else {}
 
 
 def attempts_table(attempts: list[dict], now: float) -> str:
@@ -56,13 +69,13 @@ def notes(series: Snapshot, now: float) -> str:
 
 def live_fragment(job: Any, summary: Any, series: Snapshot, grid_html: str, attempts: list[dict],
                   reason: str, now: float) -> str:
-    done = "1" if is_terminal(job.state) else "0"
+    done, shown = "1" if is_terminal(job.state) else "0", kind_figures(job.kind)
     hang = ' class="hang-reason"' if reason.startswith("hang") else ""
     return (f'<div id="live-body" data-state="{e(job.state.value)}" data-terminal="{done}" '
             f'data-step-events="{series.step_events}">'
             f'<p>{state_badge(job.state.value)} attempt {job.attempt} · <span{hang}>{e(reason)}</span></p>'
-            f'<div class="row"><div>{figures(summary, series)}</div><div><h2>ranks</h2>{grid_html}</div></div>'
-            f'{charts(series)}<h2>attempts</h2>{attempts_table(attempts, now)}'
+            f'<div class="row"><div>{figures_list(summary, series, shown)}</div><div><h2>ranks</h2>{grid_html}</div>'
+            f'</div>{charts(series, shown)}<h2>attempts</h2>{attempts_table(attempts, now)}'
             f'<h2>recent events</h2>{notes(series, now)}</div>')
 
 
@@ -83,9 +96,12 @@ def log_text(rank: int, lines: list[str]) -> str:
 
 
 def job_data(job: Any, summary: Any, series: Snapshot) -> dict:
-    """The JSON twin of the live fragment (``/jobs/<id>/data.json``): for scripts and tests."""
+    """The JSON twin of the live fragment (``/jobs/<id>/data.json``): for scripts and tests. ``loss_points`` and
+    ``plotted``: of the main line (the first charted figure: train's loss), ``lines``: points plotted per figure."""
+    main = next((name for lines in charts_of(kind_figures(job.kind)).values() for name, _ in lines), "")
     return {"id": job.id, "state": job.state.value, "attempt": job.attempt, "world_size": job.world_size,
-            "step_events": series.step_events, "loss_points": series.loss_seen, "plotted": len(series.loss),
+            "step_events": series.step_events, "loss_points": series.seen.get(main, 0),
+            "plotted": len(series.line(main)), "lines": {name: len(points) for name, points in series.lines.items()},
             "min_step": summary.min_step, "max_step": summary.max_step, "metrics": series.latest,
             "stragglers": list(summary.stragglers), "slow": [s.as_dict() for s in summary.slow],
             "failing": [r.rank for r in summary.failing]}

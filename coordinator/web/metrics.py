@@ -26,6 +26,8 @@ from rankctl.coordinator.diagnosis.progress import JobProgress
 from rankctl.coordinator.model.records import PHASES, JobRecord
 from rankctl.coordinator.model.states import JobState, is_terminal
 from rankctl.coordinator.model.stats import RESTART_CAUSES, CoordinatorStats
+from rankctl.kinds import registry
+from rankctl.kinds.figures import described
 OTHER = "other"   # a phase outside PHASES (ranks write their own): one label value for all of them
 JOB = ("job_id",)     # the per-job label; "job" belongs to the scraper
 FINISHED_KEPT = 16        # ended jobs whose last series stay, the most recently ended ...
@@ -203,9 +205,11 @@ class JobFamilies:
         self.ranks = _gauge("rankctl_job_ranks", "The job's ranks by phase (this attempt).", (*JOB, "phase"))
         self.step = _gauge("rankctl_job_step", "The slowest rank's step: every rank has finished it.", j)
         self.step_max = _gauge("rankctl_job_step_max", "The fastest rank's step.", j)
-        self.loss = _gauge("rankctl_job_loss", "Training loss of the last completed step.", j)
-        self.val_loss = _gauge("rankctl_job_val_loss", "The latest validation loss (of the last step that had one).", j)
-        self.tokens = _gauge("rankctl_job_tokens_per_second", "Tokens/s of the last completed step (slowest rank).", j)
+        self.figures: dict[str, GaugeMetricFamily] = {}   # each gauge a kind describes (``kinds.figures``)
+        for kind in registry.kinds().values():
+            for f in described(kind.figures).values():
+                if f.metric and f.metric not in self.figures:
+                    self.figures[f.metric] = _gauge(f.metric, f.help or f.label, j)
         self.step_time = _gauge("rankctl_job_step_time_seconds",
                                 "Step time of the last completed step across the ranks that reported it.",
                                 (*JOB, "stat"))
@@ -230,23 +234,24 @@ class JobFamilies:
         self.stragglers.add_metric([job.id], len(p.skew.slow) if p.skew is not None else 0)
         lagging = len(p.at_step.get(p.min_step, ())) if p.max_step > p.min_step else 0
         self.lagging.add_metric([job.id], lagging)
-        if p.latest.get("val_loss") is not None:   # the kind's figures of these names (train, python)
-            self.val_loss.add_metric([job.id], p.latest["val_loss"])
         if p.step_times.count:
             self.step_duration.add_metric([job.id], p.step_times.buckets(), p.step_times.total)
         acc = p.last_step
+        kind = registry.kinds().get(job.kind)
+        for name, f in described(kind.figures).items() if kind is not None else ():
+            # the last completed step's value; a sparse one's latest (not every step has it)
+            value = p.latest.get(name) if f.sparse else acc.figures.get(name) if acc is not None else None
+            if f.metric and value is not None:
+                self.figures[f.metric].add_metric([job.id], value)
         if acc is None:
             return
-        for family, value in ((self.loss, acc.figures.get("loss")), (self.tokens, acc.figures.get("tokens_per_s"))):
-            if value is not None:
-                family.add_metric([job.id], value)
         for stat, value in (("min", acc.time_min), ("mean", acc.time_mean), ("max", acc.time_max)):
             if value is not None:
                 self.step_time.add_metric([job.id, stat], value)
 
     def all(self) -> list[Metric]:
-        return [self.info, self.attempt, self.ranks, self.step, self.step_max, self.loss, self.val_loss,
-                self.tokens, self.step_time, self.step_duration, self.stragglers, self.lagging]
+        return [self.info, self.attempt, self.ranks, self.step, self.step_max, *self.figures.values(),
+                self.step_time, self.step_duration, self.stragglers, self.lagging]
 
 
 class CoordinatorMetrics:

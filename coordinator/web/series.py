@@ -14,6 +14,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rankctl.kinds import registry
+from rankctl.kinds.figures import described
+
 MAX_POINTS = 2000      # points kept (and plotted) per line
 READ_CHUNK = 1000      # events read from the store at once
 CHUNKS_PER_READ = 5    # ... and at most this many chunks per request
@@ -56,13 +59,13 @@ class Line:
 
 @dataclass
 class StepSeries:
-    """Loss, validation loss and tokens/s of a job by step; ``seq`` is the last event read."""
+    """The charted figures of a job by step (``charted``: figure names drawn on some kind's chart,
+    ``kinds.figures``), a line each; ``seq`` is the last event read."""
 
+    charted: frozenset[str] = frozenset()
     seq: int = 0
     step_events: int = 0
-    loss: Line = field(default_factory=Line)
-    val_loss: Line = field(default_factory=Line)
-    tokens_per_s: Line = field(default_factory=Line)
+    lines: dict[str, Line] = field(default_factory=dict)
     latest: dict[str, Any] = field(default_factory=dict)  # the newest step event's metrics and step
     notes: deque = field(default_factory=lambda: deque(maxlen=NOTES_KEPT))  # (ts, kind, message)
 
@@ -76,10 +79,10 @@ class StepSeries:
         metrics = ev.metrics or {}
         self.step_events += 1
         self.latest = {"step": ev.step, **metrics}
-        for name in ("loss", "val_loss", "tokens_per_s"):
+        for name in self.charted:
             value = _finite(metrics.get(name))
             if value is not None:
-                getattr(self, name).add((ev.step, value))
+                self.lines.setdefault(name, Line()).add((ev.step, value))
 
 
 @dataclass(frozen=True)
@@ -87,17 +90,24 @@ class Snapshot:
     """A series as it was at one moment: plain lists, safe to render on another thread."""
 
     step_events: int
-    loss_seen: int
-    loss: list[Point]
-    val_loss: list[Point]
-    tokens_per_s: list[Point]
+    seen: dict[str, int]              # figure -> its points seen
+    lines: dict[str, list[Point]]     # figure -> its points plotted
     latest: dict[str, Any]
     notes: list[tuple[float, str, str]]
 
+    def line(self, name: str) -> list[Point]:
+        return self.lines.get(name, [])
+
 
 def snapshot(s: StepSeries) -> Snapshot:
-    return Snapshot(s.step_events, s.loss.seen, s.loss.points(), s.val_loss.points(), s.tokens_per_s.points(),
-                    dict(s.latest), list(s.notes))
+    return Snapshot(s.step_events, {k: v.seen for k, v in s.lines.items()},
+                    {k: v.points() for k, v in s.lines.items()}, dict(s.latest), list(s.notes))
+
+
+def charted_figures() -> frozenset[str]:
+    """Every figure a registered kind draws on a chart."""
+    return frozenset(name for kind in registry.kinds().values() for name, f in described(kind.figures).items()
+                     if f.chart)
 
 
 class SeriesCache:
@@ -108,7 +118,7 @@ class SeriesCache:
         self._series: OrderedDict[str, StepSeries] = OrderedDict()
 
     def get(self, job_id: str) -> StepSeries:
-        series = self._series.pop(job_id, None) or StepSeries()
+        series = self._series.pop(job_id, None) or StepSeries(charted_figures())
         self._series[job_id] = series
         while len(self._series) > self._jobs:
             self._series.popitem(last=False)

@@ -207,14 +207,16 @@ def test_chart_labels_of_big_and_small_values_lie_inside_the_svg(driver, tmp_pat
 
     from rankctl.coordinator.web.jobview import charts
     from rankctl.coordinator.web.series import Snapshot
+    from rankctl.kinds.common import TRAINING_FIGURES
 
     steps = range(1, 301)
-    series = Snapshot(300, 300, [(i, 2e-5 * (1 + i % 5)) for i in steps], [(i, 3.0) for i in steps[::50]],
-                      [(i, 10_030.0 - i % 11) for i in steps], {}, [])
+    series = Snapshot(300, {}, {"loss": [(i, 2e-5 * (1 + i % 5)) for i in steps],
+                                "val_loss": [(i, 3.0) for i in steps[::50]],
+                                "tokens_per_s": [(i, 10_030.0 - i % 11) for i in steps]}, {}, [])
     html = tmp_path / "charts.html"
     css = (STATIC / "dashboard.css").as_uri()
     html.write_text(f'<!doctype html><html><head><link rel="stylesheet" href="{css}"></head>'
-                    f"<body>{charts(series)}</body></html>")
+                    f"<body>{charts(series, TRAINING_FIGURES)}</body></html>")
     driver.get(html.as_uri())
     found = driver.execute_script(CHARTS)
     assert [c["id"] for c in found] == ["loss-curve", "throughput"]

@@ -241,27 +241,31 @@ def test_etcd_members_lost_one_then_all_for_15_s(ha: HACluster) -> None:
 
 def test_a_stalled_etcd_delays_writes_never_reads_or_heartbeats(ha: HACluster) -> None:
     """Every etcd member SIGSTOPped while a job runs (a stall: connections accepted, nothing answered). The leader
-    stores behind its event loop (``coordinator.ha.replicator``): ``ctl status`` and ``ctl nodes`` answer while
-    etcd is still stopped, both nodes READY; a submit is refused naming the store and leaves nothing (its write was
-    never stored). Past its lease (3 s) the leader stands down, as it must; once etcd goes on, a coordinator leads
-    again and the job succeeds on attempt 1 with every step's loss."""
+    stores behind its event loop (``coordinator.ha.replicator``): a status query and the node list are answered
+    while etcd is still stopped, both nodes READY; ``ctl submit`` is refused naming the store and leaves nothing
+    (its write was never stored). Past its lease (3 s) the leader stands down, as it must; once etcd goes on, a
+    coordinator leads again and the job succeeds on attempt 1 with every step's loss."""
+    from rankctl.cli.client import Client
+    from rankctl.proto import rankctl_pb2 as pb
+
     job = ha.submit("etcd-stall")
     stepping(ha, job, 5)
     path = ha.root / "during-the-stall.yaml"
     path.write_text(JOB.format(name="during-the-stall", steps=5))
-    for i in range(len(ha.etcd.names)):
-        ha.etcd.kill(i, signal.SIGSTOP)
-    try:
-        seen, nodes = ctl(ha.both, "status", job, "--json"), ctl(ha.both, "nodes", "--json")
-        refused = ctl(ha.both, "submit", str(path), timeout=60)
-        stopped = all(p is not None and p.poll() is None for p in ha.etcd.procs)
-    finally:
+    with Client(ha.addresses[ha.leader()]) as client:
+        client.get(job)                                      # the channel up before the stall
         for i in range(len(ha.etcd.names)):
-            ha.etcd.kill(i, signal.SIGCONT)
+            ha.etcd.kill(i, signal.SIGSTOP)
+        try:
+            seen, nodes = client.get(job), client.nodes()    # reads: never behind a write waiting for etcd
+            refused = ctl(ha.both, "submit", str(path), timeout=60)
+            stopped = all(p is not None and p.poll() is None for p in ha.etcd.procs)
+        finally:
+            for i in range(len(ha.etcd.names)):
+                ha.etcd.kill(i, signal.SIGCONT)
     print(f"\nctl submit with etcd stopped: exit {refused.returncode}: {refused.stderr.strip()}")
-    assert stopped
-    assert seen.returncode == 0 and json.loads(seen.stdout)["state"] == "RUNNING", seen.stderr
-    assert nodes.returncode == 0 and [n["state"] for n in json.loads(nodes.stdout)] == ["READY", "READY"], nodes.stdout
+    assert stopped and seen.state == pb.JOB_STATE_RUNNING
+    assert [n.state for n in nodes] == [pb.NODE_STATE_READY] * 2, nodes
     assert refused.returncode == 1 and "etcd://" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
     done = ha.done(job)
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["reason"]

@@ -302,3 +302,34 @@ def test_the_gauges_hold_the_newest_step_that_reported_figures() -> None:
     assert p.last_step.figures == {"loss": 2.5} and p.metrics["loss"] == 2.5
     assert p.moved_step(0, 1, 2) == 2                        # step 2: no figures reached the coordinator
     assert p.last_step.figures == {"loss": 2.5} and "loss" not in p.metrics   # the step event has none of its own
+
+
+def test_a_kind_that_describes_a_figure_of_its_own_gets_its_gauge_and_its_chart(world: World) -> None:
+    """Issue 44 item 3: the views iterate over the figures a kind describes (``kinds.figures``): a kind's own
+    ``reward`` gets its Prometheus gauge, its dashboard chart and its line in the job's figures; the coordinator
+    names none of them, and a job of it shows no training loss chart."""
+    from rankctl.coordinator.web import jobview
+    from rankctl.coordinator.web.series import SeriesCache, snapshot
+    from rankctl.kinds import registry
+    from rankctl.kinds.figures import Figure
+    from rankctl.kinds.registry import JobKind
+
+    registry.register(JobKind(name="rewarded", figures={"reward": Figure(
+        "max", label="reward", chart="reward-curve", metric="rankctl_job_reward",
+        help="The best rank's reward of the last completed step.")}))
+    try:
+        for i in range(2):
+            world.connect(f"n{i}", slots=2)
+        job = world.core.submit(job_yaml(kind="rewarded"))
+        send(world, job, "running")
+        send(world, job, "running", 1, lambda r: {"figures": {"reward": float(r)}, "step_time_s": 0.1})
+        s = scrape(world)
+        assert get(s, "rankctl_job_reward", job_id=job.id) == 3.0                  # folded max over the ranks
+        assert not any(name == "rankctl_job_loss" and ("job_id", job.id) in labels for name, labels in s)
+        series = snapshot(SeriesCache(lambda j, after, limit: world.core.events(j, after, limit, ranks=False))
+                          .get(job.id))
+        html = jobview.live_fragment(job, world.core.summary(job.id), series, "", [], "", 0.0)
+        assert '<svg id="reward-curve"' in html and "<dt>reward</dt><dd>3" in html, html
+        assert 'id="loss-curve"' not in html and "tokens/s" not in html
+    finally:
+        registry.unregister("rewarded")
