@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 from pathlib import Path
 
 CTL = [sys.executable, "-m", "rankctl.cli.main"]
@@ -116,11 +117,15 @@ STATUS_READER = """
 import json, sys
 from rankctl.cli.client import Client
 from rankctl.cli.view.render import job_to_dict
+from rankctl.proto import rankctl_pb2 as pb
 clients = {}
 for line in sys.stdin:
     address, job = line.split()
     try:
         client = clients.get(address) or clients.setdefault(address, Client(address))
+        if job == "-ready-nodes":   # the READY nodes' names (``ready_nodes``)
+            print(json.dumps({"doc": [n.name for n in client.nodes() if n.state == pb.NODE_STATE_READY]}), flush=True)
+            continue
         print(json.dumps({"doc": job_to_dict(client.get(job, rank_limit=0))}), flush=True)
     except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
         old = clients.pop(address, None)
@@ -135,7 +140,7 @@ class _StatusReader:
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
-    def query(self, address: str, job: str) -> dict:
+    def query(self, address: str, job: str) -> Any:
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self.proc = subprocess.Popen([sys.executable, "-c", STATUS_READER], stdin=subprocess.PIPE,
@@ -183,8 +188,11 @@ def wait_state(address: str, job: str, states: set[str], timeout: float) -> dict
 
 
 def ready_nodes(address: str) -> list[str]:
-    out = ctl(address, "nodes", "--json")
-    return [n["name"] for n in json.loads(out.stdout) if n["state"] == "READY"] if out.returncode == 0 else []
+    """The READY nodes' names, read by the warm reader (none while the coordinator does not answer)."""
+    try:
+        return _READER.query(address, "-ready-nodes")
+    except AssertionError:
+        return []
 
 
 def alive(pid: int) -> bool:
