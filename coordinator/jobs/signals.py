@@ -27,7 +27,10 @@ class Signals:
 
     @staticmethod
     async def wait(event: asyncio.Event, timeout: float) -> bool:
-        """Wait for an armed event or ``timeout`` seconds; True when notified."""
+        """Wait for an armed event or ``timeout`` seconds; True when notified (already, with a timeout of 0 too:
+        ``wait_for`` would cancel the waiting before it looked)."""
+        if event.is_set():
+            return True
         try:
             await asyncio.wait_for(event.wait(), timeout)
             return True

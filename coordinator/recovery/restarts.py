@@ -93,9 +93,9 @@ class Restarts:
         return JobView(state=job.state, attempt=job.attempt, max_restarts=max_restarts(job), attempts=attempts,
                        previous=previous, stop=stop, now=self._clock(), **facts)
 
-    def apply(self, job: JobRecord, plan: Plan) -> bool:
-        """Carry out ``reconcile``'s plan for the attempt's end (True: it did something); the rest (Running, Succeed,
-        Hold, Nothing) is the caller's."""
+    def apply(self, job: JobRecord, plan: Plan) -> None:
+        """Carry out ``reconcile``'s plan for the attempt's end; the rest (Running, Succeed, Hold, Nothing) is the
+        caller's."""
         match plan:
             case EndAttempt(fault, decision):
                 if job.state is not S.RESTARTING:
@@ -106,9 +106,6 @@ class Restarts:
                 self.drain_restart(job, list(nodes), why)
             case Continue(decision):
                 self._carry_out(job, decision)
-            case _:
-                return False
-        return True
 
     def loss_held(self, job: JobRecord) -> bool:
         """A node of the job's attempt is lost and its failure held (``hold_loss``): its victims' errors wait."""

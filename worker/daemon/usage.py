@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.contract.gpuhealth import load_nvml
+from rankctl.worker.files.meminfo import meminfo
 
 _IDLE_FIELDS = (3, 4)  # /proc/stat's cpu line: user nice system idle iowait irq softirq steal ...; idle, iowait
 
@@ -53,17 +54,7 @@ class UsageSampler:
 
     def _memory(self) -> tuple[int, int]:
         """(total, available) bytes from meminfo; (0, 0) where it cannot be read."""
-        seen: dict[str, int] = {}
-        try:
-            with open(self._proc / "meminfo") as f:
-                for line in f:
-                    key, _, rest = line.partition(":")
-                    if key in ("MemTotal", "MemAvailable"):
-                        seen[key] = int(rest.split()[0]) * 1024
-                        if len(seen) == 2:
-                            break
-        except (OSError, ValueError, IndexError):
-            return 0, 0
+        seen = meminfo(self._proc / "meminfo")
         return seen.get("MemTotal", 0), seen.get("MemAvailable", 0)
 
     def _gpus(self) -> list[pb.GpuUsage]:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from dataclasses import dataclass
 
 from rankctl.contract.files import checkpoints
 from rankctl.worker.files import mountreg
+from rankctl.worker.files.meminfo import MEMINFO, total_bytes
 from rankctl.worker.files import shm
 
 MS_REMOUNT = 32
@@ -68,14 +68,9 @@ def _sizes(root: str) -> int:
     return total
 
 
-def default_mb(meminfo: str = "/proc/meminfo") -> int:
+def default_mb(meminfo: str = MEMINFO) -> int:
     """A quarter of the node's memory (MemTotal) in MiB; 0 (no bound) when it cannot be read."""
-    try:
-        with open(meminfo, encoding="ascii") as f:
-            m = re.search(r"^MemTotal:\s+(\d+) kB", f.read(), re.MULTILINE)
-    except OSError:
-        return 0
-    return int(m.group(1)) // 1024 // 4 if m else 0
+    return total_bytes(meminfo) // (1 << 20) // 4
 
 
 def _fstype(path: str) -> str:

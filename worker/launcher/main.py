@@ -39,16 +39,9 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 from rankctl.contract.gpuhealth import NvmlLoader, load_nvml, text  # noqa: E402  (pynvml only when asked)
 from rankctl.worker.runs.launcher_client import Launcher, LauncherError  # noqa: E402  (no torch)
 from rankctl.worker.files.shm import SHM_MODES  # noqa: E402
+from rankctl.worker.files.meminfo import total_bytes  # noqa: E402
 
 __all__ = ["Launcher", "LauncherError", "hardware_facts", "main"]
-
-
-def _memory_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _nvml_gpus(nvml_loader: NvmlLoader = load_nvml) -> list[dict]:
@@ -93,7 +86,7 @@ def hardware_facts() -> dict:
         "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count() or 1,
         "cpus_usable": len(os.sched_getaffinity(0)),
-        "memory_bytes": _memory_bytes(),
+        "memory_bytes": total_bytes(),
         "gpu_count": gpu_count,
         "gpus": gpus,
         "torch": torch.__version__,

@@ -72,3 +72,13 @@ def test_wait_returns_false_when_the_timeout_passes_without_a_notify() -> None:
         return await Signals.wait(event, 0), event.is_set()
 
     assert asyncio.run(main()) == (False, False)
+
+
+def test_a_notified_event_is_seen_even_with_no_time_left_to_wait() -> None:
+    async def main() -> bool:
+        signals = Signals()
+        event = signals.arm("job")
+        signals.notify("job")
+        return await Signals.wait(event, 0)
+
+    assert asyncio.run(main()) is True
