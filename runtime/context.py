@@ -48,7 +48,8 @@ def set_current(ctx: "RankContext | None") -> None:
 
 
 class RankContext:
-    """Everything a rank's code receives; no globals behind it (``rankctl.context()`` hands out this object)."""
+    """Everything a rank's code receives; no globals behind it (``rankctl.context()`` hands out this object). The one
+    implementation of the protocol kinds code against (``kinds.context.RankContext``)."""
 
     def __init__(self, *, assignment: RankAssignment, spec: JobSpec, status: StatusWriter, log: Any,
                  groups: ProcessGroups | None = None, device: torch.device | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .protocol import RankContext
+from .protocol import ParallelContext
 from .version import SUPPORTED, MegatronVersionError
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GroupsContext",
     "MegatronVersionError",
-    "RankContext",
+    "ParallelContext",
     "SUPPORTED",
     "build_context",
     "initialize_model_parallel",

@@ -1,4 +1,4 @@
-"""A ``RankContext`` over ``parallel.groups.ProcessGroups``: the groups a rank already built.
+"""A ``ParallelContext`` over ``parallel.groups.ProcessGroups``: the groups a rank already built.
 
 ``ProcessGroups`` gives one-member groups no communicator; Megatron asks every group its
 size and rank, so the first one-member kind asked for gets one local group (this rank
@@ -18,7 +18,7 @@ from .naming import salted_names
 
 
 class GroupsContext:
-    """``RankContext`` for one rank: its ``ProcessGroups`` and the job's ``RankLayout``."""
+    """``ParallelContext`` for one rank: its ``ProcessGroups`` and the job's ``RankLayout``."""
 
     def __init__(self, groups: ProcessGroups, layout: RankLayout) -> None:
         if groups.world_size != layout.world_size:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rankctl.parallel.layout import GROUP_NAMES
 
-from .protocol import RankContext
+from .protocol import ParallelContext
 from .state import GLOO_KINDS, megatron_globals
 from .version import parallel_state
 
@@ -29,7 +29,7 @@ _generation = itertools.count()
 
 
 def initialize_model_parallel(
-    ctx: RankContext | None = None,
+    ctx: ParallelContext | None = None,
     *,
     create_gloo_process_groups: bool = True,
     timeout: timedelta | None = None,
@@ -45,7 +45,7 @@ def initialize_model_parallel(
         import rankctl
 
         ctx = rankctl.context()
-    if not isinstance(ctx, RankContext):
+    if not isinstance(ctx, ParallelContext):
         raise TypeError(f"ctx must provide rank, layout, group(kind) and ranks(kind); got {type(ctx).__name__}")
     ps = parallel_state()
     if ps._DATA_PARALLEL_GROUP is not None or ps._TENSOR_MODEL_PARALLEL_GROUP is not None:
@@ -61,7 +61,7 @@ def initialize_model_parallel(
 
 
 def _values(
-    ctx: RankContext, with_gloo: bool, timeout: timedelta | None
+    ctx: ParallelContext, with_gloo: bool, timeout: timedelta | None
 ) -> tuple[dict[str, Any], dict[Members, "dist.ProcessGroup"]]:
     """The globals' values, creating the gloo groups; nothing is written yet."""
     import torch.distributed as dist

@@ -1,7 +1,7 @@
-"""What ``initialize_model_parallel`` needs from a rank: its rank, layout and own groups.
+"""What ``initialize_model_parallel`` needs from a rank: its rank, layout and own groups (``ParallelContext``).
 
-``rankctl.context()`` (the rank runtime's context) and ``GroupsContext`` (``adapter.py``)
-both satisfy it.
+A narrower view than a kind's ``RankContext`` (``kinds.context``): ``rankctl.context()`` (the rank runtime's
+context) and ``GroupsContext`` (``adapter.py``) both satisfy it.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 
 @runtime_checkable
-class RankContext(Protocol):
-    """One rank's view of its job: global rank, the job's layout, and its groups by kind.
+class ParallelContext(Protocol):
+    """What Megatron's parallel state needs of one rank: global rank, the job's layout, and its groups by kind.
 
     ``group(kind)`` returns a real process group for every kind this rank belongs to, a
     one-member group included (Megatron asks ``group.size()`` and ``group.rank()`` of it);
