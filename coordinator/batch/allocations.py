@@ -15,8 +15,8 @@ the event loop thread. Rules:
 - The scheduler refuses the request: the job fails with its words.
 - A worker that registers with a pool no active job owns is told to exit at once.
 - A node of an allocation's job is lost: the allocation's state is asked for at once and the attempt fails
-  only with the answer (``hold_loss``): the whole allocation ended (its reason names it), or only that node
-  was lost (the job restarts on a spare of the allocation, as anywhere).
+  only with the answer (``coordinator.batch.holds``): the whole allocation ended (its reason names it), or only
+  that node was lost (the job restarts on a spare of the allocation, as anywhere).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import structlog
 
 from rankctl.coordinator.model.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
                                             Ask, Seen, pool_name)
+from rankctl.coordinator.batch.holds import GATHER_S, AllocationHolds
 from rankctl.coordinator.jobs.commit import StoreGuard
 from rankctl.coordinator.model.faults import Cause, Fault
 from rankctl.coordinator.jobs.book import JobBook
@@ -42,8 +43,6 @@ log = structlog.get_logger("rankctl.coordinator")
 S = JobState
 WATCH_S = 5.0            # how often an allocation's state is asked for
 RELEASE_GRACE_S = 30.0   # how long an ended job's workers have to exit before the allocation is released
-GATHER_S = 15.0          # how long a job waits for all of a new allocation's workers (its nodes + spares) to register
-                         # before it is placed on those that did (a resume finds its checkpoints on its old nodes)
 LOSS_GRACE_S = 3.0       # how long a lost node's failure waits for the scheduler to say the allocation ended
                          # (scancel and a time limit end the workers before the scheduler's state changes)
 
@@ -67,20 +66,18 @@ class Allocations:
     """The open allocations by job, and their pools; the event loop thread only."""
 
     def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
-                 guard: StoreGuard, restarts: Restarts, schedule: Callable[[], None], address: str = "") -> None:
+                 guard: StoreGuard, restarts: Restarts, schedule: Callable[[], None], holds: AllocationHolds,
+                 address: str = "") -> None:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
-        self._guard, self._restarts, self._schedule = guard, restarts, schedule
+        self._guard, self._restarts, self._schedule, self.holds = guard, restarts, schedule, holds
         self.address = address   # where the workers dial this coordinator (the server sets it)
         self.tls = False         # whether it serves mutual TLS (the server sets it): workers need an identity
-        self._open: dict[str, JobRecord] = {j.id: j for j in book.jobs.values()
-                                            if j.allocation is not None and not _finished(j)}
+        holds.open.update({j.id: j for j in book.jobs.values() if j.allocation is not None and not _finished(j)})
+        self._open, self._watched = holds.open, holds.watched       # (the holds' facts, kept up to date here)
+        self._losses, self._held_since, self._first_worker = holds.losses, holds.held_since, holds.first_worker
         self._pools: dict[str, str] = {j.allocation.pool: j.id for j in self._open.values()}  # pool -> its job
         self._in_flight: set[tuple[str, int, str]] = set()
-        self._watched: dict[tuple[str, int], float] = {}
         self._released_at: dict[tuple[str, int], float] = {}
-        self._losses: dict[str, list[Fault]] = {}   # job id -> the node losses held for an answer
-        self._held_since: dict[str, float] = {}                 # job id -> when its first loss was held
-        self._first_worker: dict[str, float] = {}               # pool -> when its first worker registered
         self._archived: set[str] = set()                         # ended jobs whose rank logs were kept
 
     def __bool__(self) -> bool:
@@ -102,9 +99,7 @@ class Allocations:
         why = request.tls_problem(self.tls)
         return request.problems() + ([why] if why else [])
 
-    @staticmethod
-    def nodes_of(job: JobRecord) -> int:
-        return job.nodes_needed + (job.allocation.request.spares if job.allocation is not None else 0)
+    nodes_of = staticmethod(AllocationHolds.nodes_of)
 
     # -- what the loop asks ---------------------------------------------------------------------
     def due(self) -> list[Work]:
@@ -192,17 +187,6 @@ class Allocations:
             return
         self._fail_held(job)
 
-    def hold_loss(self, job: JobRecord, loss: Fault) -> bool:
-        """``Restarts``: a node of ``job`` was lost. Hold the failure until the allocation's state is known (asked
-        for at once); False when there is nothing to ask (no open allocation): fail now."""
-        a = job.allocation
-        if a is None or job.id not in self._open or a.ended or not a.id:
-            return False
-        self._losses.setdefault(job.id, []).append(loss)
-        self._held_since.setdefault(job.id, self._clock())
-        self._watched[(job.id, a.number)] = 0.0
-        return True
-
     def _fail_held(self, job: JobRecord) -> None:
         """The allocation lives on: the held node losses fail the attempt as they would elsewhere (a spare)."""
         held = self._losses.pop(job.id, [])
@@ -243,17 +227,6 @@ class Allocations:
                 self._schedule()
 
     # -- nodes ------------------------------------------------------------------------------------
-    def gathering(self, job: JobRecord, ready: int) -> str | None:
-        """``Scheduler``: why ``job`` waits for more of its allocation's workers (``ready`` of them READY and free),
-        or None. A new allocation's workers register within seconds of each other; placing the job on the first
-        ones would move a resumed job off the nodes that hold its checkpoints."""
-        a = job.allocation
-        want = self.nodes_of(job)
-        since = self._first_worker.get(a.pool) if a is not None else None
-        if since is None or ready >= want or self._clock() - since >= GATHER_S:
-            return None
-        return f"waiting for the workers of its allocation, {a.describe()}: {ready} of {want} registered"
-
     def registered(self, session: NodeSession) -> None:
         """A worker of a pool no active job owns is told to exit."""
         if not session.pool:

@@ -30,6 +30,7 @@ from rankctl.contract.spec import JobSpec
 from rankctl.coordinator.scheduling import capacity
 from rankctl.coordinator.recovery.advance import Advancer
 from rankctl.coordinator.model.allocation import AllocationRequest
+from rankctl.coordinator.batch.holds import AllocationHolds
 from rankctl.coordinator.batch.allocations import Allocations
 from rankctl.coordinator.jobs.commit import Outgoing, StoreGuard
 from rankctl.coordinator.recovery.drains import Drains
@@ -106,14 +107,15 @@ class Coordinator:
         self._drains = Drains(self.book, clock, self._outgoing)
         self.pools = WorkerPools(self.nodes, store, clock, self.drain, self.undrain,
                                  functools.partial(_free_slots, self.nodes, self.book, self._stops))
+        holds = AllocationHolds(clock)   # what the restarts and the scheduler ask of the allocations
         self._scheduler = Scheduler(self.book, self.nodes, store, clock, self._guard, self._outgoing, self.stats,
                                     ended=self._stops.ended, shutting_down=self._is_shutting_down,
-                                    head_wait=head_wait, general=self.pools.general)
+                                    head_wait=head_wait, general=self.pools.general, gathering=holds.gathering)
         self._restarts = Restarts(self.book, self.nodes, store, clock, self._outgoing, self._stops, self._drains,
-                                  self._scheduler, self.stats)
+                                  self._scheduler, self.stats, hold_loss=holds.hold_loss)
         self._advancer = Advancer(self.book, store, clock, self._guard, self._restarts, self._stops)
-        self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self.schedule)
-        self._restarts.hold_loss, self._scheduler.gathering = self.allocations.hold_loss, self.allocations.gathering
+        self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self.schedule,
+                                       holds)
         self._assemble_node_side(heartbeat_timeout, max_heartbeat_rate)
         for job in self.book.active():  # restarts under way before the coordinator stopped: confirm them again
             if job.state is S.RESTARTING:

@@ -58,13 +58,14 @@ class Restarts:
 
     def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
                  outgoing: Outgoing, stops: Stops, drains: Drains, scheduler: Scheduler,
-                 stats: CoordinatorStats) -> None:
+                 stats: CoordinatorStats, hold_loss: Callable[[JobRecord, Fault], bool] = lambda job, loss: False,
+                 ) -> None:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
         self._outgoing, self._stops, self._drains, self._scheduler = outgoing, stops, drains, scheduler
         self._stats = stats
-        # ``allocations``' say over a lost node of an allocation's job (True: it fails the attempt itself, once it
-        # knows whether the whole allocation ended); set by the core after both exist
-        self.hold_loss: Callable[[JobRecord, Fault], bool] | None = None
+        # the allocations' say over a lost node of an allocation's job (True: they fail the attempt themselves, once
+        # they know whether the whole allocation ended: ``coordinator.batch.holds``)
+        self.hold_loss = hold_loss
         self._failed: dict[str, Failed] = {}   # job -> its last failure
         self._losing: dict[str, dict[str, str]] = {}   # job -> its lost nodes whose failure ``hold_loss`` holds
 
@@ -250,7 +251,7 @@ class Restarts:
             if name in self._nodes.draining:  # drained, then taken away: still no failure
                 why = f"then lost ({detail}); {_gone(job.ranks_on(name))}"
                 self.apply(job, reconcile(self.view(job, draining_lost=((name,), why), lost=(loss,))))
-            elif job.pool and self.hold_loss is not None and self.hold_loss(job, loss):
+            elif job.pool and self.hold_loss(job, loss):
                 self._losing.setdefault(job.id, {})[name] = detail
             else:
                 self.apply(job, reconcile(self.view(job, lost=(loss,))))

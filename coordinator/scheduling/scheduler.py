@@ -49,7 +49,8 @@ class Scheduler:
     def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
                  guard: StoreGuard, outgoing: Outgoing, stats: CoordinatorStats, *,
                  ended: Callable[[], Iterable[JobRecord]], shutting_down: Callable[[], bool],
-                 head_wait: float = HEAD_WAIT_S, general: Callable[[str], bool] = lambda pool: False) -> None:
+                 head_wait: float = HEAD_WAIT_S, general: Callable[[str], bool] = lambda pool: False,
+                 gathering: Callable[[JobRecord, int], str | None] = lambda job, ready: None) -> None:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
         self._guard, self._outgoing, self._stats = guard, outgoing, stats
         self._ended, self._shutting_down = ended, shutting_down
@@ -58,8 +59,8 @@ class Scheduler:
         self._shut_out: dict[str, float] = {}            # job id -> since when only its exclusions keep it waiting
         self._owed = False                               # a pass failed to store or was postponed
         self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes (cache)
-        # ``allocations``: why a job of an allocation waits for more of its workers (set by the core)
-        self.gathering: Callable[[JobRecord, int], str | None] = lambda job, ready: None
+        # the allocations': why a job of an allocation waits for more of its workers (``coordinator.batch.holds``)
+        self.gathering = gathering
         # ``pools``: whether a worker's pool is a worker pool of the general queue (ctl slurm workers)
         self.general = general
 

@@ -32,3 +32,22 @@ def test_no_class_over_300_lines_and_no_mixin() -> None:
                 if size > MAX_CLASS_LINES or node.name.endswith("Mixin") or any(b.endswith("Mixin") for b in bases):
                     found.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}({', '.join(bases)}) {size} lines")
     assert found == []
+
+
+def test_the_core_wires_no_collaborator_after_building_it() -> None:
+    """Issue 44: collaborators are built with everything they need. The core's assembly (``Coordinator.__init__``
+    and the methods it calls) assigns no attribute of an object it built (``self._restarts.hold_loss = ...`` was
+    the allocations' say over a lost node, set after the restarts existed)."""
+    tree = ast.parse((ROOT / "coordinator" / "jobs" / "core.py").read_text())
+    core = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Coordinator")
+    assembly = [f for f in core.body if isinstance(f, ast.FunctionDef) and f.name in ("__init__", "_assemble_node_side")]
+    wired = []
+    for f in assembly:
+        for node in ast.walk(f):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                for one in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(one, ast.Attribute) and isinstance(one.value, ast.Attribute) \
+                            and isinstance(one.value.value, ast.Name) and one.value.value.id == "self":
+                        wired.append(f"line {one.lineno}: self.{one.value.attr}.{one.attr}")
+    assert len(assembly) == 2 and wired == []
