@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Iterator
 
 import numpy as np
@@ -307,7 +307,9 @@ class RankLayout:
     def group_array(self, name: str) -> np.ndarray:
         """All groups of ``name`` as a (num_groups, group_size) int64 array."""
         if name not in self._cache:
-            self._cache[name] = self._build(name)
+            built = self._build(name)
+            built.setflags(write=False)   # shared by every caller in the process (``shared_layout``)
+            self._cache[name] = built
         return self._cache[name]
 
     def _build(self, name: str) -> np.ndarray:
@@ -372,3 +374,13 @@ class RankLayout:
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "groups": {k: self.groups(k) for k in self.names}}
+
+
+LAYOUTS_KEPT = 16   # layouts a process keeps (a 65,536-rank one holds about 8 MB of group arrays once built)
+
+
+@lru_cache(maxsize=LAYOUTS_KEPT)
+def shared_layout(config: ParallelConfig) -> RankLayout:
+    """The one ``RankLayout`` of ``config`` in this process: its group arrays are built once, whoever asks (the
+    coordinator's planner at every attempt and its PlanJob, the daemon at every Assign of that layout, the rank)."""
+    return RankLayout(config)

@@ -28,7 +28,7 @@ from rankctl.contract.names import job_name_problem
 from rankctl.contract.spec import JobSpec
 from rankctl.kinds.spec import parallel_config
 from rankctl.parallel.groups import WORLD, ProcessGroups, group_name
-from rankctl.parallel.layout import RankLayout
+from rankctl.parallel.layout import RankLayout, shared_layout
 from rankctl.parallel.placement import node_of_rank
 from rankctl.runtime.netif import pin_interface
 from rankctl.runtime.rendezvous import init_distributed, resolve_backend
@@ -97,7 +97,7 @@ class RankContext:
     @property
     def layout(self) -> RankLayout:
         if self._layout is None:
-            self._layout = RankLayout(parallel_config(self.spec))
+            self._layout = shared_layout(parallel_config(self.spec))
         return self._layout
 
     def ranks(self, name: str) -> list[int]:

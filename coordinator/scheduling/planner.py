@@ -10,7 +10,7 @@ from typing import Iterable
 
 from rankctl.coordinator.model.records import JobRecord
 from rankctl.kinds.spec import parallel_config
-from rankctl.parallel.layout import ParallelConfig, RankLayout
+from rankctl.parallel.layout import ParallelConfig, shared_layout
 from rankctl.parallel.placement import layout_document, ranks_of_node
 from rankctl.proto import rankctl_pb2 as pb
 
@@ -31,7 +31,7 @@ def assign_messages(job: JobRecord, nodes: list[str], rendezvous: str, peers: li
     ``restores[k]`` names where node k fetches its ranks' checkpoints from before they start.
     """
     spec = job.spec.on_nodes(len(nodes))   # an elastic job's attempt on fewer nodes runs a smaller world
-    RankLayout(parallel_config(spec)).rank_groups(0)
+    shared_layout(parallel_config(spec)).rank_groups(0)
     spec_json = json.dumps(spec.to_dict(), separators=(",", ":"))
     s, n = job.slots_per_node, len(nodes)
     peers = peers or [""] * n
@@ -45,4 +45,4 @@ def assign_messages(job: JobRecord, nodes: list[str], rendezvous: str, peers: li
 
 def plan_layout(cfg: ParallelConfig, slots_per_node: int) -> dict:
     """The PlanJob document: config and per-kind summary; per-rank lists only for small worlds."""
-    return layout_document(RankLayout(cfg), slots_per_node)
+    return layout_document(shared_layout(cfg), slots_per_node)

@@ -19,7 +19,7 @@ from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.limits import MAX_SLOTS_PER_NODE, MAX_WORLD_SIZE
 from rankctl.kinds.registry import blob_limit_of, blobs_of
 from rankctl.kinds.spec import parallel_config, parse_spec
-from rankctl.parallel.layout import RankLayout
+from rankctl.parallel.layout import shared_layout
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.runs import hangwatch
 from rankctl.worker.files.blobs import FetchFailed, WorkdirCache
@@ -65,7 +65,7 @@ def _compact(msg: pb.Assign, node: str, gpus: int) -> list[RankAssignment]:
         raise Refused(f"ranks {first}..{first + count - 1} (rank_count={count}) do not lie in a world of {world}")
     try:
         spec = parse_spec(json.loads(msg.spec_json))  # the daemon's one validation of the job's spec
-        layout = RankLayout(parallel_config(spec))
+        layout = shared_layout(parallel_config(spec))
     except Exception as exc:  # noqa: BLE001 - any defect of the spec refuses the Assign
         raise Refused(f"unreadable job spec: {str(exc)[:300]}") from None
     if layout.world_size != world:

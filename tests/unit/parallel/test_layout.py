@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rankctl.parallel.layout import GROUP_NAMES, LayoutError, ParallelConfig, RankLayout
+from rankctl.parallel.layout import GROUP_NAMES, LayoutError, ParallelConfig, RankLayout, shared_layout
 
 
 def layout(**kw) -> RankLayout:
@@ -199,3 +199,17 @@ def test_an_order_too_long_is_refused_quoting_a_short_prefix() -> None:
     with pytest.raises(LayoutError, match=r"order='x{40}'\.\.\. \(200000 characters\) must be at most 32") as err:
         ParallelConfig(world_size=8, order="x" * 200_000)
     assert len(str(err.value)) < 300
+
+
+def test_a_process_builds_each_layout_once_and_its_groups_cannot_be_changed_by_a_caller() -> None:
+    """Issue 44 item 6: the planner at every attempt, PlanJob, the daemon at every Assign and the rank share one
+    ``RankLayout`` per config (``shared_layout``); its cached group arrays are read-only."""
+    cfg = ParallelConfig(world_size=16, tp=2, pp=2)
+    layout = shared_layout(cfg)
+    assert shared_layout(ParallelConfig(world_size=16, tp=2, pp=2)) is layout        # equal configs: one layout
+    assert shared_layout(ParallelConfig(world_size=16, tp=4, pp=2)) is not layout
+    groups = layout.group_array("tp")
+    assert layout.group_array("tp") is groups and layout.rank_groups(3)["tp"] == [2, 3]
+    with pytest.raises(ValueError, match="read-only"):
+        groups[0, 0] = 99
+    assert np.array_equal(groups[0], [0, 1])
