@@ -64,6 +64,8 @@ class JobKind:
     ``figures``: the per-step numbers the coordinator folds over a job's ranks into its step event, ``ctl``,
     the dashboard and the metrics (name -> ``kinds.figures.Figure``: how it is folded and shown, its chart and
     its gauge; or only its ``Fold``). Other numbers a rank reports stay in its metrics.
+    ``secrets``: dotted spec fields whose values no client ever sees (``python.env``): a mapping's values are
+    redacted and its keys stay, any other value is redacted; only the Assign to the job's nodes carries them.
     ``warm() -> None``: imports too heavy for the launcher's start-up that every rank would pay; the launcher
     calls it once, before it first forks ranks of this kind, so its forks inherit them.
     """
@@ -85,6 +87,7 @@ class JobKind:
     drain_checkpoint: bool = False
     own_rendezvous: bool = False
     figures: Mapping[str, "Fold | Figure"] = field(default_factory=dict)
+    secrets: tuple[str, ...] = ()
     warm: Any = None
 
     def resolve(self, attr: str) -> Callable[..., Any] | None:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 SUMMARY_ERROR_CHARS = 2000  # a failing rank's error in a summary: its tail (the summary goes out with every batch)
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
-REDACTED = "<redacted>"  # what clients see of a python.env value: only the Assign to the job's nodes carries it
+REDACTED = "<redacted>"  # what clients see of a kind's secret field (``JobKind.secrets``): only the Assign carries it
 NODES_SHOWN = 1024  # an allocation's node names in a Job message (ctl status shows them; the count is the request's)
 TIMESTAMP_END_S = 253_402_300_800  # 10000-01-01T00:00:00Z: past google.protobuf.Timestamp's range
 
@@ -155,12 +155,24 @@ def plan_to_pb(layout: dict[str, Any], spec: dict[str, Any]) -> pb.PlanJobRespon
 
 
 def public_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec as clients see it: each ``python.env`` value replaced by REDACTED (the keys stay), others as is."""
-    python = spec.get("python") if isinstance(spec, dict) else None
-    env = python.get("env") if isinstance(python, dict) else None
-    if not isinstance(env, dict) or not env:
-        return spec
-    return {**spec, "python": {**python, "env": {key: REDACTED for key in env}}}
+    """The spec as clients see it: each secret field its kind declares (``JobKind.secrets``) redacted: a mapping's
+    values (its keys stay), any other value whole; the rest as is."""
+    known = registry.kinds().get(spec.get("kind", "")) if isinstance(spec, dict) else None
+    for path in known.secrets if known is not None else ():
+        spec = _redacted(spec, path.split("."))
+    return spec
+
+
+def _redacted(doc: Any, path: list[str]) -> Any:
+    """``doc`` (not changed) with the value at ``path`` redacted, where it is."""
+    if not isinstance(doc, dict) or path[0] not in doc:
+        return doc
+    value = doc[path[0]]
+    if len(path) > 1:
+        return {**doc, path[0]: _redacted(value, path[1:])}
+    if isinstance(value, dict):
+        return {**doc, path[0]: {key: REDACTED for key in value}}
+    return {**doc, path[0]: REDACTED if value not in (None, "", [], {}) else value}
 
 
 def _error_tail(msg: pb.RankStatus) -> pb.RankStatus:

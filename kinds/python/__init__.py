@@ -24,6 +24,7 @@ KIND = JobKind(
     shipment="rankctl.kinds.python.checks:shipment",
     node_paths="rankctl.kinds.python.checks:node_paths",
     own_rendezvous=True,
+    secrets=("python.env",),   # its values reach the ranks only, never a client
     figures=TRAINING_FIGURES,  # what ctx.report(step, loss, ...) reports
     warm="rankctl.kinds.common:warm",  # users' scripts build torch optimisers too
 )

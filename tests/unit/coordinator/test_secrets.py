@@ -47,3 +47,23 @@ def test_env_values_reach_only_the_assign_and_never_a_client_or_the_log(tmp_path
         assert spec["python"]["env"] == {"API_TOKEN": REDACTED, "MODE": REDACTED}, where
         assert SECRET not in json.dumps(spec), where
     assert logs and SECRET not in repr(logs)
+
+
+def test_a_kind_declares_its_own_secret_fields_and_clients_never_see_their_values() -> None:
+    """Issue 44 item 3: which fields are secret is a kind's declaration (``JobKind.secrets``), not a ``python.env``
+    special case in the coordinator: a scalar is redacted whole, a mapping's values are (its keys stay); an absent
+    or empty field is left as it is, and a kind that declares none shows its spec unchanged."""
+    from rankctl.coordinator.api.convert import public_spec
+    from rankctl.kinds import registry
+    from rankctl.kinds.registry import JobKind
+
+    registry.register(JobKind(name="vaulted", secrets=("vault.token", "vault.headers", "vault.missing")))
+    try:
+        spec = {"kind": "vaulted", "vault": {"token": "t0k3n", "headers": {"X-Key": "k3y"}, "url": "https://x"}}
+        shown = public_spec(spec)
+        assert shown["vault"] == {"token": REDACTED, "headers": {"X-Key": REDACTED}, "url": "https://x"}
+        assert spec["vault"]["token"] == "t0k3n"                               # the stored spec is not changed
+        assert public_spec({"kind": "vaulted", "vault": {"token": ""}})["vault"] == {"token": ""}
+        assert public_spec({"kind": "comm-check", "vault": {"token": "t"}})["vault"] == {"token": "t"}
+    finally:
+        registry.unregister("vaulted")
