@@ -63,7 +63,7 @@ class HighAvailability:
         for task in (self.task, *self.tasks):
             if task is not None:
                 task.cancel()
-        self._stop_watch()
+        await self._stop_watch()
         await asyncio.to_thread(self.leadership.stop)
         if self.copy is not None:
             self.copy.close()
@@ -101,7 +101,7 @@ class HighAvailability:
                 self._wake.set()
 
     async def _promote(self) -> None:
-        self._stop_watch()
+        await self._stop_watch()
         store = self.copy
         if store is None or not await asyncio.to_thread(self._catch_up, store):
             if store is not None:
@@ -139,15 +139,17 @@ class HighAvailability:
                                          name="rankctl-store-watch", daemon=True)
         self._watcher.start()
 
-    def _stop_watch(self) -> None:
+    async def _stop_watch(self) -> None:
+        """Stop following the log: the watcher applies nothing once its event is set (it checks under the copy's
+        lock), so it is waited for off the loop, a little, and never past that."""
         self._watch_stop.set()
-        if self._watcher is not None:
-            self._watcher.join(5)
-            self._watcher = None
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            await asyncio.to_thread(watcher.join, 5)
 
-    def _catch_up(self, store: Store) -> bool:
+    def _catch_up(self, store: Store, stop: threading.Event | None = None) -> bool:
         """Apply the entries written after the copy's newest; False when they are gone (a snapshot covers
-        them: load afresh)."""
+        them: load afresh). ``stop``: the watcher's; once set, the copy is no longer its to change."""
         key = self.journal.log_key + b"%020d" % (self.journal.seq + 1)
         resp = self.etcd.range(key, prefix_end(self.journal.log_key))
         entries = []
@@ -159,9 +161,11 @@ class HighAvailability:
         if resp.more:
             return False
         with self._copy_lock:
+            if stop is not None and stop.is_set():
+                return True
             store.apply_entries(entries)
-        if entries:
-            self.journal.seq = entries[-1][0]
+            if entries:
+                self.journal.seq = entries[-1][0]
         return True
 
     def _follow_log(self, store: Store, stop: threading.Event) -> None:
@@ -171,8 +175,10 @@ class HighAvailability:
             try:
                 for resp in self.etcd.watch(self.journal.log_key, prefix_end(self.journal.log_key),
                                             self._revision + 1, _either(stop, ended)):
-                    if resp.compact_revision or not self._apply_events(store, resp):
-                        if not self._catch_up(store):
+                    if stop.is_set():
+                        return
+                    if resp.compact_revision or not self._apply_events(store, resp, stop):
+                        if not self._catch_up(store, stop):
                             log.warning("store.copy_behind", seq=self.journal.seq)
                             return  # the reconciler loads afresh at promotion
                     self._revision = max(self._revision, resp.header.revision)
@@ -180,14 +186,16 @@ class HighAvailability:
                 self.etcd.next_endpoint()
                 stop.wait(RETRY_S)
                 try:
-                    if not self._catch_up(store):
+                    if not self._catch_up(store, stop):
                         return
                 except (grpc.RpcError, Unreachable):
                     pass
             finally:
                 ended.set()
 
-    def _apply_events(self, store: Store, resp) -> bool:  # noqa: ANN001 - a WatchResponse
+    def _apply_events(self, store: Store, resp, stop: threading.Event) -> bool:  # noqa: ANN001 - a WatchResponse
+        """Apply a watch response's new entries to the copy, unless the watch was stopped (a promotion took the
+        copy: a watcher not joined in time must never write to the leader's store)."""
         for ev in resp.events:
             if ev.type != 0:  # DELETE: a snapshot dropped entries it covers
                 continue
@@ -198,8 +206,10 @@ class HighAvailability:
                 return False
             changes = self.journal.changes_of(seq, ev.kv.value)
             with self._copy_lock:
+                if stop.is_set():
+                    return True
                 store.apply_entries([(seq, changes)])
-            self.journal.seq = seq
+                self.journal.seq = seq
         return True
 
 
