@@ -40,7 +40,7 @@ from rankctl.coordinator.model.records import EventRecord, JobRecord
 from rankctl.contract.jobfile import SpecError
 from rankctl.coordinator.model.states import JobState, is_terminal
 from rankctl.coordinator.store.database import StoreError, durability
-from rankctl.coordinator.store.durability import AT_ONCE
+from rankctl.coordinator.store.durability import WRITTEN
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.kinds import registry
 from rankctl.proto import rankctl_pb2_grpc
@@ -103,15 +103,16 @@ def _answers(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[An
     ``coordinator.store.durability``); a read never waits."""
     @functools.wraps(method)
     async def answer(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        mine = WRITTEN.set(0)   # this RPC's own writes (other tasks' writes meanwhile are theirs to wait for)
         try:
-            stored = durability(self.core.store) if self.core is not None else AT_ONCE   # (a standby's GetInfo)
-            since = stored.submitted
             response = await method(self, request, context)
-            if stored.submitted != since:
-                await stored.stored(since)
+            if (ticket := WRITTEN.get()) and self.core is not None:
+                await durability(self.core.store).stored(ticket)
             return response
         except Exception as exc:
             await _abort(context, exc)
+        finally:
+            WRITTEN.reset(mine)
     return answer
 
 

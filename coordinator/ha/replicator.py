@@ -23,6 +23,7 @@ again. Tickets count submitted transactions; the loop-side ones are read and wri
 from __future__ import annotations
 
 import asyncio
+import heapq
 import sqlite3
 import threading
 from collections import deque
@@ -32,7 +33,7 @@ import structlog
 
 from rankctl.coordinator.store import mirror
 from rankctl.coordinator.store.database import StoreError
-from rankctl.coordinator.store.durability import Durability
+from rankctl.coordinator.store.durability import WRITTEN, Durability
 
 log = structlog.get_logger("rankctl.coordinator")
 RETRY_S = 0.5            # between probes of a store that refused a write
@@ -56,7 +57,7 @@ class Replicator(Durability):
         # the loop's side
         self.submitted = 0                          # tickets handed out
         self.stored_ticket = 0                      # every ticket up to this one is stored
-        self._waiters: deque[tuple[int, asyncio.Future]] = deque()
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []   # a heap: (ticket, serial, future)
         self._deferred: deque[tuple[int, Callable[[], None]]] = deque()
         self._lost: deque[tuple[int, int, str]] = deque(maxlen=16)   # (first, last) tickets refused, and why
         self._thread = threading.Thread(target=self._run, name="rankctl-store-writer", daemon=True)
@@ -72,6 +73,7 @@ class Replicator(Durability):
             self.submitted += 1
             self._queue.append((self.submitted, changes, what))
             self._cv.notify()
+        WRITTEN.set(self.submitted)   # this task's newest write (an RPC answers once it is stored)
 
     def pending(self) -> bool:
         return self.stored_ticket < self.submitted
@@ -84,17 +86,15 @@ class Replicator(Durability):
         else:
             self._deferred.append((self.submitted, send))
 
-    async def stored(self, since: int = 0) -> None:
-        """Return once everything submitted so far is stored; StoreError when a ticket after ``since`` was
-        refused (perhaps the caller's own)."""
-        upto = self.submitted
+    async def stored(self, ticket: int) -> None:
+        """Return once ``ticket`` (and every one before it) is stored; StoreError when it was refused."""
         for first, last, why in self._lost:
-            if last > since and first <= upto:
+            if first <= ticket <= last:
                 raise StoreError(why)
-        if self.stored_ticket >= upto:
+        if self.stored_ticket >= ticket:
             return
         future = self._loop.create_future()
-        self._waiters.append((upto, future))
+        heapq.heappush(self._waiters, (ticket, id(future), future))
         await future
 
     def _advanced(self, ticket: int) -> None:
@@ -102,7 +102,7 @@ class Replicator(Durability):
         while self._deferred and self._deferred[0][0] <= self.stored_ticket:
             self._deferred.popleft()[1]()
         while self._waiters and self._waiters[0][0] <= self.stored_ticket:
-            future = self._waiters.popleft()[1]
+            future = heapq.heappop(self._waiters)[2]
             if not future.done():
                 future.set_result(None)
 
@@ -114,7 +114,7 @@ class Replicator(Durability):
         self.stored_ticket = self.submitted
         self._deferred.clear()
         while self._waiters:
-            future = self._waiters.popleft()[1]
+            future = heapq.heappop(self._waiters)[2]
             if not future.done():
                 future.set_exception(StoreError(why))
         return max(0, last - first + 1)

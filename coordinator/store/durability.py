@@ -8,7 +8,12 @@ RPC's answer (``coordinator.api.servicer``).
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Callable, Protocol
+
+# the newest ticket a task's own writes got (each asyncio task has its own: an RPC's answer waits for its writes,
+# never for those other tasks made meanwhile)
+WRITTEN: ContextVar[int] = ContextVar("rankctl_written", default=0)
 
 
 class Replica(Protocol):
@@ -33,9 +38,8 @@ class Durability:
         that is refused. Calls keep their order."""
         send()
 
-    async def stored(self, since: int = 0) -> None:
-        """Return once everything committed so far is stored; StoreError when something committed after ticket
-        ``since`` (the caller's, taken before it wrote) was refused instead."""
+    async def stored(self, ticket: int) -> None:
+        """Return once ``ticket`` (and every one before it) is stored; StoreError when it was refused instead."""
 
 
 AT_ONCE = Durability()

@@ -72,7 +72,7 @@ def test_a_write_etcd_holds_blocks_no_loop_call_and_what_depends_on_it_waits_in_
         stored.after(lambda: sent.append("assign"))
         store.insert_job(_job("b-000002", name="b"))
         stored.after(lambda: sent.append("ack"))
-        answer = asyncio.ensure_future(stored.stored(0))
+        answer = asyncio.ensure_future(stored.stored(stored.submitted))
         await asyncio.sleep(0.05)
         assert stored.pending() and sent == ["at once"] and not answer.done()
         assert [j.id for j in store.load_jobs()] == ["a-000001", "b-000002"]   # a read sees the copy
@@ -96,14 +96,14 @@ def test_a_refused_write_drops_what_was_pending_refuses_at_once_and_accepts_agai
         store = _leader(tmp_path, journal, refused)
         stored, sent = durability(store), []
         store.insert_job(_job())
-        await stored.stored(0)
+        await stored.stored(stored.submitted)
         before = dump(store)
         journal.gate.clear()
         journal.refuse, journal.down = "the store etcd://127.0.0.1:1/rankctl committed nothing in time", True
-        since = stored.submitted
         store.insert_job(_job("b-000002", name="b"))             # pending, then refused
+        lost = stored.submitted
         stored.after(lambda: sent.append("assign of b"))
-        answer = asyncio.ensure_future(stored.stored(since))
+        answer = asyncio.ensure_future(stored.stored(lost))
         journal.gate.set()
         with pytest.raises(StoreError, match="committed nothing in time"):
             await answer
@@ -113,12 +113,11 @@ def test_a_refused_write_drops_what_was_pending_refuses_at_once_and_accepts_agai
             store.insert_job(_job("c-000003", name="c"))          # refused at once, nothing kept
         assert dump(store) == before
         with pytest.raises(StoreError):
-            await stored.stored(since)                             # an answer for the lost write: never "stored"
+            await stored.stored(lost)                              # an answer for the lost write: never "stored"
         journal.refuse, journal.down = "", False
         await _until(lambda: not _refusing(store), "writes taken again")
-        since = stored.submitted
         store.insert_job(_job("d-000004", name="d"))
-        await stored.stored(since)
+        await stored.stored(stored.submitted)
         assert [j.id for j in store.load_jobs()] == ["a-000001", "d-000004"] and journal.probes >= 1
         assert [r["id"] for e in journal.entries for t, _, r in e if t == "jobs"] == ["a-000001", "d-000004"]
         store.replica.close()
@@ -144,7 +143,7 @@ def test_a_closed_replicator_fails_its_waiters_and_sends_nothing_pending(tmp_pat
         journal.gate.clear()
         store.insert_job(_job())
         stored.after(lambda: sent.append("assign"))
-        answer = asyncio.ensure_future(stored.stored(0))
+        answer = asyncio.ensure_future(stored.stored(stored.submitted))
         await asyncio.sleep(0)
         store.replica.close()                                     # leadership ended
         with pytest.raises(StoreError, match="stopped leading"):
@@ -152,5 +151,32 @@ def test_a_closed_replicator_fails_its_waiters_and_sends_nothing_pending(tmp_pat
         journal.gate.set()
         await asyncio.sleep(0.05)
         assert sent == [] and not refused
+        store.close()
+    asyncio.run(main())
+
+
+def test_a_task_waits_for_its_own_writes_only(tmp_path: Path) -> None:
+    """An RPC answers once its own writes are stored (``durability.WRITTEN``, per asyncio task): a read that
+    awaited while another task wrote neither waits for that write nor hears of its refusal."""
+    from rankctl.coordinator.store.durability import WRITTEN
+
+    async def main() -> None:
+        journal, refused = Journal(), []
+        store = _leader(tmp_path, journal, refused)
+
+        async def writer() -> int:
+            store.insert_job(_job())
+            return WRITTEN.get()
+
+        async def reader() -> int:
+            await asyncio.sleep(0.01)
+            return WRITTEN.get()
+
+        journal.gate.clear()
+        wrote, read = await asyncio.gather(writer(), reader())
+        assert wrote == store.replica.submitted and read == 0
+        journal.gate.set()
+        await store.replica.stored(wrote)
+        store.replica.close()
         store.close()
     asyncio.run(main())
