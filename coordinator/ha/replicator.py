@@ -37,7 +37,7 @@ from rankctl.coordinator.store.durability import WRITTEN, Durability
 
 log = structlog.get_logger("rankctl.coordinator")
 RETRY_S = 0.5            # between probes of a store that refused a write
-ENTRY_BYTES = 4 << 20    # queued change sets joined into one journal entry up to about this many bytes of JSON
+ENTRY_ROWS = 16384       # queued change sets joined into one journal entry up to about this many row changes (~4 MiB)
 
 
 class Replicator(Durability):
@@ -152,12 +152,11 @@ class Replicator(Durability):
                 self._cv.wait()
             if self._closed:
                 return None
-            ticket, changes, what = self._queue.popleft()
-            size = len(changes)
-            while self._queue and size < ENTRY_BYTES // 256:    # ~256 bytes a row change: a cheap bound
+            ticket, first, what = self._queue.popleft()
+            changes = list(first)   # joined in place: a backlog of thousands is copied once, not once per set
+            while self._queue and len(changes) < ENTRY_ROWS:
                 ticket, more, _ = self._queue.popleft()
-                changes = changes + more
-                size += len(more)
+                changes.extend(more)
                 what = "changes"
             return ticket, changes, what
 
