@@ -30,6 +30,7 @@ from rankctl.coordinator.model.allocation import (NOT_SUBMITTED, REQUESTING, UNA
                                             Ask, Seen, pool_name)
 from rankctl.coordinator.batch.holds import GATHER_S, AllocationHolds
 from rankctl.coordinator.jobs.commit import StoreGuard
+from rankctl.coordinator.jobs.dirty import Dirty
 from rankctl.coordinator.model.faults import Cause, Fault
 from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.fleet.nodes import NodeSession, NodeTable
@@ -66,10 +67,10 @@ class Allocations:
     """The open allocations by job, and their pools; the event loop thread only."""
 
     def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
-                 guard: StoreGuard, restarts: Restarts, schedule: Callable[[], None], holds: AllocationHolds,
+                 guard: StoreGuard, restarts: Restarts, dirty: Dirty, holds: AllocationHolds,
                  address: str = "") -> None:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
-        self._guard, self._restarts, self._schedule, self.holds = guard, restarts, schedule, holds
+        self._guard, self._restarts, self._dirty, self.holds = guard, restarts, dirty, holds
         self.address = address   # where the workers dial this coordinator (the server sets it)
         self.tls = False         # whether it serves mutual TLS (the server sets it): workers need an identity
         holds.open.update({j.id: j for j in book.jobs.values() if j.allocation is not None and not _finished(j)})
@@ -117,7 +118,7 @@ class Allocations:
                     self._release_workers(job, f"job {job.id} is {job.state.value}")
             if job.state is S.PENDING and a.pool in self._first_worker \
                     and GATHER_S <= now - self._first_worker[a.pool] < GATHER_S + 2:
-                self._schedule()   # its gathering time is over: placed on the workers that came
+                self._dirty.place()   # its gathering time is over: placed on the workers that came
             if a.state == REQUESTING and not a.id:
                 if is_terminal(job.state):
                     self._set(job, replace(a, state=NOT_SUBMITTED))
@@ -180,7 +181,7 @@ class Allocations:
                     self._losses.pop(job.id, None)   # the allocation's end is the reason, not its nodes'
                     self._held_since.pop(job.id, None)
                     self._ended(job)
-            self._schedule()   # a pending job's reason shows what the scheduler now says (its pending reason)
+            self._dirty.place()   # a pending job's reason shows what the scheduler now says (its pending reason)
         if job.id in self._losses and not job.allocation.ended \
                 and self._clock() - self._held_since.get(job.id, 0.0) < LOSS_GRACE_S:
             self._watched[key] = 0.0   # it may still end: ask again at the next due
@@ -224,7 +225,7 @@ class Allocations:
             if detail != job.allocation.detail:   # why it is not asked yet, in the job's reason (``describe``)
                 with self._guard.consistent():
                     self._set(job, replace(job.allocation, detail=detail))
-                self._schedule()
+                self._dirty.place()
 
     # -- nodes ------------------------------------------------------------------------------------
     def registered(self, session: NodeSession) -> None:

@@ -1,6 +1,6 @@
 """Who a hang waits for: the attempt's failure reason, from the evidence the daemons sent.
 
-When a job is hung (``advance.Advancer.check_hangs``), each rank whose collective counters had stopped
+When a job is hung (``coordinator.recovery.reconciler``), each rank whose collective counters had stopped
 moving has sent, once, its counters per process group (``RankRecord.collectives``: ``worker.runs.hangwatch``'s
 JSON, "the tp group [2, 3]: entered 83, completed 82, in all_reduce since T") and its Python stack
 (``RankRecord.stack``); the daemons also report stopped processes (``RankRecord.process``).

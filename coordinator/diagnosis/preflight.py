@@ -22,7 +22,7 @@ class Preflight:
     figures: dict[str, float] = field(default_factory=dict)   # "tp": ms, ..., "link_median", "link_max": ms
     note: str = ""                                             # GPUs, the slowest link's node
     exclude: list[tuple[int, str]] = field(default_factory=list)
-    handled: bool = False     # the advance acted on it (``Advancer.advance_once``)
+    handled: bool = False     # the advance acted on it (``JobReconciler.reconcile``)
 
 
 def _number(v: object) -> float | None:

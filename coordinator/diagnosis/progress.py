@@ -168,6 +168,7 @@ class JobProgress:
     first_step: int = 1 << 62  # the lowest step a rank first reported in this attempt (> 1 after a resume)
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
     advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
+    failing_since: float | None = None   # when a failed rank was first seen (a peer error waits for its cause)
     pace: Pace = field(default_factory=Pace)   # step intervals and hang evidence (``coordinator.diagnosis.pace``)
     preflight: Preflight | None = None         # rank 0's pre-flight outcome (``coordinator.diagnosis.preflight``)
     hang: list[int] = field(default_factory=list)   # the ranks the attempt's hang pointed at (``coordinator.diagnosis.hangs``)

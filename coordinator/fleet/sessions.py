@@ -18,6 +18,7 @@ from rankctl.contract.limits import MAX_SLOTS_PER_NODE
 from rankctl.contract.names import node_name_problem
 from rankctl.coordinator.api import convert
 from rankctl.coordinator.jobs.commit import Outgoing, StoreGuard
+from rankctl.coordinator.jobs.dirty import Dirty
 from rankctl.coordinator.recovery.drains import Drains
 from rankctl.coordinator.model.errors import NodeNameTaken, ProtocolError
 from rankctl.coordinator.jobs.book import JobBook
@@ -121,21 +122,20 @@ def _hello_bounds(hello: NodeHello) -> str | None:
 class Sessions:
     """The live side of the node table; called from the event loop thread only.
 
-    ``flush``: stores the reports received so far (False: the store refused); ``schedule``: a schedule pass;
+    A registration or a new free-port list marks the queue, a reconnect the stops under way (``dirty``);
     ``shutting_down``: true once the coordinator is going down (closing streams then fail no job).
     """
 
     def __init__(self, nodes: NodeTable, book: JobBook, store: Store, clock: Callable[[], float],
                  guard: StoreGuard, outgoing: Outgoing, streams: Streams, stops: Stops, drains: Drains,
-                 restarts: Restarts, *, flush: Callable[[], bool], schedule: Callable[[], None],
-                 heartbeat_timeout: float, shutting_down: Callable[[], bool],
+                 restarts: Restarts, dirty: Dirty, *, heartbeat_timeout: float, shutting_down: Callable[[], bool],
                  max_heartbeat_rate: float = MAX_HEARTBEAT_RATE) -> None:
         if not max_heartbeat_rate > 0:   # the CLI refuses it too; a programmatic caller would loop for ever
             raise ValueError(f"max_heartbeat_rate={max_heartbeat_rate!r}: must be more than 0 heartbeats a second")
         self._nodes, self._book, self._store, self._clock = nodes, book, store, clock
         self._guard, self._outgoing, self._streams = guard, outgoing, streams
         self._stops, self._drains, self._restarts = stops, drains, restarts
-        self._flush, self._schedule, self._shutting_down = flush, schedule, shutting_down
+        self._dirty, self._shutting_down = dirty, shutting_down
         self.heartbeat_timeout, self.max_heartbeat_rate = heartbeat_timeout, max_heartbeat_rate
         self._interval = self.base_interval  # what nodes are asked for now (set by ``check_liveness``)
         self.started_at = self.checked_at = clock()   # checked_at: the last liveness check (the loop ran then)
@@ -196,7 +196,7 @@ class Sessions:
         for i, hello, outbox, record, same_daemon in admitted:
             out[i] = self._open(hello, outbox, record, same_daemon)
         if admitted:
-            self._schedule()
+            self._dirty.place()
         return out
 
     def _admit(self, hello: NodeHello) -> tuple[NodeRecord, bool]:
@@ -262,7 +262,7 @@ class Sessions:
         self._drains.resend(name)
         if name in self._nodes.draining:  # drained while the coordinator was down: move its jobs
             self._restarts.drain_node(name)
-        self._restarts.check_stops()
+        self._dirty.jobs(self._stops.job_ids())   # a stop may be complete now (the node came back without it)
 
     def _verify(self, session: NodeSession) -> None:
         """Fail the unlisted jobs whose ranks on this node did not all exit (after the replay)."""
@@ -289,23 +289,28 @@ class Sessions:
             return
         self._node_lost(session, detail)
 
-    def heartbeat(self, session: NodeSession, free_ports: Sequence[int] = ()) -> None:
-        """Note a heartbeat; a new free-port list may let a waiting job start."""
+    def heartbeat(self, session: NodeSession, free_ports: Sequence[int] = ()) -> bool:
+        """Note a heartbeat; a new free-port list may let a waiting job start. True: the session has jobs to
+        verify once the reports received so far are stored (``verify``)."""
         if not self._nodes.is_current(session) or session.status is not NodeStatus.READY:
-            return
+            return False
         session.last_heartbeat = session.record.last_seen = self._clock()
         session.was_beat = 0.0
         if session.beat != self._interval:  # the fleet grew or shrank past a step since this node was told
             session.was_beat, session.beat = session.beat, self._interval
             self._outgoing.send(session.name, convert.retune_message(session.beat))
-        if session.unverified and self._flush():  # the replay came before this heartbeat: stored first
-            with self._guard.consistent():
-                self._verify(session)
         if free_ports:   # a Register's bounds: ports beyond them go unused
             free_ports = [p for p in free_ports[:MAX_FREE_PORTS] if 1 <= p <= 65535]
         if free_ports and tuple(free_ports) != session.free_ports:
             session.free_ports = tuple(free_ports)
-            self._schedule()
+            self._dirty.place()
+        return bool(session.unverified)
+
+    def verify(self, session: NodeSession) -> None:
+        """The reports received before this heartbeat are stored (the replay came first): fail the jobs the node
+        did not list whose ranks there did not all exit."""
+        with self._guard.consistent():
+            self._verify(session)
 
     def stalled(self, loop_lag: float) -> None:
         """The event loop was stalled ``loop_lag`` seconds: that time is not held against any node, and after a

@@ -14,6 +14,8 @@ scheduler and the failure detector never walk the whole history.
 
 from __future__ import annotations
 
+import builtins
+
 import bisect
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -63,8 +65,8 @@ class JobBook:
 
     def _index(self) -> None:
         """Jobs in submission order, with their seqnos (ascending) for paging by bisection; active and pending."""
-        self._order: list[JobRecord] = list(self.jobs.values())
-        self._seqnos: list[int] = [j.seqno for j in self._order]
+        self._order: builtins.list[JobRecord] = list(self.jobs.values())
+        self._seqnos: builtins.list[int] = [j.seqno for j in self._order]
         self._active: dict[str, JobRecord] = {j.id: j for j in self._order if is_active(j.state)}
         self._pending: dict[str, JobRecord] = {j.id: j for j in self._order if j.state is JobState.PENDING}
         known = getattr(self, "queued_at", {})  # kept across a resync; after a restart, since submission
@@ -126,15 +128,15 @@ class JobBook:
             raise AmbiguousJob(f"{len(named)} jobs are named {shown}: {ids}{more}; give the job id")
         raise JobNotFound(f"no job {shown}")
 
-    def list(self, limit: int = 0) -> list[JobRecord]:
+    def list(self, limit: int = 0) -> builtins.list[JobRecord]:
         """Jobs in submission order; ``limit`` > 0 keeps the most recent."""
         jobs = list(self.jobs.values())
         return jobs[-limit:] if limit > 0 else jobs
 
-    def page(self, size: int, before: int = 0, states: Iterable[JobState] = ()) -> tuple[list[JobRecord], int]:
+    def page(self, size: int, before: int = 0, states: Iterable[JobState] = ()) -> tuple[builtins.list[JobRecord], int]:
         """Up to ``size`` jobs, newest first, submitted before seqno ``before`` (0: from the newest),
         in one of ``states`` (all when empty); and the cursor of the next page (0: no more)."""
-        wanted, out = frozenset(states), []
+        wanted, out = frozenset(states), builtins.list[JobRecord]()
         i = bisect.bisect_left(self._seqnos, before) if before > 0 else len(self._order)
         while i > 0 and len(out) < size:
             i -= 1
@@ -143,7 +145,7 @@ class JobBook:
         more = i > 0 and len(out) == size
         return out, (out[-1].seqno if more else 0)
 
-    def pending(self) -> list[JobRecord]:
+    def pending(self) -> builtins.list[JobRecord]:
         """PENDING jobs in submission order."""
         return sorted(self._pending.values(), key=lambda j: j.seqno) if len(self._pending) > 1 \
             else list(self._pending.values())
@@ -152,7 +154,7 @@ class JobBook:
         """Seconds a PENDING job has been queued (this attempt; since submission after a coordinator restart)."""
         return max(0.0, self.clock() - self.queued_at.get(job.id, job.created_at))
 
-    def active(self) -> list[JobRecord]:
+    def active(self) -> builtins.list[JobRecord]:
         return list(self._active.values())
 
     def ranks(self, job_id: str) -> dict[int, RankRecord]:
@@ -242,7 +244,7 @@ class JobBook:
     def next_attempt(self, job: JobRecord) -> None:
         job.attempt, job.nodes, job.rendezvous = job.attempt + 1, [], ""
 
-    def placed(self, job: JobRecord, names: list[str], rendezvous: str) -> None:
+    def placed(self, job: JobRecord, names: builtins.list[str], rendezvous: str) -> None:
         job.world_size, job.nodes, job.rendezvous = len(names) * job.slots_per_node, names, rendezvous
 
     def sized(self, job: JobRecord, nodes: int) -> None:   # an elastic job's attempt may run on fewer nodes
@@ -305,7 +307,7 @@ class JobBook:
         else:
             self.put_rank(job, r)
 
-    def put_ranks(self, job: JobRecord, records: list[RankRecord]) -> None:
+    def put_ranks(self, job: JobRecord, records: builtins.list[RankRecord]) -> None:
         """``put_rank`` of each of ``records`` (a node's ranks starting alike: ``ReportApplier._start_range``)."""
         ranks, rows, job_id = self.ranks(job.id), self._rows, job.id
         for r in records:
@@ -328,7 +330,7 @@ class JobBook:
         finally:
             self._rows = None
 
-    def rank_page(self, job: JobRecord, offset: int, limit: int) -> list[RankRecord]:
+    def rank_page(self, job: JobRecord, offset: int, limit: int) -> builtins.list[RankRecord]:
         """Ranks ``offset`` .. ``offset + limit - 1`` (clipped to the world); unheard ones as ``pending``."""
         ranks, s = self.ranks(job.id), job.slots_per_node
         out = []

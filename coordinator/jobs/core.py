@@ -4,8 +4,12 @@ Plain Python (no grpc), one instance per coordinator, called from the event loop
 comes from an injected ``clock`` (unix seconds) and everything that must survive a restart goes
 through the injected ``Store``; each public operation commits its writes before it returns. When the
 store refuses a write (``StoreError``), the operation's memory changes are undone (``commit``) and the
-error is raised to the caller; work the coordinator owes itself (scheduling, advancing a job, failing
-the jobs of a lost node, rank reports received meanwhile) is retried by ``tick``.
+error is raised to the caller.
+
+What happens to a job next is decided in one place: every change marks the jobs it concerns (``dirty``), and the
+turn that ends each operation (``turn``) reconciles each marked job once from its level state
+(``coordinator.recovery.reconciler``) and runs one placement pass. The tick marks every job time alone may move on
+(hangs, held failures, stops, drains, growth), so a mark a refused write left is retried there.
 
 Nodes talk to the core through an *outbox* per session (``nodes.Outbox``): a callable that takes a
 ``CoordinatorMessage``, or ``None`` meaning "close this stream". Messages that follow from rank reports
@@ -28,7 +32,9 @@ from rankctl.contract.jobfile import load_yaml_text
 from rankctl.contract.names import node_name_problem
 from rankctl.contract.spec import JobSpec
 from rankctl.coordinator.scheduling import capacity
-from rankctl.coordinator.recovery.advance import Advancer
+from rankctl.coordinator.jobs.dirty import Dirty
+from rankctl.coordinator.jobs.turn import Turn
+from rankctl.coordinator.recovery.reconciler import JobReconciler
 from rankctl.coordinator.model.allocation import AllocationRequest
 from rankctl.coordinator.batch.holds import AllocationHolds
 from rankctl.coordinator.batch.allocations import Allocations
@@ -54,7 +60,7 @@ from rankctl.coordinator.jobs.signals import Signals
 from rankctl.coordinator.model.states import JobState, is_terminal
 from rankctl.coordinator.model.stats import CoordinatorStats
 from rankctl.coordinator.scheduling.stops import Stops
-from rankctl.coordinator.store.database import Store, StoreError, durability
+from rankctl.coordinator.store.database import Store, durability
 from rankctl.kinds.spec import build_spec, check_job
 
 log = structlog.get_logger("rankctl.coordinator")
@@ -92,6 +98,7 @@ class Coordinator:
                  heartbeat_timeout: float = 10.0, signals: Signals | None = None,
                  head_wait: float = HEAD_WAIT_S, max_heartbeat_rate: float = MAX_HEARTBEAT_RATE) -> None:
         self.store, self.clock = store, clock
+        self._dirty = Dirty(self.turn)   # what changed since the last turn (``coordinator.jobs.dirty``)
         self.signals = signals or Signals()
         self.book = JobBook(store, clock, self.signals)
         self.nodes = NodeTable.from_records(store.load_nodes(), store.load_drains(), store.load_exclusions(),
@@ -109,12 +116,13 @@ class Coordinator:
                                  functools.partial(_free_slots, self.nodes, self.book, self._stops))
         holds = AllocationHolds(clock)   # what the restarts and the scheduler ask of the allocations
         self._scheduler = Scheduler(self.book, self.nodes, store, clock, self._guard, self._outgoing, self.stats,
-                                    ended=self._stops.ended, shutting_down=self._is_shutting_down,
+                                    self._dirty, ended=self._stops.ended, shutting_down=self._is_shutting_down,
                                     head_wait=head_wait, general=self.pools.general, gathering=holds.gathering)
         self._restarts = Restarts(self.book, self.nodes, store, clock, self._outgoing, self._stops, self._drains,
-                                  self._scheduler, self.stats, hold_loss=holds.hold_loss)
-        self._advancer = Advancer(self.book, store, clock, self._guard, self._restarts, self._stops)
-        self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self.schedule,
+                                  self._scheduler, self.stats, self._dirty, hold_loss=holds.hold_loss)
+        self._reconciler = JobReconciler(self.book, store, clock, self._restarts, self._stops, self._drains,
+                                         self._scheduler)
+        self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self._dirty,
                                        holds)
         self._assemble_node_side(heartbeat_timeout, max_heartbeat_rate)
         for job in self.book.active():  # restarts under way before the coordinator stopped: confirm them again
@@ -126,12 +134,12 @@ class Coordinator:
         streams = Streams(self.clock, self.logfetch)
         self._applier = ReportApplier(self.book, self.clock)
         self._intake = ReportIntake(self.nodes, self.store, self.clock, self._guard, self._outgoing, self._applier,
-                                    self.stats, advance=self._advancer.advance_once,
-                                    catch_up=self._scheduler.catch_up, resync=streams.resync)
+                                    self.stats, dirty=self._dirty, resync=streams.resync)
         self._sessions = Sessions(self.nodes, self.book, self.store, self.clock, self._guard, self._outgoing,
-                                  streams, self._stops, self._drains, self._restarts, flush=self.flush,
-                                  schedule=self.schedule, heartbeat_timeout=heartbeat_timeout,
+                                  streams, self._stops, self._drains, self._restarts, self._dirty,
+                                  heartbeat_timeout=heartbeat_timeout,
                                   shutting_down=self._is_shutting_down, max_heartbeat_rate=max_heartbeat_rate)
+        self._turn = Turn(self._dirty, self._guard, self._outgoing, self._intake, self._reconciler, self._scheduler)
 
     def _is_shutting_down(self) -> bool:
         return self.shutting_down
@@ -139,6 +147,7 @@ class Coordinator:
     def rewound(self) -> None:
         """The replicated store refused writes committed to its copy, which is back to what it holds (``StoreGuard``)."""
         self._guard.rewound()
+        self._dirty.jobs(self._reconciler.timed())
         self.schedule()
 
     def shutdown(self) -> None:
@@ -241,6 +250,7 @@ class Coordinator:
         if not is_terminal(job.state):
             with self._guard.consistent():
                 self._restarts.finish(job, S.CANCELLED, cancel_reason(reason))
+            self.turn()
         return job
 
     def node_views(self) -> list[tuple[NodeSession, int]]:
@@ -264,24 +274,14 @@ class Coordinator:
                     self.nodes.draining[name] = reason
             moved = self._restarts.drain_node(name)
         log.warning("node.draining", node=name, reason=reason, jobs=len(moved))
+        self.turn()
         return moved
 
     def undrain(self, name: str) -> list[str]:
         """``ctl undrain``: the node takes work again, placed again for the jobs it was excluded from; their ids."""
         self._node_request(name, "")
-        cleared = self.nodes.exclusions_by_node().get(name, [])
         with self._guard.consistent():
-            with self.store.transaction(f"the undrain of node {name}"):
-                self.store.clear_drain(name)
-                self.store.clear_exclusions(node=name)
-                self.nodes.draining.pop(name, None)
-                for job_id in cleared:
-                    names = self.nodes.excluded[job_id]
-                    names.pop(name, None)
-                    if not names:
-                        del self.nodes.excluded[job_id]
-                    self.book.event(self.book.jobs[job_id], "node", f"node {name} may run this job again (undrained)")
-                self._drains.undrained(name)
+            cleared = self._restarts.undrain_node(name)
         log.info("node.undrained", node=name, cleared=len(cleared))
         self.schedule()
         return cleared
@@ -296,8 +296,13 @@ class Coordinator:
         return self.nodes.known(name)
 
     def schedule(self) -> None:
-        """Start pending jobs in queue order (``scheduler``)."""
-        self._scheduler.schedule()
+        """Start pending jobs in queue order (``scheduler``), in a turn."""
+        self._dirty.place()
+        self.turn()
+
+    def turn(self) -> None:
+        """Act on every mark since the last turn (``coordinator.jobs.turn``); each operation ends with one."""
+        self._turn.run()
 
     # -- what nodes say --------------------------------------------------------
     def register(self, hello: NodeHello, outbox: Outbox) -> NodeSession:
@@ -315,21 +320,29 @@ class Coordinator:
         for session in out:
             if isinstance(session, NodeSession) and not self.pools.registered(session):
                 self.allocations.registered(session)
+        self.turn()
         return out
 
     def heartbeat(self, session: NodeSession, free_ports: Sequence[int] = ()) -> None:
-        self._sessions.heartbeat(session, free_ports)
+        if self._sessions.heartbeat(session, free_ports) and self.flush():   # the replay came first: stored first
+            self._sessions.verify(session)
+        if self._dirty:
+            self.turn()
 
     def disconnect(self, session: NodeSession, detail: str = "stream closed") -> None:
         self._sessions.disconnect(session, detail)
+        self.turn()
 
     def rank_reports(self, session: NodeSession, updates: Sequence[Report]) -> int:
         """Queue one node's reports for the next group commit (``intake``); the number queued."""
         return self._intake.accept(session, updates)
 
     def flush(self, *, force: bool = False) -> bool:
-        """Store every queued report in one transaction; False when the store refused."""
-        return self._intake.flush(force=force)
+        """Store every queued report in one transaction, then reconcile the jobs it touched (a turn); False when the
+        store refused."""
+        stored = self._intake.flush(force=force)
+        self.turn()
+        return stored
 
     def pending_work(self) -> bool:
         """Whether a flush has reports to store (the server's group-commit loop asks)."""
@@ -347,37 +360,23 @@ class Coordinator:
 
     # -- time ------------------------------------------------------------------
     def tick(self, loop_lag: float = 0.0) -> None:
-        """Failure detection, called periodically; then whatever a refused write left owed.
+        """Failure detection, called periodically; then a turn over every job time alone may move on.
 
         ``loop_lag``: how late this call is because the event loop was busy. That time is not
-        held against any node: heartbeats may be waiting, unread, behind the stall.
+        held against any node, nor counted towards a hang: heartbeats and reports may be waiting, unread, behind
+        the stall.
         """
         if loop_lag > 0:
             self._sessions.stalled(loop_lag)
-        try:
-            with self._guard.consistent():
-                self._advancer.check_hangs(loop_lag)
-                self._advancer.check_held()
-        except StoreError as exc:
-            log.warning("job.hang_store_failed", error=str(exc))
+            self._reconciler.discount(loop_lag)
         self._sessions.check_liveness()
-        self._settle()
-
-    def _settle(self) -> None:
-        """Retry what a refused write left undone: held reports, owed job advances, lost nodes' jobs, scheduling."""
-        if self._intake.held:
-            self.flush()
-        try:
-            with self._guard.consistent():
-                if self._stops or self._drains:
-                    self._restarts.check_stops()
-                    self._restarts.check_drains()
-                self._restarts.check_growth()   # elastic jobs on fewer nodes: back to their full size?
-        except StoreError as exc:
-            log.warning("job.stop_store_failed", error=str(exc))
+        if self._intake.held:   # reports the store refused: retried (``intake``)
+            self._intake.flush()
         self._sessions.settle()
-        self._advancer.settle()
-        self._scheduler.catch_up()
+        self._dirty.jobs(self._reconciler.timed(), timed=True)
+        if self._scheduler.due():
+            self._dirty.place()
+        self.turn()
 
 
 def cancel_reason(reason: str) -> str:

@@ -12,13 +12,13 @@ whose held reports pass ``MAX_HELD`` is asked to reconnect, and replays.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable, Sequence
 
 import structlog
 
 from rankctl.coordinator.fleet.acks import AckPacer
 from rankctl.coordinator.jobs.commit import Outgoing, StoreGuard
+from rankctl.coordinator.jobs.dirty import Dirty
 from rankctl.coordinator.fleet.nodes import NodeSession, NodeTable
 from rankctl.coordinator.model.records import JobRecord
 from rankctl.coordinator.jobs.reports import Report, ReportApplier
@@ -44,22 +44,19 @@ def _changes_phase(update: Report) -> bool:
 class ReportIntake:
     """The inbox and the group commit; called from the event loop thread only.
 
-    ``advance``: moves a job a committed report touched (inside the commit's transaction);
-    ``catch_up``: runs a schedule pass owed meanwhile (a job that finished freed its slots);
+    The jobs a committed report touched are marked (``dirty``): the core's turn reconciles them.
     ``resync``: closes a node's stream so that it reconnects and replays.
     """
 
     def __init__(self, nodes: NodeTable, store: Store, clock: Callable[[], float], guard: StoreGuard,
                  outgoing: Outgoing, applier: ReportApplier, stats: CoordinatorStats, *,
-                 advance: Callable[[JobRecord], None], catch_up: Callable[[], None],
-                 resync: Callable[[NodeSession], None]) -> None:
+                 dirty: Dirty, resync: Callable[[NodeSession], None]) -> None:
         self._nodes, self._store, self._clock, self._guard = nodes, store, clock, guard
         self._outgoing, self._applier, self._stats = outgoing, applier, stats
-        self._advance, self._catch_up, self._resync = advance, catch_up, resync
+        self._dirty, self._resync = dirty, resync
         self._inbox: list[Queued] = []                   # queued for the next flush
         self._held: list[Queued] = []                    # the same, refused by the store: retried
         self._queued = 0
-        self._flush_due = False                          # a flush is set for the loop's next turn (a phase change)
         self._refused_at = 0.0
         self.acks = AckPacer(nodes, clock)               # what nodes learn is stored (``coordinator.fleet.acks``)
 
@@ -85,28 +82,11 @@ class ReportIntake:
         self._queued += len(updates)
         if self._queued >= MAX_INBOX:
             self.flush()
-        elif not self._flush_due and any(map(_changes_phase, updates)):
-            self._flush_soon()
+        elif not self._dirty.reports and any(map(_changes_phase, updates)):
+            # stored in the core's next turn (the event loop's next), with every report that came in the same
+            # turn: one transaction a turn, never one a rank; step reports alone wait for the FLUSH_S group commit
+            self._dirty.commit_reports()
         return len(updates)
-
-    def _flush_soon(self) -> None:
-        """A phase change, exit or error came: store it on the event loop's next turn, with every report
-        that came in the same turn (one transaction a turn, never one a rank); step reports alone wait for
-        the ``FLUSH_S`` group commit."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a test driving the core by hand): the next flush() stores it
-            return
-        self._flush_due = True
-        loop.call_soon(self._due_flush)
-
-    def _due_flush(self) -> None:
-        self._flush_due = False
-        try:
-            if self._inbox:
-                self.flush()
-        except Exception:  # as the server's group-commit loop: logged, and the next flush retries
-            log.exception("reports.flush_failed")
 
     def flush(self, *, force: bool = False) -> bool:
         """Apply and store every queued report in one transaction; False when the store refused. Acks due go out
@@ -130,12 +110,11 @@ class ReportIntake:
             applied, seqs = self._commit_each(batch)
         self._stats.rank_reports += applied
         self.acks.due(seqs)
-        self._catch_up()  # a job finished inside the transaction: its slots are free now
         return True
 
     def _commit(self, batch: list[Queued]) -> tuple[int, list[tuple[NodeSession, int]]]:
-        """Apply ``batch`` and advance the jobs it touched, in one transaction; (reports applied, each
-        node's last stored report number)."""
+        """Apply ``batch`` in one transaction and mark the jobs it touched; (reports applied, each node's last
+        stored report number)."""
         touched: dict[str, JobRecord] = {}
         seqs: dict[str, tuple[NodeSession, int]] = {}
         applied = 0
@@ -148,8 +127,7 @@ class ReportIntake:
                         if session.record.last_seq:
                             seqs[session.name] = (session, session.record.last_seq)
                 self._store.set_node_seqs((name, seq) for name, (_, seq) in seqs.items())   # one statement
-                for job in touched.values():
-                    self._advance(job)
+        self._dirty.jobs(touched)
         return applied, list(seqs.values())
 
     def _refuse(self, batch: list[Queued], exc: StoreError) -> None:

@@ -204,7 +204,7 @@ class ReportApplier:
     def _preflight(self, job: JobRecord, progress: JobProgress, text: str) -> None:
         """Rank 0's pre-flight outcome: its figures for ``ctl status`` and an event; what it means for the job
         (nodes excluded, pairs that may go together again) waits in ``progress.preflight`` for the advance
-        (``Advancer.advance_once``)."""
+        (``JobReconciler.reconcile``)."""
         found = parse_preflight(text, list(job.nodes))
         if found is None:
             return

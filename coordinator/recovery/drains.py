@@ -3,7 +3,7 @@ a RUNNING elastic job on fewer nodes than its full size before it grows back (``
 
 When the job's kind saves a checkpoint at a step the daemon asks for (``JobKind.drain_checkpoint``),
 each of its nodes is sent ``CheckpointNow`` for a step a little ahead of its fastest rank
-(``drain_step``); ``due`` says which jobs may move now: every rank saved that checkpoint (the ranks agree on
+(``drain_step``); ``due_for`` says whether a job may move now: every rank saved that checkpoint (the ranks agree on
 its step, that one or a later one: ``contract.files.rankfiles.SAVED_ON_REQUEST``, a step figure), or
 ``DRAIN_WAIT_S`` passed. Moving a job is a restart without the node (``coordinator.recovery.restarts``): this
 module only asks and waits.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import structlog
 
@@ -72,9 +72,6 @@ class Drains:
         self._book, self._clock, self._outgoing = book, clock, outgoing
         self._waits: dict[str, DrainWait] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._waits)
-
     def forget(self, job_id: str) -> None:
         """The job ended or restarted: its wait is over."""
         self._waits.pop(job_id, None)
@@ -121,24 +118,25 @@ class Drains:
             if job is not None and job.attempt == wait.attempt and job.runs_on(name):
                 self._outgoing.send(name, convert.checkpoint_message(job.id, job.attempt, wait.step))
 
-    def due(self) -> Iterator[tuple[JobRecord, DrainWait, str]]:
-        """(job, its wait, why now) of each job that moves now: every rank passed the checkpoint step,
-        or it waited DRAIN_WAIT_S. Waits of jobs that ended, failed or restarted meanwhile are dropped."""
-        now = self._clock()
-        for job_id, wait in list(self._waits.items()):
-            job = self._book.jobs.get(job_id)
-            if job is None or job.state is not JobState.RUNNING or job.attempt != wait.attempt:
-                self._waits.pop(job_id, None)
-                continue
-            progress = self._book.progress(job)
-            at, saved = progress.min_step, progress.latest.get(SAVED_ON_REQUEST)
-            if SAVED_ON_REQUEST not in progress.folds:   # a kind that does not say which step it saved: passing it
-                saved = wait.step if at >= wait.step else None
-            if isinstance(saved, (int, float)) and saved >= wait.step:   # the step is complete: every rank saved it
-                yield job, wait, f"every rank passed step {saved:.0f} (its checkpoint; {RESUMES.format(step=int(saved))})"
-            elif now - wait.since > DRAIN_WAIT_S:
-                yield job, wait, (f"no checkpoint at step {wait.step} within {DRAIN_WAIT_S:g} s (slowest rank "
-                                        f"at step {at}): the job resumes from the newest checkpoint every rank holds")
+    def due_for(self, job: JobRecord) -> tuple[DrainWait, str] | None:
+        """(its wait, why now) when the RUNNING job moves now: every rank passed the checkpoint step, or it waited
+        DRAIN_WAIT_S. A wait of an earlier attempt is dropped."""
+        wait = self._waits.get(job.id)
+        if wait is None:
+            return None
+        if job.state is not JobState.RUNNING or job.attempt != wait.attempt:
+            del self._waits[job.id]
+            return None
+        progress = self._book.progress(job)
+        at, saved = progress.min_step, progress.latest.get(SAVED_ON_REQUEST)
+        if SAVED_ON_REQUEST not in progress.folds:   # a kind that does not say which step it saved: passing it
+            saved = wait.step if at >= wait.step else None
+        if isinstance(saved, (int, float)) and saved >= wait.step:   # the step is complete: every rank saved it
+            return wait, f"every rank passed step {saved:.0f} (its checkpoint; {RESUMES.format(step=int(saved))})"
+        if self._clock() - wait.since > DRAIN_WAIT_S:
+            return wait, (f"no checkpoint at step {wait.step} within {DRAIN_WAIT_S:g} s (slowest rank at step {at}): "
+                          f"the job resumes from the newest checkpoint every rank holds")
+        return None
 
     def undrained(self, name: str) -> None:
         """``ctl undrain`` while a job waits for its drain checkpoint: it stays where it is."""

@@ -3,9 +3,10 @@
 Pure: a ``JobView`` holds plain values (the job's state and attempt, its restart budget and stored attempts, the
 typed faults at hand: its nodes' losses, its likeliest failed rank, a hang; a drain whose checkpoint is complete;
 the stop of an ended attempt; the time), and the ``Plan`` says what follows: nothing, hold, end the attempt with
-one fault (and what the restart decision says of it), move off drained nodes, requeue, fail, running, succeeded.
-``coordinator.recovery.restarts`` and ``coordinator.recovery.advance`` build the view and carry the plan out in one
-transaction ("persist, then send"); nothing here reads a store, a clock or the network.
+one fault (and what the restart decision says of it), move off drained nodes, grow back to the full size (after a
+checkpoint where the kind saves one on request), requeue, fail, running, succeeded. ``coordinator.recovery.reconciler``
+builds the view once per turn for each job marked dirty (``coordinator.jobs.dirty``) and carries the plan out with
+``coordinator.recovery.restarts`` ("persist, then send"); nothing here reads a store, a clock or the network.
 
 The order is the blame rule: a node's loss outranks every error its victims report (their broken collectives),
 a rank's own failure outranks a peer error (which waits ``ATTRIBUTION_S`` for its cause), a hang comes after both,
@@ -43,6 +44,9 @@ class JobView:
     failed_since: float | None = None       # when that failure was first seen
     hang: Fault | None = None               # the attempt is hung (judged on its pace)
     drain_due: tuple[tuple[str, ...], str] | None = None   # (drained nodes, why now): the checkpoint is complete
+    grow_due: str | None = None             # why a shrunk elastic job restarts at its full size now (its checkpoint)
+    grow_fits: bool = False                 # a shrunk elastic job's full size fits on the nodes now
+    saves_on_request: bool = False          # the job's kind saves a checkpoint at a step asked for (drains wait)
     stop: StopFacts | None = None           # a RESTARTING job's stop
     all_running: bool = False
     all_succeeded: bool = False
@@ -78,6 +82,18 @@ class MoveOff:
 
 
 @dataclass(frozen=True)
+class Grow:
+    """End the attempt without a failure to restart at the job's full size (``why``: its checkpoint; "": none asked)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class AskCheckpoint:
+    """Ask the ranks for a checkpoint before the job grows back to its full size (``Grow`` follows once it is saved)."""
+
+
+@dataclass(frozen=True)
 class Continue:
     """A RESTARTING job's stop: ``decision`` is Requeue, Wait or Fail (it never confirmed)."""
 
@@ -94,7 +110,7 @@ class Succeed:
     """Every rank exited 0."""
 
 
-Plan = Nothing | Hold | EndAttempt | MoveOff | Continue | Running | Succeed
+Plan = Nothing | Hold | EndAttempt | MoveOff | Grow | AskCheckpoint | Continue | Running | Succeed
 
 
 def reconcile(view: JobView) -> Plan:
@@ -120,6 +136,10 @@ def reconcile(view: JobView) -> Plan:
         return Running()
     if view.state is S.RUNNING and view.all_succeeded:
         return Succeed()
+    if view.grow_due is not None:
+        return Grow(view.grow_due)
+    if view.grow_fits:
+        return AskCheckpoint() if view.saves_on_request else Grow("")
     return Nothing()
 
 

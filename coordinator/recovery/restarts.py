@@ -29,14 +29,15 @@ from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.fleet.nodes import NodeTable
 from rankctl.coordinator.diagnosis.progress import rank_span
 from rankctl.coordinator.model.records import JobRecord
+from rankctl.coordinator.jobs.dirty import Dirty
 from rankctl.coordinator.recovery.reconcile import (
-    Continue, EndAttempt, JobView, MoveOff, Plan, reconcile,
+    AskCheckpoint, Continue, EndAttempt, Grow, JobView, MoveOff, Plan, reconcile,
 )
 from rankctl.coordinator.recovery.restart_decision import (
     AttemptFacts, Decision, Fail, Requeue, Restart, StopFacts, Wait,
 )
 from rankctl.coordinator.scheduling.scheduler import Scheduler
-from rankctl.coordinator.model.states import LIVE, JobState, is_terminal
+from rankctl.coordinator.model.states import LIVE, JobState
 from rankctl.coordinator.model.stats import CoordinatorStats
 from rankctl.coordinator.scheduling.stops import Stops
 from rankctl.coordinator.store.database import Store, store_fault, stored_fault
@@ -58,11 +59,11 @@ class Restarts:
 
     def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
                  outgoing: Outgoing, stops: Stops, drains: Drains, scheduler: Scheduler,
-                 stats: CoordinatorStats, hold_loss: Callable[[JobRecord, Fault], bool] = lambda job, loss: False,
-                 ) -> None:
+                 stats: CoordinatorStats, dirty: Dirty,
+                 hold_loss: Callable[[JobRecord, Fault], bool] = lambda job, loss: False) -> None:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
         self._outgoing, self._stops, self._drains, self._scheduler = outgoing, stops, drains, scheduler
-        self._stats = stats
+        self._stats, self._dirty = stats, dirty
         # the allocations' say over a lost node of an allocation's job (True: they fail the attempt themselves, once
         # they know whether the whole allocation ended: ``coordinator.batch.holds``)
         self.hold_loss = hold_loss
@@ -95,8 +96,8 @@ class Restarts:
                        previous=previous, stop=stop, now=self._clock(), **facts)
 
     def apply(self, job: JobRecord, plan: Plan) -> None:
-        """Carry out ``reconcile``'s plan for the attempt's end; the rest (Running, Succeed, Hold, Nothing) is the
-        caller's."""
+        """Carry out ``reconcile``'s plan for the attempt's end or the job's growth; the rest (Running, Succeed, Hold,
+        Nothing) is the caller's."""
         match plan:
             case EndAttempt(fault, decision):
                 if job.state is not S.RESTARTING:
@@ -105,6 +106,12 @@ class Restarts:
                 self._carry_out(job, decision, fault=fault)
             case MoveOff(nodes, why):
                 self.drain_restart(job, list(nodes), why)
+            case Grow(why):
+                self._begin_restart(job, f"attempt {job.attempt} ended to grow back to {job.nodes_needed} nodes"
+                                         + (f": {why}" if why else ""), "nodes free again" + (f"; {why}" if why else ""),
+                                    cause="grow")
+            case AskCheckpoint():
+                self._drains.ask_grow(job, job.nodes_needed)
             case Continue(decision):
                 self._carry_out(job, decision)
 
@@ -195,7 +202,7 @@ class Restarts:
             self._book.transition(job, S.PENDING, f"attempt {previous}'s ranks are gone; queued as attempt "
                                                   f"{job.attempt}")
         self._stops.forget(job.id)
-        self._scheduler.schedule()
+        self._dirty.place()
 
     # -- ends -------------------------------------------------------------------------------
     def finish(self, job: JobRecord, state: JobState, reason: str, *, stop: bool = True) -> None:
@@ -217,23 +224,12 @@ class Restarts:
             self.free_when_gone(job, quiet=True)  # nothing left to confirm: free now, without an event
         else:
             self._stops.forget(job.id)
-        self._scheduler.schedule()
+        self._dirty.place()
 
     def free_when_gone(self, job: JobRecord, *, quiet: bool = False) -> None:
         """An ended job's stop: its slots are free once its ranks are gone (or the stop timed out)."""
         if self._stops.free_if_gone(job, quiet=quiet):
-            self._scheduler.schedule()
-
-    def check_stops(self) -> None:
-        """From tick (and when a node is lost or comes back): stops whose confirmation came or is overdue."""
-        for job_id in self._stops.job_ids():
-            job = self._book.jobs.get(job_id)
-            if job is not None and job.state is S.RESTARTING:
-                self.requeue_when_stopped(job)
-            elif job is not None and is_terminal(job.state):
-                self.free_when_gone(job)
-            else:
-                self._stops.forget(job_id)
+            self._dirty.place()
 
     # -- nodes that go away -----------------------------------------------------------------
     def node_lost(self, name: str, detail: str) -> None:
@@ -260,12 +256,28 @@ class Restarts:
         for job in {j.id: j for j in touched + stopping}.values():
             if job.state not in LIVE:   # (a held loss waits for its allocation)
                 self._book.ranks_gone(job, name, f"gone with node {name} (lost: {detail})")
-        self.check_stops()
+        self._dirty.jobs(self._stops.job_ids())   # their stops may be complete now
 
     def node_back_without(self, job: JobRecord, name: str, missing: list[int]) -> None:
         """Node ``name`` reconnected without the job, and ``missing`` of its ranks there never exited."""
         self.fail_attempt(job, Fault(cause=Cause.NODE_BACK, node=name,
                                      reason=f"node {name} reconnected without this job; {_gone(missing)}"))
+
+    def undrain_node(self, name: str) -> list[str]:
+        """The node takes work again (stored), for the jobs it was excluded from too; their ids."""
+        cleared = self._nodes.exclusions_by_node().get(name, [])
+        with self._store.transaction(f"the undrain of node {name}"):
+            self._store.clear_drain(name)
+            self._store.clear_exclusions(node=name)
+            self._nodes.draining.pop(name, None)
+            for job_id in cleared:
+                names = self._nodes.excluded[job_id]
+                names.pop(name, None)
+                if not names:
+                    del self._nodes.excluded[job_id]
+                self._book.event(self._book.jobs[job_id], "node", f"node {name} may run this job again (undrained)")
+            self._drains.undrained(name)
+        return cleared
 
     def drain_node(self, name: str) -> list[JobRecord]:
         """Move every active job off the draining node ``name``; the jobs concerned (only that node's)."""
@@ -281,30 +293,6 @@ class Restarts:
             else:
                 self.drain_restart(job, [name], f"the job was {job.state.value.lower()}: moved at once")
         return moved
-
-    def check_drains(self) -> None:
-        """From tick: drained jobs whose ranks all passed the checkpoint step, or waited long enough, move; so
-        do elastic jobs growing back to their full size."""
-        for job, wait, detail in self._drains.due():
-            if wait.nodes:
-                self.apply(job, reconcile(self.view(job, drain_due=(tuple(wait.nodes), detail))))
-            else:
-                self._begin_restart(job, f"attempt {job.attempt} ended to grow back to {job.nodes_needed} nodes: "
-                                         f"{detail}", f"nodes free again; {detail}", cause="grow")
-
-    def check_growth(self) -> None:
-        """From tick: a RUNNING elastic job on fewer nodes than its full size, once a placement at the full size
-        fits, saves a checkpoint and restarts on it (a planned restart: no failure). O(active jobs)."""
-        for job in self._book.active():
-            if job.state is not S.RUNNING or job.world_size >= job.spec.world_size or self._drains.waiting(job):
-                continue
-            if not self._scheduler.fits_full(job):
-                continue
-            if saves_on_request(job.kind):
-                self._drains.ask_grow(job, job.nodes_needed)
-            else:
-                self._begin_restart(job, f"attempt {job.attempt} ended to grow back to {job.nodes_needed} nodes",
-                                    "nodes free again", cause="grow")
 
     def _lost_ranks_gone(self, job: JobRecord) -> None:
         """The attempt ended while a node's loss was held: that node's ranks are gone with it (not ``running``)."""

@@ -5,8 +5,9 @@ on them; it neither holds back nor waits behind the general queue. A pass walks 
 back for ``head_wait`` seconds unless they fit beside it (``capacity.may_pass``). A job is placed on the
 free slots of READY nodes that are neither draining nor excluded for it; a restarted attempt keeps the
 nodes of its previous one where it can and has its moved ranks fetch their checkpoints from a node that
-holds them. Ended jobs whose ranks are not confirmed gone still hold slots and ports. A pass that could
-not be stored, or was asked for inside another change's transaction, is owed: ``catch_up`` runs it.
+holds them. Ended jobs whose ranks are not confirmed gone still hold slots and ports. The core's turn runs a pass
+when the queue is marked (``coordinator.jobs.dirty``); a pass the store refused, or asked for inside another
+change's transaction, leaves the mark for a later turn.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import structlog
 
 from rankctl.coordinator.scheduling import capacity
 from rankctl.coordinator.jobs.commit import Outgoing, StoreGuard
+from rankctl.coordinator.jobs.dirty import Dirty
 from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.fleet.nodes import NodeStatus, NodeTable
 from rankctl.coordinator.scheduling.planner import assign_messages, pick_port
@@ -47,17 +49,16 @@ class Scheduler:
     """
 
     def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
-                 guard: StoreGuard, outgoing: Outgoing, stats: CoordinatorStats, *,
+                 guard: StoreGuard, outgoing: Outgoing, stats: CoordinatorStats, dirty: Dirty, *,
                  ended: Callable[[], Iterable[JobRecord]], shutting_down: Callable[[], bool],
                  head_wait: float = HEAD_WAIT_S, general: Callable[[str], bool] = lambda pool: False,
                  gathering: Callable[[JobRecord, int], str | None] = lambda job, ready: None) -> None:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
-        self._guard, self._outgoing, self._stats = guard, outgoing, stats
+        self._guard, self._outgoing, self._stats, self._dirty = guard, outgoing, stats, dirty
         self._ended, self._shutting_down = ended, shutting_down
         self.head_wait = head_wait
         self._head_since: dict[str, float] = {}          # job id -> when it first could not start
         self._shut_out: dict[str, float] = {}            # job id -> since when only its exclusions keep it waiting
-        self._owed = False                               # a pass failed to store or was postponed
         self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes (cache)
         # the allocations': why a job of an allocation waits for more of its workers (``coordinator.batch.holds``)
         self.gathering = gathering
@@ -69,26 +70,24 @@ class Scheduler:
         return "" if pool and self.general(pool) else pool
 
     def schedule(self) -> None:
-        """Start pending jobs in queue order (see ``capacity``); a pass that cannot store is owed to ``catch_up``."""
-        if self._shutting_down() or (not self._book.pending() and not self._owed):
+        """Start pending jobs in queue order (see ``capacity``): the core's turn, when the queue is marked. One that
+        cannot store, or is asked for inside another change's transaction, leaves the mark for a later turn."""
+        if self._shutting_down() or not self._book.pending():
             return
-        if self._store.in_transaction:  # never inside another change's transaction: right after it, or by tick
-            self._owed = True
+        if self._store.in_transaction:  # never inside another change's transaction: right after it
+            self._dirty.place()
             return
         try:
             with self._guard.consistent():
                 self._pass()
-            self._owed = False
         except StoreError as exc:
-            self._owed = True
+            self._dirty.retry({}, placing=True)
             log.warning("schedule.store_failed", error=str(exc))
 
-    def catch_up(self) -> None:
-        """Run the pass a refused write or an open transaction postponed, if any, or one where a job's exclusions
-        are due to yield (``_yield_exclusions``)."""
+    def due(self) -> bool:
+        """Whether a pass is due with time alone: a job's exclusions are due to yield (``_yield_exclusions``)."""
         now = self._clock()
-        if self._owed or any(now - since >= self.head_wait for since in self._shut_out.values()):
-            self.schedule()
+        return any(now - since >= self.head_wait for since in self._shut_out.values())
 
     def free_slots(self) -> dict[str, int]:
         """READY node -> its slots not held by a job."""

@@ -90,6 +90,7 @@ def test_a_new_allocations_workers_are_gathered_before_placement(world: World) -
     assert job.state is S.PENDING and "2 of 3 registered" in job.reason
     world.clock.t += GATHER_S + 0.5
     world.core.allocations.due()                           # the gathering time is over: placed on those that came
+    world.core.turn()                                      # (the server's loop: the turn a mark asks for)
     assert job.state is S.STARTING and job.nodes == ["n1", "n2"]
 
 
@@ -234,6 +235,7 @@ def test_a_pending_allocation_shows_the_schedulers_reason_in_the_jobs(world: Wor
     world.clock.t += 10
     (work,) = world.core.allocations.due()
     world.core.allocations.seen(work, Seen("PENDING", (), "PartitionNodeLimit"))
+    world.core.turn()
     assert job.state is S.PENDING
     assert "slurm job 77 (PENDING: PartitionNodeLimit): 0 of 2 node(s) ready" in job.reason, job.reason
 
@@ -251,6 +253,7 @@ def test_a_controller_that_cannot_be_reached_is_asked_again_not_taken_for_a_refu
     (work,) = world.core.allocations.due()
     world.core.allocations.failed_call(work, "OSError: sbatch could not reach the Slurm controller: Unable to "
                                              "contact slurm controller (connect failure)")
+    world.core.turn()
     assert job.state is S.PENDING
     assert "(REQUESTING: OSError: sbatch could not reach the Slurm controller" in job.reason, job.reason
     assert world.core.allocations.due() == []                        # not again at once

@@ -1,4 +1,4 @@
-"""Which rank an attempt's failure names (``coordinator.recovery.advance``): a rank SIGKILLed mid-step makes its peers fail
+"""Which rank an attempt's failure names (``coordinator.recovery.reconciler``): a rank SIGKILLed mid-step makes its peers fail
 too, with errors that only say a peer went away; their reports may reach the coordinator first (another node, a
 loaded machine). The reason, and the node blamed, must be the killed rank's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from test_core import World, job_yaml, world  # noqa: F401 - world: the fixture
 from test_drain import tick
 
-from rankctl.coordinator.recovery.advance import ATTRIBUTION_S
+from rankctl.coordinator.recovery.reconcile import ATTRIBUTION_S
 from rankctl.coordinator.diagnosis.progress import FAILED_ITSELF, PEER_FAILED, SIGNALLED, failure_weight
 from rankctl.coordinator.model.records import RankRecord
 from rankctl.coordinator.model.states import JobState

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rankctl.coordinator.recovery.advance import ATTRIBUTION_S
+from rankctl.coordinator.recovery.reconcile import ATTRIBUTION_S
 from rankctl.coordinator.model.allocation import AllocationRequest, Seen
 from rankctl.coordinator.batch.allocations import GATHER_S, LOSS_GRACE_S
 from rankctl.coordinator.model.faults import Cause, Failed, Fault, outranks, rank_fault, reattributed

@@ -6,7 +6,8 @@ from __future__ import annotations
 from rankctl.coordinator.model.faults import Cause, Fault
 from rankctl.coordinator.model.states import JobState
 from rankctl.coordinator.recovery.reconcile import (
-    ATTRIBUTION_S, Continue, EndAttempt, Hold, JobView, MoveOff, Nothing, Running, Succeed, reconcile,
+    ATTRIBUTION_S, AskCheckpoint, Continue, EndAttempt, Grow, Hold, JobView, MoveOff, Nothing, Running, Succeed,
+    reconcile,
 )
 from rankctl.coordinator.recovery.restart_decision import AttemptFacts, Fail, Requeue, Restart, StopFacts, Wait
 from rankctl.coordinator.scheduling.stops import STOP_TIMEOUT_S
@@ -118,3 +119,17 @@ def test_running_succeeded_or_nothing() -> None:
     assert reconcile(view(state=S.STARTING, all_running=True)) == Running()
     assert reconcile(view(all_running=True, all_succeeded=True)) == Succeed()
     assert reconcile(view(all_running=True)) == Nothing()
+
+
+def test_a_shrunk_elastic_job_grows_back_after_its_checkpoint_and_a_failure_outranks_growth() -> None:
+    """Growth is a plan too: a full size that fits asks for a checkpoint (or restarts at once when the kind saves
+    none on request), a complete one restarts at the full size; a failure, a hang, a drain or the job's success
+    come first."""
+    assert reconcile(view(grow_fits=True, saves_on_request=True)) == AskCheckpoint()
+    assert reconcile(view(grow_fits=True)) == Grow("")
+    assert reconcile(view(grow_due="every rank passed step 12")) == Grow("every rank passed step 12")
+    assert isinstance(reconcile(view(grow_fits=True, failed=own(0, "n0"))), EndAttempt)
+    assert isinstance(reconcile(view(grow_due="x", hang=hang(4))), EndAttempt)
+    assert reconcile(view(grow_due="x", drain_due=(("n1",), "saved"))) == MoveOff(("n1",), "saved")
+    assert reconcile(view(grow_fits=True, all_succeeded=True)) == Succeed()
+    assert reconcile(view(state=S.STARTING, grow_fits=True, all_running=True)) == Running()

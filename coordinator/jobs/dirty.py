@@ -1,0 +1,87 @@
+"""What changed since the core's last turn: the jobs to reconcile, and whether the queue needs a placement pass.
+
+Every change that can move a job on marks it here and decides nothing: a commit of rank reports marks the jobs it
+touched, a node's loss or return the jobs it concerns and the stops under way, an ended attempt or a freed slot the
+queue. The core's turn (``Coordinator.turn``) takes the marks, reconciles each job once from its level state
+(``coordinator.recovery.reconciler``) and runs one placement pass (``coordinator.scheduling.scheduler``). The tick
+marks every job whose state changes with time alone (a hang, a failure held for its cause, a stop or a drain out of
+time, an elastic job whose nodes came free: ``timed``). A mark a refused write left stays for the tick's turn
+(``retry``); a mark made outside any core operation (an allocation's poll, a worker pool's change, a report that
+changes a phase and so is stored at once) asks the event loop for a turn soon (``wake``). This replaces the owed-work memories each collaborator kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Iterable
+
+import structlog
+
+log = structlog.get_logger("rankctl.coordinator")
+
+
+class Dirty:
+    """The marks of one coordinator; the event loop thread only. ``turn``: the core's turn, run on the event loop's
+    next iteration after the first mark (none when no loop runs: a test driving the core by hand turns it)."""
+
+    def __init__(self, turn: Callable[[], None] = lambda: None) -> None:
+        self._jobs: dict[str, bool] = {}   # job id -> whether the time-dependent checks are due (a tick's mark)
+        self.placing = False               # a placement pass is due
+        self.reports = False               # reports that change a phase wait for a group commit: due in this turn
+        self._turn, self._woken = turn, False
+
+    def _wake(self) -> None:
+        if self._woken:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._woken = True
+        loop.call_soon(self._woken_turn)
+
+    def _woken_turn(self) -> None:
+        self._woken = False
+        if not self:
+            return
+        try:
+            self._turn()
+        except Exception:  # noqa: BLE001 - as the server's loops: logged, and the tick's turn retries
+            log.exception("job.turn_failed")
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs) or self.placing or self.reports
+
+    def job(self, job_id: str, *, timed: bool = False) -> None:
+        """The job's level state changed (``timed``: time alone may have moved it on)."""
+        if not self:
+            self._wake()
+        self._jobs[job_id] = timed or self._jobs.get(job_id, False)
+
+    def jobs(self, job_ids: Iterable[str], *, timed: bool = False) -> None:
+        for job_id in job_ids:
+            self.job(job_id, timed=timed)
+
+    def place(self) -> None:
+        """Pending jobs may start now (a job was queued, slots or nodes came free)."""
+        if not self:
+            self._wake()
+        self.placing = True
+
+    def commit_reports(self) -> None:
+        """A phase change, exit or error came: the queued reports are stored in the next turn (``intake``)."""
+        if not self:
+            self._wake()
+        self.reports = True
+
+    def take(self) -> tuple[dict[str, bool], bool]:
+        """The marks so far (job id -> timed, placement due), cleared."""
+        jobs, placing = self._jobs, self.placing
+        self._jobs, self.placing = {}, False
+        return jobs, placing
+
+    def retry(self, jobs: dict[str, bool], placing: bool = False) -> None:
+        """Marks a refused write left: kept for a later turn (the tick's), without asking for one now."""
+        for job_id, timed in jobs.items():
+            self._jobs[job_id] = timed or self._jobs.get(job_id, False)
+        self.placing = self.placing or placing
