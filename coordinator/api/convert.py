@@ -5,12 +5,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rankctl.coordinator.model.allocation import Allocation, AllocationRequest
-from rankctl.coordinator.fleet.nodes import NodeSession, NodeStatus
+from rankctl.coordinator.fleet.nodes import NodeStatus
 from rankctl.coordinator.diagnosis.progress import SHOWN
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob
 from rankctl.coordinator.model.states import JobState
@@ -22,6 +22,7 @@ from rankctl.proto import from_short_name, short_name, to_struct
 
 if TYPE_CHECKING:
     from rankctl.coordinator.diagnosis.progress import JobSummary
+    from rankctl.coordinator.jobs.shown import NodeShown
 
 SUMMARY_ERROR_CHARS = 2000  # a failing rank's error in a summary: its tail (the summary goes out with every batch)
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -215,13 +216,14 @@ def hardware_to_pb(hw: dict[str, Any]) -> pb.Hardware:
     )
 
 
-def node_to_pb(session: NodeSession, free_slots: int, rejected_reports: int = 0, *, draining: bool = False,
-               excluded_for: Sequence[str] = (), jobs: Sequence[str] = ()) -> pb.Node:
-    r = session.record
+def node_to_pb(node: "NodeShown") -> pb.Node:
+    """A node as shown (``coordinator.jobs.shown``)."""
+    session, r = node.session, node.session.record
     msg = pb.Node(
-        name=r.name, address=r.address, slots=r.slots, free_slots=free_slots, state=_NODE_STATE[session.status],
-        hardware=hardware_to_pb(r.hardware), rejected_reports=rejected_reports,
-        draining=draining, excluded_for=excluded_for, usage=session.usage, pool=session.pool, jobs=jobs,
+        name=r.name, address=r.address, slots=r.slots, free_slots=node.free, state=_NODE_STATE[session.status],
+        hardware=hardware_to_pb(r.hardware), rejected_reports=node.rejected,
+        draining=node.draining is not None, excluded_for=node.excluded_for, usage=session.usage, pool=session.pool,
+        jobs=node.jobs,
     )
     stamp(msg.last_seen_time, r.last_seen)
     return msg

@@ -26,7 +26,6 @@ import structlog
 from rankctl.coordinator.api import convert
 from rankctl.coordinator.api.auth import ADMIN, caller
 from rankctl.coordinator.store.blobs import BlobMissing, BlobStore
-from rankctl.coordinator.scheduling.capacity import jobs_by_node
 from rankctl.coordinator.jobs.core import Coordinator
 from rankctl.coordinator.model.errors import (
     AmbiguousJob, CapacityError, InvalidRequest, JobNotFound, NodeNameTaken, PoolNotFound, ProtocolError,
@@ -34,7 +33,7 @@ from rankctl.coordinator.model.errors import (
 from rankctl.coordinator.jobs.book import MAX_PAGE
 from rankctl.coordinator.logs.logfetch import get_logs
 from rankctl.coordinator.api.grpcstatus import os_status
-from rankctl.coordinator.fleet.nodes import NodeNotFound, NodeSession
+from rankctl.coordinator.fleet.nodes import NodeNotFound
 from rankctl.coordinator.batch.pools import pool_to_pb
 from rankctl.coordinator.model.records import EventRecord, JobRecord
 from rankctl.contract.jobfile import SpecError
@@ -53,7 +52,6 @@ PAGE_BYTES = 1 << 20  # a ListJobs page stops near this size, whatever page_size
 DETAILS_MAX = 8192    # characters of an error's details sent to a client
 RANK_PAGE = 256       # ranks in a GetJob page when rank_limit is 0
 MAX_RANK_PAGE = 4096  # ... and at most this many
-ATTEMPTS_SHOWN = 20   # attempts in a Job message (the newest)
 RANK_PAGE_BYTES = 1 << 20  # a page of ranks also stops near this size (long errors)
 NODES_BYTES = 1 << 20      # a job's node list is sent whole when its names fit in this; else not at all
 EVENT_CHUNK = 1000    # stored events read at once by WatchJob
@@ -189,11 +187,6 @@ async def _upload_chunks(first: pb.BlobChunk, rest: AsyncIterator[pb.BlobChunk])
         yield chunk.data
 
 
-def stopping_reason(reason: str, stopping: int) -> str:
-    """The job's reason, plus how many ranks of its ended attempt are not yet confirmed gone."""
-    return f"{reason}; stopping: {stopping} rank(s) not yet confirmed gone" if stopping else reason
-
-
 class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
     """ctl's API: submit, inspect, watch, cancel, logs, plan, blobs (packed workdirs), the job file's schema."""
 
@@ -203,24 +196,23 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
         self.info: Callable[[], pb.GetInfoResponse] | None = None  # set by the server
 
     def _job(self, job_id: str, offset: int = 0, limit: int = RANK_PAGE, summary_only: bool = False) -> pb.Job:
-        """The job with its summary and ranks ``offset ..`` (at most ``limit``, and about RANK_PAGE_BYTES)."""
-        job = self.core.get(job_id)
-        summary = self.core.summary(job.id)
-        ranks = [] if summary_only else self.core.rank_page(job.id, offset, limit)
-        msg = convert.job_to_pb(job, summary=summary, rank_offset=offset, nodes=_nodes_fit(job.nodes))
-        msg.stopping = self.core.stopping_ranks(job.id)
-        msg.reason = stopping_reason(job.reason, msg.stopping)
-        msg.attempts.extend(convert.attempts_to_pb(self.core.attempts(job.id, ATTEMPTS_SHOWN), job))
-        _fill(msg.ranks, map(convert.rank_to_pb, ranks), RANK_PAGE_BYTES)
+        """The job as shown (``coordinator.jobs.shown``) with ranks ``offset ..`` (at most ``limit``, and about
+        RANK_PAGE_BYTES)."""
+        shown = self.core.shown.job(job_id, offset, 0 if summary_only else limit)
+        job = shown.job
+        msg = convert.job_to_pb(job, summary=shown.summary, rank_offset=offset, nodes=_nodes_fit(job.nodes))
+        msg.stopping, msg.reason = shown.stopping, shown.reason
+        msg.attempts.extend(convert.attempts_to_pb(shown.attempts, job))
+        _fill(msg.ranks, map(convert.rank_to_pb, shown.ranks), RANK_PAGE_BYTES)
         end = offset + len(msg.ranks)
         msg.next_rank_offset = end if msg.ranks and end < job.world_size else 0
         return msg
 
     def _batch(self, job: JobRecord, events: list[EventRecord]) -> pb.JobEventBatch:
         """The job now and ``events`` from the first, stopping near BATCH_BYTES (at least one event)."""
-        batch = pb.JobEventBatch(state=convert.job_state(job.state), attempt=job.attempt,
-                                 reason=stopping_reason(job.reason, self.core.stopping_ranks(job.id)),
-                                 summary=convert.summary_to_pb(self.core.summary(job.id)))
+        shown = self.core.shown.job(job.id, attempts=False)
+        batch = pb.JobEventBatch(state=convert.job_state(job.state), attempt=job.attempt, reason=shown.reason,
+                                 summary=convert.summary_to_pb(shown.summary))
         _fill(batch.events, map(convert.event_to_pb, events), BATCH_BYTES)
         return batch
 
@@ -279,8 +271,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
 
     @_answers
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
-        excluded, jobs = self.core.nodes.exclusions_by_node(), jobs_by_node(self.core.book.active())
-        return pb.ListNodesResponse(nodes=[self._node(s, free, excluded, jobs) for s, free in self.core.node_views()])
+        return pb.ListNodesResponse(nodes=[convert.node_to_pb(node) for node in self.core.shown.nodes()])
 
     @_answers
     async def StartWorkers(self, request: pb.StartWorkersRequest,
@@ -307,13 +298,6 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         return await asyncio.to_thread(self.info)
 
-    def _node(self, session: NodeSession, free: int, excluded: dict[str, list[str]],
-              jobs: dict[str, list[str]]) -> pb.Node:
-        """A node with its free slots, rejected reports, drain state, the jobs it is excluded from and its jobs."""
-        return convert.node_to_pb(session, free, self.core.rejected_reports[session.name],
-                                  draining=session.name in self.core.nodes.draining,
-                                  excluded_for=excluded.get(session.name, ()), jobs=jobs.get(session.name, ()))
-
     @_answers
     async def DrainNode(self, request: pb.DrainNodeRequest, context: grpc.aio.ServicerContext) -> pb.DrainNodeResponse:
         """Drain: ``jobs`` are the jobs that move off the node. Undrain: the jobs it may run again (its
@@ -322,9 +306,7 @@ class ClientServiceServicer(rankctl_pb2_grpc.ClientServiceServicer):
             jobs = self.core.undrain(request.node)
         else:
             jobs = [job.id for job in self.core.drain(request.node, request.reason)]
-        session, free = self.core.node_view(request.node)
-        node = self._node(session, free, self.core.nodes.exclusions_by_node(), jobs_by_node(self.core.book.active()))
-        return pb.DrainNodeResponse(node=node, jobs=jobs)
+        return pb.DrainNodeResponse(node=convert.node_to_pb(self.core.shown.node(request.node)), jobs=jobs)
 
     @_answers
     async def PlanJob(self, request: pb.PlanJobRequest, context: grpc.aio.ServicerContext) -> pb.PlanJobResponse:

@@ -132,8 +132,8 @@ class CoordinatorServer:
         if store.replica is not None:   # a replicated store: its writes are stored behind the loop
             store.replica = Replicator(store.replica, store.serialize(), asyncio.get_running_loop(),
                                        on_refused=lambda exc: self._refused(store))
-        core = Coordinator(store, clock=s.clock, heartbeat_timeout=s.heartbeat_timeout, **s.core_extra)
-        core.relays.width = s.relay_width
+        core = Coordinator(store, clock=s.clock, heartbeat_timeout=s.heartbeat_timeout, relay_width=s.relay_width,
+                           dial=(dial_address(s.listen, self.port, s.advertise), s.identity is not None), **s.core_extra)
         blobs = await asyncio.to_thread(BlobStore, s.state_dir, quota_bytes=s.blob_quota_bytes,
                                         retention_s=s.blob_retention_s, backing=s.blob_backing)
         self.client.core = self.node.core = core
@@ -141,8 +141,6 @@ class CoordinatorServer:
         leading = Leading(core, store, blobs)
         leading.tasks.append(asyncio.create_task(_monitor(core, period=max(0.05, min(0.5, s.heartbeat_timeout / 4)))))
         leading.tasks.append(asyncio.create_task(collect_loop(blobs, core.list, clock=s.clock)))
-        for source in (core.allocations, core.pools):   # what the workers a scheduler starts dial, and how
-            source.address, source.tls = dial_address(s.listen, self.port, s.advertise), s.identity is not None
         leading.tasks.append(asyncio.create_task(allocation_loop(
             (core.allocations, core.pools), SlurmAllocator(Path(s.state_dir)), functools.partial(_archive_logs, core))))
         leading.tasks.append(asyncio.create_task(_prune_events(store, s.clock, s.event_retention_s)))

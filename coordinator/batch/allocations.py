@@ -68,11 +68,10 @@ class Allocations:
 
     def __init__(self, book: JobBook, nodes: NodeTable, store: Store, clock: Callable[[], float],
                  guard: StoreGuard, restarts: Restarts, dirty: Dirty, holds: AllocationHolds,
-                 address: str = "") -> None:
+                 dial: tuple[str, bool] = ("", False)) -> None:
         self._book, self._nodes, self._store, self._clock = book, nodes, store, clock
         self._guard, self._restarts, self._dirty, self.holds = guard, restarts, dirty, holds
-        self.address = address   # where the workers dial this coordinator (the server sets it)
-        self.tls = False         # whether it serves mutual TLS (the server sets it): workers need an identity
+        self.address, self.tls = dial   # where the workers dial this coordinator; mutual TLS: workers need an identity
         holds.open.update({j.id: j for j in book.jobs.values() if j.allocation is not None and not _finished(j)})
         self._open, self._watched = holds.open, holds.watched       # (the holds' facts, kept up to date here)
         self._losses, self._held_since, self._first_worker = holds.losses, holds.held_since, holds.first_worker

@@ -78,10 +78,10 @@ class WorkerPools:
 
     def __init__(self, nodes: NodeTable, store: Store, clock: Callable[[], float],
                  drain: Callable[[str, str], object], undrain: Callable[[str], object],
-                 free_slots: Callable[[], dict[str, int]]) -> None:
+                 free_slots: Callable[[], dict[str, int]], dial: tuple[str, bool] = ("", False)) -> None:
         self._nodes, self._store, self._clock = nodes, store, clock
         self._drain, self._undrain, self._free_slots = drain, undrain, free_slots
-        self.address, self.tls = "", False   # where the workers dial, and whether it serves TLS (the server sets them)
+        self.address, self.tls = dial   # where the workers dial, and whether it serves TLS
         self._all: dict[str, PoolRecord] = {p.id: p for p in map(PoolRecord.from_dict, store.load_pools())}
         self._open = {p.id: p for p in self._all.values() if p.state != ENDED}
         self._in_flight: set[tuple[str, str]] = set()

@@ -360,9 +360,10 @@ class Sessions:
 
     def _fail_jobs_of(self, session: NodeSession) -> None:
         """FAILED for every active job with ranks on a lost node (retried by tick if the store refuses)."""
-        try:
-            with self._guard.consistent():
-                self._restarts.node_lost(session.name, session.detail)
+        try:   # what the loss decides is one transaction, and its messages go once it committed
+            with self._guard.consistent(), self._outgoing.after_commit():
+                with self._store.transaction(f"the loss of node {session.name}"):
+                    self._restarts.node_lost(session.name, session.detail)
             session.owes_failures = False
         except StoreError as exc:
             log.warning("node.lost_store_failed", node=session.name, error=str(exc))

@@ -16,7 +16,7 @@ import structlog
 from rankctl.coordinator.scheduling.fanout import Fanout, Fanouts
 from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.fleet.nodes import NodeTable
-from rankctl.coordinator.scheduling.relay import Relays
+from rankctl.coordinator.scheduling.relay import WIDTH as RELAY_WIDTH, Relays
 from rankctl.coordinator.model.states import is_terminal
 from rankctl.coordinator.store.database import Store, StoreError
 from rankctl.proto import rankctl_pb2 as pb
@@ -65,14 +65,15 @@ class Outgoing:
     """Messages to nodes; inside ``after_commit()`` they wait until the block completes. A big fan-out of Assigns
     goes through relay heads (``relays``)."""
 
-    def __init__(self, nodes: NodeTable, fanouts: Fanouts, book: JobBook) -> None:
+    def __init__(self, nodes: NodeTable, fanouts: Fanouts, book: JobBook, relay_width: int = RELAY_WIDTH) -> None:
         self._nodes, self.fanouts = nodes, fanouts
         self._held: list[tuple[str, pb.CoordinatorMessage, Fanout | None]] | None = None
 
         def current(msg: pb.CoordinatorMessage) -> bool:   # an Assign of an attempt still under way
             job = book.jobs.get(msg.assign.job_id)
             return job is not None and job.attempt == msg.assign.attempt and not is_terminal(job.state)
-        self.relays = Relays(nodes, lambda name, msg: self._send_now(name, msg, None), current=current)
+        self.relays = Relays(nodes, lambda name, msg: self._send_now(name, msg, None), current=current,
+                             width=relay_width)
 
     @contextmanager
     def after_commit(self) -> Iterator[None]:

@@ -33,6 +33,7 @@ from rankctl.contract.names import node_name_problem
 from rankctl.contract.spec import JobSpec
 from rankctl.coordinator.scheduling import capacity
 from rankctl.coordinator.jobs.dirty import Dirty
+from rankctl.coordinator.jobs.shown import Shown
 from rankctl.coordinator.jobs.turn import Turn
 from rankctl.coordinator.recovery.reconciler import JobReconciler
 from rankctl.coordinator.model.allocation import AllocationRequest
@@ -49,6 +50,7 @@ from rankctl.coordinator.logs.logfetch import LogFetcher
 from rankctl.coordinator.fleet.nodes import NodeSession, NodeTable, Outbox
 from rankctl.coordinator.scheduling.noderoots import roots_problems
 from rankctl.coordinator.scheduling.planner import plan_layout
+from rankctl.coordinator.scheduling.relay import WIDTH as RELAY_WIDTH
 from rankctl.coordinator.batch.pools import WorkerPools
 from rankctl.coordinator.diagnosis.progress import JobSummary
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeHello, RankRecord
@@ -89,14 +91,17 @@ def plan_spec(spec_yaml: str, overrides: Sequence[str] = (), source: str = "job 
 class Coordinator:
     """Jobs and nodes of one coordinator, assembled from its collaborators (see the module docstring).
 
-    ``book`` (jobs, ranks, events), ``nodes`` (sessions, drains, exclusions), ``stats`` (counters for the
-    metrics), ``signals`` (watchers) and ``logfetch`` are read by the servicers and the dashboard; ``allocations``
-    by the server's allocation loop.
+    ``shown`` (the read model: a job, a node, as every reader shows them), ``book`` (jobs, ranks, events),
+    ``nodes`` (sessions), ``stats`` (counters for the metrics), ``signals`` (watchers) and ``logfetch`` are read by
+    the servicers and the dashboard; ``allocations`` and ``pools`` by the server's allocation loop.
     """
 
     def __init__(self, store: Store, *, clock: Callable[[], float] = time.time,
                  heartbeat_timeout: float = 10.0, signals: Signals | None = None,
-                 head_wait: float = HEAD_WAIT_S, max_heartbeat_rate: float = MAX_HEARTBEAT_RATE) -> None:
+                 head_wait: float = HEAD_WAIT_S, max_heartbeat_rate: float = MAX_HEARTBEAT_RATE,
+                 relay_width: int = RELAY_WIDTH, dial: tuple[str, bool] = ("", False)) -> None:
+        """``relay_width``: Assign fan-outs wider than this go through relay heads (``coordinator.scheduling.relay``);
+        ``dial``: where the workers a batch scheduler starts dial this coordinator, and whether it serves mutual TLS."""
         self.store, self.clock = store, clock
         self._dirty = Dirty(self.turn)   # what changed since the last turn (``coordinator.jobs.dirty``)
         self.signals = signals or Signals()
@@ -108,12 +113,12 @@ class Coordinator:
         self.logarchive = LogArchive(store.path.parent)   # logs of ranks whose allocation's nodes left
         self.shutting_down = False
         self.fanouts = Fanouts()   # fan-outs of messages to many nodes, timed (``coordinator.scheduling.fanout``)
-        self._outgoing = Outgoing(self.nodes, self.fanouts, self.book)
+        self._outgoing = Outgoing(self.nodes, self.fanouts, self.book, relay_width)
         self._guard, self.relays = StoreGuard(store, self.book, self.nodes), self._outgoing.relays   # relay heads
         self._stops = Stops(self.book, self.nodes, clock)
         self._drains = Drains(self.book, clock, self._outgoing)
         self.pools = WorkerPools(self.nodes, store, clock, self.drain, self.undrain,
-                                 functools.partial(_free_slots, self.nodes, self.book, self._stops))
+                                 functools.partial(_free_slots, self.nodes, self.book, self._stops), dial)
         holds = AllocationHolds(clock)   # what the restarts and the scheduler ask of the allocations
         self._scheduler = Scheduler(self.book, self.nodes, store, clock, self._guard, self._outgoing, self.stats,
                                     self._dirty, ended=self._stops.ended, shutting_down=self._is_shutting_down,
@@ -123,7 +128,7 @@ class Coordinator:
         self._reconciler = JobReconciler(self.book, store, clock, self._restarts, self._stops, self._drains,
                                          self._scheduler)
         self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self._dirty,
-                                       holds)
+                                       holds, dial)
         self._assemble_node_side(heartbeat_timeout, max_heartbeat_rate)
         for job in self.book.active():  # restarts under way before the coordinator stopped: confirm them again
             if job.state is S.RESTARTING:
@@ -139,6 +144,8 @@ class Coordinator:
                                   streams, self._stops, self._drains, self._restarts, self._dirty,
                                   heartbeat_timeout=heartbeat_timeout,
                                   shutting_down=self._is_shutting_down, max_heartbeat_rate=max_heartbeat_rate)
+        self.shown = Shown(self.book, self.nodes, self._stops, self.store, self._scheduler.free_slots,
+                           self._applier.rejected)   # the read model (``coordinator.jobs.shown``)
         self._turn = Turn(self._dirty, self._guard, self._outgoing, self._intake, self._reconciler, self._scheduler)
 
     def _is_shutting_down(self) -> bool:
@@ -252,16 +259,6 @@ class Coordinator:
                 self._restarts.finish(job, S.CANCELLED, cancel_reason(reason))
             self.turn()
         return job
-
-    def node_views(self) -> list[tuple[NodeSession, int]]:
-        """Every known node with its free slots (0 unless READY)."""
-        free = self._scheduler.free_slots()
-        return [(s, free.get(s.name, 0)) for s in self.nodes]
-
-    def node_view(self, name: str) -> tuple[NodeSession, int]:
-        """One node and its free slots; NodeNotFound when no node has that name."""
-        session = self.nodes.known(name)
-        return session, self._scheduler.free_slots().get(name, 0)
 
     def drain(self, name: str, reason: str = "") -> list[JobRecord]:
         """``ctl drain``: the node takes no new work (stored: it survives a restart) and every active job

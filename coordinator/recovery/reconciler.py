@@ -19,7 +19,9 @@ counters, drain and stop, and asks ``coordinator.recovery.reconcile`` what follo
   only: a placement trial costs O(nodes));
 - every rank running makes it RUNNING, every rank exited 0 aggregates the result and makes it SUCCEEDED.
 
-Nothing is owed: a plan the store refused leaves the job marked, and the next turn reads the level state again.
+The plan's writes are one transaction, and its node messages go once it committed (the turn holds them: "persist,
+then send"). Nothing is owed: a plan the store refused leaves the job marked (memory back to the store's), and a later
+turn reads the level state again.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ from rankctl.coordinator.model.faults import Cause, Fault, rank_fault
 from rankctl.coordinator.model.records import JobRecord
 from rankctl.coordinator.model.states import JobState, is_active, is_terminal
 from rankctl.coordinator.recovery.drains import Drains, saves_on_request
-from rankctl.coordinator.recovery.reconcile import ATTRIBUTION_S, EndAttempt, Hold, Running, Succeed, reconcile
+from rankctl.coordinator.diagnosis.progress import JobProgress
+from rankctl.coordinator.recovery.reconcile import (
+    ATTRIBUTION_S, Continue, EndAttempt, Hold, Nothing, Plan, Running, Succeed, reconcile,
+)
+from rankctl.coordinator.recovery.restart_decision import Wait
 from rankctl.coordinator.recovery.restarts import Restarts
 from rankctl.coordinator.scheduling.scheduler import Scheduler
 from rankctl.coordinator.scheduling.stops import Stops
@@ -73,38 +79,53 @@ class JobReconciler:
             if job_id in self._stops:   # an ended attempt: an exit or the time may complete its stop
                 self._restarts.free_when_gone(job)
             return
-        if job.state is S.RESTARTING:
-            self._restarts.requeue_when_stopped(job)
+        if job.state is S.RESTARTING:   # its stop: requeue, wait, or give up
+            plan: Plan = reconcile(self._restarts.view(job))
+            if not (isinstance(plan, Continue) and isinstance(plan.decision, Wait)):
+                with self._store.transaction(f"the stop of job {job.id}"):
+                    self._restarts.apply(job, plan)
             return
         if job_id in self._stops:   # a stop of an earlier attempt: over (the job was queued again)
             self._stops.forget(job_id)
         if not is_active(job.state):   # queued: the placement pass's
             return
         progress = self._book.progress(job)
-        if progress.preflight is not None and not progress.preflight.handled:
-            progress.preflight.handled = True
-            if progress.preflight.exclude:
-                self._preflight_failed(job, progress.preflight.exclude)
+        pre = progress.preflight
+        if pre is not None and not pre.handled:
+            if pre.exclude:
+                with self._store.transaction(f"the pre-flight of job {job.id}"):
+                    self._preflight_failed(job, pre.exclude)
+                pre.handled = True
                 return
             self._restarts.together_again(job)
+            pre.handled = True
+        links: list[tuple[str, str]] = []
+        plan = self._plan(job, progress, links, timed)
+        if isinstance(plan, (Nothing, Hold)):
+            return   # (held for its cause: a killed peer's report, or a lost node's held failure)
+        with self._store.transaction(f"the {type(plan).__name__.lower()} plan of job {job.id}"):   # one, then send
+            self._carry_out(job, progress, plan, links)
+
+    def _plan(self, job: JobRecord, progress: JobProgress, links: list[tuple[str, str]], timed: bool) -> Plan:
+        """The job's whole view, built once (reads only), and ``reconcile``'s plan for it."""
         bad = progress.likely_cause()
         if bad is not None and progress.failing_since is None:
             progress.failing_since = self._clock()
-        links: list[tuple[str, str]] = []
         running = job.state is S.RUNNING
         drain = self._drains.due_for(job) if running else None
         grow_fits = timed and running and job.world_size < job.spec.world_size and not self._drains.waiting(job) \
             and self._scheduler.fits_full(job)
-        plan = reconcile(self._restarts.view(
+        return reconcile(self._restarts.view(
             job, failed=rank_fault(bad) if bad is not None else None, failed_since=progress.failing_since,
             loss_held=self._restarts.loss_held(job), hang=self._hang(job, links) if running else None,
             drain_due=(tuple(drain[0].nodes), drain[1]) if drain is not None and drain[0].nodes else None,
             grow_due=drain[1] if drain is not None and not drain[0].nodes else None,
             grow_fits=grow_fits, saves_on_request=grow_fits and saves_on_request(job.kind),
             all_running=progress.all_running(), all_succeeded=progress.all_succeeded()))
+
+    def _carry_out(self, job: JobRecord, progress: JobProgress, plan: Plan, links: list[tuple[str, str]]) -> None:
+        """The plan's writes (inside the caller's one transaction) and messages (sent once it committed)."""
         match plan:
-            case Hold():
-                return   # held for its cause: a killed peer's report, or a lost node's held failure
             case Running():
                 self._book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
                 progress.advanced_at = self._clock()

@@ -19,7 +19,7 @@ from aiohttp import web
 from rankctl.contract.jobfile import SpecError
 from rankctl.contract.limits import MAX_JOB_FILE_BYTES
 from rankctl.coordinator.logs.logfetch import get_logs
-from rankctl.coordinator.api.servicer import ATTEMPTS_SHOWN, domain_status, stopping_reason
+from rankctl.coordinator.api.servicer import domain_status
 from rankctl.coordinator.store.database import StoreError
 from rankctl.coordinator.web import jobview, views
 from rankctl.coordinator.web.access import ANY_CERT, WHO, guarded
@@ -108,13 +108,10 @@ class Dashboard:
         """The live fragment and the JSON data of a job, read at one moment, rendered on a worker thread."""
         job = self.core.get(job_id)
         cfg = (await self.layouts.of([job]))[job.id]
-        job = dataclasses.replace(self.core.get(job.id))  # from here to the render: no await, one state
-        summary = self.core.summary(job.id)
         win = window(job.world_size, job.slots_per_node, node_page)
-        records = self.core.rank_page(job.id, *win.ranks)
+        shown = self.core.shown.job(job.id, *win.ranks)   # from here to the render: no await, one state
+        job, summary, records, attempts, reason = shown.job, shown.summary, shown.ranks, shown.attempts, shown.reason
         series = snapshot(self.series.get(job.id))
-        attempts = self.core.attempts(job.id, ATTEMPTS_SHOWN)
-        reason = stopping_reason(job.reason, self.core.stopping_ranks(job.id))
 
         def render() -> tuple[str, dict]:
             grid = rank_grid(job, cfg, records, summary, win)
@@ -153,8 +150,7 @@ class Dashboard:
         return web.Response(text=jobview.log_text(rank, lines[-jobview.LOG_TAIL * 2:]))
 
     async def nodes(self, request: web.Request) -> web.StreamResponse:
-        views_ = self.core.node_views()
-        body = views.nodes_table(views_, dict(self.core.nodes.draining), _int(request, "page", 0), time.time())
+        body = views.nodes_table(self.core.shown.nodes(), _int(request, "page", 0), time.time())
         return _html(page("nodes", body, self._who(request)))
 
     async def plan_form(self, request: web.Request) -> web.StreamResponse:

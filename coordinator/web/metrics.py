@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from rankctl.coordinator.scheduling.fanout import Fanouts
 from rankctl.coordinator.jobs.book import JobBook
-from rankctl.coordinator.fleet.nodes import NodeSession, NodeStatus, NodeTable
+from rankctl.coordinator.fleet.nodes import NodeStatus, NodeTable
+from rankctl.coordinator.jobs.shown import Shown as ReadModel
 from rankctl.coordinator.diagnosis.progress import JobProgress
 from rankctl.coordinator.model.records import PHASES, JobRecord
 from rankctl.coordinator.model.states import JobState, is_terminal
@@ -32,7 +33,7 @@ OTHER = "other"   # a phase outside PHASES (ranks write their own): one label va
 JOB = ("job_id",)     # the per-job label; "job" belongs to the scraper
 FINISHED_KEPT = 16        # ended jobs whose last series stay, the most recently ended ...
 FINISHED_KEPT_S = 600.0   # ... for this long after they ended
-Shown = tuple[JobRecord, JobProgress]   # a job whose series a scrape shows, with its counters
+Scraped = tuple[JobRecord, JobProgress]   # a job whose series a scrape shows, with its counters
 
 
 class Observed(Protocol):
@@ -45,7 +46,8 @@ class Observed(Protocol):
 
     def clock(self) -> float: ...
 
-    def node_views(self) -> list[tuple[NodeSession, int]]: ...
+    @property
+    def shown(self) -> ReadModel: ...
 
     @property
     def rejected_reports(self) -> Counter[str]: ...
@@ -67,8 +69,8 @@ class _Collector:
 
     def __init__(self, core: Observed, per_rank: bool) -> None:
         self.core, self.per_rank = core, per_rank
-        self._seen: dict[str, Shown] = {}              # the jobs active at the last scrape
-        self._ended: OrderedDict[str, Shown] = OrderedDict()   # ended since, the last one last
+        self._seen: dict[str, Scraped] = {}              # the jobs active at the last scrape
+        self._ended: OrderedDict[str, Scraped] = OrderedDict()   # ended since, the last one last
 
     def collect(self) -> Iterator[Metric]:
         yield from self._jobs()
@@ -80,7 +82,7 @@ class _Collector:
         if self.per_rank:
             yield from self._rank_series(active)
 
-    def _shown(self, active: list[JobRecord]) -> list[Shown]:
+    def _shown(self, active: list[JobRecord]) -> list[Scraped]:
         """The active jobs with their counters, then the recently ended ones (their counters as they were
         when they ended: the attempt's own object, held from the scrape that last saw the job active)."""
         book, now = self.core.book, self.core.clock()
@@ -131,9 +133,9 @@ class _Collector:
         yield age
         slots = _gauge("rankctl_slots", "Rank slots of the READY nodes: all of them, and those not taken.",
                        ("state",))
-        views = core.node_views()
-        slots.add_metric(["total"], sum(s.record.slots for s, _ in views if s.status is NodeStatus.READY))
-        slots.add_metric(["free"], sum(free for _, free in views))
+        views = core.shown.nodes()
+        slots.add_metric(["total"], sum(n.session.record.slots for n in views if n.session.status is NodeStatus.READY))
+        slots.add_metric(["free"], sum(n.free for n in views))
         yield slots
 
     def _counters(self) -> Iterator[Metric]:

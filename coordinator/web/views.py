@@ -46,14 +46,14 @@ def usage_cells(usage: Any) -> list[str]:
              "<br>".join(gpus + more) or "none")]
 
 
-def nodes_table(views: list[tuple[Any, int]], draining: dict[str, str], page: int, now: float) -> str:
-    """One page of ``views`` ((NodeSession, free slots) of every node)."""
+def nodes_table(views: list[Any], page: int, now: float) -> str:
+    """One page of ``views`` (``coordinator.jobs.shown.NodeShown``: every node)."""
     shown = views[page * NODES_PAGE:(page + 1) * NODES_PAGE]
     rows = []
-    for s, free in shown:
+    for node in shown:
+        s, drain = node.session, node.draining
         heard = s.last_heartbeat if s.status.value == "READY" else s.record.last_seen
-        drain = draining.get(s.name)
-        rows.append([e(s.name), e(s.record.address), state_badge(s.status.value), str(s.record.slots), str(free),
+        rows.append([e(s.name), e(s.record.address), state_badge(s.status.value), str(s.record.slots), str(node.free),
                      "yes" + (f": {e(drain)}" if drain else "") if drain is not None else "no",
                      *usage_cells(getattr(s, "usage", None)), age(now - heard) + " ago" if heard else "never",
                      e(s.detail)])
@@ -61,7 +61,7 @@ def nodes_table(views: list[tuple[Any, int]], draining: dict[str, str], page: in
     nav = "" if pages <= 1 else '<nav class="pager">' + " ".join(
         f'<a href="/nodes?page={p}">{p + 1}</a>' for p in sorted({0, max(0, page - 1), page,
                                                                   min(pages - 1, page + 1), pages - 1})) + "</nav>"
-    head = f"<p>{len(views)} node(s); {sum(f for _, f in views)} free slot(s)</p>"
+    head = f"<p>{len(views)} node(s); {sum(node.free for node in views)} free slot(s)</p>"
     return head + table(NODE_COLUMNS, rows, "nodes") + nav
 
 

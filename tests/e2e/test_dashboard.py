@@ -358,8 +358,10 @@ def test_the_nodes_page_shows_cpu_memory_and_gpu_use_or_a_dash() -> None:
     usage = pb.NodeUsage(cpu_percent=37.4, memory_used_bytes=3 * gib, memory_total_bytes=16 * gib,
                          gpus=[pb.GpuUsage(index=i, utilization=90 - i, memory_used_bytes=gib,
                                            memory_total_bytes=80 * gib) for i in range(20)])
-    html = nodes_table([(node(), 2), (node(usage, "g0"), 0), (node(pb.NodeUsage(cpu_percent=5), "c0"), 2)],
-                       {}, 0, 100.0)
+    from rankctl.coordinator.jobs.shown import NodeShown
+
+    html = nodes_table([NodeShown(s, free, None, [], [], 0) for s, free in
+                        [(node(), 2), (node(usage, "g0"), 0), (node(pb.NodeUsage(cpu_percent=5), "c0"), 2)]], 0, 100.0)
     rows = re.findall(r"<tr>(.*?)</tr>", html)
     assert re.findall(r"<th>(\w+)</th>", rows[0])[6:9] == ["cpu", "memory", "gpus"]
     cells = [re.findall(r"<td>(.*?)</td>", r) for r in rows[1:]]

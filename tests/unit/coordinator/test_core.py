@@ -202,7 +202,7 @@ def test_running_then_succeeded_with_a_comm_check_table(world: World) -> None:
     assert table[0]["min_busbw_gbps"] == pytest.approx(1000 / 10e-6 / 1e9 * 1.0)
     assert [k for k, _ in kinds(world.core, job.id)][-2:] == ["result", "transition"]
     assert all(r.exited for r in world.core.ranks(job.id))
-    assert world.core.node_views()[0][1] == 2     # slots are free again
+    assert world.core.shown.nodes()[0].free == 2     # slots are free again
 
 
 def test_a_rank_that_exits_nonzero_fails_the_job_and_cancels_every_node(world: World) -> None:
@@ -240,7 +240,7 @@ def test_stream_closing_marks_the_node_lost(world: World) -> None:
     world.core.disconnect(n0.session)
     assert job.state is S.FAILED and job.reason == "node n0 lost (stream closed); ranks 0-1 are gone"
     assert [c.job_id for c in n1.bodies("cancel")] == [job.id]
-    assert world.core.node_views()[0][0].status is NodeStatus.LOST
+    assert world.core.shown.nodes()[0].session.status is NodeStatus.LOST
 
 
 def test_cancel(world: World) -> None:
@@ -276,7 +276,7 @@ def test_restart_keeps_jobs_and_accepts_reconnect_with_replay(tmp_path: Path) ->
     again = w2.core.get(job.id)
     assert again.state is S.RUNNING and again.nodes == ["n0", "n1"]
     assert [(e.seq, e.kind, e.message) for e in w2.core.events(job.id)] == before
-    assert {s.status for s, _ in w2.core.node_views()} == {NodeStatus.DISCONNECTED}
+    assert {n.session.status for n in w2.core.shown.nodes()} == {NodeStatus.DISCONNECTED}
     w2.clock.t += 5
     w2.core.tick()
     assert again.state is S.RUNNING                # still within the reconnect grace

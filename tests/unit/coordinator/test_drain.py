@@ -284,7 +284,7 @@ def test_a_cancelled_jobs_slots_wait_until_its_ranks_are_confirmed_gone(world: W
     assert [c.attempt for c in world.nodes["n0"].bodies("cancel")] == [1]
     nxt = world.core.submit(comm_yaml(name="next"))
     assert nxt.state is S.PENDING and "waiting for capacity" in nxt.reason   # the slots are still taken
-    assert world.core.node_views()[0][1] == 0
+    assert world.core.shown.nodes()[0].free == 0
     exit_node(world, job, "n0")
     assert world.core.stopping_ranks(job.id) == 2 and nxt.state is S.PENDING
     world.core.disconnect(world.nodes["n1"].session)                 # n1's ranks die with it

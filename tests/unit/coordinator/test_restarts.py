@@ -299,3 +299,37 @@ def test_the_ranks_of_a_lost_node_are_recorded_gone_not_running_for_ever(world: 
     world.core.disconnect(world.nodes[second.nodes[1]].session, "stream closed")
     s = world.core.summary(second.id)
     assert s.running == 0 and s.exited == 4, s
+
+
+def test_a_plan_is_stored_in_one_transaction_and_its_messages_go_once_it_committed(world: World) -> None:
+    """Decisions are values carried out by one apply: the failed attempt's end, its stored fault and the next
+    attempt's placement on the same nodes are one transaction, and no Cancel or Assign leaves before it commits."""
+    from contextlib import contextmanager
+
+    for n in ("n0", "n1"):
+        world.connect(n)
+    job = world.core.submit(job_yaml(1))
+    for r in range(4):
+        world.report(job.id, r, "running")
+    real, seen = world.store.transaction, []
+
+    def sent() -> int:
+        return sum(len(world.nodes[n].sent) for n in ("n0", "n1"))
+
+    @contextmanager
+    def counted(what: str = "a change"):
+        outer = not world.store.in_transaction
+        with real(what):
+            yield
+            at_end = sent()
+        if outer:
+            seen.append((what, at_end))
+    world.store.transaction = counted
+    before = sent()
+    world.report(job.id, 3, "failed", code=1, error="Traceback\nValueError: boom")
+    world.store.transaction = real
+    assert job.state in (S.RESTARTING, S.STARTING) and job.attempt in (1, 2)
+    plans = [s for s in seen if "plan of job" in s[0]]
+    assert [what for what, *_ in plans] == [f"the endattempt plan of job {job.id}"], seen
+    assert plans[0][1] == before and sent() > before     # every message of the plan left after its commit
+    assert world.store.attempts(job.id)[0]["state"] == "RESTARTING"
