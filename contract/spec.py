@@ -29,12 +29,17 @@ MIN_PIDS, MAX_PIDS = 16, 1 << 22             # resources.pids_max
 class Section(BaseModel):
     """Base of every spec section: unknown fields are errors, frozen, finite numbers."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # each field's docstring is its description in the served JSON Schema and in docs/job-file.md
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 class Resources(Section):
+    """Where the job runs: how many nodes, how many ranks on each, and what each rank may use."""
+
     nodes: StrictInt = Field(1, ge=1, le=L.MAX_NODES)
+    """Nodes the job runs on (its full size); the world size is ``nodes`` x ``slots_per_node``."""
     slots_per_node: StrictInt = Field(1, ge=1, le=L.MAX_SLOTS_PER_NODE)
+    """Ranks on each node (one per GPU on a GPU node); a tensor-parallel group never spans two nodes."""
     shm_mb: StrictInt = Field(DEFAULT_SHM_MB, ge=1, le=MAX_SHM_MB)
     """MiB of the job's private ``/dev/shm`` on each node (a tmpfs its ranks there share, removed at the end)."""
     memory_mb: StrictInt | None = Field(None, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB)
@@ -67,29 +72,44 @@ class Resources(Section):
 
 
 class ParallelSpec(Section):
+    """How the ranks split the model, as Megatron-LM's parallel_state does; the data-parallel size is derived:
+    world / (tp x pp x cp)."""
+
     tp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    """Tensor-parallel size: ranks that split each layer's weights (kept inside one node)."""
     pp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    """Pipeline-parallel size: stages the layers are cut into."""
     cp: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    """Context-parallel size: ranks that split each sequence."""
     ep: StrictInt = Field(1, ge=1, le=L.MAX_PARALLEL_SIZE)
+    """Expert-parallel size: ranks that split a mixture-of-experts layer's experts."""
     etp: StrictInt | None = Field(None, ge=1, le=L.MAX_PARALLEL_SIZE)
+    """Expert tensor-parallel size: ranks that split each expert's weights. null: the same as ``tp``."""
     vpp: StrictInt | None = Field(None, ge=1, le=L.MAX_VPP)
+    """Virtual pipeline chunks per rank (an interleaved 1F1B schedule). null: one chunk."""
     order: str = DEFAULT_ORDER
+    """The order ranks are laid out in, innermost first, as Megatron-LM's ``order`` (tp-cp-ep-dp-pp)."""
     sequence_parallel: StrictBool = False
+    """Megatron's sequence parallelism: activations outside the tensor-parallel regions split along the
+    sequence across the tensor-parallel group (needs ``tp`` > 1 to change anything)."""
     schedule: Literal["gpipe", "1f1b"] = DEFAULT_SCHEDULE
+    """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (interleaved when ``vpp`` is set)."""
 
 
 class RestartSpec(Section):
-    # failed attempts restarted before the job fails; when the file leaves it out, a job on an allocation with
-    # spares (``ctl slurm submit --spares N``) gets N: asking for spares is asking for restarts onto them
-    # (``restarts_for_spares``)
+    """What happens when an attempt fails or hangs."""
+
     max_restarts: StrictInt = Field(0, ge=0, le=L.MAX_RESTARTS)
-    # seconds every rank's process groups wait in one collective before giving up
+    """Failed attempts restarted before the job fails (a drain or an elastic growth uses none). Left out, a job
+    on an allocation with spares (``ctl slurm submit --spares N``) gets N: spares are asked for to restart onto."""
     collective_timeout: StrictFloat = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
-    # seconds a RUNNING job may go without any rank advancing a step before the attempt is declared hung
+    """Seconds every rank's process groups wait in one collective before giving up."""
     hang_timeout: StrictFloat = Field(DEFAULT_HANG_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
-    # before the first step of each attempt: a few seconds over the job's groups and links (runtime.preflight);
-    # None: on for multi-node jobs
+    """Seconds a RUNNING job may go without any rank advancing before its attempt is hung: the upper bound; once
+    the job's pace is known a hang is judged in a few of its step times."""
     preflight: StrictBool | None = None
+    """A check of a few seconds over the job's groups and links before each attempt's first step; a node it
+    finds bad is excluded and the attempt restarts without it. null: on for multi-node jobs."""
 
 
 class JobSpec(Section):
@@ -97,11 +117,17 @@ class JobSpec(Section):
     sections (and checks ``kind`` against the registry); every spec is an instance of this."""
 
     name: str
+    """The job's name: lowercase letters, digits and '-', at most 63 characters; its id adds a suffix."""
     kind: str = "train"
+    """The job kind, a registered plug-in: train, comm-check, python, or one a coordinator imports."""
     resources: Resources = Resources()
+    """Nodes, ranks per node, and each rank's limits."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """The collectives' backend: auto (nccl on GPUs, gloo on CPUs), nccl or gloo."""
     parallel: ParallelSpec = ParallelSpec()
+    """The parallel layout (tensor, pipeline, context, expert, data)."""
     restart: RestartSpec = RestartSpec()
+    """Restarts, timeouts and the pre-flight."""
 
     @field_validator("name")
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pydantic import ValidationError, create_model, field_validator
+from pydantic import Field, ValidationError, create_model, field_validator
 
 from rankctl.contract.jobfile import (
     SpecError, apply_overrides, parse_override, spec_errors,
@@ -34,14 +34,19 @@ def spec_model() -> type[JobSpec]:
     version = registry.version()
     model = _models.get(version)
     if model is None:
-        sections = {name: (cls | None, None) for kind in registry.kinds().values()
-                    for name, cls in kind.sections.items()}
+        sections = {name: (cls | None, Field(None, description=_first_paragraph(cls.__doc__) or f"The {kind.name} "
+                                                                                              "kind's section."))
+                    for kind in registry.kinds().values() for name, cls in kind.sections.items()}
         model = create_model("JobFile", __base__=JobSpec, __module__=__name__,
                              __validators__={"_kind": field_validator("kind")(classmethod(_check_kind))},
                              **sections)
         _models.clear()
         _models[version] = model
     return model
+
+
+def _first_paragraph(doc: str | None) -> str:
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
 
 
 def with_defaults(spec: JobSpec) -> JobSpec:

@@ -26,13 +26,22 @@ Blob = Annotated[StrictStr, StringConstraints(pattern=f"^{BLOB_RE}$")]
 
 
 class PythonSpec(Section):
-    entrypoint: StrictStr = Field("", max_length=MAX_TEXT)  # "train.py" or "package.module:function"
+    """Your own script or function, run in every rank with torchrun's environment and the job's groups."""
+
+    entrypoint: StrictStr = Field("", max_length=MAX_TEXT)
+    """What each rank runs: a script (``train.py``) or a function (``package.module:function``)."""
     args: list[Text] = Field(default_factory=list, max_length=MAX_ARGS)
+    """The script's arguments (``sys.argv[1:]``)."""
     env: dict[StrictStr, Text] = Field(default_factory=dict, max_length=MAX_ENV)
+    """Environment variables of every rank (a secret: shown to no client); RANK, WORLD_SIZE and the others
+    torchrun sets are rankctl's."""
     workdir: StrictStr | None = Field(None, min_length=1, max_length=MAX_TEXT)
-    # set by ctl: the packed workdir on the coordinator; ranks then run in the node's extracted copy
+    """A directory on the submitting machine: ``ctl submit`` packs and uploads it, and every rank runs in the
+    node's extracted copy. null: the worker's own working directory."""
     workdir_blob: Blob | None = None
-    workdir_max_mb: StrictInt = Field(100, ge=1, le=MAX_WORKDIR_MB)  # ctl refuses to ship a larger packed workdir
+    """Set by ctl, not by hand: the packed workdir's digest on the coordinator."""
+    workdir_max_mb: StrictInt = Field(100, ge=1, le=MAX_WORKDIR_MB)
+    """The largest packed workdir ctl ships (MiB)."""
     workdir_max_unpacked_mb: StrictInt | None = Field(None, ge=1, le=UNPACKED_PER_PACKED * MAX_WORKDIR_MB)
     """The most a node extracts of the shipped workdir (MiB, counted as bytes arrive); None: 4 x workdir_max_mb."""
 

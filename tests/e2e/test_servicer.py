@@ -308,7 +308,8 @@ def test_a_heartbeat_without_usage_keeps_the_last_sample_and_one_with_usage_repl
     service._handle(session, pb.NodeMessage(heartbeat=pb.Heartbeat(usage=pb.NodeUsage(cpu_percent=50.0))))
     service._handle(session, pb.NodeMessage(heartbeat=pb.Heartbeat(free_ports=[2])))
     assert session.usage == pb.NodeUsage(cpu_percent=50.0) and core.beats == [[1], [], [2]]
-    assert convert.node_to_pb(session, free_slots=2).usage.cpu_percent == 50.0
+    from rankctl.coordinator.jobs.shown import NodeShown
+    assert convert.node_to_pb(NodeShown(session, 2, None, [], [], 0)).usage.cpu_percent == 50.0
     service._handle(session, pb.NodeMessage(heartbeat=pb.Heartbeat(usage=pb.NodeUsage(cpu_percent=5.0))))
     assert session.usage.cpu_percent == 5.0
 
