@@ -5,7 +5,9 @@ nodes page) and ``/metrics`` (slots) read ``Shown`` instead of reaching into the
 and the store each in its own way. A ``JobShown`` is read at one moment (its record a copy: a render on a worker
 thread sees one state) and bounded: one page of ranks, the newest ``ATTEMPTS_SHOWN`` attempts, a summary of constant
 size. A ``NodeShown`` carries what a node row says: its session, free slots, drain reason, the jobs it runs and the
-ones it is excluded from. Plain data: no grpc, no protobuf (the servicers convert).
+ones it is excluded from. ``JobGauges`` are a job's figures as ``/metrics`` shows them (``job_gauges``: phases,
+steps, stragglers, the step-time histogram and the figures the job's kind describes, ``kinds.figures``). Plain data:
+no grpc, no protobuf (the servicers convert).
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from rankctl.coordinator.diagnosis.progress import JobSummary
+from rankctl.coordinator.diagnosis.progress import JobProgress, JobSummary
 from rankctl.coordinator.fleet.nodes import NodeSession, NodeTable
 from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.model.records import JobRecord, RankRecord
 from rankctl.coordinator.scheduling.capacity import jobs_by_node
 from rankctl.coordinator.scheduling.stops import Stops
 from rankctl.coordinator.store.database import Store
+from rankctl.kinds import registry
+from rankctl.kinds.figures import described
 
 ATTEMPTS_SHOWN = 20   # attempts shown with a job (the newest)
 
@@ -58,6 +62,41 @@ class NodeShown:
     @property
     def name(self) -> str:
         return self.session.name
+
+
+@dataclass(frozen=True)
+class JobGauges:
+    """A job's figures as ``/metrics`` shows them, O(1) in its size (``job_gauges``)."""
+
+    job: JobRecord
+    phases: dict[str, int]               # ranks by phase (this attempt)
+    min_step: int                        # the slowest rank's step: every rank finished it
+    max_step: int                        # the fastest rank's step
+    stragglers: int                      # ranks flagged by their compute time
+    lagging: int                         # ranks still at the slowest step while others are ahead
+    step_buckets: list[tuple[str, float]]   # the completed steps' durations (cumulative buckets; empty: none yet)
+    step_total: float                    # their sum
+    step_time: dict[str, float]          # "min", "mean", "max" of the last completed step's time across its ranks
+    figures: dict[str, float]            # Prometheus gauge name -> value: each figure the job's kind describes
+
+
+def job_gauges(job: JobRecord, p: JobProgress) -> JobGauges:
+    """The job's gauges from its counters: a figure's value is the last completed step's, a sparse one's its
+    latest (not every step has it)."""
+    acc, kind = p.last_step, registry.kinds().get(job.kind)
+    figures = {}
+    for name, f in described(kind.figures).items() if kind is not None else ():
+        value = p.latest.get(name) if f.sparse else acc.figures.get(name) if acc is not None else None
+        if f.metric and value is not None:
+            figures[f.metric] = value
+    times = {} if acc is None else {stat: v for stat, v in (("min", acc.time_min), ("mean", acc.time_mean),
+                                                            ("max", acc.time_max)) if v is not None}
+    return JobGauges(
+        job=job, phases=dict(p.phases), min_step=p.min_step, max_step=p.max_step,
+        stragglers=len(p.skew.slow) if p.skew is not None else 0,
+        lagging=len(p.at_step.get(p.min_step, ())) if p.max_step > p.min_step else 0,
+        step_buckets=p.step_times.buckets() if p.step_times.count else [], step_total=p.step_times.total,
+        step_time=times, figures=figures)
 
 
 class Shown:

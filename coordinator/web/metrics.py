@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from rankctl.coordinator.scheduling.fanout import Fanouts
 from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.fleet.nodes import NodeStatus, NodeTable
-from rankctl.coordinator.jobs.shown import Shown as ReadModel
+from rankctl.coordinator.jobs.shown import JobGauges, Shown as ReadModel, job_gauges
 from rankctl.coordinator.diagnosis.progress import JobProgress
 from rankctl.coordinator.model.records import PHASES, JobRecord
 from rankctl.coordinator.model.states import JobState, is_terminal
@@ -177,7 +177,7 @@ class _Collector:
         figure: O(active jobs + FINISHED_KEPT)."""
         fam = JobFamilies()
         for job, progress in self._shown(active):
-            fam.add(job, progress)
+            fam.add(job_gauges(job, progress))
         yield from fam.all()
 
     def _rank_series(self, active: list[JobRecord]) -> Iterator[Metric]:
@@ -223,33 +223,25 @@ class JobFamilies:
         self.lagging = _gauge("rankctl_job_lagging_ranks", "Ranks still at the slowest step while others are ahead.",
                               j)
 
-    def add(self, job: JobRecord, p: JobProgress) -> None:
+    def add(self, g: JobGauges) -> None:
+        job = g.job
         self.info.add_metric([job.id, job.name, job.kind, job.state.value], 1)
         self.attempt.add_metric([job.id], job.attempt)
         phases = Counter()
-        for phase, n in p.phases.items():
+        for phase, n in g.phases.items():
             phases[_phase(phase)] += n
         for phase, n in sorted(phases.items()):
             self.ranks.add_metric([job.id, phase], n)
-        self.step.add_metric([job.id], p.min_step)
-        self.step_max.add_metric([job.id], p.max_step)
-        self.stragglers.add_metric([job.id], len(p.skew.slow) if p.skew is not None else 0)
-        lagging = len(p.at_step.get(p.min_step, ())) if p.max_step > p.min_step else 0
-        self.lagging.add_metric([job.id], lagging)
-        if p.step_times.count:
-            self.step_duration.add_metric([job.id], p.step_times.buckets(), p.step_times.total)
-        acc = p.last_step
-        kind = registry.kinds().get(job.kind)
-        for name, f in described(kind.figures).items() if kind is not None else ():
-            # the last completed step's value; a sparse one's latest (not every step has it)
-            value = p.latest.get(name) if f.sparse else acc.figures.get(name) if acc is not None else None
-            if f.metric and value is not None:
-                self.figures[f.metric].add_metric([job.id], value)
-        if acc is None:
-            return
-        for stat, value in (("min", acc.time_min), ("mean", acc.time_mean), ("max", acc.time_max)):
-            if value is not None:
-                self.step_time.add_metric([job.id, stat], value)
+        self.step.add_metric([job.id], g.min_step)
+        self.step_max.add_metric([job.id], g.max_step)
+        self.stragglers.add_metric([job.id], g.stragglers)
+        self.lagging.add_metric([job.id], g.lagging)
+        if g.step_buckets:
+            self.step_duration.add_metric([job.id], g.step_buckets, g.step_total)
+        for metric, value in g.figures.items():
+            self.figures[metric].add_metric([job.id], value)
+        for stat, value in g.step_time.items():
+            self.step_time.add_metric([job.id, stat], value)
 
     def all(self) -> list[Metric]:
         return [self.info, self.attempt, self.ranks, self.step, self.step_max, *self.figures.values(),
