@@ -31,6 +31,8 @@ from rankctl.coordinator.batch.allocations import RELEASE_GRACE_S, WATCH_S, Work
 from rankctl.coordinator.api.convert import allocation_to_pb, stamp
 from rankctl.coordinator.model.errors import InvalidRequest, PoolNotFound
 from rankctl.coordinator.fleet.nodes import NodeNotFound, NodeSession, NodeTable
+from rankctl.coordinator.jobs.commit import StoreGuard
+from rankctl.coordinator.recovery.restarts import Restarts
 from rankctl.coordinator.store.database import Store
 from rankctl.proto import rankctl_pb2 as pb
 
@@ -72,18 +74,31 @@ def pool_to_pb(p: PoolRecord) -> pb.WorkerPool:
     return msg
 
 
-class WorkerPools:
-    """The pools by id; the event loop thread only. ``drain``/``undrain`` are the core's (``ctl drain``),
-    ``free_slots`` the scheduler's (READY node -> its slots no job holds)."""
+class PoolRecords:
+    """The worker pools known (stored) and the open ones, loaded first: the scheduler asks which queue a worker
+    serves (``general``) before the pools themselves are built; ``WorkerPools`` keeps them up to date."""
 
-    def __init__(self, nodes: NodeTable, store: Store, clock: Callable[[], float],
-                 drain: Callable[[str, str], object], undrain: Callable[[str], object],
-                 free_slots: Callable[[], dict[str, int]], dial: tuple[str, bool] = ("", False)) -> None:
+    def __init__(self, store: Store) -> None:
+        self.all: dict[str, PoolRecord] = {p.id: p for p in map(PoolRecord.from_dict, store.load_pools())}
+        self.open = {p.id: p for p in self.all.values() if p.state != ENDED}
+
+    def general(self, pool: str) -> bool:
+        """``Scheduler``: whether a worker of ``pool`` belongs to the general queue."""
+        return pool in self.open
+
+
+class WorkerPools:
+    """The pools by id; the event loop thread only. A released pool's nodes are drained, and undrained when it ends,
+    through ``restarts`` (as ``ctl drain``); ``free_slots`` is the scheduler's (READY node -> its slots no job
+    holds)."""
+
+    def __init__(self, records: PoolRecords, nodes: NodeTable, store: Store, clock: Callable[[], float],
+                 guard: StoreGuard, restarts: Restarts, free_slots: Callable[[], dict[str, int]],
+                 dial: tuple[str, bool] = ("", False)) -> None:
         self._nodes, self._store, self._clock = nodes, store, clock
-        self._drain, self._undrain, self._free_slots = drain, undrain, free_slots
+        self._guard, self._restarts, self._free_slots = guard, restarts, free_slots
         self.address, self.tls = dial   # where the workers dial, and whether it serves TLS
-        self._all: dict[str, PoolRecord] = {p.id: p for p in map(PoolRecord.from_dict, store.load_pools())}
-        self._open = {p.id: p for p in self._all.values() if p.state != ENDED}
+        self._all, self._open = records.all, records.open
         self._in_flight: set[tuple[str, str]] = set()
         self._watched: dict[str, float] = {}
         self._released_at: dict[str, float] = {}
@@ -92,7 +107,7 @@ class WorkerPools:
         return bool(self._open)
 
     def general(self, pool: str) -> bool:
-        """``Scheduler``: whether a worker of ``pool`` belongs to the general queue."""
+        """Whether a worker of ``pool`` belongs to the general queue (``PoolRecords.general``)."""
         return pool in self._open
 
     # -- requests -------------------------------------------------------------------------
@@ -227,8 +242,8 @@ class WorkerPools:
     def _drain_member(self, pool: PoolRecord, name: str) -> None:
         if name not in pool.drained:
             pool.drained.append(name)
-            with contextlib.suppress(NodeNotFound):   # it left meanwhile: nothing to move
-                self._drain(name, pool.released_for)
+            with contextlib.suppress(NodeNotFound), self._guard.consistent():   # it left meanwhile: nothing to move
+                self._restarts.drain(name, pool.released_for)
 
     def _let_go(self, pool: PoolRecord) -> None:
         """No job holds a slot on the pool's nodes any more: its workers are told to exit."""
@@ -246,8 +261,8 @@ class WorkerPools:
         pool.state = ENDED
         pool.reason = f"{pool.released_for}; {why}" if pool.released_for else why
         for name in pool.drained:   # a later pool may give a worker the same node name
-            with contextlib.suppress(NodeNotFound):
-                self._undrain(name)
+            with self._guard.consistent():
+                self._restarts.undrain_node(name)
         self._save(pool)
         self._open.pop(pool.id, None)
         for d in (self._watched, self._released_at):

@@ -51,7 +51,7 @@ from rankctl.coordinator.fleet.nodes import NodeSession, NodeTable, Outbox
 from rankctl.coordinator.scheduling.noderoots import roots_problems
 from rankctl.coordinator.scheduling.planner import plan_layout
 from rankctl.coordinator.scheduling.relay import WIDTH as RELAY_WIDTH
-from rankctl.coordinator.batch.pools import WorkerPools
+from rankctl.coordinator.batch.pools import PoolRecords, WorkerPools
 from rankctl.coordinator.diagnosis.progress import JobSummary
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeHello, RankRecord
 from rankctl.coordinator.jobs.reports import Report, ReportApplier
@@ -117,14 +117,15 @@ class Coordinator:
         self._guard, self.relays = StoreGuard(store, self.book, self.nodes), self._outgoing.relays   # relay heads
         self._stops = Stops(self.book, self.nodes, clock)
         self._drains = Drains(self.book, clock, self._outgoing)
-        self.pools = WorkerPools(self.nodes, store, clock, self.drain, self.undrain,
-                                 functools.partial(_free_slots, self.nodes, self.book, self._stops), dial)
+        pools = PoolRecords(store)   # the worker pools, built first: the scheduler asks which queue a worker serves
         holds = AllocationHolds(clock)   # what the restarts and the scheduler ask of the allocations
         self._scheduler = Scheduler(self.book, self.nodes, store, clock, self._guard, self._outgoing, self.stats,
                                     self._dirty, ended=self._stops.ended, shutting_down=self._is_shutting_down,
-                                    head_wait=head_wait, general=self.pools.general, gathering=holds.gathering)
+                                    head_wait=head_wait, general=pools.general, gathering=holds.gathering)
         self._restarts = Restarts(self.book, self.nodes, store, clock, self._outgoing, self._stops, self._drains,
                                   self._scheduler, self.stats, self._dirty, hold_loss=holds.hold_loss)
+        self.pools = WorkerPools(pools, self.nodes, store, clock, self._guard, self._restarts,
+                                 functools.partial(_free_slots, self.nodes, self.book, self._stops), dial)
         self._reconciler = JobReconciler(self.book, store, clock, self._restarts, self._stops, self._drains,
                                          self._scheduler)
         self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self._dirty,
@@ -265,12 +266,7 @@ class Coordinator:
         on it moves off it (``restarts``); the jobs concerned. Draining again only updates the reason."""
         self._node_request(name, reason)
         with self._guard.consistent():
-            if self.nodes.draining.get(name) != reason:
-                with self.store.transaction(f"the drain of node {name}"):
-                    self.store.set_drain(name, reason, self.clock())
-                    self.nodes.draining[name] = reason
-            moved = self._restarts.drain_node(name)
-        log.warning("node.draining", node=name, reason=reason, jobs=len(moved))
+            moved = self._restarts.drain(name, reason)
         self.turn()
         return moved
 
@@ -279,8 +275,7 @@ class Coordinator:
         self._node_request(name, "")
         with self._guard.consistent():
             cleared = self._restarts.undrain_node(name)
-        log.info("node.undrained", node=name, cleared=len(cleared))
-        self.schedule()
+        self.turn()
         return cleared
 
     def _node_request(self, name: str, reason: str) -> NodeSession:

@@ -263,6 +263,18 @@ class Restarts:
         self.fail_attempt(job, Fault(cause=Cause.NODE_BACK, node=name,
                                      reason=f"node {name} reconnected without this job; {_gone(missing)}"))
 
+    def drain(self, name: str, reason: str) -> list[JobRecord]:
+        """The node takes no new work (stored; NodeNotFound for a node never known) and every active job on it moves
+        off it; the jobs concerned. Draining again only updates the reason."""
+        self._nodes.known(name)
+        if self._nodes.draining.get(name) != reason:
+            with self._store.transaction(f"the drain of node {name}"):
+                self._store.set_drain(name, reason, self._clock())
+                self._nodes.draining[name] = reason
+        moved = self.drain_node(name)
+        log.warning("node.draining", node=name, reason=reason, jobs=len(moved))
+        return moved
+
     def undrain_node(self, name: str) -> list[str]:
         """The node takes work again (stored), for the jobs it was excluded from too; their ids."""
         cleared = self._nodes.exclusions_by_node().get(name, [])
@@ -277,6 +289,8 @@ class Restarts:
                     del self._nodes.excluded[job_id]
                 self._book.event(self._book.jobs[job_id], "node", f"node {name} may run this job again (undrained)")
             self._drains.undrained(name)
+        log.info("node.undrained", node=name, cleared=len(cleared))
+        self._dirty.place()
         return cleared
 
     def drain_node(self, name: str) -> list[JobRecord]:
