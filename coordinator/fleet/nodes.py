@@ -66,7 +66,6 @@ class NodeSession:
     def peer(self) -> str:
         """``host:port`` of its PeerService, or "" when it has none."""
         return f"{self.record.host}:{self.peer_port}" if self.peer_port else ""
-    owes_failures: bool = False    # LOST, but failing its jobs could not be stored yet
     since: float = 0.0             # when it became DISCONNECTED (0: since the coordinator started)
 
     @property

@@ -345,25 +345,8 @@ class Sessions:
             log.info("node.heartbeat_retuned", interval=interval, nodes=fleet, max_rate=self.max_heartbeat_rate)
             self._interval = interval
 
-    def settle(self) -> None:
-        """Retry failing the jobs of lost nodes where the store refused it."""
-        for s in [s for s in self._nodes.sessions.values() if s.owes_failures]:
-            if s.status is NodeStatus.LOST:
-                self._fail_jobs_of(s)
-
     def _node_lost(self, session: NodeSession, detail: str) -> None:
         session.status, session.detail = NodeStatus.LOST, detail
         self._streams.close(session)
         log.warning("node.lost", node=session.name, detail=detail)
-        session.owes_failures = True
-        self._fail_jobs_of(session)
-
-    def _fail_jobs_of(self, session: NodeSession) -> None:
-        """FAILED for every active job with ranks on a lost node (retried by tick if the store refuses)."""
-        try:   # what the loss decides is one transaction, and its messages go once it committed
-            with self._guard.consistent(), self._outgoing.after_commit():
-                with self._store.transaction(f"the loss of node {session.name}"):
-                    self._restarts.node_lost(session.name, session.detail)
-            session.owes_failures = False
-        except StoreError as exc:
-            log.warning("node.lost_store_failed", node=session.name, error=str(exc))
+        self._dirty.node_lost(session.name)   # the turn fails the attempts of its jobs

@@ -147,7 +147,8 @@ class Coordinator:
                                   shutting_down=self._is_shutting_down, max_heartbeat_rate=max_heartbeat_rate)
         self.shown = Shown(self.book, self.nodes, self._stops, self.store, self._scheduler.free_slots,
                            self._applier.rejected)   # the read model (``coordinator.jobs.shown``)
-        self._turn = Turn(self._dirty, self._guard, self._outgoing, self._intake, self._reconciler, self._scheduler)
+        self._turn = Turn(self._dirty, self.store, self._guard, self._outgoing, self._intake, self.nodes, self._restarts,
+                          self._reconciler, self._scheduler)
 
     def _is_shutting_down(self) -> bool:
         return self.shutting_down
@@ -364,7 +365,6 @@ class Coordinator:
         self._sessions.check_liveness()
         if self._intake.held:   # reports the store refused: retried (``intake``)
             self._intake.flush()
-        self._sessions.settle()
         self._dirty.jobs(self._reconciler.timed(), timed=True)
         if self._scheduler.due():
             self._dirty.place()

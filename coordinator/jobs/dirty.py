@@ -1,8 +1,8 @@
 """What changed since the core's last turn: the jobs to reconcile, and whether the queue needs a placement pass.
 
 Every change that can move a job on marks it here and decides nothing: a commit of rank reports marks the jobs it
-touched, a node's loss or return the jobs it concerns and the stops under way, an ended attempt or a freed slot the
-queue. The core's turn (``Coordinator.turn``) takes the marks, reconciles each job once from its level state
+touched, a node found LOST itself (its jobs' attempts fail in the turn), a node's return the stops under way, an ended
+attempt or a freed slot the queue. The core's turn (``Coordinator.turn``) takes the marks, reconciles each job once from its level state
 (``coordinator.recovery.reconciler``) and runs one placement pass (``coordinator.scheduling.scheduler``). The tick
 marks every job whose state changes with time alone (a hang, a failure held for its cause, a stop or a drain out of
 time, an elastic job whose nodes came free: ``timed``). A mark a refused write left stays for the tick's turn
@@ -28,6 +28,7 @@ class Dirty:
         self._jobs: dict[str, bool] = {}   # job id -> whether the time-dependent checks are due (a tick's mark)
         self.placing = False               # a placement pass is due
         self.reports = False               # reports that change a phase wait for a group commit: due in this turn
+        self._lost: dict[str, None] = {}   # nodes found LOST whose jobs the turn fails (in the order found)
         self._turn, self._woken = turn, False
 
     def _wake(self) -> None:
@@ -50,7 +51,7 @@ class Dirty:
             log.exception("job.turn_failed")
 
     def __bool__(self) -> bool:
-        return bool(self._jobs) or self.placing or self.reports
+        return bool(self._jobs) or self.placing or self.reports or bool(self._lost)
 
     def job(self, job_id: str, *, timed: bool = False) -> None:
         """The job's level state changed (``timed``: time alone may have moved it on)."""
@@ -67,6 +68,21 @@ class Dirty:
         if not self:
             self._wake()
         self.placing = True
+
+    def node_lost(self, name: str) -> None:
+        """The node was found LOST: the turn fails the attempts of its jobs (``Restarts.node_lost``)."""
+        if not self:
+            self._wake()
+        self._lost[name] = None
+
+    def take_lost(self) -> list[str]:
+        """The lost nodes marked so far, cleared."""
+        lost, self._lost = list(self._lost), {}
+        return lost
+
+    def retry_lost(self, names: list[str]) -> None:
+        """Lost nodes whose jobs a refused write left as they were: kept for a later turn (the tick's)."""
+        self._lost = {**dict.fromkeys(names), **self._lost}
 
     def commit_reports(self) -> None:
         """A phase change, exit or error came: the queued reports are stored in the next turn (``intake``)."""

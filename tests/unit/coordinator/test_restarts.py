@@ -333,3 +333,20 @@ def test_a_plan_is_stored_in_one_transaction_and_its_messages_go_once_it_committ
     assert [what for what, *_ in plans] == [f"the endattempt plan of job {job.id}"], seen
     assert plans[0][1] == before and sent() > before     # every message of the plan left after its commit
     assert world.store.attempts(job.id)[0]["state"] == "RESTARTING"
+
+
+def test_nodes_a_tick_finds_lost_are_all_lost_before_a_restart_is_placed(world: World) -> None:
+    """n1 (the job's) and n2 (a spare) fall silent together: the restart in place goes to the spare n3, never to n2,
+    which the same tick found lost (the turn fails the lost nodes' jobs once every node it found is LOST)."""
+    for n in ("n0", "n1", "n2", "n3"):
+        world.connect(n, replaces=True)
+    job = world.core.submit(job_yaml(2))
+    for r in range(4):
+        world.report(job.id, r, "running")
+    assert job.nodes == ["n0", "n1"]
+    world.clock.t += 30                                             # past the heartbeat timeout for all
+    for n in ("n0", "n3"):                                          # n1 and n2 stay silent
+        world.core.heartbeat(world.nodes[n].session)
+    world.core.tick()
+    assert job.attempt == 2 and job.state is S.STARTING and job.nodes == ["n0", "n3"], (job.nodes, job.reason)
+    assert "node n1 lost" in world.store.attempts(job.id)[0]["reason"]
