@@ -234,7 +234,7 @@ class JobBook:
             self._state_changed(job)
             self.store.update_job(job)
             if is_terminal(dst) and job.nodes:
-                self.store.finish_attempt(job)
+                self.store.attempts.finish(job)
             self.event(job, "transition", reason)
         if is_terminal(dst):
             self._cache_finished(job.id)

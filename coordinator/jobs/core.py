@@ -244,7 +244,7 @@ class Coordinator:
 
     def attempts(self, job_id: str, last: int = 0) -> list[dict]:
         """The job's stored attempts, oldest first (``last`` > 0: the newest ``last``)."""
-        return self.store.attempts(job_id, last)
+        return self.store.attempts.listed(job_id, last)
 
     def events(self, job_id: str, after_seq: int = 0, limit: int = 0, *, ranks: bool = True) -> list[EventRecord]:
         return self.store.events(job_id, after_seq, limit, ranks=ranks)

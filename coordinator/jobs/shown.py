@@ -115,7 +115,7 @@ class Shown:
         return JobShown(
             job=dataclasses.replace(job), summary=self._book.progress(job).summary(), stopping=stopping,
             reason=stopping_reason(job.reason, stopping),
-            attempts=self._store.attempts(job.id, ATTEMPTS_SHOWN) if attempts else [],
+            attempts=self._store.attempts.listed(job.id, ATTEMPTS_SHOWN) if attempts else [],
             ranks=self._book.rank_page(job, rank_offset, rank_limit) if rank_limit > 0 else [],
             rank_offset=rank_offset)
 

@@ -40,7 +40,7 @@ from rankctl.coordinator.scheduling.scheduler import Scheduler
 from rankctl.coordinator.model.states import LIVE, JobState
 from rankctl.coordinator.model.stats import CoordinatorStats
 from rankctl.coordinator.scheduling.stops import Stops
-from rankctl.coordinator.store.database import Store, store_fault, stored_fault
+from rankctl.coordinator.store.database import Store
 
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
@@ -88,9 +88,9 @@ class Restarts:
             stop = StopFacts(begun.since, self._stops.left(job))
         # the stored attempts only when a failure is at hand (the common advance has none: no store read)
         failing = job.state is not S.RESTARTING and any(facts.get(k) for k in ("lost", "failed", "hang"))
-        attempts = [AttemptFacts(a["attempt"], a["reason"], a["cause"]) for a in self._store.attempts(job.id)] \
+        attempts = [AttemptFacts(a["attempt"], a["reason"], a["cause"]) for a in self._store.attempts.listed(job.id)] \
             if failing else []
-        previous = Fault.from_json(stored_fault(self._store, job.id, job.attempt - 1)) \
+        previous = Fault.from_json(self._store.attempts.fault(job.id, job.attempt - 1)) \
             if failing and job.attempt > 1 else None
         return JobView(state=job.state, attempt=job.attempt, max_restarts=max_restarts(job), attempts=attempts,
                        previous=previous, stop=stop, now=self._clock(), **facts)
@@ -144,11 +144,11 @@ class Restarts:
         with self._store.transaction(f"the restart of job {job.id}"):
             self._book.transition(job, S.RESTARTING, f"{headline}; stopping its ranks")
             self._lost_ranks_gone(job)
-            self._store.end_attempt(job.id, job.attempt, self._clock(), S.RESTARTING.value, reason, cause)
+            self._store.attempts.end(job.id, job.attempt, self._clock(), S.RESTARTING.value, reason, cause)
             if fault is not None:
-                store_fault(self._store, job.id, job.attempt, fault.to_json())
+                self._store.attempts.store_fault(job.id, job.attempt, fault.to_json())
             if fault is not None and fault.blames_node:
-                self._store.blame_attempt(job.id, job.attempt, fault.node)
+                self._store.attempts.blame(job.id, job.attempt, fault.node)
                 if fault.moves_off_node:
                     self.exclude(job, fault.node, f"attempt {job.attempt}: {fault.reason}")
                 else:
@@ -165,7 +165,7 @@ class Restarts:
 
     def _exclude_if_repeated(self, job: JobRecord, node: str) -> None:
         """The previous attempt's failure was attributed to ``node`` too: do not place the job there again."""
-        if job.attempt < 2 or self._store.attempt_blamed(job.id, job.attempt - 1) != node:
+        if job.attempt < 2 or self._store.attempts.blamed(job.id, job.attempt - 1) != node:
             return
         self.exclude(job, node, f"its ranks failed in attempts {job.attempt - 1} and {job.attempt}")
 
@@ -321,9 +321,9 @@ class Restarts:
         if last is None or loss is None or (job.attempt == last.attempt and job.state is not S.RESTARTING):
             return
         with self._store.transaction(f"the reason of attempt {last.attempt} of job {job.id}"):
-            self._store.end_attempt(job.id, last.attempt, last.at, S.RESTARTING.value, loss.reason)
-            self._store.blame_attempt(job.id, last.attempt, name)
-            store_fault(self._store, job.id, last.attempt, loss.to_json())
+            self._store.attempts.end(job.id, last.attempt, last.at, S.RESTARTING.value, loss.reason)
+            self._store.attempts.blame(job.id, last.attempt, name)
+            self._store.attempts.store_fault(job.id, last.attempt, loss.to_json())
             self._book.event(job, "node", f"attempt {last.attempt} failed with node {name}'s loss; "
                                           f"{last.fault.reason} followed from it")
         if self._failed.get(job.id) is last:

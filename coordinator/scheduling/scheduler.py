@@ -279,7 +279,7 @@ class Scheduler:
         with self._store.transaction(f"the placement of job {job.id}"):
             self._book.placed(job, names, rendezvous)
             self._book.transition(job, S.PLACED, f"placed on {_node_span(names)}; rendezvous {job.rendezvous}")
-            self._store.put_attempt(job, self._clock())
+            self._store.attempts.put(job, self._clock())
             self._book.start_ranks(job)
             self._book.transition(job, S.STARTING,
                                   f"sent {job.world_size} rank assignment(s) to {len(names)} node(s)")
@@ -292,7 +292,7 @@ class Scheduler:
             return []
         prev = self._prev_nodes.get(job.id)
         if prev is None:  # the coordinator restarted since: the attempts table has them
-            prev = self._prev_nodes[job.id] = self._store.attempt_nodes(job.id, job.attempt - 1)
+            prev = self._prev_nodes[job.id] = self._store.attempts.nodes(job.id, job.attempt - 1)
         return prev
 
     def _restore_sources(self, job: JobRecord, names: list[str]) -> list[str]:

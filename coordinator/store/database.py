@@ -34,6 +34,7 @@ from typing import Iterable, Iterator
 from rankctl.coordinator.store.rows import _JOB_COLS, _RANK_COLS, _job_from_row, _rank_from_row, _rank_to_json
 from rankctl.coordinator.model.errors import CoordinatorError
 from rankctl.coordinator.store import mirror
+from rankctl.coordinator.store.attempts import AttemptTable
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeRecord, RankRecord
 from rankctl.coordinator.store.durability import AT_ONCE, Durability, Replica
 from rankctl.coordinator.store.schema import StoreUnusable, open_checked
@@ -89,6 +90,7 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_state_dir(self.path.parent)
         self._depth, self.replica = 0, replica
+        self.attempts = AttemptTable(self)   # the attempts table (``coordinator.store.attempts``)
         try:
             if replica is None and self.path.exists() and self.path.stat().st_size == 0:
                 raise StoreUnusable(f"{self.path} is empty (0 bytes): a truncated database, not a new one (a new state "
@@ -179,14 +181,18 @@ class Store:
             except sqlite3.Error:
                 pass  # SQLite may have rolled back already (e.g. SQLITE_FULL at COMMIT)
 
-    def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+    def write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        """One statement, in the caller's transaction (or one of its own)."""
         with self.transaction():
             return self._db.execute(sql, args)
+
+    def read(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        return self._db.execute(sql, args)
 
     # -- jobs ----------------------------------------------------------------
     def insert_job(self, job: JobRecord) -> int:
         """Store a new job; its ``seqno`` (submission order), which the job book sets."""
-        cur = self._write(
+        cur = self.write(
             f"INSERT INTO jobs ({_JOB_COLS}) VALUES (NULL,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", self._job_args(job)
         )
         return int(cur.lastrowid or 0)
@@ -195,7 +201,7 @@ class Store:
         cols = [c.strip() for c in _JOB_COLS.split(",")][1:]
         sets = ", ".join(f"{c}=?" for c in cols[1:])
         args = self._job_args(job)
-        self._write(f"UPDATE jobs SET {sets} WHERE id=?", (*args[1:], job.id))
+        self.write(f"UPDATE jobs SET {sets} WHERE id=?", (*args[1:], job.id))
 
     @staticmethod
     def _job_args(job: JobRecord) -> tuple:
@@ -211,65 +217,11 @@ class Store:
         rows = self._db.execute(f"SELECT {_JOB_COLS} FROM jobs ORDER BY seqno").fetchall()
         return [_job_from_row(r) for r in rows]
 
-    # -- attempts ------------------------------------------------------------
-    def put_attempt(self, job: JobRecord, started_at: float) -> None:
-        self._write(
-            "INSERT OR REPLACE INTO attempts (job_id, attempt, nodes_json, rendezvous, started_at, finished_at, "
-            "state, reason) VALUES (?,?,?,?,?,?,?,?)",
-            (job.id, job.attempt, json.dumps(job.nodes), job.rendezvous, started_at, 0.0, job.state.value,
-             job.reason),
-        )
-
-    def finish_attempt(self, job: JobRecord) -> None:
-        self._write(
-            "UPDATE attempts SET finished_at=?, state=?, reason=? WHERE job_id=? AND attempt=?",
-            (job.finished_at, job.state.value, job.reason, job.id, job.attempt),
-        )
-
-    def end_attempt(self, job_id: str, attempt: int, ts: float, state: str, reason: str, cause: str = "failure"
-                    ) -> None:
-        """Close one attempt (a restart's: the job itself goes on); ``cause`` "failure", "drain" or "grow"."""
-        self._write(
-            "UPDATE attempts SET finished_at=?, state=?, reason=?, cause=? WHERE job_id=? AND attempt=?",
-            (ts, state, reason, cause, job_id, attempt),
-        )
-
-    def blame_attempt(self, job_id: str, attempt: int, node: str) -> None:
-        """The node an attempt's failure is attributed to ("" for none)."""
-        self._write("UPDATE attempts SET blamed=? WHERE job_id=? AND attempt=?", (node, job_id, attempt))
-
-    def attempt_nodes(self, job_id: str, attempt: int) -> list[str]:
-        """The nodes one stored attempt ran on ([] when it has no row)."""
-        row = self._db.execute("SELECT nodes_json FROM attempts WHERE job_id=? AND attempt=?",
-                               (job_id, attempt)).fetchone()
-        return json.loads(row[0]) if row else []
-
-    def attempt_blamed(self, job_id: str, attempt: int) -> str:
-        """The node one attempt's failure was attributed to ("": none, or it did not fail)."""
-        row = self._db.execute("SELECT blamed FROM attempts WHERE job_id=? AND attempt=?",
-                               (job_id, attempt)).fetchone()
-        return row[0] if row else ""
-
-    def drained_attempts(self, job_id: str) -> int:
-        """How many of the job's attempts ended because a node of theirs was drained."""
-        return self._db.execute("SELECT COUNT(*) FROM attempts WHERE job_id=? AND cause='drain'",
-                                (job_id,)).fetchone()[0]
-
-    def attempts(self, job_id: str, last: int = 0) -> list[dict]:
-        """The job's attempts, oldest first (``last`` > 0: only the newest ``last``), with how many nodes each ran
-        on but not their names."""
-        cur = self._db.execute(
-            "SELECT * FROM (SELECT job_id, attempt, rendezvous, started_at, finished_at, state, reason, cause, "
-            "json_array_length(nodes_json) AS nodes FROM attempts "
-            "WHERE job_id=? ORDER BY attempt DESC LIMIT ?) ORDER BY attempt", (job_id, last if last > 0 else -1))
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in cur.fetchall()]
-
     # -- events --------------------------------------------------------------
     def append_event(self, event: EventRecord) -> None:
         rank = _rank_to_json(event.rank) if event.rank is not None else None
         data = json.dumps(event.data()) if event.data() is not None else None
-        self._write(
+        self.write(
             "INSERT INTO events VALUES (?,?,?,?,?,?,?,?)",
             (event.job_id, event.seq, event.ts, event.state.value, event.kind, event.message, rank, data),
         )
@@ -322,7 +274,7 @@ class Store:
         return out
 
     def clear_ranks(self, job_id: str) -> None:
-        self._write("DELETE FROM ranks WHERE job_id=?", (job_id,))
+        self.write("DELETE FROM ranks WHERE job_id=?", (job_id,))
 
     def ranks(self, job_id: str) -> dict[int, RankRecord]:
         rows = self._db.execute(
@@ -332,7 +284,7 @@ class Store:
 
     # -- nodes ---------------------------------------------------------------
     def put_node(self, n: NodeRecord) -> None:
-        self._write(
+        self.write(
             "INSERT OR REPLACE INTO nodes VALUES (?,?,?,?,?,?,?)",
             (n.name, n.address, n.slots, json.dumps(n.hardware), n.session, n.last_seq, n.last_seen),
         )
@@ -348,10 +300,10 @@ class Store:
 
     # -- drains and exclusions ---------------------------------------------------
     def set_drain(self, node: str, reason: str, since: float) -> None:
-        self._write("INSERT OR REPLACE INTO drains VALUES (?,?,?)", (node, reason, since))
+        self.write("INSERT OR REPLACE INTO drains VALUES (?,?,?)", (node, reason, since))
 
     def clear_drain(self, node: str) -> None:
-        self._write("DELETE FROM drains WHERE node=?", (node,))
+        self.write("DELETE FROM drains WHERE node=?", (node,))
 
     def load_drains(self) -> dict[str, str]:
         """node -> the reason it was drained."""
@@ -359,20 +311,20 @@ class Store:
 
     # -- worker pools (ctl slurm workers) ----------------------------------------
     def save_pool(self, pool_id: str, created_at: float, body: dict) -> None:
-        self._write("INSERT OR REPLACE INTO worker_pools VALUES (?,?,?)", (pool_id, created_at, json.dumps(body)))
+        self.write("INSERT OR REPLACE INTO worker_pools VALUES (?,?,?)", (pool_id, created_at, json.dumps(body)))
 
     def load_pools(self) -> list[dict]:
         return [json.loads(b) for (b,) in self._db.execute("SELECT body_json FROM worker_pools ORDER BY created_at")]
 
     def add_exclusion(self, job_id: str, node: str, reason: str, since: float) -> None:
-        self._write("INSERT OR REPLACE INTO exclusions VALUES (?,?,?,?)", (job_id, node, reason, since))
+        self.write("INSERT OR REPLACE INTO exclusions VALUES (?,?,?,?)", (job_id, node, reason, since))
 
     def clear_exclusions(self, *, job_id: str | None = None, node: str | None = None) -> None:
         """Forget the exclusions of a job (it ended) or of a node (ctl undrain)."""
         if job_id is not None:
-            self._write("DELETE FROM exclusions WHERE job_id=?", (job_id,))
+            self.write("DELETE FROM exclusions WHERE job_id=?", (job_id,))
         if node is not None:
-            self._write("DELETE FROM exclusions WHERE node=?", (node,))
+            self.write("DELETE FROM exclusions WHERE node=?", (node,))
 
     def load_exclusions(self) -> dict[str, dict[str, str]]:
         """job id -> node -> why it is not placed for that job again."""
@@ -426,18 +378,7 @@ def prune_events(store: Store, finished_before: float, limit: int) -> int:
         if first is None or first == last:
             continue
         upto = min(last, first + limit - deleted)
-        deleted += store._write("DELETE FROM events WHERE job_id=? AND seq < ?", (job_id, upto)).rowcount  # noqa: SLF001
+        deleted += store.write("DELETE FROM events WHERE job_id=? AND seq < ?", (job_id, upto)).rowcount  # noqa: SLF001
         if deleted >= limit:
             break
     return deleted
-
-
-def store_fault(store: Store, job_id: str, attempt: int, fault_json: str) -> None:
-    """The typed fault an attempt failed with (``Fault.to_json``; "" for none): it survives a restart and a failover."""
-    store._write("UPDATE attempts SET fault_json=? WHERE job_id=? AND attempt=?", (fault_json, job_id, attempt))
-
-
-def stored_fault(store: Store, job_id: str, attempt: int) -> str:
-    """The typed fault one attempt failed with, as stored ("": none, or it did not fail)."""
-    row = store._db.execute("SELECT fault_json FROM attempts WHERE job_id=? AND attempt=?", (job_id, attempt)).fetchone()
-    return row[0] if row else ""

@@ -84,7 +84,7 @@ def test_a_lost_pool_node_is_blamed_not_its_survivor_and_its_ranks_are_gone(worl
     world.core.allocations.seen(work, Seen("RUNNING", ("n1", "n2", "n3")))
     (attempt,) = world.core.attempts(job.id)
     assert attempt["reason"].startswith("node n1 lost (stream closed)"), attempt["reason"]
-    assert world.store.attempt_blamed(job.id, 1) == "n1"
+    assert world.store.attempts.blamed(job.id, 1) == "n1"
     ranks = {r.rank: r for r in world.core.ranks(job.id)}
     assert [ranks[r].exited for r in (0, 1)] == [True, True], ranks    # gone with n1, not running
 
@@ -113,11 +113,11 @@ def test_a_victims_error_stored_before_its_nodes_loss_was_known_is_reattributed(
     world.report(job.id, 2, "failed", code=1, error=RESET)             # n2's victim, its cause not heard yet
     world.clock.t += ATTRIBUTION_S + 0.5
     world.core.tick()
-    assert job.state is S.RESTARTING and world.store.attempt_blamed(job.id, 1) == ""   # a victim is not blamed
+    assert job.state is S.RESTARTING and world.store.attempts.blamed(job.id, 1) == ""   # a victim is not blamed
     world.core.disconnect(world.nodes["n1"].session, "stream closed")
     (attempt, *_) = world.core.attempts(job.id)
     assert attempt["reason"].startswith("node n1 lost (stream closed); before it: rank 2"), attempt["reason"]
-    assert world.store.attempt_blamed(job.id, 1) == "n1" and not world.core.nodes.excluded
+    assert world.store.attempts.blamed(job.id, 1) == "n1" and not world.core.nodes.excluded
 
 
 def test_victims_errors_twice_in_a_row_never_exclude_their_node(world: World) -> None:
@@ -157,7 +157,7 @@ def test_a_full_disk_moves_the_next_attempt_off_its_node_and_keeps_the_restarts(
     for r in range(job.world_size):
         world.report(job.id, r, "running")
     world.report(job.id, 0, "failed", code=1, error=ENOSPC)
-    assert job.state is S.RESTARTING and world.store.attempt_blamed(job.id, 1) == "n1"   # not in place on n1
+    assert job.state is S.RESTARTING and world.store.attempts.blamed(job.id, 1) == "n1"   # not in place on n1
     stop_all(world, job)
     assert job.attempt == 2 and job.nodes == ["n3", "n2"], (job.state, job.nodes, job.reason)   # off n1
     why = world.core.nodes.excluded[job.id]["n1"]

@@ -114,7 +114,7 @@ def test_a_drained_train_job_checkpoints_then_moves_to_the_spare_without_using_a
     assert assign.restart and assign.restore_peer == "n0.lan:7100"  # fetched from the drained node itself
     kept = [a for a in world.nodes["n1"].bodies("assign") if a.attempt == 2][0]
     assert kept.restore_peer == ""                                  # it ran the same ranks: its own checkpoint
-    attempts = world.store.attempts(job.id)
+    attempts = world.store.attempts.listed(job.id)
     assert attempts[0]["state"] == "RESTARTING" and "node n0 drained" in attempts[0]["reason"]
     assert f"every rank passed step {target} (its checkpoint; the next attempt resumes from step {target} or a " \
         "newer checkpoint every rank holds)" in attempts[0]["reason"]   # the one step convention (``resumed_from``)
@@ -151,7 +151,7 @@ def test_a_drain_waits_a_bounded_time_for_the_checkpoint_and_says_so(world: Worl
     tick(world, 2)
     assert job.state is S.RESTARTING
     assert f"no checkpoint at step {5 + DRAIN_LEAD_STEPS} within {DRAIN_WAIT_S:g} s (slowest rank at step 5)" \
-        in world.store.attempts(job.id)[0]["reason"]
+        in world.store.attempts.listed(job.id)[0]["reason"]
     for name in ("n0", "n1"):
         exit_node(world, job, name)
     assert job.nodes == ["n0", "n2"]
@@ -356,7 +356,7 @@ def test_a_version_2_store_is_upgraded_in_place(tmp_path: Path) -> None:
     assert store.schema_version() == SCHEMA_VERSION == 7
     (job,) = store.load_jobs()
     assert job.id == "j-000001" and job.submitted_by == "" and job.reason == "boom" and job.allocation is None
-    assert store.attempt_nodes("j-000001", 1) == ["n0", "n1"] and store.attempt_blamed("j-000001", 1) == ""
-    assert store.drained_attempts("j-000001") == 0 and store.load_drains() == {} and store.load_exclusions() == {} and store.load_pools() == []
-    assert store.attempts("j-000001")[0]["reason"] == "boom"
+    assert store.attempts.nodes("j-000001", 1) == ["n0", "n1"] and store.attempts.blamed("j-000001", 1) == ""
+    assert store.attempts.drained("j-000001") == 0 and store.load_drains() == {} and store.load_exclusions() == {} and store.load_pools() == []
+    assert store.attempts.listed("j-000001")[0]["reason"] == "boom"
     store.close()

@@ -66,7 +66,7 @@ def test_a_lost_node_without_a_spare_runs_on_fewer_nodes_then_grows_back(world: 
     stop(world, job)
     assert job.attempt == 3 and job.world_size == 6 and job.nodes[:2] == ["n0", "n1"], (job.nodes, job.reason)
     assert sorted(assigned(world, job).values()) == [(6, 3)] * 3
-    restarts = [a["cause"] for a in world.store.attempts(job.id)]
+    restarts = [a["cause"] for a in world.store.attempts.listed(job.id)]
     assert restarts == ["failure", "grow", ""], restarts       # growing used no restart
     shown = convert.attempts_to_pb(world.core.attempts(job.id), job)   # what ctl status shows of each attempt
     assert [(a.nodes, a.world_size, a.layout) for a in shown] == [(3, 6, "tp2 dp3"), (2, 4, "tp2 dp2"),

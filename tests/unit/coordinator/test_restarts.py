@@ -55,7 +55,7 @@ def test_a_failed_rank_restarts_the_job_only_after_every_rank_of_the_attempt_is_
     late = RankUpdate(job.id, 1, RankRecord(0, "n0", "exited", exited=True, exit_code=1), "", 999)
     world.deliver(world.nodes["n0"].session, late)        # a late report of attempt 1 is ignored
     assert job.state is S.STARTING and job.attempt == 2
-    attempts = world.store.attempts(job.id)
+    attempts = world.store.attempts.listed(job.id)
     assert [a["attempt"] for a in attempts] == [1, 2] and attempts[0]["state"] == "RESTARTING"
     assert "ValueError: boom" in attempts[0]["reason"]
 
@@ -205,7 +205,7 @@ def test_a_lost_node_is_replaced_in_place_without_waiting_for_the_others_to_conf
     assert job.attempt == 2 and job.state is S.STARTING
     world.run_all(job.id)
     assert job.state is S.SUCCEEDED
-    attempts = world.store.attempts(job.id)
+    attempts = world.store.attempts.listed(job.id)
     assert [a["attempt"] for a in attempts] == [1, 2] and "node n1 lost" in attempts[0]["reason"]
 
 
@@ -332,7 +332,7 @@ def test_a_plan_is_stored_in_one_transaction_and_its_messages_go_once_it_committ
     plans = [s for s in seen if "plan of job" in s[0]]
     assert [what for what, *_ in plans] == [f"the endattempt plan of job {job.id}"], seen
     assert plans[0][1] == before and sent() > before     # every message of the plan left after its commit
-    assert world.store.attempts(job.id)[0]["state"] == "RESTARTING"
+    assert world.store.attempts.listed(job.id)[0]["state"] == "RESTARTING"
 
 
 def test_nodes_a_tick_finds_lost_are_all_lost_before_a_restart_is_placed(world: World) -> None:
@@ -349,4 +349,4 @@ def test_nodes_a_tick_finds_lost_are_all_lost_before_a_restart_is_placed(world: 
         world.core.heartbeat(world.nodes[n].session)
     world.core.tick()
     assert job.attempt == 2 and job.state is S.STARTING and job.nodes == ["n0", "n3"], (job.nodes, job.reason)
-    assert "node n1 lost" in world.store.attempts(job.id)[0]["reason"]
+    assert "node n1 lost" in world.store.attempts.listed(job.id)[0]["reason"]

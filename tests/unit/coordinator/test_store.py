@@ -36,7 +36,7 @@ def test_jobs_events_ranks_nodes_survive_reopen(tmp_path: Path) -> None:
     store.append_event(EventRecord(first.id, 2, 2.0, JobState.RUNNING, "rank", "rank 3 running", rank))
     store.put_rank(first.id, rank)
     store.put_node(NodeRecord("n0", "10.0.0.1", 4, {"gpus": [{"index": 0}]}, "s1", 17, 5.0))
-    store.put_attempt(first, 3.0)
+    store.attempts.put(first, 3.0)
     store.close()
 
     again = Store(tmp_path)
@@ -49,7 +49,7 @@ def test_jobs_events_ranks_nodes_survive_reopen(tmp_path: Path) -> None:
     assert again.last_event_seqs() == {first.id: 2}
     assert again.ranks(first.id) == {3: rank}
     assert again.load_nodes()[0].last_seq == 17 and again.load_nodes()[0].gpu_count == 1
-    assert again.attempts(first.id)[0]["rendezvous"] == "h:1"
+    assert again.attempts.listed(first.id)[0]["rendezvous"] == "h:1"
     again.close()
 
 
