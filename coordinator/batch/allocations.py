@@ -21,13 +21,14 @@ the event loop thread. Rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import structlog
 
 from rankctl.coordinator.model.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
                                             Ask, Seen, pool_name)
+from rankctl.coordinator.batch.calls import RELEASE_GRACE_S, WATCH_S, Work
 from rankctl.coordinator.batch.holds import GATHER_S, AllocationHolds
 from rankctl.coordinator.jobs.commit import StoreGuard
 from rankctl.coordinator.jobs.dirty import Dirty
@@ -42,21 +43,9 @@ from rankctl.proto import rankctl_pb2 as pb
 
 log = structlog.get_logger("rankctl.coordinator")
 S = JobState
-WATCH_S = 5.0            # how often an allocation's state is asked for
-RELEASE_GRACE_S = 30.0   # how long an ended job's workers have to exit before the allocation is released
 LOSS_GRACE_S = 3.0       # how long a lost node's failure waits for the scheduler to say the allocation ended
                          # (scancel and a time limit end the workers before the scheduler's state changes)
-
-
-@dataclass(frozen=True)
-class Work:
-    """One call to make: an ``Allocator``'s ``request`` (``ask``), ``watch`` or ``release``, or ``archive`` (the
-    ended job's rank logs, before its workers are released)."""
-
-    action: str
-    job_id: str
-    allocation: Allocation
-    ask: Ask | None = None
+__all__ = ["RELEASE_GRACE_S", "WATCH_S", "Allocations", "Work", "release_message"]
 
 
 def release_message(reason: str) -> pb.CoordinatorMessage:
@@ -73,11 +62,9 @@ class Allocations:
         self._guard, self._restarts, self._dirty, self.holds = guard, restarts, dirty, holds
         self.address, self.tls = dial   # where the workers dial this coordinator; mutual TLS: workers need an identity
         holds.open.update({j.id: j for j in book.jobs.values() if j.allocation is not None and not _finished(j)})
-        self._open, self._watched = holds.open, holds.watched       # (the holds' facts, kept up to date here)
+        self._open, self._calls = holds.open, holds.calls           # (the holds' facts, kept up to date here)
         self._losses, self._held_since, self._first_worker = holds.losses, holds.held_since, holds.first_worker
         self._pools: dict[str, str] = {j.allocation.pool: j.id for j in self._open.values()}  # pool -> its job
-        self._in_flight: set[tuple[str, int, str]] = set()
-        self._released_at: dict[tuple[str, int], float] = {}
         self._archived: set[str] = set()                         # ended jobs whose rank logs were kept
 
     def __bool__(self) -> bool:
@@ -103,48 +90,35 @@ class Allocations:
 
     # -- what the loop asks ---------------------------------------------------------------------
     def due(self) -> list[Work]:
-        """The calls to make now; each is in flight until its answer comes back."""
+        """The calls to make now (``coordinator.batch.calls``); each is in flight until its answer comes back."""
         now, out = self._clock(), []
         for job in list(self._open.values()):
             a = job.allocation
-            key = (job.id, a.number)
             if is_terminal(job.state) and not a.released:
                 if self._archive_due(job):   # its ranks' logs first: node-local state dirs go with the nodes
-                    if (job.id, a.number, "archive") not in self._in_flight:
-                        self._in_flight.add((job.id, a.number, "archive"))
-                        out.append(Work("archive", job.id, a))
+                    if (work := self._calls.start(Work("archive", job.id, a))) is not None:
+                        out.append(work)
                 else:
                     self._release_workers(job, f"job {job.id} is {job.state.value}")
             if job.state is S.PENDING and a.pool in self._first_worker \
                     and GATHER_S <= now - self._first_worker[a.pool] < GATHER_S + 2:
                 self._dirty.place()   # its gathering time is over: placed on the workers that came
-            if a.state == REQUESTING and not a.id:
-                if is_terminal(job.state):
-                    self._set(job, replace(a, state=NOT_SUBMITTED))
-                    continue
-                if key in self._watched and now - self._watched[key] < WATCH_S:
-                    continue   # the last request could not be made (``failed_call``): again every WATCH_S
-                work = Work("request", job.id, a, Ask(job.id, job.name, a, self.nodes_of(job),
-                                                     job.slots_per_node, self.address, tls=self.tls))
-            elif a.ended:
+            if a.state == REQUESTING and not a.id and is_terminal(job.state):
+                self._set(job, replace(a, state=NOT_SUBMITTED))
+                continue
+            if a.ended:
                 self._ended(job)
                 continue
-            elif a.released and now - self._released_at.get(key, now) >= RELEASE_GRACE_S:
-                work = Work("release", job.id, a)
-            elif a.id and now - self._watched.get(key, 0.0) >= WATCH_S:
-                work = Work("watch", job.id, a)
-            else:
-                continue
-            flight = (job.id, a.number, work.action)
-            if flight not in self._in_flight:
-                self._in_flight.add(flight)
+            work = self._calls.next(job.id, a, lambda: Ask(job.id, job.name, a, self.nodes_of(job),
+                                                          job.slots_per_node, self.address, tls=self.tls))
+            if work is not None:
                 out.append(work)
         return out
 
     # -- answers ---------------------------------------------------------------------------------
     def _answered(self, work: Work) -> JobRecord | None:
         """The call is no longer in flight; its job, unless it moved on to another allocation or ended for good."""
-        self._in_flight.discard((work.job_id, work.allocation.number, work.action))
+        self._calls.answered(work)
         return self._current(work)
 
     def requested(self, work: Work, allocation_id: str, output: str) -> None:
@@ -168,8 +142,7 @@ class Allocations:
         self._forget(job)
 
     def seen(self, work: Work, seen: Seen) -> None:
-        key = (work.job_id, work.allocation.number)
-        self._watched[key] = self._clock()
+        self._calls.seen(work)
         if (job := self._answered(work)) is None:
             return
         a = job.allocation
@@ -183,7 +156,7 @@ class Allocations:
             self._dirty.place()   # a pending job's reason shows what the scheduler now says (its pending reason)
         if job.id in self._losses and not job.allocation.ended \
                 and self._clock() - self._held_since.get(job.id, 0.0) < LOSS_GRACE_S:
-            self._watched[key] = 0.0   # it may still end: ask again at the next due
+            self._calls.watch_now(job.id, work.allocation.number)   # it may still end: ask again at the next due
             return
         self._fail_held(job)
 
@@ -207,14 +180,12 @@ class Allocations:
         self._archived.add(work.job_id)
 
     def released(self, work: Work) -> None:
-        key = (work.job_id, work.allocation.number)
         self._answered(work)
-        self._released_at[key] = float("inf")   # released once; the watch sees it end
-        self._watched.pop(key, None)
+        self._calls.released(work)
 
     def failed_call(self, work: Work, error: str) -> None:
         """A call that could not be made (the scheduler did not answer): tried again at the next ``due``."""
-        self._watched[(work.job_id, work.allocation.number)] = self._clock()
+        self._calls.failed(work)
         log.warning("allocation.call_failed", job=work.job_id, action=work.action, error=error)
         job = self._answered(work)
         if job is not None and work.action == "watch":
@@ -251,7 +222,7 @@ class Allocations:
         a = job.allocation
         with self._guard.consistent():
             self._set(job, replace(a, released=True))
-        self._released_at[(job.id, a.number)] = self._clock()
+        self._calls.told_to_exit(job.id, a.number)
         for session in self._nodes:
             if session.pool == a.pool:
                 self._nodes.send(session.name, release_message(why))
@@ -275,7 +246,7 @@ class Allocations:
 
     def _renew(self, job: JobRecord) -> None:
         old = job.allocation
-        self._forget_keys(job.id, old.number)
+        self._calls.forget(job.id, old.number)
         fresh = Allocation(request=old.request, pool=pool_name(job.id, old.number + 1), number=old.number + 1,
                            attempt=job.attempt)
         self._set(job, fresh)
@@ -289,11 +260,7 @@ class Allocations:
         self._open.pop(job.id, None)
         self._archived.discard(job.id)
         self._pools.pop(job.allocation.pool, None)
-        self._forget_keys(job.id, job.allocation.number)
-
-    def _forget_keys(self, job_id: str, number: int) -> None:
-        for d in (self._watched, self._released_at):
-            d.pop((job_id, number), None)
+        self._calls.forget(job.id, job.allocation.number)
 
 
 def _finished(job: JobRecord) -> bool:

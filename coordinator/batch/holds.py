@@ -5,8 +5,8 @@ before all three so that each is constructed with everything it needs (no setter
   state is known (asked for at once by ``Allocations``, which fails the attempt with the answer).
 - ``gathering`` (``Scheduler``): why a job of a new allocation still waits for more of its workers.
 
-The facts: the open allocations by job, when each was last watched, the losses held and since when, when each
-pool's first worker registered. ``Allocations`` (the request/watch/release machine) keeps them up to date. The
+The facts: the open allocations by job, the calls to the scheduler about them (``coordinator.batch.calls``), the
+losses held and since when, when each pool's first worker registered. ``Allocations`` (the request/watch/release machine) keeps them up to date. The
 event loop thread only.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from rankctl.coordinator.batch.calls import Calls
 from rankctl.coordinator.model.faults import Fault
 from rankctl.coordinator.model.records import JobRecord
 
@@ -25,7 +26,7 @@ class AllocationHolds:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self.open: dict[str, JobRecord] = {}                  # job id -> its job, while its allocation is open
-        self.watched: dict[tuple[str, int], float] = {}       # (job, allocation number) -> when last asked about
+        self.calls = Calls(clock)                             # what is asked of the scheduler, and when
         self.losses: dict[str, list[Fault]] = {}              # job id -> the node losses held for an answer
         self.held_since: dict[str, float] = {}                # job id -> when its first loss was held
         self.first_worker: dict[str, float] = {}              # pool -> when its first worker registered
@@ -43,7 +44,7 @@ class AllocationHolds:
             return False
         self.losses.setdefault(job.id, []).append(loss)
         self.held_since.setdefault(job.id, self._clock())
-        self.watched[(job.id, a.number)] = 0.0
+        self.calls.watch_now(job.id, a.number)
         return True
 
     def gathering(self, job: JobRecord, ready: int) -> str | None:

@@ -27,7 +27,8 @@ import structlog
 
 from rankctl.coordinator.model.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
                                             Ask, Seen)
-from rankctl.coordinator.batch.allocations import RELEASE_GRACE_S, WATCH_S, Work, release_message
+from rankctl.coordinator.batch.allocations import release_message
+from rankctl.coordinator.batch.calls import Calls, Work
 from rankctl.coordinator.api.convert import allocation_to_pb, stamp
 from rankctl.coordinator.model.errors import InvalidRequest, PoolNotFound
 from rankctl.coordinator.fleet.nodes import NodeNotFound, NodeSession, NodeTable
@@ -99,9 +100,7 @@ class WorkerPools:
         self._guard, self._restarts, self._free_slots = guard, restarts, free_slots
         self.address, self.tls = dial   # where the workers dial, and whether it serves TLS
         self._all, self._open = records.all, records.open
-        self._in_flight: set[tuple[str, str]] = set()
-        self._watched: dict[str, float] = {}
-        self._released_at: dict[str, float] = {}
+        self._calls = Calls(clock)   # what is asked of the scheduler, and when (``coordinator.batch.calls``)
 
     def __bool__(self) -> bool:
         return bool(self._open)
@@ -165,29 +164,22 @@ class WorkerPools:
 
     # -- what the loop asks ---------------------------------------------------------------------
     def due(self) -> list[Work]:
-        now, out = self._clock(), []
+        out = []
         for pool in list(self._open.values()):
             a = pool.allocation
-            if a.state == REQUESTING and not a.id:
-                if pool.state == RELEASING:
-                    self._end(pool, NOT_SUBMITTED, "released before the scheduler was asked")
-                    continue
-                work = Work("request", pool.id, a, Ask(pool.id, "workers", a, pool.nodes, pool.slots, self.address,
-                                                      tls=self.tls, general=True))
-            elif a.ended:
+            unasked = a.state == REQUESTING and not a.id
+            if unasked and pool.state == RELEASING:
+                self._end(pool, NOT_SUBMITTED, "released before the scheduler was asked")
+                continue
+            if a.ended:
                 self._end(pool, a.state, f"its allocation ended: {a.describe()}")
                 continue
-            elif pool.state == RELEASING and not a.released and self._idle(pool):
+            if not unasked and pool.state == RELEASING and not a.released and self._idle(pool):
                 self._let_go(pool)
                 continue
-            elif a.released and now - self._released_at.get(pool.id, now) >= RELEASE_GRACE_S:
-                work = Work("release", pool.id, a)
-            elif a.id and now - self._watched.get(pool.id, 0.0) >= WATCH_S:
-                work = Work("watch", pool.id, a)
-            else:
-                continue
-            if (pool.id, work.action) not in self._in_flight:
-                self._in_flight.add((pool.id, work.action))
+            work = self._calls.next(pool.id, a, lambda: Ask(pool.id, "workers", a, pool.nodes, pool.slots,
+                                                           self.address, tls=self.tls, general=True))
+            if work is not None:
                 out.append(work)
         return out
 
@@ -207,7 +199,7 @@ class WorkerPools:
             self._end(pool, UNAVAILABLE, f"{pool.allocation.request.scheduler} refused its allocation: {words}")
 
     def seen(self, work: Work, seen: Seen) -> None:
-        self._watched[work.job_id] = self._clock()
+        self._calls.seen(work)
         if (pool := self._answered(work)) is None:
             return
         a = pool.allocation
@@ -219,16 +211,16 @@ class WorkerPools:
 
     def released(self, work: Work) -> None:
         self._answered(work)
-        self._released_at[work.job_id] = float("inf")   # released once; the watch sees it end
+        self._calls.released(work)
 
     def failed_call(self, work: Work, error: str) -> None:
-        self._watched[work.job_id] = self._clock()
+        self._calls.failed(work)
         log.warning("pool.call_failed", pool=work.job_id, action=work.action, error=error)
         self._answered(work)
 
     # -- internals -----------------------------------------------------------------------------------
     def _answered(self, work: Work) -> PoolRecord | None:
-        self._in_flight.discard((work.job_id, work.action))
+        self._calls.answered(work)
         return self._open.get(work.job_id)
 
     def _members(self, pool: PoolRecord) -> list[NodeSession]:
@@ -250,7 +242,7 @@ class WorkerPools:
         pool.allocation = replace(pool.allocation, released=True)
         pool.reason = pool.released_for + "; its workers were told to exit"
         self._save(pool)
-        self._released_at[pool.id] = self._clock()
+        self._calls.told_to_exit(pool.id, pool.allocation.number)
         for session in self._members(pool):
             self._nodes.send(session.name, release_message(f"worker pool {pool.id} is released"))
         log.info("pool.released", pool=pool.id, id=pool.allocation.id)
@@ -265,8 +257,7 @@ class WorkerPools:
                 self._restarts.undrain_node(name)
         self._save(pool)
         self._open.pop(pool.id, None)
-        for d in (self._watched, self._released_at):
-            d.pop(pool.id, None)
+        self._calls.forget(pool.id, pool.allocation.number)
         log.warning("pool.ended", pool=pool.id, reason=pool.reason)
 
     def _save(self, pool: PoolRecord) -> None:

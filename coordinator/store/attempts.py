@@ -8,18 +8,24 @@ node its failure is blamed on, the typed fault it failed with).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+import sqlite3
+from typing import Any, Protocol
 
 from rankctl.coordinator.model.records import JobRecord
 
-if TYPE_CHECKING:
-    from rankctl.coordinator.store.database import Store
+
+class Rows(Protocol):
+    """What the table needs of the store (``Store``): one statement written in the caller's transaction, one read."""
+
+    def write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor: ...
+
+    def read(self, sql: str, args: tuple = ()) -> sqlite3.Cursor: ...
 
 
 class AttemptTable:
     """The attempts of every job, stored."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Rows) -> None:
         self._store = store
 
     def put(self, job: JobRecord, started_at: float) -> None:
