@@ -365,6 +365,7 @@ class Coordinator:
         self._sessions.check_liveness()
         if self._intake.held:   # reports the store refused: retried (``intake``)
             self._intake.flush()
+        self._dirty.resume()   # what refused writes left: retried here, once a tick
         self._dirty.jobs(self._reconciler.timed(), timed=True)
         if self._scheduler.due():
             self._dirty.place()

@@ -1,13 +1,17 @@
 """What changed since the core's last turn: the jobs to reconcile, and whether the queue needs a placement pass.
 
 Every change that can move a job on marks it here and decides nothing: a commit of rank reports marks the jobs it
-touched, a node found LOST itself (its jobs' attempts fail in the turn), a node's return the stops under way, an ended
-attempt or a freed slot the queue. The core's turn (``Coordinator.turn``) takes the marks, reconciles each job once from its level state
-(``coordinator.recovery.reconciler``) and runs one placement pass (``coordinator.scheduling.scheduler``). The tick
+touched, a node found LOST itself (its jobs' attempts fail in the turn), a node's return the stops under way, an
+ended attempt or a freed slot the queue. The core's turn (``Coordinator.turn``) takes the marks, reconciles each job
+once from its level state (``coordinator.recovery.reconciler``) and runs one placement pass
+(``coordinator.scheduling.scheduler``). The tick
 marks every job whose state changes with time alone (a hang, a failure held for its cause, a stop or a drain out of
-time, an elastic job whose nodes came free: ``timed``). A mark a refused write left stays for the tick's turn
-(``retry``); a mark made outside any core operation (an allocation's poll, a worker pool's change, a report that
-changes a phase and so is stored at once) asks the event loop for a turn soon (``wake``). This replaces the owed-work memories each collaborator kept.
+time, an elastic job whose nodes came free: ``timed``). A mark a refused write left is set aside (``retry``,
+``retry_lost``) and back among the marks only at the tick (``resume``): the turns of other operations (a heartbeat,
+a group commit) never retry a refused write, so a failing store is tried once a tick, not once a message. A mark
+made outside any core operation (an allocation's poll, a worker pool's change, a report that changes a phase and so
+is stored at once) asks the event loop for a turn soon (``wake``). This replaces the owed-work memories each
+collaborator kept.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ class Dirty:
         self.placing = False               # a placement pass is due
         self.reports = False               # reports that change a phase wait for a group commit: due in this turn
         self._lost: dict[str, None] = {}   # nodes found LOST whose jobs the turn fails (in the order found)
+        # marks a refused write left, set aside until the tick (``resume``)
+        self._later_jobs: dict[str, bool] = {}
+        self._later_placing = False
+        self._later_lost: dict[str, None] = {}
         self._turn, self._woken = turn, False
 
     def _wake(self) -> None:
@@ -57,7 +65,7 @@ class Dirty:
         """The job's level state changed (``timed``: time alone may have moved it on)."""
         if not self:
             self._wake()
-        self._jobs[job_id] = timed or self._jobs.get(job_id, False)
+        _mark(self._jobs, job_id, timed)
 
     def jobs(self, job_ids: Iterable[str], *, timed: bool = False) -> None:
         for job_id in job_ids:
@@ -81,8 +89,8 @@ class Dirty:
         return lost
 
     def retry_lost(self, names: list[str]) -> None:
-        """Lost nodes whose jobs a refused write left as they were: kept for a later turn (the tick's)."""
-        self._lost = {**dict.fromkeys(names), **self._lost}
+        """Lost nodes whose jobs a refused write left as they were: set aside for the tick (``resume``)."""
+        self._later_lost.update(dict.fromkeys(names))
 
     def commit_reports(self) -> None:
         """A phase change, exit or error came: the queued reports are stored in the next turn (``intake``)."""
@@ -97,7 +105,20 @@ class Dirty:
         return jobs, placing
 
     def retry(self, jobs: dict[str, bool], placing: bool = False) -> None:
-        """Marks a refused write left: kept for a later turn (the tick's), without asking for one now."""
+        """Marks a refused write left: set aside for the tick (``resume``), without asking for a turn."""
         for job_id, timed in jobs.items():
-            self._jobs[job_id] = timed or self._jobs.get(job_id, False)
-        self.placing = self.placing or placing
+            _mark(self._later_jobs, job_id, timed)
+        self._later_placing = self._later_placing or placing
+
+    def resume(self) -> None:
+        """The tick: the marks refused writes left are marks again (lost nodes first, in the order found)."""
+        self._lost = {**self._later_lost, **self._lost}
+        for job_id, timed in self._later_jobs.items():
+            _mark(self._jobs, job_id, timed)
+        self.placing = self.placing or self._later_placing
+        self._later_jobs, self._later_placing, self._later_lost = {}, False, {}
+
+
+def _mark(marks: dict[str, bool], job_id: str, timed: bool) -> None:
+    """Mark ``job_id`` in ``marks``; a tick's mark (``timed``) stays one."""
+    marks[job_id] = timed or marks.get(job_id, False)

@@ -2,12 +2,12 @@
 
 A turn stores the reports a phase change made due (``coordinator.jobs.intake``), fails the attempts of the jobs of
 each node found LOST (``Restarts.node_lost``: one transaction a node, its messages after it), reconciles each marked
-job once
-(``coordinator.recovery.reconciler``; its writes in one consistent block whose node messages go once it committed:
-"persist, then send") and then runs one placement pass when the queue is marked (``coordinator.scheduling.scheduler``).
-What those mark (a requeued job, freed slots) is taken in a further round, a few at most; the rest waits for the next
-turn. A job whose plan the store refused stays marked, with every job after it, for the tick's turn. Every operation
-of the core ends with a turn; a mark made outside one asks the event loop for a turn on its next iteration.
+job once (``coordinator.recovery.reconciler``: its writes in one consistent block whose node messages go once it
+committed, "persist, then send") and then runs one placement pass when the queue is marked
+(``coordinator.scheduling.scheduler``). What those mark (a requeued job, freed slots) is taken in a further round, a
+few at most; the rest waits for the next turn. A job whose plan the store refused is set aside, with every job after
+it, for the tick's turn (``Dirty.resume``). Every operation of the core ends with a turn; a mark made outside one
+asks the event loop for a turn on its next iteration.
 """
 
 from __future__ import annotations

@@ -160,6 +160,26 @@ def test_a_transition_the_store_refused_is_retried(world: World) -> None:
     assert job.state is S.FAILED and job.reason.startswith("node n1 lost")
 
 
+def test_a_refused_write_is_retried_by_the_tick_not_by_every_message(world: World) -> None:
+    """While the store refuses, a heartbeat's turn does not retry the node loss it left (each retry reloads memory
+    from the store): the tick does, once."""
+    world.connect("n0"), world.connect("n1")
+    job = world.core.submit(job_yaml())
+    disk = full_disk(world)
+    disk.full = True
+    world.core.disconnect(world.nodes["n1"].session)   # failing its job cannot be stored
+    resyncs, real = [], world.core._guard.resync       # noqa: SLF001 - counts the reloads a retry costs
+    world.core._guard.resync = lambda: (resyncs.append(1), real())[1]   # noqa: SLF001
+    for _ in range(50):
+        world.core.heartbeat(world.nodes["n0"].session)
+    assert resyncs == [] and job.state is S.STARTING
+    world.core.tick()
+    assert len(resyncs) == 1 and job.state is S.STARTING   # tried once, refused again
+    disk.full = False
+    world.core.tick()
+    assert job.state is S.FAILED and job.reason.startswith("node n1 lost")
+
+
 def test_a_job_larger_than_the_cluster_is_refused_and_never_blocks_the_queue(world: World) -> None:
     world.connect("n0", slots=2), world.connect("n1", slots=2)
     with pytest.raises(CapacityError, match=r"needs 3 node\(s\) with 2 slots each; the cluster has 2"):

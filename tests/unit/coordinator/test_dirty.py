@@ -30,9 +30,12 @@ def test_a_mark_outside_an_operation_turns_the_core_once_on_the_loops_next_itera
         assert turns == []              # never inside the caller's own step
         await asyncio.sleep(0)
         assert turns == [({"a": False, "b": False}, True)]
-        dirty.retry({"c": True})        # what a refused write left: kept for the tick, no turn asked for
+        dirty.retry({"c": True})        # what a refused write left: set aside for the tick, no turn asked for
+        dirty.retry_lost(["n1"])
         await asyncio.sleep(0)
-        assert len(turns) == 1 and dirty
+        assert len(turns) == 1 and not dirty   # an operation's turn meanwhile retries nothing
+        dirty.resume()                  # the tick
+        assert dirty and dirty.take_lost() == ["n1"] and dirty.take() == ({"c": True}, False)
     asyncio.run(main())
     assert Dirty().take() == ({}, False)   # no loop: nothing to wake, nothing raised
 
