@@ -11,7 +11,8 @@ from typing import Awaitable, Callable, Sequence
 import structlog
 
 from rankctl.coordinator.model.allocation import AllocationRefused, Allocator
-from rankctl.coordinator.batch.allocations import Allocations, Work
+from rankctl.coordinator.batch.allocations import Allocations
+from rankctl.coordinator.batch.calls import Work
 from rankctl.coordinator.batch.pools import WorkerPools
 from rankctl.coordinator.store.database import StoreError
 

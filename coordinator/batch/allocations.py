@@ -8,7 +8,7 @@ the event loop thread. Rules:
   scheduler places the job on them only (``Scheduler``).
 - The job ends (any state): its ranks' logs are kept by the coordinator (``logarchive``, bounded in time), then
   the workers of its pool are told to exit (``Release``), so the scheduler's job completes; one still alive
-  ``RELEASE_GRACE_S`` later is released by the adapter (``scancel``).
+  ``calls.RELEASE_GRACE_S`` later is released by the adapter (``scancel``).
 - The allocation ends first (``scancel``, its time limit, preemption): the attempt fails naming the allocation
   and its state (``Restarts.fail_attempt``); a job that may restart is queued again and gets a new allocation
   (a new pool, ``number`` + 1) once the old one has ended, then resumes from its newest checkpoint.
@@ -28,7 +28,7 @@ import structlog
 
 from rankctl.coordinator.model.allocation import (NOT_SUBMITTED, REQUESTING, UNAVAILABLE, Allocation, AllocationRequest,
                                             Ask, Seen, pool_name)
-from rankctl.coordinator.batch.calls import RELEASE_GRACE_S, WATCH_S, Work
+from rankctl.coordinator.batch.calls import WATCH_S, Work
 from rankctl.coordinator.batch.holds import GATHER_S, AllocationHolds
 from rankctl.coordinator.jobs.commit import StoreGuard
 from rankctl.coordinator.jobs.dirty import Dirty
@@ -45,7 +45,6 @@ log = structlog.get_logger("rankctl.coordinator")
 S = JobState
 LOSS_GRACE_S = 3.0       # how long a lost node's failure waits for the scheduler to say the allocation ended
                          # (scancel and a time limit end the workers before the scheduler's state changes)
-__all__ = ["RELEASE_GRACE_S", "WATCH_S", "Allocations", "Work", "release_message"]
 
 
 def release_message(reason: str) -> pb.CoordinatorMessage:

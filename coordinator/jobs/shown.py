@@ -123,6 +123,10 @@ class Shown:
         """Every known node."""
         return self._shown(list(self._nodes))
 
+    def slots(self) -> tuple[int, int]:
+        """The READY nodes' rank slots: (all of them, those no job holds); no per-node view built."""
+        return sum(s.record.slots for s in self._nodes.ready()), sum(self._free_slots().values())
+
     def node(self, name: str) -> NodeShown:
         """One node; NodeNotFound when no node has that name."""
         return self._shown([self._nodes.known(name)])[0]

@@ -133,9 +133,9 @@ class _Collector:
         yield age
         slots = _gauge("rankctl_slots", "Rank slots of the READY nodes: all of them, and those not taken.",
                        ("state",))
-        views = core.shown.nodes()
-        slots.add_metric(["total"], sum(n.session.record.slots for n in views if n.session.status is NodeStatus.READY))
-        slots.add_metric(["free"], sum(n.free for n in views))
+        total, free = core.shown.slots()
+        slots.add_metric(["total"], total)
+        slots.add_metric(["free"], free)
         yield slots
 
     def _counters(self) -> Iterator[Metric]:

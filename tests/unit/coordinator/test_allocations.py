@@ -243,7 +243,7 @@ def test_a_pending_allocation_shows_the_schedulers_reason_in_the_jobs(world: Wor
 def test_a_controller_that_cannot_be_reached_is_asked_again_not_taken_for_a_refusal(world: World) -> None:
     """slurmctld down for a moment failed the job for good: "slurm refused its allocation: ... Unable to contact slurm
     controller" (an outside probe). Such words are an unanswered call: the request is made again every WATCH_S."""
-    from rankctl.coordinator.batch.allocations import WATCH_S
+    from rankctl.coordinator.batch.calls import WATCH_S
     from rankctl.coordinator.batch.slurm import unreachable
 
     assert unreachable("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect "

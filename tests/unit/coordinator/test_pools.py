@@ -12,7 +12,7 @@ from test_core import World, job_yaml, world  # noqa: F401 - world: the fixture
 from test_drain import exit_node, tick
 
 from rankctl.coordinator.model.allocation import AllocationRequest, Seen
-from rankctl.coordinator.batch.allocations import RELEASE_GRACE_S, WATCH_S
+from rankctl.coordinator.batch.calls import RELEASE_GRACE_S, WATCH_S
 from rankctl.coordinator.jobs.core import Coordinator
 from rankctl.coordinator.model.errors import InvalidRequest, PoolNotFound
 from rankctl.coordinator.batch.pools import ACTIVE, ENDED, RELEASING, pool_to_pb
