@@ -52,6 +52,7 @@ class Evidence:
     waits_in: dict[str, Any] | None       # the group it is blocked in
     counters: bool = True                 # False: the rank had no counter file
     computing: bool = False               # its CPU time advanced outside any collective
+    spinning: bool = False                # ... in a spin: the same Python stack twice, holding the GIL
     _by_key: dict[tuple, dict[str, Any]] | None = field(default=None, repr=False)
 
     def group(self, key: tuple) -> dict[str, Any] | None:
@@ -98,7 +99,7 @@ def parse(rec: RankRecord) -> Evidence | None:
     still = doc.get("still_s")
     return Evidence(rank=rec.rank, groups=groups, still_s=float(still) if isinstance(still, (int, float)) else None,
                     waits_in=waits_in, counters=doc.get("counters", True) is not False,
-                    computing=doc.get("computing") is True)
+                    computing=doc.get("computing") is True, spinning=doc.get("spinning") is True)
 
 
 def primary(kind: str) -> str:
@@ -215,6 +216,8 @@ def _where(rec: RankRecord | None, ev: Evidence | None, rank: int) -> str:
         doing = "in no collective"
     if ev is not None and ev.computing:
         doing += ", its CPU time advancing (computing)"
+    if ev is not None and ev.spinning:
+        doing += ", spinning in Python (the same stack twice, holding the GIL)"
     if ev is not None and ev.still_s is not None:
         doing += f", counters still for {ev.still_s:.0f} s when sent"
     return (f"rank {rank} last seen on {rec.node}: phase {rec.phase}, step {rec.step}, process {process}, "
@@ -276,7 +279,9 @@ def _roots(ranks: Mapping[int, RankRecord], sent: list[RankRecord], evidence: _E
     spinning = sorted(r.rank for r in sent if BLOCKED_SEEN not in r.collectives and r.rank not in stopped
                       and evidence.get(r.rank) is not None)
     if spinning:
-        lines.append(f"{span(spinning)} in no collective while no rank advanced (process running)")
+        spins = [r for r in spinning if (ev := evidence.get(r)) is not None and ev.spinning]
+        lines.append(f"{span(spinning)} in no collective while no rank advanced (process running"
+                     f"{f'; {span(spins)} spinning in Python' if spins else ''})")
     return stopped, sorted(stopped)[:SPAN_RANKS] + spinning[:SPAN_RANKS], lines
 
 

@@ -127,7 +127,7 @@ class Coordinator:
         self.pools = WorkerPools(pools, self.nodes, store, clock, self._guard, self._restarts,
                                  functools.partial(_free_slots, self.nodes, self.book, self._stops), dial)
         self._reconciler = JobReconciler(self.book, store, clock, self._restarts, self._stops, self._drains,
-                                         self._scheduler)
+                                         self._scheduler, self._dirty.later)
         self.allocations = Allocations(self.book, self.nodes, store, clock, self._guard, self._restarts, self._dirty,
                                        holds, dial)
         self._assemble_node_side(heartbeat_timeout, max_heartbeat_rate)

@@ -38,6 +38,7 @@ class Dirty:
         self._later_placing = False
         self._later_lost: dict[str, None] = {}
         self._turn, self._woken = turn, False
+        self._due: dict[str, float] = {}   # job id -> when a timed look at it is asked for (``later``)
 
     def _wake(self) -> None:
         if self._woken:
@@ -66,6 +67,24 @@ class Dirty:
         if not self:
             self._wake()
         _mark(self._jobs, job_id, timed)
+
+    def later(self, job_id: str, delay: float) -> None:
+        """Mark the job again in ``delay`` seconds (a judgement that time alone changes, due before the tick:
+        a stop held long enough, a hang's limit); one call per job at a time, the soonest kept."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        at = loop.time() + delay
+        if self._due.get(job_id, float("inf")) <= at:
+            return
+        self._due[job_id] = at
+        loop.call_at(at, self._look_again, job_id, at)
+
+    def _look_again(self, job_id: str, at: float) -> None:
+        if self._due.get(job_id) == at:
+            del self._due[job_id]
+            self.job(job_id)
 
     def jobs(self, job_ids: Iterable[str], *, timed: bool = False) -> None:
         for job_id in job_ids:

@@ -127,7 +127,7 @@ class ReportApplier:
         self._book.put_ranks(job, records)
         if process:
             for rank in range(first, first + count):
-                progress.pace.process(rank, process)
+                progress.pace.process(rank, process, self._clock())
         new = records[0]
         progress.advanced_at = self._clock()
         progress.started(count, phase)
@@ -181,7 +181,7 @@ class ReportApplier:
         if new.exited:
             progress.pace.gone(new.rank)
         elif new.process != (old.process if old else ""):
-            progress.pace.process(new.rank, new.process)
+            progress.pace.process(new.rank, new.process, self._clock())
         if step != (old.step if old else 0):
             progress.step_figures(step, st, rank)
         stopped = job.state not in LIVE and stopped_on_request(new)   # a cancel's, not a failure
@@ -224,7 +224,7 @@ class ReportApplier:
             old.updated_at = updated
         if st.process != old.process:  # the daemon saw the process stop or go on (memory only)
             old.process = bounds.process(st.process)
-            progress.pace.process(old.rank, old.process)
+            progress.pace.process(old.rank, old.process, self._clock())
         if st.collectives or st.stack:  # hang evidence: counters that stopped moving (memory only)
             old.collectives, old.stack = bounds.collectives(st.collectives), bounds.stack(st.stack)
             progress.pace.evidence(old.rank, old.collectives, old.stack)

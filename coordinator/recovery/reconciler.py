@@ -55,8 +55,9 @@ class JobReconciler:
     """Reconciles one job at a time; called from the event loop thread, inside the core's consistent blocks."""
 
     def __init__(self, book: JobBook, store: Store, clock: Callable[[], float], restarts: Restarts, stops: Stops,
-                 drains: Drains, scheduler: Scheduler) -> None:
-        self._book, self._store, self._clock = book, store, clock
+                 drains: Drains, scheduler: Scheduler, later: Callable[[str, float], None] = lambda job, s: None
+                 ) -> None:
+        self._book, self._store, self._clock, self._later = book, store, clock, later
         self._restarts, self._stops, self._drains, self._scheduler = restarts, stops, drains, scheduler
 
     def timed(self) -> list[str]:
@@ -67,7 +68,9 @@ class JobReconciler:
         """The coordinator's own loop stood still ``loop_lag`` seconds: that time does not count towards a hang."""
         for job in self._book.active():
             if job.state is S.RUNNING:
-                self._book.progress(job).advanced_at += loop_lag
+                progress = self._book.progress(job)
+                progress.advanced_at += loop_lag
+                progress.pace.discount(loop_lag)
 
     def reconcile(self, job_id: str, timed: bool = False) -> None:
         """What follows for the job now, carried out (``timed``: also what time alone decides: growth)."""
@@ -165,12 +168,18 @@ class JobReconciler:
         points at go on ``links``; the ranks, on the job's counters (the dashboard outlines them)."""
         progress = self._book.progress(job)
         timeout = job.spec.restart.hang_timeout
-        idle = self._clock() - progress.advanced_at
+        now = self._clock()
+        idle = now - progress.advanced_at
         live = job.world_size - progress.exited
-        if not (progress.advanced_at and progress.max_step > 0 and progress.pace.hung(idle, timeout, live)):
+        if not (progress.advanced_at and progress.max_step > 0):
+            return None
+        if not progress.pace.hung(idle, timeout, live, now):
+            due = progress.pace.due(idle, timeout, now)
+            if due is not None:
+                self._later(job.id, due)   # judged again then, not at the next tick
             return None
         from rankctl.coordinator.diagnosis.hangs import hang_reason
 
-        reason = hang_reason(self._book.ranks(job.id), progress.summary(), idle, progress.pace.rule(timeout), links,
-                             progress.hang)
+        reason = hang_reason(self._book.ranks(job.id), progress.summary(), idle, progress.pace.rule(timeout, now),
+                             links, progress.hang)
         return Fault(cause=Cause.HANG, reason=reason, step=progress.min_step)

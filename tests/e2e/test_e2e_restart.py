@@ -291,7 +291,7 @@ train: {{steps: 40, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed
         data: builtin:pydoc}}
 """
 VICTIM = 3  # the last pipeline stage's second tp rank: its tp peer is rank 2, its pp peer rank 1
-WITHIN_S = 10.0  # issue 28: a stopped rank is named within this (printed; the rule is asserted, not the clock)
+WITHIN_S = 2.0   # issue 45: a blocked rank is judged on a limit under this (the rule is asserted, not the clock)
 
 
 def rank_of(pid: int) -> int:
@@ -305,12 +305,14 @@ def hung_job(c: ProcCluster, tmp: Path, name: str, nodes: int, slots: int, tp: i
     return c.submit(str(path))
 
 
-def test_a_pause_is_no_hang_and_a_stopped_rank_is_named_in_seconds_without_a_hang_timeout(
+def test_pauses_are_no_hang_and_a_rank_stopped_for_good_is_named_and_restarted_in_about_a_second(
         three: ProcCluster, tmp_path: Path) -> None:
-    """A tp2·pp2 job whose file sets no ``hang_timeout`` (300 s by default): one rank SIGSTOPped for 3 s and
-    continued is no hang (attempt 1 goes on); stopped for good, it is named within seconds by the job's own
-    pace (``coordinator.diagnosis.pace``), with the group it was due in and where it was last seen; the job succeeds on
-    attempt 2 with the losses of an uninterrupted run of the same layout."""
+    """Issue 45. A tp2·pp2 job whose file sets no ``hang_timeout`` (300 s by default). The rule for pauses
+    (``coordinator.diagnosis.pace``): one rank SIGSTOPped for 0.3 s and continued (under the hold), then every
+    rank of the job SIGSTOPped for 3 s and continued (a suspend: nobody waits for anybody) are no hang, attempt
+    1 goes on. A rank stopped for good is a hang about a second after the stop, named with its node, the group
+    it was due in and where it was last seen; the job succeeds on attempt 2 with the losses of an uninterrupted
+    run of the same layout."""
     uninterrupted = hung_job(three, tmp_path, "hung-reference", 2, 2, 2, 2)
     job = hung_job(three, tmp_path, "hung", 2, 2, 2, 2)   # queued until the reference is done
     wait_for(lambda: (s := status(three.address, job))["state"] == "RUNNING" and s["summary"]["min_step"] >= 6,
@@ -318,11 +320,16 @@ def test_a_pause_is_no_hang_and_a_stopped_rank_is_named_in_seconds_without_a_han
     pids = {rank_of(p): p for p in rank_pids(job)}
     assert sorted(pids) == [0, 1, 2, 3], pids
     os.kill(pids[VICTIM], signal.SIGSTOP)
-    time.sleep(3.0)
+    time.sleep(0.3)
     os.kill(pids[VICTIM], signal.SIGCONT)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(3.0)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGCONT)
     at = status(three.address, job)["summary"]["min_step"]
     went_on = wait_for(lambda: (s := status(three.address, job))["summary"]["min_step"] >= at + 5 and s, 120,
-                       "attempt 1 going on after the pause")
+                       "attempt 1 going on after the pauses")
     assert went_on["attempt"] == 1 and not went_on["attempts"][0].get("reason"), went_on["attempts"]
 
     t0 = time.monotonic()
@@ -331,20 +338,12 @@ def test_a_pause_is_no_hang_and_a_stopped_rank_is_named_in_seconds_without_a_han
                      120, "attempt 1 to end")
     detected = time.monotonic() - t0
     reason = ended["attempts"][0]["reason"]
-    print(f"\nrank {VICTIM} SIGSTOPped for 3 s: no hang; SIGSTOPped for good: attempt 1 ended after "
-          f"{detected:.1f} s (issue 28: within {WITHIN_S:g} s; no hang_timeout in the job file)\nreason: {reason}")
-    judged = re.search(r"judged after (\d+) s from the job's pace", reason)
-    assert reason.startswith("hang: no rank advanced for") and judged and int(judged.group(1)) < WITHIN_S, reason
+    print(f"\nrank {VICTIM} SIGSTOPped for 0.3 s, the whole job for 3 s: no hang; rank {VICTIM} SIGSTOPped for "
+          f"good: attempt 1 ended {detected:.1f} s later, as `ctl status` polled (no hang_timeout in the job "
+          f"file)\nreason: {reason}")
+    assert reason.startswith("hang: no rank advanced for") and "(a rank stopped for" in reason, reason
     assert "restart.hang_timeout=300" in reason, reason
     assert f"rank {VICTIM} stopped (SIGSTOP or a debugger) on node-" in reason, reason
-    # the group it was due in, where a peer waits for it: its tp group [2, 3], its pp group [1, 3], or a combined
-    # one it belongs to when the stop lands in that group's collective (CI saw "mp group [0, 1, 2, 3] waits in
-    # all_reduce #14 (ranks 0-3 entered it): rank 3 stopped inside it": the grad-norm all-reduce)
-    # (CI also saw "mp group [0, 1, 2, 3] waits in all_reduce #30 (rank 2 entered it): ranks 0-1, 3 never entered
-    # it": the stop came while ranks 0 and 1 were still in another collective of the step)
-    # (the step's end has a world all-reduce, the ranks' agreement on a checkpoint asked for: a stop just before
-    # it reads "mp group [0, 1, 2, 3] waits in all_reduce #18 (ranks 0-2 entered it): rank 3 never entered it",
-    # exact when every other member entered it)
     due = [m for m in re.finditer(r"(\w+) group \[([\d, ]+)\] waits in \w+ #\d+ \(([^)]*)\): "
                                   r"ranks? ([\d, -]+) (never entered it|not in it|stopped inside it)", reason)
            if VICTIM in _span(m.group(4)) and VICTIM in [int(r) for r in m.group(2).split(", ")]]
@@ -378,47 +377,55 @@ ctx = rankctl.context()
 world = ctx.group("world")
 for step in range(1, 41):
     if ctx.rank == 1 and step == 8:
-        time.sleep(60)                       # inside step 8, while the others wait in its all-reduce
+        {stuck}                              # inside step 8, while the others wait in its all-reduce
     x = torch.ones(4) * step
     dist.all_reduce(x, group=world)
     time.sleep(0.05)
     ctx.report(step, loss=float(x[0]))
 """
 SLEEPY = """
-name: sleepy
+name: {name}
 kind: python
-resources: {{nodes: 2, slots_per_node: 2}}
+resources: {{nodes: {nodes}, slots_per_node: 2}}
 backend: gloo
 restart: {{max_restarts: 0}}
-python: {{entrypoint: sleeper.py, workdir: {workdir}}}
+python: {{entrypoint: stuck.py, workdir: {workdir}}}
 """
+STUCK = {"sleepy": ("time.sleep(60)", 2), "spinny": ("while True: pass", 1)}   # blocked (CPU flat), spinning
 
 
-def test_a_python_rank_that_sleeps_inside_a_step_is_named_in_seconds(three: ProcCluster, tmp_path: Path) -> None:
-    """A python job whose rank 1 sleeps 60 s inside step 8 while the others wait in its all-reduce: named
-    (rank, group, operation) within seconds, with no hang_timeout in the job file."""
-    work = tmp_path / "sleepy"
-    work.mkdir()
-    (work / "sleeper.py").write_text(SLEEPER)
-    (tmp_path / "sleepy.yaml").write_text(SLEEPY.format(workdir=work))
-    job = three.submit(str(tmp_path / "sleepy.yaml"))
-    wait_for(lambda: status(three.address, job)["summary"]["max_step"] >= 7, 120, "step 7 reported")
-    t0 = time.monotonic()
-    done = three.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 120)
-    detected = time.monotonic() - t0
-    reason = done["reason"]
-    print(f"\npython rank 1 asleep in step 8: job ended {detected:.1f} s after step 7 was seen\nreason: {reason}")
-    assert done["state"] == "FAILED" and reason.startswith("hang: no rank advanced for"), reason
-    judged = re.search(r"judged after (\d+) s from the job's pace", reason)
-    assert judged and int(judged.group(1)) < WITHIN_S, reason
-    assert "rank 1 in no collective while no rank advanced (process running)" in reason, reason
-    assert re.search(r"\w+ group \[0, 1, 2, 3\] waits in all_reduce #8 \(ranks 0, 2-3 entered it\): "
-                     r"rank 1 never entered it", reason), reason
-    assert "sleeper.py" in reason, reason   # its stack: where it sleeps
-    wait_for(lambda: not rank_pids(job), 30, "every rank to exit")
+def test_a_python_rank_that_sleeps_or_spins_inside_a_step_is_named_in_seconds(three: ProcCluster,
+                                                                             tmp_path: Path) -> None:
+    """Issue 45: two python jobs side by side, each with a rank 1 stuck inside step 8 while the others wait in
+    its all-reduce: asleep (its CPU time flat) in one, spinning in Python (its CPU time advancing; the same stack
+    twice, holding the GIL, so not computing) in the other. Each is named (rank, group, operation, stack) with
+    no hang_timeout in the job file, judged on a limit under WITHIN_S."""
+    jobs = {}
+    for name, (stuck, nodes) in STUCK.items():
+        work = tmp_path / name
+        work.mkdir()
+        (work / "stuck.py").write_text(SLEEPER.replace("{stuck}", stuck))
+        (tmp_path / f"{name}.yaml").write_text(SLEEPY.format(name=name, nodes=nodes, workdir=work))
+        jobs[name] = three.submit(str(tmp_path / f"{name}.yaml"))
+    for name, job in jobs.items():
+        wait_for(lambda: status(three.address, job)["summary"]["max_step"] >= 7, 120, f"{name}: step 7 reported")
+        done = three.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 120)
+        reason = done["reason"]
+        print(f"\n{name}: rank 1 {STUCK[name][0]!r} in step 8\nreason: {reason}")
+        assert done["state"] == "FAILED" and reason.startswith("hang: no rank advanced for"), reason
+        judged = re.search(r"judged after ([\d.]+) s from the job's pace", reason)
+        assert judged and float(judged.group(1)) < WITHIN_S, reason
+        assert re.search(r"rank 1 in no collective while no rank advanced \(process running", reason), reason
+        members = ", ".join(str(r) for r in range(2 * STUCK[name][1]))
+        others = "ranks 0, 2-3" if STUCK[name][1] == 2 else "rank 0"
+        assert re.search(rf"\w+ group \[{members}\] waits in all_reduce #8 \({others} entered it\): "
+                         r"rank 1 never entered it", reason), reason
+        assert "stuck.py" in reason, reason   # its stack: where it sleeps or spins
+        assert ("spinning in Python" in reason) == (name == "spinny"), reason
+        wait_for(lambda: not rank_pids(job), 30, "every rank to exit")
 
 
-# -- issue 43: a rank that progresses is no hang -----------------------------------------------------------------
+# -- issues 43 and 45: a rank that progresses is no hang ----------------------------------------------------------
 PROGRESSING = """
 name: {name}
 kind: python
@@ -435,9 +442,11 @@ import rankctl
 
 ctx = rankctl.context()
 world = ctx.group("world")
-for step in range(1, 9):
-    if ctx.rank == 1 and step < 8:
-        time.sleep(0.125 * 2 ** (step - 1))   # asleep outside any collective: 0.125 s ... 8 s, x2 a step
+sleep = 0.125
+for step in range(1, {steps} + 1):
+    if ctx.rank == 1 and step < {steps}:
+        time.sleep(sleep)                     # asleep outside any collective, x{ratio} longer each step
+        sleep *= {ratio}
     x = torch.ones(1)
     dist.all_reduce(x, group=world)
     ctx.report(step, loss=float(x[0]))
@@ -452,11 +461,12 @@ import rankctl
 ctx = rankctl.context()
 world = ctx.group("world")
 heavy = torch.zeros(2)   # (the step of rank 1's long computation, its wall seconds)
+a = torch.randn(96, 96)
 for step in range(1, 2000):
     if ctx.rank == 1 and not heavy[0] and os.path.exists({marker!r}):
         t0, cpu0 = time.monotonic(), time.thread_time()
-        while time.thread_time() - cpu0 < 0.5:   # 0.5 s of CPU time, at the few percent the test leaves it
-            pass
+        while time.thread_time() - cpu0 < {cpu_s}:   # torch compute, at the 1 % of a core the test leaves it
+            a = torch.tanh(a @ a)
         heavy = torch.tensor([float(step), time.monotonic() - t0])
     dist.all_reduce(heavy, op=dist.ReduceOp.MAX, group=world)
     ctx.report(step, loss=1.0, heavy_step=float(heavy[0]), heavy_s=float(heavy[1]))
@@ -464,48 +474,80 @@ for step in range(1, 2000):
         break
     time.sleep(0.05)
 """
+SAVING_PY = """
+import time
+import torch
+import torch.distributed as dist
+import rankctl
 
-
-THROTTLED_RUN_S = 0.05   # of every second: a CPU throttled to 5 %
+ctx = rankctl.context()
+world = ctx.group("world")
+for step in range(1, 13):
+    if ctx.rank == 1 and step == 6:
+        with ctx.busy("checkpoint"):          # a 12 s save while rank 0 waits in the step's all-reduce
+            time.sleep(12)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=world)
+    ctx.report(step, loss=float(x[0]))
+    time.sleep(0.05)
+"""
+THROTTLED_RUN_S = 0.001   # of every 0.1 s: a CPU throttled to 1 %, as cpulimit does it (SIGSTOP / SIGCONT)
+THROTTLED_CPU_S = 0.08    # the CPU seconds of rank 1's long step: 8 s at 1 %
 
 
 @pytest.fixture(scope="module")
 def progressing(three: ProcCluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Two single-node jobs submitted at once (they run side by side): ``growing``, whose rank 1 sleeps twice
-    as long each step, and ``throttled``, whose rank 1 computes for long once ``marker`` exists."""
+    """Four single-node jobs submitted at once (three run side by side, one queued): ``growing-x2`` and
+    ``growing-x1-5``, whose rank 1 sleeps that much longer each step; ``throttled``, whose rank 1 computes for
+    long once ``marker`` exists; ``saving``, whose rank 1 saves for 12 s inside ``ctx.busy``."""
     tmp = tmp_path_factory.mktemp("progressing")
     marker = tmp / "throttle-now"
+    scripts = {"throttled": THROTTLED_PY.format(marker=str(marker), cpu_s=THROTTLED_CPU_S),
+               "growing-x2": GROWING_PY.format(steps=8, ratio=2.0),
+               "growing-x1-5": GROWING_PY.format(steps=10, ratio=1.5), "saving": SAVING_PY}
     jobs = {}
-    for name, script in (("growing", GROWING_PY), ("throttled", THROTTLED_PY.format(marker=str(marker)))):
+    for name, script in scripts.items():
         work = tmp / name
         work.mkdir()
-        (work / f"{name}.py").write_text(script)
-        (tmp / f"{name}.yaml").write_text(PROGRESSING.format(name=name, entry=f"{name}.py", workdir=work))
+        (work / "job.py").write_text(script)
+        (tmp / f"{name}.yaml").write_text(PROGRESSING.format(name=name, entry="job.py", workdir=work))
         jobs[name] = three.submit(str(tmp / f"{name}.yaml"))
     return {**jobs, "marker": str(marker)}
 
 
-def test_a_rank_whose_steps_double_each_step_is_no_hang(three: ProcCluster, progressing: dict[str, str]) -> None:
-    """Issue 43: a rank whose step time grows x2 a step (asleep outside collectives, its peer waiting in the
-    all-reduce) was killed as hung "judged after 6 s from the job's pace: a step every 0.16 s" right after a 3.2 s
-    step. Its 4 s and 8 s steps are expected from the job's own trend: the job succeeds on attempt 1."""
-    done = three.wait_state(progressing["growing"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 180)
+@pytest.mark.parametrize("name,steps", [("growing-x2", 8), ("growing-x1-5", 10)])
+def test_a_rank_whose_steps_grow_each_step_is_no_hang(three: ProcCluster, progressing: dict[str, str], name: str,
+                                                      steps: int) -> None:
+    """Issues 43 and 45: a rank whose step time grows x2 or x1.5 a step (asleep outside collectives, its CPU time
+    flat, its peer waiting in the all-reduce: evidence alone cannot tell it from a blocked rank) was killed as
+    hung "judged after 6 s from the job's pace: a step every 0.16 s" right after a 3.2 s step. Its longer steps
+    are expected from the job's own trend: the job succeeds on attempt 1."""
+    done = three.wait_state(progressing[name], {"SUCCEEDED", "FAILED", "CANCELLED"}, 180)
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["reason"]
-    assert [s for s, _ in losses(done)] == list(range(1, 9)), losses(done)
+    assert [s for s, _ in losses(done)] == list(range(1, steps + 1)), losses(done)
 
 
-def test_a_rank_throttled_to_a_few_percent_that_computes_is_no_hang(three: ProcCluster,
-                                                                    progressing: dict[str, str]) -> None:
-    """Issue 43: a rank whose CPU is throttled to 5 % (SIGSTOP/SIGCONT in turn) computes one step for many times
-    the job's pace while its peer waits in the all-reduce: its daemon sees its CPU time advance outside any
-    collective, so the job is no hang on its pace; it succeeds on attempt 1."""
+def test_a_rank_saving_for_12_s_inside_busy_is_no_hang(three: ProcCluster, progressing: dict[str, str]) -> None:
+    """Issue 45: a 12 s save inside ``ctx.busy`` while the peer waits in the all-reduce (the job's pace: a step
+    every ~0.05 s): only ``restart.hang_timeout`` applies to it; the job succeeds on attempt 1."""
+    done = three.wait_state(progressing["saving"], {"SUCCEEDED", "FAILED", "CANCELLED"}, 180)
+    assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["reason"]
+    assert [s for s, _ in losses(done)] == list(range(1, 13)), losses(done)
+
+
+def test_a_rank_throttled_to_1_percent_that_computes_is_no_hang(three: ProcCluster,
+                                                                progressing: dict[str, str]) -> None:
+    """Issues 43 and 45: a rank whose CPU is throttled to 1 % (SIGSTOP / SIGCONT in turn every 0.1 s, as
+    cpulimit does: its process is seen stopped 99 % of the time) computes one step for many times the job's pace
+    while its peer waits in the all-reduce: its daemon sees its CPU time advance outside any collective, so it
+    is neither stopped for good nor hung; the job succeeds on attempt 1."""
     from rankctl.coordinator.diagnosis.pace import PACE_FLOOR_S
 
     job = progressing["throttled"]
     st = wait_for(lambda: ((s := status(three.address, job))["summary"]["min_step"] >= 4
                            or s["state"] not in ("PENDING", "PLACED", "STARTING", "RUNNING")) and s, 120, "steps")
     assert st["state"] == "RUNNING", (st["summary"], st.get("result"), st["reason"])
-    throttle = Throttle(rank_pid(job, 1), 1.0 - THROTTLED_RUN_S, THROTTLED_RUN_S)
+    throttle = Throttle(rank_pid(job, 1), 0.1 - THROTTLED_RUN_S, THROTTLED_RUN_S)
     try:
         Path(progressing["marker"]).touch()
         done = three.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 180)
@@ -513,7 +555,6 @@ def test_a_rank_throttled_to_a_few_percent_that_computes_is_no_hang(three: ProcC
         throttle.stop()
     assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["reason"]
     metrics = done["result"]["metrics"]
-    print(f"\nrank 1 throttled to {THROTTLED_RUN_S:.0%}: its step {metrics['heavy_step']:.0f} took "
+    print(f"\nrank 1 throttled to {THROTTLED_RUN_S / 0.1:.0%}: its step {metrics['heavy_step']:.0f} took "
           f"{metrics['heavy_s']:.1f} s, the others' well under 1 s; attempt 1 succeeded")
-    assert metrics["heavy_step"] > 0 and metrics["heavy_s"] > PACE_FLOOR_S, metrics   # the premise: past the floor
-
+    assert metrics["heavy_step"] > 0 and metrics["heavy_s"] > 2 * PACE_FLOOR_S, metrics   # the premise

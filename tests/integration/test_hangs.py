@@ -254,14 +254,14 @@ def test_hang_watch_adapts_its_stall_time_to_the_rank_once_it_stepped() -> None:
     w.observe(0, b"a")
     assert w.stall_after(0) == 30.0                       # before its first step: the cap
     w.touch(0, stepped=True)
-    for i in range(10):                                   # collectives every 0.5 s
-        now[0] += 0.5
+    for i in range(10):                                   # collectives every 0.1 s
+        now[0] += 0.1
         assert w.observe(0, bytes([i])) == ""
-    assert w.stall_after(0) == hangwatch.STALL_FLOOR_S    # 3 x 0.5 s is under the floor
-    now[0] += 1.9
-    assert w.observe(0, bytes([9])) == ""                 # still 1.9 s: not yet
+    assert w.stall_after(0) == hangwatch.STALL_FLOOR_S    # 3 x 0.1 s is under the floor
+    now[0] += 0.4
+    assert w.observe(0, bytes([9])) == ""                 # still 0.4 s: not yet
     now[0] += 0.2
-    assert w.observe(0, bytes([9])) == STALLED            # still 2.1 s: stalled
+    assert w.observe(0, bytes([9])) == STALLED            # still 0.6 s: stalled
     now[0] += 1.0
     assert w.observe(0, b"z") == MOVED                    # a reported stall is no usual stretch:
     assert w.stall_after(0) == hangwatch.STALL_FLOOR_S    # the pause did not raise the stall time
@@ -289,9 +289,9 @@ def test_cpu_time_outside_collectives_is_computing_and_a_throttled_rank_is_not_s
     assert w.observe(1, b"a") == ""
     w.touch(1, stepped=True)
     ticks = 100
-    for _ in range(6):                                    # 3 s of compute, counters still
-        now[0] += 0.5
-        ticks += 1                                        # a few percent of a core
+    for _ in range(30):                                   # 3 s of compute, counters still
+        now[0] += 0.1
+        ticks += 1000                                     # a microsecond a look: a CPU throttled hard
         w.sample(1, ticks, in_collective=False)
         assert w.process(1, "stopped") == ""              # stopped at this look, but it ran within CPU_STILL_S
     assert w.computing(1) and w.observe(1, b"a") == STALLED
@@ -299,7 +299,7 @@ def test_cpu_time_outside_collectives_is_computing_and_a_throttled_rank_is_not_s
     now[0] += 0.5
     w.sample(1, ticks + 1, in_collective=False)
     assert w.observe(1, b"a") == ""                       # still computing: nothing new to say
-    now[0] += hangwatch.CPU_STILL_S
+    now[0] += hangwatch.CPU_STILL_S + 0.01
     w.sample(1, ticks + 1, in_collective=False)           # no CPU time for CPU_STILL_S: stopped for good, but
     assert w.process(1, "stopped") == "stopped" and w.computing(1) and w.observe(1, b"a") == ""  # computing still
     now[0] += hangwatch.COMPUTE_S - hangwatch.CPU_STILL_S
@@ -330,24 +330,31 @@ def test_the_counter_file_says_whether_the_rank_waits_in_an_operation(tmp_path) 
 
 
 def test_a_process_sample_reads_the_main_threads_cpu_time_and_a_stop(spinner) -> None:
-    from rankctl.worker.uplink.reporting import process_sample
+    """``worker.runs.procstat.sample``: a spinning process is runnable and its CPU nanoseconds advance; stopped
+    (SIGSTOP) it is "stopped" and they do not; a gone process is ``GONE``."""
+    from rankctl.worker.runs.procstat import GONE, sample
 
     p, _ = spinner
-    state, ticks = process_sample(p.pid)
-    assert state == "" and isinstance(ticks, int)
+    first = sample(p.pid)
+    assert first.word == "" and isinstance(first.cpu_ns, int)
+    time.sleep(0.05)
+    assert sample(p.pid).cpu_ns > first.cpu_ns
     os.kill(p.pid, signal.SIGSTOP)
     try:
-        assert wait_state(p.pid, "stopped") and process_sample(p.pid)[1] >= ticks
+        assert wait_state(p.pid, "stopped")
+        held = sample(p.pid)
+        time.sleep(0.05)
+        assert sample(p.pid).cpu_ns == held.cpu_ns and not held.runnable
     finally:
         os.kill(p.pid, signal.SIGCONT)
-    assert process_sample(2 ** 22 + 12345) == ("", None)
+    assert sample(2 ** 22 + 12345) == GONE
 
 
 def wait_state(pid: int, want: str) -> bool:
-    from rankctl.worker.uplink.reporting import process_sample
+    from rankctl.worker.runs.procstat import sample
 
     for _ in range(200):
-        if process_sample(pid)[0] == want:
+        if sample(pid).word == want:
             return True
         time.sleep(0.01)
     return False
@@ -403,3 +410,29 @@ def test_stack_of_a_running_and_a_stopped_process(spinner) -> None:
         assert "spin_here" in compact_stack(stack), stack  # --nonblocking reads a stopped process
     finally:
         os.kill(p.pid, signal.SIGCONT)
+
+
+def test_a_spin_in_python_is_the_same_main_thread_stack_twice_holding_the_gil() -> None:
+    """``hangwatch.spins`` reads two ``py-spy dump`` answers: the main thread holding the GIL at the same frames
+    both times spins; torch computing (the GIL released: ``(active)``), another frame, or another thread's
+    change is not (or, for the last, still is). ``HangWatch.spin`` makes a computing stall a spin until the rank
+    moves."""
+    spin = 'Thread 7 (active+gil): "MainThread"\n    spin (job.py:5)\n    <module> (job.py:13)\n'
+    other = 'Thread 8 (idle): "Thread-1"\n    wait (threading.py:320)\n'
+    assert hangwatch.spins(spin + other, spin + other.replace("320", "331"))
+    assert not hangwatch.spins(spin, spin.replace("job.py:5", "job.py:6"))
+    assert not hangwatch.spins(spin, spin.replace("active+gil", "active"))
+    assert not hangwatch.spins("no stack: py-spy failed: x", "no stack: py-spy failed: x")
+    now = [0.0]
+    w = HangWatch(10.0, clock=lambda: now[0])
+    w.observe(1, b"a")
+    w.touch(1, stepped=True)
+    for i in range(1, 8):
+        now[0] += 0.1
+        w.sample(1, i * 10 ** 6, in_collective=False)
+    assert w.observe(1, b"a") == STALLED and w.computing(1)
+    w.spin(1)
+    assert not w.computing(1) and w.spinning(1) and w.observe(1, b"a") == ""
+    assert '"spinning":true' in evidence_json(None, 1.0, spinning=True)
+    now[0] += 0.1
+    assert w.observe(1, b"b") == MOVED and not w.spinning(1)

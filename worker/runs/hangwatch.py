@@ -1,26 +1,28 @@
 """Hang evidence on the node: which live rank's collective counters stopped moving, and its stack.
 
 The daemon looks at each running rank's counter file (``contract.files.collfiles``, written by
-``runtime.collectives``) twice a second (``HangWatch.observe``: one read of a 1.2 KB file, compared
-byte for byte). A rank whose counters, step and phase have not moved for its stall time is *stalled*:
-the daemon sends ONE report for it with ``RankStatus.collectives`` (``evidence_json``: its groups, counts,
-the operation it waits in, what it is busy with) and ``RankStatus.stack`` (``stack_of``: ``py-spy dump
---nonblocking``, which also reads a stopped process, or the rank's faulthandler answer to SIGUSR1). When
-the rank moves again, one report with ``MOVED_JSON`` withdraws the evidence; a new stall sends a new one.
-The coordinator judges a job hung from that evidence (``coordinator.diagnosis.pace``, ``coordinator.diagnosis.hangs``).
+``runtime.collectives``) and its process (``worker.runs.procstat``) every 0.1 s (``HangWatch.observe``: one
+read of a 1.2 KB file, compared byte for byte, and two small reads under ``/proc``). A rank whose counters, step
+and phase have not moved for its stall time is *stalled*: the daemon sends ONE report for it with
+``RankStatus.collectives`` (``evidence_json``: its groups, counts, the operation it waits in, what it is busy
+with, whether it computes) and ``RankStatus.stack`` (``stack_of``: ``py-spy dump --nonblocking``, which also
+reads a stopped process, or the rank's faulthandler answer to SIGUSR1). When the rank moves again, one report
+with ``MOVED_JSON`` withdraws the evidence; a new stall sends a new one. The coordinator judges a job hung from
+that evidence (``coordinator.diagnosis.pace``, ``coordinator.diagnosis.hangs``).
 
 The stall time adapts to the rank (``HangWatch.stall_after``): ``STALL_FACTOR`` times the median of its
 recent still stretches that ended (between two movements, once it reported a step), at least
 ``STALL_FLOOR_S``; at most, and before its first step, ``stall_cap(restart.hang_timeout)``
 (``min(hang_timeout / 2, 30 s)``). A rank whose collectives come every few milliseconds sends its
-evidence after ~2 s; one whose steps are minutes of computation between collectives, on that scale.
+evidence after ~0.5 s; one whose steps are minutes of computation between collectives, on that scale.
 
-CPU time is evidence too (``sample``: the main thread's, read with its process state): a rank whose CPU time
-advanced within ``COMPUTE_S`` while it was in no collective *computes* (``"computing":true`` in its
-evidence, re-sent when that changes during a stall: ``CHANGED``): a slow or throttled rank, not a hung one.
-Its process is reported stopped only once it is stopped and its CPU time has been still for ``CPU_STILL_S``
-(a rank SIGSTOPped and SIGCONTed in turn, throttled, keeps running), and a stopped rank is stalled at once:
-its evidence (whether it computes) goes out with its stop.
+CPU time is evidence too (``sample``: the main thread's nanoseconds, with its process state): a rank whose CPU
+time advanced within ``COMPUTE_S`` while it was in no collective, or that was runnable there (a starved rank
+on a loaded node), *computes* (``"computing":true`` in its evidence, re-sent when that changes during a stall:
+``CHANGED``): a slow or throttled rank, not a hung one. Its process is reported stopped only once it is stopped
+and its CPU time has been still for ``CPU_STILL_S`` (a rank SIGSTOPped and SIGCONTed in turn, throttled as
+``cpulimit`` does, keeps running); a traced one (a debugger) at once; a stopped or traced rank is stalled at
+once: its evidence (its groups, the operation it is in) goes out with its stop.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from rankctl.contract.files import collfiles
 from rankctl.contract.spec import DEFAULT_HANG_TIMEOUT_S
 
 STALL_MAX_S = 30.0          # a rank still for this long is stalled, whatever the hang timeout
-STALL_FLOOR_S = 2.0         # ... and one still for less never is
+STALL_FLOOR_S = 0.5         # ... and one still for less never is
 STALL_FACTOR = 3.0          # times the median of its recent still stretches
 STILL_WINDOW = 32           # still stretches remembered per rank
 EVIDENCE_CHARS = 4096       # RankStatus.collectives at most
@@ -52,9 +54,9 @@ MEMBERS_SHOWN = 64          # members of the group a rank waits in (its other gr
 MEMBERS_OTHER = 8
 KIND_CHARS = 64
 STACK_TIMEOUT_S = 5.0       # py-spy, or the faulthandler answer, within this
-CPU_STILL_S = 1.5           # a stopped process whose CPU time was still for this long is stopped for good
-COMPUTE_S = 5.0             # CPU time advanced outside collectives within this: computing (rides out a starved
-                            # throttled rank's gaps)
+SPIN_GAP_S = 0.3            # between the two stacks that tell a spin in Python from computing
+CPU_STILL_S = 0.3           # a stopped process whose CPU time was still for this long is stopped for good
+COMPUTE_S = 1.0             # CPU time advanced (or runnable) outside collectives within this: computing
 MOVED_JSON = '{"moved":true}'  # the rank moved again: the evidence sent for its stall no longer holds
 STALLED, MOVED, CHANGED = "stalled", "moved", "changed"
 
@@ -82,10 +84,11 @@ class _Rank:
     reported_at: float | None = None  # when its stall was reported (None: not stalled, or moved since)
     stepped: bool = False             # it reported a step: its still stretches count from then
     stills: deque = field(default_factory=lambda: deque(maxlen=STILL_WINDOW))
-    ticks: int | None = None          # its main thread's CPU time at the last look
+    cpu_ns: int | None = None         # its main thread's CPU time at the last look
     ran_at: float = float("-inf")     # when that last advanced
     computed_at: float = float("-inf")  # ... while it was in no collective
     computing: bool = False           # what the evidence of its current stall says
+    spinning: bool = False            # its current stall: the same Python stack twice, holding the GIL
     evidence: str = ""                # the evidence of its current stall, and its stack (re-sent with a CHANGED)
     stack: str = ""
 
@@ -138,7 +141,7 @@ class HangWatch:
             self._moved(r, now)
         if r.reported_at is not None:
             if r.moved_at > r.reported_at:
-                r.reported_at, r.evidence, r.stack = None, "", ""
+                r.reported_at, r.evidence, r.stack, r.spinning = None, "", "", False
                 return MOVED
             if self.computing(rank) != r.computing:
                 r.computing = not r.computing
@@ -150,27 +153,42 @@ class HangWatch:
         return ""
 
     # -- CPU time ---------------------------------------------------------------------------
-    def sample(self, rank: int, ticks: int | None, in_collective: bool) -> None:
-        """One look at the rank's main thread's CPU time (``ticks``; None: unknown), ``in_collective`` now."""
+    def sample(self, rank: int, cpu_ns: int | None, in_collective: bool, runnable: bool = False) -> None:
+        """One look at the rank's main thread: its CPU time (``cpu_ns``; None: unknown), whether it is
+        ``runnable`` (it wants the CPU), ``in_collective`` now."""
         now = self._clock()
         r = self._ranks.get(rank)
         if r is None:
             r = self._ranks[rank] = _Rank(None, now)
-        if ticks is not None and r.ticks is None:
+        if cpu_ns is not None and r.cpu_ns is None:
             r.ran_at = now   # the first look: stopped for good only after CPU_STILL_S more
-        elif ticks is not None and ticks > r.ticks:
+        elif cpu_ns is not None and cpu_ns > r.cpu_ns:
             r.ran_at = now
             if not in_collective:
                 r.computed_at = now
-        r.ticks = ticks if ticks is not None else r.ticks
+        if runnable and not in_collective:
+            r.computed_at = now
+        r.cpu_ns = cpu_ns if cpu_ns is not None else r.cpu_ns
 
     def computing(self, rank: int) -> bool:
-        """Its CPU time advanced within ``COMPUTE_S`` while it was in no collective."""
+        """Its CPU time advanced (or it was runnable) within ``COMPUTE_S`` while it was in no collective, and
+        its current stall is not a spin (``spin``)."""
         r = self._ranks.get(rank)
-        return r is not None and self._clock() - r.computed_at < COMPUTE_S
+        return r is not None and not r.spinning and self._clock() - r.computed_at < COMPUTE_S
+
+    def spin(self, rank: int) -> None:
+        """Its current stall is a spin in Python (``spins``): it computes nothing, whatever its CPU time says."""
+        r = self._ranks.get(rank)
+        if r is not None and r.reported_at is not None:
+            r.spinning, r.computing = True, False
+
+    def spinning(self, rank: int) -> bool:
+        r = self._ranks.get(rank)
+        return r is not None and r.spinning
 
     def process(self, rank: int, state: str) -> str:
-        """The process state to report: "stopped" once stopped with its CPU time still for ``CPU_STILL_S``."""
+        """The process state to report: "stopped" once stopped with its CPU time still for ``CPU_STILL_S``;
+        "traced" at once."""
         r = self._ranks.get(rank)
         still = r is None or self._clock() - r.ran_at >= CPU_STILL_S
         return state if state != "stopped" or still else ""
@@ -199,11 +217,13 @@ class HangWatch:
 
 # -- the evidence ----------------------------------------------------------------------------
 def evidence_json(counters: dict[str, Any] | None, still_s: float, limit: int = EVIDENCE_CHARS,
-                  computing: bool = False) -> str:
+                  computing: bool = False, spinning: bool = False) -> str:
     """A rank's counters as compact JSON, at most ``limit`` characters: ``{"still_s", "computing"?, "wait_s",
     "activity"?, "groups": [{kind, members, size, entered, completed, op, since, in}]}``; the group it waits in
-    comes first. ``computing``: its CPU time advances outside any collective (``HangWatch.computing``)."""
-    doc: dict[str, Any] = {"still_s": round(still_s, 1), **({"computing": True} if computing else {}), "groups": []}
+    comes first. ``computing``: its CPU time advances outside any collective (``HangWatch.computing``);
+    ``spinning``: it spins in Python there (``HangWatch.spin``)."""
+    doc: dict[str, Any] = {"still_s": round(still_s, 1), **({"computing": True} if computing else {}),
+                           **({"spinning": True} if spinning else {}), "groups": []}
     if counters is None:
         doc["counters"] = False  # no counter file: not a torch rank, or not yet started
         return json.dumps(doc, separators=(",", ":"))
@@ -314,6 +334,29 @@ async def faulthandler_dump(pid: int, log: str, timeout: float = STACK_TIMEOUT_S
     if m is None:
         return f"no stack: no faulthandler answer within {timeout:g} s"
     return _cut(text[m.start():].strip())
+
+
+def _main_thread(dump: str) -> tuple[str, str] | None:
+    """(its state: "active+gil" ..., its frames) of the main thread in a ``py-spy dump`` answer."""
+    lines = dump.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^Thread \S+ \(([a-z+]+)\): \"MainThread\"", line)
+        if m:
+            frames = []
+            for frame in lines[i + 1:]:
+                if frame.startswith("Thread "):
+                    break
+                frames.append(frame)
+            return m.group(1), "\n".join(frames)
+    return None
+
+
+def spins(first: str, second: str) -> bool:
+    """Two ``py-spy dump`` answers of one rank, ``SPIN_GAP_S`` apart, say it spins in Python: its main thread
+    held the GIL in both (torch's kernels release it: a rank computing in torch shows ``(active)``, one
+    spinning in bytecode ``(active+gil)``) at the very same frames and lines."""
+    a, b = _main_thread(first), _main_thread(second)
+    return a is not None and b is not None and "gil" in a[0] and "gil" in b[0] and a[1] == b[1]
 
 
 async def stack_of(pid: int, stopped: bool, log: str, py_spy: str | None) -> str:

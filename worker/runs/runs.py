@@ -18,13 +18,14 @@ from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.files import shm
 from rankctl.worker.uplink.outbox import Outbox
 from rankctl.worker.replication.replication import Replication
-from rankctl.worker.uplink.reporting import exit_code, exit_status, how_ended, process_state, to_wire
+from rankctl.worker.runs.procstat import held, process_state
+from rankctl.worker.uplink.reporting import exit_code, exit_status, how_ended, to_wire
 from rankctl.worker.runs.runstate import RunState
 from rankctl.worker.replication.savewake import SaveWake
 from rankctl.worker.daemon.tasks import Background
 from rankctl.worker.runs.watch import ProcessWatch
 
-WATCH_EVERY = 5               # poll turns between two looks at the ranks' process states (0.5 s)
+WATCH_EVERY = 1               # poll turns between two looks at the ranks' process states (0.1 s)
 REPLICATE_EVERY = 1           # poll turns between two looks for new steps to push (every 0.1 s: a step written just
                               # before a fault is on the peer; bench/recovery.py lost 3 steps in 6 of 9 runs at 2)
 CONTINUE_AFTER_S = 0.5        # a cancelled job's stopped ranks are continued this long after the kill
@@ -204,7 +205,7 @@ class Runs:
                 continue
             for rank in sorted(run.alive):
                 pid = run.pids.get(rank)
-                if pid and process_state(pid) == "stopped":
+                if pid and held(process_state(pid)):
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGCONT)
                         self._log.info("stopped rank continued to end it", job=job_id, rank=rank, pid=pid)

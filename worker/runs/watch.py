@@ -14,7 +14,7 @@ from rankctl.contract.files.rankfiles import log_path
 from rankctl.proto import rankctl_pb2 as pb
 from rankctl.worker.runs import hangwatch
 from rankctl.worker.uplink.outbox import Outbox
-from rankctl.worker.uplink.reporting import process_sample, process_state
+from rankctl.worker.runs.procstat import GONE, held, process_state, sample
 from rankctl.worker.runs.runstate import RunState
 from rankctl.worker.daemon.tasks import Background
 
@@ -43,7 +43,7 @@ class ProcessWatch:
                 state = self._process(run, rank, pid, sig)
                 if not watched:
                     continue
-                seen = run.hangs.observe(rank, sig, stopped=state == "stopped")
+                seen = run.hangs.observe(rank, sig, stopped=held(state))
                 if seen == hangwatch.STALLED:
                     self._stalled(runs, run, rank, pid, state)
                 elif seen == hangwatch.CHANGED:  # it began or stopped computing: its evidence says so
@@ -54,9 +54,10 @@ class ProcessWatch:
 
     def _process(self, run: RunState, rank: int, pid: int | None, sig: bytes | None) -> str:
         """The rank's process state, its CPU time sampled (``HangWatch.sample``); a change is reported."""
-        state, ticks = process_sample(pid) if pid else ("", None)
+        seen = sample(pid) if pid else GONE
+        state = seen.word
         if run.hangs is not None and pid:
-            run.hangs.sample(rank, ticks, in_collective(sig))
+            run.hangs.sample(rank, seen.cpu_ns, in_collective(sig), seen.runnable)
             state = run.hangs.process(rank, state)
         if state != run.process.get(rank, ""):
             run.process[rank] = state
@@ -82,7 +83,7 @@ class ProcessWatch:
         """The rank's evidence now (its counters, read here), kept for its stall."""
         hangs = run.hangs
         evidence = hangwatch.evidence_json(read_counters(run.run_dir, rank), hangs.still_for(rank),
-                                           computing=hangs.computing(rank))
+                                           computing=hangs.computing(rank), spinning=hangs.spinning(rank))
         return hangs.keep(rank, evidence)[0]
 
     def _changed(self, run: RunState, rank: int, state: str) -> None:
@@ -94,12 +95,21 @@ class ProcessWatch:
                                         stack=run.hangs.keep(rank)[1]))
 
     async def _send_stack(self, run: RunState, rank: int, pid: int, current: Callable[[], bool]) -> None:
-        """The stalled rank's stack (a stopped process's too: not by SIGUSR1), sent with its newest evidence."""
+        """The stalled rank's stack (a stopped process's too: not by SIGUSR1), sent with its newest evidence. A
+        rank that computes by its CPU time is looked at twice, ``SPIN_GAP_S`` apart: the same Python stack both
+        times, holding the GIL, is a spin (``hangwatch.spins``), and its evidence says so."""
         token = run.hangs.stalled(rank) if run.hangs is not None else None
+        spinning = False
         try:
             async with self._stacks:
-                stopped = process_state(pid) == "stopped"
+                stopped = held(process_state(pid))
                 stack = await hangwatch.stack_of(pid, stopped, log_path(run.run_dir, rank), self._py_spy)
+                if self._py_spy and not stopped and run.hangs is not None and run.hangs.computing(rank) \
+                        and "+gil" in stack:
+                    await asyncio.sleep(hangwatch.SPIN_GAP_S)
+                    if not held(process_state(pid)):
+                        again = await hangwatch.py_spy_dump(self._py_spy, pid)
+                        spinning = hangwatch.spins(stack, again)
         except OSError as exc:
             stack = f"no stack: {exc}"
         if rank not in run.alive or run.hangs is None or run.hangs.stalled(rank) != token or token is None \
@@ -107,6 +117,10 @@ class ProcessWatch:
             return  # it exited, or moved again meanwhile: this evidence no longer holds
         state = run.hangs.process(rank, process_state(pid))
         run.process[rank] = state  # the report carries the process state the coordinator keeps
+        if spinning:
+            run.hangs.spin(rank)
+            self._log.warning("stalled rank spins", job=run.job_id, rank=rank, pid=pid)
+            self._evidence(run, rank)
         evidence, _ = run.hangs.keep(rank, stack=stack)   # the newest evidence of this stall (a CHANGED's)
         self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state, collectives=evidence,
                                         stack=stack))

@@ -144,27 +144,6 @@ def stamp_update(status: pb.RankStatus, ts: Any) -> None:
         status.update_time.FromNanoseconds(int(ts * 1e9))
 
 
-def process_state(pid: int) -> str:
-    """"stopped" when the process is stopped (``T``/``t``), else "" (or gone)."""
-    return process_sample(pid)[0]
-
-
-def process_sample(pid: int) -> tuple[str, int | None]:
-    """(``process_state``, the CPU time its main thread used so far, in clock ticks; None: gone), from one read
-    of ``/proc/PID/task/PID/stat`` (the main thread's own: a torch process's helper threads do not count)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/stat", "rb") as f:
-            data = f.read(1024)
-    except OSError:
-        return "", None
-    fields = data[data.rfind(b")") + 2:].split()  # after "(comm)", which may itself hold ")"
-    state = "stopped" if fields[:1] in ([b"T"], [b"t"]) else ""
-    try:
-        return state, int(fields[11]) + int(fields[12])   # utime, stime (fields 14 and 15 of proc(5))
-    except (IndexError, ValueError):
-        return state, None
-
-
 def exit_code(ev: dict[str, Any]) -> int:
     """A launcher ``exited`` event's status: the exit code, or minus the signal number."""
     if ev.get("exit_code") is not None:

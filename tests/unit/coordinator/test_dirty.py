@@ -51,3 +51,23 @@ def test_a_failing_turn_is_logged_and_the_marks_wait_for_the_next() -> None:
         await asyncio.sleep(0)
         assert dirty.take() == ({"a": False}, False)
     asyncio.run(main())
+
+
+def test_a_job_asked_for_later_is_marked_once_at_the_soonest_time() -> None:
+    """``later``: a judgement that time alone changes before the tick (a stop held long enough, a hang's limit)
+    marks the job then and turns the core; of several asks the soonest is kept, and none without a loop."""
+    turns: list[tuple[dict, bool]] = []
+    dirty = Dirty(lambda: turns.append(dirty.take()))
+
+    async def main() -> None:
+        dirty.later("a", 0.2)
+        dirty.later("a", 0.05)          # sooner: kept
+        dirty.later("a", 0.1)           # later than the one asked for: dropped
+        await asyncio.sleep(0.02)
+        assert turns == []
+        await asyncio.sleep(0.06)
+        assert turns == [({"a": False}, False)]
+        await asyncio.sleep(0.2)
+        assert turns == [({"a": False}, False)]   # the dropped and the superseded ones mark nothing
+    asyncio.run(main())
+    Dirty().later("a", 0.1)             # no loop: nothing asked, nothing raised

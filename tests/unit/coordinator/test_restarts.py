@@ -141,14 +141,14 @@ def test_a_job_whose_ranks_stop_advancing_is_hung_and_restarts_naming_the_stoppe
     world.clock.t += 15
     for n in ("n0", "n1"):
         world.core.heartbeat(world.nodes[n].session)
-    world.core.tick(loop_lag=10)                      # 10 of the 15 s the coordinator itself was stalled
+    world.core.tick(loop_lag=14.8)                    # 14.8 of the 15 s the coordinator itself was stalled
     assert job.state is S.RUNNING
     world.clock.t += 16
     for n in ("n0", "n1"):
         world.core.heartbeat(world.nodes[n].session)
     world.core.tick()
     assert job.state is S.RESTARTING, job.reason
-    assert "hang: no rank advanced for 21 s (restart.hang_timeout=20)" in job.reason
+    assert "hang: no rank advanced for 16 s (a rank stopped for 16.5 s while no rank advanced" in job.reason, job.reason
     assert "rank 2 stopped (SIGSTOP or a debugger) on n1" in job.reason and "slowest step 0 held by rank 2" in job.reason
 
 
