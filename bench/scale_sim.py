@@ -94,6 +94,17 @@ class Sim:
         self.failed: list[tuple[int, float, str]] = []  # (daemon index, seconds since start, debug text)
         self.attempts: dict[int, Counter[str]] = {}  # attempt -> counts and last times (unix s) of its events
         self.t0 = time.monotonic()
+        self.hung = 0   # attempts up to this one are hung (``hang``): their ranks step no more
+
+    def hang(self, victim: int, world: int) -> None:
+        """``bench/scale_hang.py``: every attempt now playing stops stepping, and each daemon sends, in one batch,
+        what its real counterpart sends once its ranks' counters stood still: one report a rank with its evidence
+        (``worker.runs.hangwatch.evidence_json``: waiting in the job's all-reduce that ``victim`` never entered),
+        ``victim`` reported stopped."""
+        self.hung = max((a for d in self.daemons for a, _ in d.playing.values()), default=0)
+        for d in self.daemons:
+            for job_id, (attempt, ranks) in list(d.playing.items()):
+                asyncio.get_running_loop().create_task(d.send_evidence(job_id, attempt, ranks, victim, world))
 
     def parsed(self, text: str) -> dict:
         """The dict of a metrics text this simulator made (cached: the generator's CPU is the limit)."""
@@ -172,6 +183,7 @@ class Daemon:
         self.up_seq = 0                           # the last batch it handed to its head
         self.carried: list[tuple[pb.NodeBatch, Callable[[], None] | None]] = []   # as a head: batches to send
         self.playing: dict[str, tuple[int, list[int]]] = {}  # job id -> (attempt, ranks), for a re-Register
+        self.stepped: dict[str, int] = {}   # job id -> the last step its ranks reported
 
     async def write(self, msg: pb.NodeMessage, handed: Callable[[], None] | None = None) -> None:
         """Write on the current stream; across a reconnect, on the next one (the seq drops a replay).
@@ -400,6 +412,22 @@ class Daemon:
         sim.counts["sent_reports"] += len(reports)
         return True
 
+    async def send_evidence(self, job_id: str, attempt: int, ranks: list[int], victim: int, world: int) -> None:
+        step = self.stepped.get(job_id, 0)
+        members = list(range(min(world, 64)))
+
+        def evidence(rank: int) -> str:
+            group = {"kind": "tp", "members": members, "size": world, "entered": step + (rank != victim),
+                     "completed": step, "op": "all_reduce", "since": round(time.time(), 3), "in": rank != victim}
+            return json.dumps({"still_s": 0.5, "wait_s": 0.0, "groups": [group]}, separators=(",", ":"))
+        reports = []
+        for r in ranks:
+            self.seq += 1
+            reports.append(pb.RankReport(job_id=job_id, attempt=attempt, seq=self.seq, status=pb.RankStatus(
+                rank=r, node=self.name, phase="running", step=step, process="stopped" if r == victim else "",
+                collectives=evidence(r), update_time=self.sim.stamp())))
+        await self.send(reports, job_id, attempt, folded=True)
+
     async def play(self, job_id: str, attempt: int, ranks: list[int], t_recv: float) -> None:
         """Play the ranks through their phases, steps and exit; return once the attempt is no longer this daemon's."""
         sim, period, steps = self.sim, self.sim.period, self.sim.ns.steps
@@ -434,8 +462,11 @@ class Daemon:
             t += period
         for k in range(k0, steps + 1):
             await tick()
+            while attempt <= sim.hung and self.playing.get(job_id, (0,))[0] == attempt:
+                await asyncio.sleep(0.1)   # hung (``Sim.hang``): no more steps, until a Cancel or a newer Assign
             if not await self.send(step(k), job_id, attempt, folded=True):   # one report a rank, each its own
                 return                                                      # step time: nothing folds
+            self.stepped[job_id] = k
             t += period
         await tick()
         if not await self.send([self.report(job_id, attempt, r, "done", steps, result='{"ok":true}') for r in ranks],
@@ -503,6 +534,9 @@ async def amain(ns: argparse.Namespace) -> None:
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if not line or line.strip() == "stop":
             break
+        if line.startswith("hang "):   # "hang VICTIM WORLD" (``bench/scale_hang.py``)
+            victim, world = (int(x) for x in line.split()[1:3])
+            sim.hang(victim, world)
     sim.stopping = True
     rep.cancel()
     frozen.cancel()

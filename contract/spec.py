@@ -105,8 +105,8 @@ class RestartSpec(Section):
     collective_timeout: StrictFloat = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
     """Seconds every rank's process groups wait in one collective before giving up."""
     hang_timeout: StrictFloat = Field(DEFAULT_HANG_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
-    """Seconds a RUNNING job may go without any rank advancing before its attempt is hung: the upper bound; once
-    the job's pace is known a hang is judged in a few of its step times."""
+    """Seconds a RUNNING job may go without any rank advancing before its attempt is hung: the upper bound; a
+    stopped rank is a hang in about a second, a blocked or spinning one in a few of the job's step times."""
     preflight: StrictBool | None = None
     """A check of a few seconds over the job's groups and links before each attempt's first step; a node it
     finds bad is excluded and the attempt restarts without it. null: on for multi-node jobs."""
