@@ -6,14 +6,16 @@ with its defaults serves the job's simulated daemons (``bench/scale_sim.py``, as
 once its slowest rank stored step ``--hang-step``, every generator is told ``hang VICTIM WORLD`` at t0 (unix
 time; everything runs on this one machine): each simulated daemon stops stepping and sends, in one batch, what a
 real daemon sends once its ranks' counters stood still (``worker.runs.hangwatch``): one report a rank with its
-evidence (waiting in the job's all-reduce), the victim's process "stopped". Measured on the coordinator's clock:
+evidence (waiting in the job's all-reduce), the victim's process "stopped"; the victim's daemon at t0 (the moment
+a real one confirms the stop), the others 0.2 s later (when theirs see their ranks still for their 0.5 s stall
+time). Measured on the coordinator's clock:
 
   t0 -> the attempt failed (its RESTARTING event), and whether the reason names ``rank VICTIM stopped``.
 
 What the daemons add before t0 (their 0.1 s look, the 0.3 s in which a stopped rank's CPU time must stay still)
-is the same at every size; the coordinator's rule holds a stop ``coordinator.diagnosis.pace.STOP_HOLD_S`` on its
-own clock. The figure is flat when the coordinator's intake and judgement of 16,384 ranks' evidence cost no more
-than of 8.
+is the same at every size; the coordinator's rule holds a stop ``coordinator.diagnosis.pace.STOP_HOLD_S`` (0.6 s)
+on its own clock and waits up to ``EVIDENCE_GRACE_S`` more for every rank's evidence. The figure is flat when the
+coordinator's intake and judgement of 16,384 ranks' evidence fit in that hold.
 
     python bench/scale_hang.py [--ranks 8,64,512,4096,16384] [--slots 8] [--step-rate 0.5] [--hang-step 3]
 """
@@ -84,7 +86,7 @@ async def one_size(ns: argparse.Namespace, ranks: int, root: Path) -> dict:
         job = await client.GetJob(pb.GetJobRequest(job_id=job_id, summary_only=True), timeout=60)
         reason = job.attempts[0].reason if job.attempts else job.reason
         out["named"] = f"rank {victim} stopped" in reason
-        out["reason"] = reason[:160]
+        out["reason"] = reason[:240]
         await client.CancelJob(pb.CancelJobRequest(job_id=job_id, reason="bench done"), timeout=60)
     finally:
         await channel.close()
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument("--step-rate", type=float, default=0.5)
     ap.add_argument("--hang-step", type=int, default=3)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="print each attempt's reason (its start)")
     ns = ap.parse_args()
     print(f"{'ranks':>7} {'nodes':>6} {'acted on':>9}  named")
     rows = []
@@ -131,6 +134,8 @@ def main() -> None:
         acted = r.get("acted_s", math.nan)
         print(f"{r['ranks']:>7} {r['nodes']:>6} {acted:>8.2f}s  {'yes' if r.get('named') else 'NO'}"
               f"{'  ' + r['error'] if r.get('error') else ''}", flush=True)
+        if ns.verbose:
+            print(f"        reason: {r.get('reason', '')}")
     done = [r["acted_s"] for r in rows if not math.isnan(r.get("acted_s", math.nan))]
     if len(done) >= 2:
         print(f"largest / smallest: {done[-1] / done[0]:.2f}x (flat: the coordinator's cost does not grow with the "

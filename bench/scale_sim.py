@@ -47,6 +47,7 @@ from rankctl.worker.uplink.reportfold import fold
 from rankctl.worker.uplink.reporting import exit_status, stamp_update, step_figures
 
 FREEZE_EVERY_S = 1.0   # survivors into the permanent generation this often (``amain``)
+PEERS_AFTER_S = 0.2    # ``Sim.hang``: the peers' evidence after the stopped rank's
 MAX_MSG = 16 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MSG),
@@ -98,13 +99,18 @@ class Sim:
 
     def hang(self, victim: int, world: int) -> None:
         """``bench/scale_hang.py``: every attempt now playing stops stepping, and each daemon sends, in one batch,
-        what its real counterpart sends once its ranks' counters stood still: one report a rank with its evidence
-        (``worker.runs.hangwatch.evidence_json``: waiting in the job's all-reduce that ``victim`` never entered),
-        ``victim`` reported stopped."""
+        what its real counterpart sends once its ranks' counters stood still (``worker.runs.hangwatch``): one report
+        a rank with its evidence (waiting in the job's all-reduce that ``victim`` never entered), ``victim``
+        reported stopped. The victim's daemon sends at once (it confirmed the stop); the others ``PEERS_AFTER_S``
+        later, as theirs see their ranks' counters stand still for their stall time (0.5 s, the stop's 0.3 s
+        confirmation already past)."""
         self.hung = max((a for d in self.daemons for a, _ in d.playing.values()), default=0)
+        loop = asyncio.get_running_loop()
         for d in self.daemons:
             for job_id, (attempt, ranks) in list(d.playing.items()):
-                asyncio.get_running_loop().create_task(d.send_evidence(job_id, attempt, ranks, victim, world))
+                delay = 0.0 if victim in ranks else PEERS_AFTER_S
+                loop.call_later(delay, lambda d=d, j=job_id, a=attempt, r=ranks: loop.create_task(
+                    d.send_evidence(j, a, r, victim, world)))
 
     def parsed(self, text: str) -> dict:
         """The dict of a metrics text this simulator made (cached: the generator's CPU is the limit)."""
@@ -414,7 +420,8 @@ class Daemon:
 
     async def send_evidence(self, job_id: str, attempt: int, ranks: list[int], victim: int, world: int) -> None:
         step = self.stepped.get(job_id, 0)
-        members = list(range(min(world, 64)))
+        low = max(0, min(victim - 32, world - 64))
+        members = list(range(low, min(world, low + 64)))   # the members shown: the victim's neighbours
 
         def evidence(rank: int) -> str:
             group = {"kind": "tp", "members": members, "size": world, "entered": step + (rank != victim),

@@ -15,9 +15,9 @@ JSON, "the tp group [2, 3]: entered 83, completed 82, in all_reduce since T") an
 * each named rank: where it was last seen (node, phase, step, process state) and its stack's first frames.
 
 Pure and bounded: one pass over the job's rank records (attribute and substring checks); JSON is parsed
-only for the ranks it compares: the stopped and spinning ones, the members of at most ``GROUPS_COMPARED``
-groups some rank waits in (their shown members), so a hang of 65,536 ranks costs about what one of a few
-thousand does. The text is cut at ``REASON_CHARS``. Without evidence the reason is what the coordinator
+only for the ranks it compares: the stopped and spinning ones, the first ``WAITING_READ`` waiting ranks, the
+members of at most ``GROUPS_COMPARED`` groups some rank waits in (their shown members), so a hang of 65,536 ranks
+costs about what one of a thousand does. The text is cut at ``REASON_CHARS``. Without evidence the reason is what the coordinator
 alone knows (stopped ranks, the slowest step).
 """
 
@@ -28,11 +28,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from rankctl.coordinator.diagnosis.pace import NAMING_EVIDENCE
 from rankctl.coordinator.diagnosis.progress import rank_span
 from rankctl.coordinator.model.records import RankRecord
 
 P2P_OPS = frozenset({"batch_isend_irecv", "send", "recv", "isend", "irecv"})
 GROUPS_COMPARED = 256    # groups some rank waits in, compared member by member, at most
+WAITING_READ = NAMING_EVIDENCE   # waiting ranks whose evidence is read to find those groups, at most
 GROUP_LINES = 4          # of them named in the reason
 DETAILED = 3             # ranks described with where they were last seen and their stack
 SPAN_RANKS = 64          # ranks listed in one span
@@ -300,9 +302,9 @@ def _waiting_groups(roots: list[int], sent: list[RankRecord], evidence: _Evidenc
                     waiting.setdefault(group_key(g), _waiting(other))
                     head.add(group_key(g))
                     break
-    for r in sorted(r.rank for r in sent if BLOCKED_SEEN in r.collectives):
-        if len(waiting) >= GROUPS_COMPARED:
-            break
+    for i, r in enumerate(sorted(r.rank for r in sent if BLOCKED_SEEN in r.collectives)):
+        if len(waiting) >= GROUPS_COMPARED or i >= WAITING_READ:
+            break   # (every rank of a big job waiting in one group: 65,536 parses would hold the loop a second)
         ev = evidence.get(r)
         if ev is not None and ev.waits_in is not None and group_key(ev.waits_in) not in waiting:
             waiting[group_key(ev.waits_in)] = _waiting(ev)

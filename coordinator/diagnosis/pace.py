@@ -11,8 +11,8 @@ step or phase for that long is hung, whatever it shows. Within it (``Pace.hung``
   ``hang_timeout`` only), every live rank of the job stopped together (a suspend, a gang scheduler: nobody
   waits for anybody), and a rank stopped and continued in turn (a CPU throttle: its CPU time advances). A
   longer stop of some ranks while the others wait cannot be told from a rank stopped for good: it is acted
-  on. The judgement waits up to ``EVIDENCE_GRACE_S`` for the peers' evidence, so that the reason names the
-  group and the operation they wait in.
+  on. The judgement waits up to ``EVIDENCE_GRACE_S`` for the peers' evidence (``NAMING_EVIDENCE`` ranks' at
+  most: the reason reads no more), so that the reason names the group and the operation they wait in.
 * **a blocked rank**: every live rank's daemon sent its evidence (each is still past its own stall time), none
   says it is busy with a checkpoint, a snapshot or a restore (``ctx.busy``), none computes (its CPU time advances,
   or it is runnable, outside any collective: a slow or throttled rank; the ranks waiting for it are no hang),
@@ -48,6 +48,7 @@ PACE_WINDOW = 16      # step intervals remembered
 PACE_MIN_STEPS = 2    # step intervals seen before the pace is trusted (until then: restart.hang_timeout)
 EVIDENCE_GRACE_S = 0.5   # past the limit, how long a judgement waits for the evidence and stacks not in yet
 STOP_HOLD_S = 0.6        # a stop the daemon confirmed, held this long here: a hang
+NAMING_EVIDENCE = 1024   # a stop waits for this many ranks' evidence at most (what ``hangs`` reads of the waiting)
 STOP_CONFIRM_S = 0.3     # the daemon reports a stop once its CPU time was still this long (hangwatch.CPU_STILL_S)
 
 MOVED = '{"moved":true}'     # evidence withdrawn (``worker.runs.hangwatch.MOVED_JSON``)
@@ -161,7 +162,7 @@ class Pace:
             return False   # a debugger holds a rank, or the whole job is stopped: a pause
         held = self.stop_held(now)
         if held is not None and held >= STOP_HOLD_S and idle >= STOP_HOLD_S:
-            heard = live is None or self._heard(self.evidenced) >= live
+            heard = live is None or self._heard(self.evidenced) >= min(live, NAMING_EVIDENCE)
             return heard or held >= STOP_HOLD_S + EVIDENCE_GRACE_S
         limit = self.limit(hang_timeout)
         if idle <= limit or not self.waits():

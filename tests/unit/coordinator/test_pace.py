@@ -218,3 +218,17 @@ def test_due_is_the_pace_limit_while_ranks_wait() -> None:
     assert p.due(0.5, 300, 10.0) is None           # nobody waits: nothing time alone decides before the tick
     p.evidence(0, WAITING)
     assert p.due(0.5, 300, 10.0) == pytest.approx(PACE_FLOOR_S - 0.5)
+
+
+def test_a_stop_in_a_big_job_waits_for_no_more_evidence_than_the_reason_reads() -> None:
+    """At 16,384 ranks every rank's evidence takes the coordinator longer to take in than the stop's hold: the
+    stop is judged once NAMING_EVIDENCE ranks' evidence is in (what ``hangs`` reads of the waiting ranks)."""
+    from rankctl.coordinator.diagnosis.pace import NAMING_EVIDENCE, STOP_HOLD_S
+
+    p = paced(0.5)
+    p.process(9000, "stopped", now=10.0)
+    for r in range(NAMING_EVIDENCE - 2):
+        p.evidence(r, WAITING)
+    assert not p.hung(1.0, 300, live=16384, now=10.0 + STOP_HOLD_S + 0.1)
+    p.evidence(NAMING_EVIDENCE, WAITING)          # with the stopped rank: enough to name it
+    assert p.hung(1.0, 300, live=16384, now=10.0 + STOP_HOLD_S + 0.1)
