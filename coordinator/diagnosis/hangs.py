@@ -226,6 +226,18 @@ def _where(rec: RankRecord | None, ev: Evidence | None, rank: int) -> str:
             f"{doing}; stack: {compact_stack(rec.stack)}")
 
 
+def stop_line(rec: RankRecord) -> str:
+    """The event naming a rank the daemon saw stopped or traced, as soon as it did: where, and in what."""
+    ev = parse(rec)
+    g = ev.waits_in if ev is not None else None
+    doing = f"in {primary(str(g.get('kind', '')))} {g.get('op', '?')} #{g.get('entered', 0)}" if g else \
+        "in no collective" if ev is not None else "no counters yet"
+    if rec.process == "traced":
+        return f"rank {rec.rank} held by a debugger (traced) on {rec.node}, {doing}: a pause"
+    return (f"rank {rec.rank} stopped (SIGSTOP) on {rec.node}, {doing}, step {rec.step}: a hang if it stays "
+            f"stopped about a second")
+
+
 BLOCKED_SEEN = '"in":true'   # in a rank's evidence: it waits in a group (a substring test, no parse)
 
 

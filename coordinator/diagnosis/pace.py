@@ -48,6 +48,7 @@ PACE_WINDOW = 16      # step intervals remembered
 PACE_MIN_STEPS = 2    # step intervals seen before the pace is trusted (until then: restart.hang_timeout)
 EVIDENCE_GRACE_S = 0.5   # past the limit, how long a judgement waits for the evidence and stacks not in yet
 STOP_HOLD_S = 0.6        # a stop the daemon confirmed, held this long here: a hang
+ANNOUNCE_EVERY_S = 10.0  # a rank's stops are named in an event at most this often
 NAMING_EVIDENCE = 1024   # a stop waits for this many ranks' evidence at most (what ``hangs`` reads of the waiting)
 STOP_CONFIRM_S = 0.3     # the daemon reports a stop once its CPU time was still this long (hangwatch.CPU_STILL_S)
 
@@ -71,6 +72,7 @@ class Pace:
     stopped: dict[int, float] = field(default_factory=dict)   # rank -> when its stop was reported
     traced: set[int] = field(default_factory=set)             # held by a tracer (a debugger)
     suspended: bool = False   # the last judgement found every live rank stopped (a suspend)
+    announced: dict[int, float] = field(default_factory=dict)  # rank -> when a stop of it was last named
     computing: set[int] = field(default_factory=set)  # ranks whose evidence says their CPU time advances
     evidenced: set[int] = field(default_factory=set)  # ranks whose evidence is in (withdrawn: out again)
     reported: set[int] = field(default_factory=set)   # ... with their stack
@@ -107,6 +109,15 @@ class Pace:
                 self.stopped[other] = now
         (self.traced.add if state == "traced" else self.traced.discard)(rank)
         self.paused = self.paused or state in ("stopped", "traced")
+
+    def announce(self, rank: int, now: float) -> bool:
+        """The rank is stopped or traced and no stop of it was named within ``ANNOUNCE_EVERY_S`` (then it is
+        now): one event a stop, at most one a rank in that time, whatever a throttle's stops and starts."""
+        if (rank not in self.stopped and rank not in self.traced) or \
+                now - self.announced.get(rank, float("-inf")) < ANNOUNCE_EVERY_S:
+            return False
+        self.announced[rank] = now
+        return True
 
     def discount(self, lag: float) -> None:
         """The coordinator's own loop stood still ``lag`` seconds: that time does not count towards a stop."""

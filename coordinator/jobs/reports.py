@@ -23,6 +23,7 @@ from rankctl.coordinator.model import rankbounds as bounds
 from rankctl.coordinator.api.convert import update_seconds
 from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.fleet.nodes import NodeSession
+from rankctl.coordinator.diagnosis.hangs import stop_line
 from rankctl.coordinator.diagnosis.preflight import parse as parse_preflight
 from rankctl.coordinator.diagnosis.progress import JobProgress, rank_span, stopped_on_request
 from rankctl.coordinator.model.records import JobRecord, RankRecord, RankUpdate
@@ -228,6 +229,8 @@ class ReportApplier:
         if st.collectives or st.stack:  # hang evidence: counters that stopped moving (memory only)
             old.collectives, old.stack = bounds.collectives(st.collectives), bounds.stack(st.stack)
             progress.pace.evidence(old.rank, old.collectives, old.stack)
+        if old.process and progress.pace.announce(old.rank, self._clock()):   # named at once, before any judgement
+            self._book.event(job, "stopped", stop_line(old), old)
         progress.reports += 1
         step = st.step
         if step and step != old.step:

@@ -344,6 +344,10 @@ def test_pauses_are_no_hang_and_a_rank_stopped_for_good_is_named_and_restarted_i
     assert reason.startswith("hang: no rank advanced for") and "(a rank stopped for" in reason, reason
     assert "restart.hang_timeout=300" in reason, reason
     assert f"rank {VICTIM} stopped (SIGSTOP or a debugger) on node-" in reason, reason
+    named = [m for k, m in events(three.address, job) if k == "stopped"]   # named at once, before any judgement:
+    assert {int(m.split()[1]) for m in named} == {0, 1, 2, 3}, named         # the suspend's four ranks at least
+    assert all(re.match(r"rank \d stopped \(SIGSTOP\) on node-\d, (in \w+ \w+ #\d+|in no collective)", m)
+               for m in named), named
     due = [m for m in re.finditer(r"(\w+) group \[([\d, ]+)\] waits in \w+ #\d+ \(([^)]*)\): "
                                   r"ranks? ([\d, -]+) (never entered it|not in it|stopped inside it)", reason)
            if VICTIM in _span(m.group(4)) and VICTIM in [int(r) for r in m.group(2).split(", ")]]

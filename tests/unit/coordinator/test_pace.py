@@ -232,3 +232,18 @@ def test_a_stop_in_a_big_job_waits_for_no_more_evidence_than_the_reason_reads() 
     assert not p.hung(1.0, 300, live=16384, now=10.0 + STOP_HOLD_S + 0.1)
     p.evidence(NAMING_EVIDENCE, WAITING)          # with the stopped rank: enough to name it
     assert p.hung(1.0, 300, live=16384, now=10.0 + STOP_HOLD_S + 0.1)
+
+
+def test_a_stop_is_named_at_once_and_a_ranks_stops_at_most_once_in_a_while() -> None:
+    from rankctl.coordinator.diagnosis.pace import ANNOUNCE_EVERY_S
+
+    p = Pace()
+    assert not p.announce(1, 0.0)                 # not stopped: nothing to name
+    p.process(1, "stopped", now=1.0)
+    assert p.announce(1, 1.0) and not p.announce(1, 1.1)
+    p.process(1, "", now=2.0)
+    p.process(1, "stopped", now=3.0)              # a throttle's next stop: not named again so soon
+    assert not p.announce(1, 3.0)
+    assert p.announce(1, 1.0 + ANNOUNCE_EVERY_S)
+    p.process(2, "traced", now=4.0)               # a debugger's hold is named too (as a pause)
+    assert p.announce(2, 4.0)

@@ -4,6 +4,8 @@ spare, and a job out of restarts fails with every attempt's reason."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 
 import pytest
@@ -138,6 +140,10 @@ def test_a_job_whose_ranks_stop_advancing_is_hung_and_restarts_naming_the_stoppe
             job.id, 1, RankRecord(r, job.nodes[r // 2], "running", 1 if r != 2 else 0), "", 100 + r))
     stopped = RankUpdate(job.id, 1, RankRecord(2, "n1", "", 0, process="stopped"), "", 200)
     world.deliver(world.nodes["n1"].session, stopped)
+    world.deliver(world.nodes["n1"].session, replace(stopped, seq=201))   # the same stop again: named once
+    named = [e.message for e in world.core.events(job.id) if e.kind == "stopped"]
+    assert named == ["rank 2 stopped (SIGSTOP) on n1, no counters yet, step 0: a hang if it stays stopped about "
+                     "a second"], named
     world.clock.t += 15
     for n in ("n0", "n1"):
         world.core.heartbeat(world.nodes[n].session)
