@@ -1,9 +1,9 @@
 """A rank under torchrun or NVRx ``ft_launcher`` for ``bench/peers.py``: torch and nvidia-resiliency-ext only.
 
-    torchrun ... bench/peers/elastic_rank.py OUT [--ft] [--calc-at N]
+    torchrun ... bench/peers/elastic_rank.py OUT [plain|ft|ft-calc-at-N]
 
-Builds the default gloo group from the launcher's environment and runs ``workload.loop``. ``--ft``: a
-``RankMonitorClient`` connects to the launcher's rank monitor and sends one heartbeat each step; ``--calc-at N``
+Builds the default gloo group from the launcher's environment and runs ``workload.loop``. ``ft``: a
+``RankMonitorClient`` connects to the launcher's rank monitor and sends one heartbeat each step; ``ft-calc-at-N``
 also calls ``calculate_and_set_hb_timeouts()`` after step N (NVRx's heartbeat integration guide, step 4: once a
 sufficient range of heartbeat intervals has been observed), every attempt again (no checkpoint keeps them).
 """
@@ -12,7 +12,6 @@ import time
 
 STARTED = time.time()
 
-import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
@@ -24,25 +23,22 @@ import workload  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--ft", action="store_true")
-    ap.add_argument("--calc-at", type=int, default=0)
-    ns = ap.parse_args()
+    out, mode = sys.argv[1], (sys.argv[2:] or ["plain"])[0]   # positional: ft_launcher takes any --ft... prefix
+    calc_at = int(mode.rsplit("-", 1)[1]) if mode.startswith("ft-calc-at-") else 0
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
-    status = workload.Status(ns.out, rank, STARTED, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    status = workload.Status(out, rank, STARTED, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                              group=int(os.environ.get("GROUP_RANK", 0)))
     each = None
-    if ns.ft:
+    if mode != "plain":
         from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
         client = RankMonitorClient()
         client.init_workload_monitoring()
 
-        def each(step: int) -> None:
+        def each(step: int, _value: float) -> None:
             client.send_heartbeat()
-            if step == ns.calc_at:
+            if step == calc_at:
                 client.calculate_and_set_hb_timeouts()
                 if rank == 0:
                     print(f"heartbeat timeouts calculated at step {step}: {client.hb_timeouts}", flush=True)

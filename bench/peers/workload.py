@@ -34,10 +34,11 @@ def tensor(step: int):  # noqa: ANN201
 
 
 def loop(allreduce, status: Status, steps: int = STEPS, each=None) -> None:  # noqa: ANN001
-    """``steps`` steps of all-reduce, sleep, status line; ``each(step)`` after each line (heartbeats, ...)."""
+    """``steps`` steps of all-reduce, sleep, status line; ``each(step, value)`` after each line (heartbeats, reports)."""
     for step in range(1, steps + 1):
-        allreduce(tensor(step))
+        t = tensor(step)
+        allreduce(t)
         time.sleep(STEP_S)
         status.write(step)
         if each is not None:
-            each(step)
+            each(step, float(t[0]))
