@@ -346,7 +346,8 @@ def test_pauses_are_no_hang_and_a_rank_stopped_for_good_is_named_and_restarted_i
     assert f"rank {VICTIM} stopped (SIGSTOP or a debugger) on node-" in reason, reason
     named = [m for k, m in events(three.address, job) if k == "stopped"]   # named at once, before any judgement:
     assert {int(m.split()[1]) for m in named} == {0, 1, 2, 3}, named         # the suspend's four ranks at least
-    assert all(re.match(r"rank \d stopped \(SIGSTOP\) on node-\d, (in \w+ \w+ #\d+|in no collective)", m)
+    assert all(re.match(r"rank \d stopped \(SIGSTOP\) on node-\d, (in \w+ \w+ #\d+|in no collective|no counters yet)",
+                        m)
                for m in named), named
     due = [m for m in re.finditer(r"(\w+) group \[([\d, ]+)\] waits in \w+ #\d+ \(([^)]*)\): "
                                   r"ranks? ([\d, -]+) (never entered it|not in it|stopped inside it)", reason)
@@ -496,7 +497,7 @@ for step in range(1, 13):
     time.sleep(0.05)
 """
 THROTTLED_RUN_S = 0.001   # of every 0.1 s: a CPU throttled to 1 %, as cpulimit does it (SIGSTOP / SIGCONT)
-THROTTLED_CPU_S = 0.08    # the CPU seconds of rank 1's long step: 8 s at 1 %
+THROTTLED_CPU_S = 0.12    # the CPU seconds of rank 1's long step: 12 s at 1 % (CI's throttle let through ~3 %)
 
 
 @pytest.fixture(scope="module")

@@ -40,10 +40,9 @@ class ProcessWatch:
                 pid = run.pids.get(rank)
                 watched = run.hangs is not None and run.phase.get(rank) == "running" and bool(pid)
                 sig = hangwatch.signature(run.run_dir, rank) if watched else None
-                state = self._process(run, rank, pid, sig)
-                if not watched:
-                    continue
-                seen = run.hangs.observe(rank, sig, stopped=held(state))
+                state, changed = self._process(run, rank, pid, sig)
+                seen = run.hangs.observe(rank, sig, stopped=held(state)) if watched and run.hangs else ""
+                # a stop goes out with its evidence, in one report (the coordinator names it with the operation)
                 if seen == hangwatch.STALLED:
                     self._stalled(runs, run, rank, pid, state)
                 elif seen == hangwatch.CHANGED:  # it began or stopped computing: its evidence says so
@@ -51,19 +50,22 @@ class ProcessWatch:
                 elif seen == hangwatch.MOVED:  # withdraw the evidence: the rank went on
                     self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state,
                                                     collectives=hangwatch.MOVED_JSON))
+                elif changed:
+                    self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state))
 
-    def _process(self, run: RunState, rank: int, pid: int | None, sig: bytes | None) -> str:
-        """The rank's process state, its CPU time sampled (``HangWatch.sample``); a change is reported."""
+    def _process(self, run: RunState, rank: int, pid: int | None, sig: bytes | None) -> tuple[str, bool]:
+        """(the rank's process state, whether it changed: the caller reports it), its CPU time sampled
+        (``HangWatch.sample``)."""
         seen = sample(pid) if pid else GONE
         state = seen.word
         if run.hangs is not None and pid:
             run.hangs.sample(rank, seen.cpu_ns, in_collective(sig), seen.runnable)
             state = run.hangs.process(rank, state)
-        if state != run.process.get(rank, ""):
-            run.process[rank] = state
-            self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state))
-            self._log.warning("rank process state", job=run.job_id, rank=rank, pid=pid, state=state or "running")
-        return state
+        if state == run.process.get(rank, ""):
+            return state, False
+        run.process[rank] = state
+        self._log.warning("rank process state", job=run.job_id, rank=rank, pid=pid, state=state or "running")
+        return state, True
 
     def _report(self, run: RunState, status: pb.RankStatus) -> None:
         self._outbox.report(run.job_id, run.attempt, status)
