@@ -248,10 +248,12 @@ class Client:
         with rpc_errors(self.address):
             return self.stub.UploadBlob(stream())
 
-    def logs(self, job_id: str, rank: int | None, follow: bool, tail: int, records: bool = False) -> Iterator[pb.LogLine]:
-        """What the ranks printed (``records``: rankctl's own record lines too, ``contract.files.logrecords``)."""
+    def logs(self, job_id: str, rank: int | None, follow: bool, tail: int, records: bool = False,
+             from_attempt: int = 0) -> Iterator[pb.LogLine]:
+        """What the ranks printed (``records``: rankctl's own record lines too, ``contract.files.logrecords``);
+        ``from_attempt`` (with ``follow``): every attempt from that one on, each to its end."""
         req = pb.GetLogsRequest(job_id=job_id, rank=rank or 0, all_ranks=rank is None, follow=follow, tail=tail,
-                                records=records)
+                                records=records, from_attempt=from_attempt)
         with rpc_errors(self.address):
             yield from self.stub.GetLogs(req)
 

@@ -38,6 +38,15 @@ class Ctx:
         return self._resolved
 
     @property
+    def configured(self) -> bool:
+        """A coordinator was chosen (flag, env or context), not only the default address."""
+        if self._resolved is not None and self.context is None:   # Ctx(coordinator=ADDR): that one, or the default
+            return self._given[0] is not None
+        from rankctl.cli.contexts import configured
+
+        return configured(self._given[0], self.context)
+
+    @property
     def coordinator(self) -> str:
         return self._resolve()[0]
 

@@ -169,6 +169,15 @@ def selected(config: Config, name: str | None, path: Path) -> Context | None:
     return config.contexts[name]
 
 
+def configured(coordinator: str | None, context: str | None) -> bool:
+    """Whether a coordinator was chosen at all (flag, env, a named or current context), rather than the default:
+    ``ctl run`` starts an embedded one when none was."""
+    if coordinator:
+        return True
+    path = config_path()
+    return selected(load(path), context, path) is not None
+
+
 def resolve(coordinator: str | None, tls_dir: str | None, context: str | None) -> tuple[str, str | None]:
     """The coordinator address and TLS directory, each: given (flag or env) > the selected context > default.
     The file is read only when something is missing or a context is named. A given address that cannot be one is

@@ -3,7 +3,8 @@
 A global option that follows the subcommand moves in front of it, unless the subcommand (or one of its
 own subcommands) defines an option of that name itself: ``ctl worker --coordinator`` and
 ``ctl worker --tls-dir`` stay the daemon's. Both ``--opt value`` and ``--opt=value`` move; ``--``
-ends the scan (what follows is an argument). The other way, ``ctl --json COMMAND`` moves the flag to
+ends the scan (what follows is an argument), and so does the first argument of a command that takes no options
+after its arguments (``ctl run train.py --coordinator X`` passes the flag to the script). The other way, ``ctl --json COMMAND`` moves the flag to
 the command (``lower_json``).
 """
 
@@ -64,10 +65,12 @@ def hoist(args: list[str], own: OptionSpec, command_of: Callable[[str], click.Co
     if command is None:
         return args
     spec = chain_spec(command, args[at + 1:])
+    # ``ctl run SCRIPT ARGS`` (no interspersed arguments): what follows SCRIPT is the script's, moved nowhere
+    passes = (command.context_settings or {}).get("allow_interspersed_args", True) is False
     moved, kept, i = [], args[:at + 1], at + 1
     while i < len(args):
         arg, name = args[i], _global_name(args[i])
-        if arg == "--":
+        if arg == "--" or (passes and not arg.startswith("-")):
             kept += args[i:]
             break
         take = 2 if (spec.get(arg) or (name and name not in spec and "=" not in arg)) else 1

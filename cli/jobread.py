@@ -28,16 +28,27 @@ class JobFile:
 
 def read_job_file(path: str, overrides: tuple[str, ...] | list[str]) -> JobFile:
     """Read, validate and check ``path`` once; CtlError (exit 2) naming the field, value and rule."""
-    from rankctl.contract.jobfile import SpecError, load_yaml_text, read_job_text
+    from rankctl.contract.jobfile import SpecError, read_job_text
+
+    try:
+        text = read_job_text(path)
+    except SpecError as exc:
+        raise CtlError(str(exc)) from None
+    return read_job_doc(text, path, Path(path).resolve().parent, overrides)
+
+
+def read_job_doc(text: str, source: str, job_dir: Path, overrides: tuple[str, ...] | list[str]) -> JobFile:
+    """A job file's ``text`` (named ``source`` in errors; relative paths against ``job_dir``), validated and
+    checked as ``read_job_file`` does."""
+    from rankctl.contract.jobfile import SpecError, load_yaml_text
     from rankctl.kinds import registry
     from rankctl.kinds.spec import build_spec, check_job, with_overrides
 
     sets = list(overrides)
     try:
-        text = read_job_text(path)
-        spec = build_spec(load_yaml_text(text, path), sets)
+        spec = build_spec(load_yaml_text(text, source), sets)
         hook = registry.get(spec.kind).resolve("client_overrides")
-        extra = hook(spec, Path(path).resolve().parent) if hook else []
+        extra = hook(spec, job_dir) if hook else []
         spec = with_overrides(spec, extra)
         layout = check_job(spec)
     except SpecError as exc:

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "worker": ("rankctl.cli.commands.daemons", "worker", "Run a worker daemon for this node."),
     "slurm": ("rankctl.cli.commands.slurm", "slurm", "Run jobs on Slurm allocations (submit from the login node)."),
     "up": ("rankctl.cli.commands.up", "up", "Run a job on this machine: coordinator + daemons, to its end."),
+    "run": ("rankctl.cli.commands.run", "run", "Run a script as torchrun would (its flags), as a rankctl job."),
     "checkpoint": ("rankctl.cli.commands.checkpoint", "checkpoint", "Work with training checkpoints (export)."),
     "certs": ("rankctl.cli.commands.certs", "certs", "Create a CA and issue node and user certificates (mutual TLS)."),
     "config": ("rankctl.cli.commands.config", "config", "Named contexts: coordinator address and TLS directory."),

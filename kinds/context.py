@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from rankctl.parallel.layout import RankLayout
 
 
+class RankExit(RuntimeError):
+    """A rank's code asked for this exit status (a script's ``sys.exit(code)``): the rank process exits with it
+    (1..255, as a shell sees it), so that the job's exit code is the program's own."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code if 0 < code < 256 else 1
+
+
 class StatusSink(Protocol):
     """The rank's status file (``runtime.status.StatusWriter``)."""
 

@@ -419,7 +419,7 @@ class ListWorkerPoolsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[WorkerPool, _Mapping]]] = ...) -> None: ...
 
 class Attempt(_message.Message):
-    __slots__ = ("attempt", "state", "reason", "start_time", "finish_time", "nodes", "world_size", "layout")
+    __slots__ = ("attempt", "state", "reason", "start_time", "finish_time", "nodes", "world_size", "layout", "failure")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +428,7 @@ class Attempt(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     state: str
     reason: str
@@ -436,7 +437,22 @@ class Attempt(_message.Message):
     nodes: int
     world_size: int
     layout: str
-    def __init__(self, attempt: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., nodes: _Optional[int] = ..., world_size: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    failure: Failure
+    def __init__(self, attempt: _Optional[int] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finish_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., nodes: _Optional[int] = ..., world_size: _Optional[int] = ..., layout: _Optional[str] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("cause", "node", "rank", "exit_code", "step")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    cause: str
+    node: str
+    rank: int
+    exit_code: int
+    step: int
+    def __init__(self, cause: _Optional[str] = ..., node: _Optional[str] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Assign(_message.Message):
     __slots__ = ("job_id", "attempt", "world_size", "first_rank", "rank_count", "rendezvous", "backend", "kind", "spec_json", "restart", "replica_peer", "restore_peer")
@@ -837,20 +853,22 @@ class ListNodesResponse(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
 
 class GetLogsRequest(_message.Message):
-    __slots__ = ("job_id", "rank", "all_ranks", "follow", "tail", "records")
+    __slots__ = ("job_id", "rank", "all_ranks", "follow", "tail", "records", "from_attempt")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ALL_RANKS_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    FROM_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     all_ranks: bool
     follow: bool
     tail: int
     records: bool
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ..., records: _Optional[bool] = ...) -> None: ...
+    from_attempt: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., all_ranks: _Optional[bool] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ..., records: _Optional[bool] = ..., from_attempt: _Optional[int] = ...) -> None: ...
 
 class LogLine(_message.Message):
     __slots__ = ("rank", "line", "attempt")

@@ -27,6 +27,7 @@ from rankctl.contract.assignment import RankAssignment
 from rankctl.contract.files.diskspace import disk_full_line
 from rankctl.contract.files.logrecords import RECORD_MARK
 from rankctl.kinds import registry
+from rankctl.kinds.context import RankExit
 from rankctl.runtime.collectives import CollectiveCounters, install
 from rankctl.runtime.context import RankContext, set_current
 from rankctl.runtime.preflight import EXCLUDE_GRACE_S, PreflightFailed, preflight_on
@@ -100,7 +101,8 @@ def _stack_on_sigusr1() -> bool:
 
 
 def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> int:
-    """Run one rank to completion; 0 on success, 1 on failure (the status file says why).
+    """Run one rank to completion; 0 on success, 1 on failure (the status file says why), or the code a
+    program asked for (``kinds.context.RankExit``).
 
     ``timeout_s`` overrides the job's ``restart.collective_timeout``. On failure the process
     group is left for the process exit to tear down: destroying a communicator whose peers
@@ -140,11 +142,12 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
         return 0
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the status file
         victim = victim_line(a.rank, seconds, phase) if is_collective_timeout(exc) else None
-        fields = _error_fields(exc, victim)
+        # a program's own exit (sys.exit(3)) is one line, no traceback: python prints none
+        fields = {"error": str(exc), "traceback": []} if isinstance(exc, RankExit) else _error_fields(exc, victim)
         log.error("failed", error=fields["error"], victim=victim is not None)
-        print("\n".join(fields["traceback"]), file=sys.stderr, flush=True)  # the last line is the reason
+        print("\n".join(fields["traceback"] or [fields["error"]]), file=sys.stderr, flush=True)  # last line: the reason
         status.write("failed", **fields)
-        return 1
+        return exc.code if isinstance(exc, RankExit) else 1
     finally:
         if dumps:
             faulthandler.unregister(signal.SIGUSR1)

@@ -35,6 +35,13 @@ def metrics_dict(metrics: Any) -> dict[str, Any]:
     return {k: int(v) if k == "step" else v for k, v in metrics.items()}
 
 
+def failure_to_dict(f) -> dict:  # noqa: ANN001 - pb.Failure
+    """An attempt's typed failure: cause, node, and rank, exit code and step where it has them (else null)."""
+    return {"cause": f.cause, "node": f.node or None, "rank": f.rank if f.HasField("rank") else None,
+            "exit_code": f.exit_code if f.HasField("exit_code") else None,
+            "step": f.step if f.HasField("step") else None}
+
+
 def job_to_dict(job: pb.Job) -> dict[str, Any]:
     """The documented ``ctl status --json`` shape (docs/adr/0014-status-and-results.md).
 
@@ -60,7 +67,8 @@ def job_to_dict(job: pb.Job) -> dict[str, Any]:
         "summary": summary_to_dict(job.summary) if job.HasField("summary") else None,
         "attempts": [{"attempt": a.attempt, "state": a.state or None, "reason": a.reason or None,
                       "started_at": seconds(a.start_time) or 0.0, "finished_at": seconds(a.finish_time),
-                      "nodes": a.nodes or None, "world_size": a.world_size or None, "layout": a.layout or None}
+                      "nodes": a.nodes or None, "world_size": a.world_size or None, "layout": a.layout or None,
+                      "failure": failure_to_dict(a.failure) if a.HasField("failure") else None}
                      for a in job.attempts],
         "result": from_struct(job.result) if job.HasField("result") else None,
         "allocation": allocation_to_dict(job.allocation) if job.HasField("allocation") else None,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rankctl.coordinator.model.allocation import Allocation, AllocationRequest
+from rankctl.coordinator.model.faults import Fault
 from rankctl.coordinator.fleet.nodes import NodeStatus
 from rankctl.coordinator.diagnosis.progress import SHOWN
 from rankctl.coordinator.model.records import EventRecord, JobRecord, NodeHello, RankRecord, RunningJob
@@ -93,10 +94,24 @@ def _attempt_to_pb(a: dict, job: JobRecord | None) -> pb.Attempt:
                      reason=a["reason"] if a["finished_at"] else "")
     stamp(msg.start_time, a["started_at"])
     stamp(msg.finish_time, a["finished_at"])
+    if (fault := Fault.from_json(a.get("fault_json") or "")) is not None:
+        msg.failure.CopyFrom(failure_to_pb(fault))
     nodes = a.get("nodes") or 0
     if job is not None and nodes:
         msg.nodes, msg.world_size = nodes, nodes * job.slots_per_node
         msg.layout = layout_words(job.spec.parallel, msg.world_size)
+    return msg
+
+
+def failure_to_pb(f: Fault) -> pb.Failure:
+    """A typed fault on the wire (its reason is the attempt's)."""
+    msg = pb.Failure(cause=f.cause.value, node=f.node)
+    if isinstance(f.rank, int):
+        msg.rank = f.rank
+    if isinstance(f.code, int) and -2**31 <= f.code < 2**31:
+        msg.exit_code = f.code
+    if isinstance(f.step, int) and -2**63 <= f.step < 2**63:
+        msg.step = f.step
     return msg
 
 

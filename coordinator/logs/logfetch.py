@@ -129,21 +129,55 @@ class _Reading:
     gone: set[int] = field(default_factory=set)
     down: dict[str, LogsUnavailable] = field(default_factory=dict)
     marked: set[int] = field(default_factory=set)   # ranks whose marker was sent and whose log has not come back
+    attempt: int = 0            # the attempt being read (0: the job's current one)
+    old_nodes: list[str] = field(default_factory=list)   # an earlier attempt's nodes, while it is read
+
+    old_of: int = 0             # the attempt ``old_nodes`` are of
+
+    def __post_init__(self) -> None:
+        self.attempt = self.attempt or self.job.attempt
+
+    def _nodes(self) -> list[str]:
+        """The nodes of the attempt being read: the job's, or an ended attempt's as stored (read once)."""
+        if self.attempt == self.job.attempt:
+            return self.job.nodes
+        if self.old_of != self.attempt:
+            self.old_nodes, self.old_of = self.core.store.attempts.nodes(self.job.id, self.attempt), self.attempt
+        return self.old_nodes
 
     def node_of(self, rank: int) -> str | None:
-        k = node_of_rank(rank, self.job.slots_per_node)
-        return self.job.nodes[k] if k < len(self.job.nodes) else None
+        k, nodes = node_of_rank(rank, self.job.slots_per_node), self._nodes()
+        return nodes[k] if k < len(nodes) else None
 
-    def refresh(self) -> None:
-        """Read the job again; a new attempt starts every rank's log afresh."""
-        job = self.core.get(self.job.id)
-        if job.attempt != self.job.attempt:
-            self.offsets.clear()
-            self.gone.clear()
-            self.marked.clear()
-        self.down.clear()
+    def ranks(self, request: pb.GetLogsRequest) -> range:
+        """The ranks a pass reads: the one asked for, or every rank of the attempt being read."""
+        return range(len(self._nodes()) * self.job.slots_per_node) if request.all_ranks \
+            else range(request.rank, request.rank + 1)
+
+    @property
+    def behind(self) -> bool:
+        """An earlier attempt than the job's is being read (``GetLogsRequest.from_attempt``)."""
+        return self.attempt < self.job.attempt
+
+    def refresh(self, every: bool = False) -> None:
+        """Read the job again; a new attempt starts every rank's log afresh (``every``: only once the earlier
+        attempts were read to their ends, ``next_attempt``)."""
+        job = self.core.get(self.job.id)   # the live record: it changes in place
         self.job = job
+        if job.attempt != self.attempt and not every:
+            self._switch(job.attempt)
+        self.down.clear()
         self.gone = {r for r in self.gone if not self._connected(self.node_of(r))}
+
+    def next_attempt(self) -> None:
+        """On to the attempt after the one read to its end."""
+        self._switch(self.attempt + 1)
+
+    def _switch(self, attempt: int) -> None:
+        self.attempt = attempt
+        self.offsets.clear()
+        self.gone.clear()
+        self.marked.clear()
 
     def _connected(self, node: str | None) -> bool:
         session = self.core.nodes.get(node) if node is not None else None
@@ -158,7 +192,7 @@ class _Reading:
         if node in self.down:
             return await self._archived(rank, offset, tail) or self.down[node]
         try:
-            return await self.core.logfetch.fetch(node, self.job.id, self.job.attempt, rank, offset=offset,
+            return await self.core.logfetch.fetch(node, self.job.id, self.attempt, rank, offset=offset,
                                                   tail=tail, max_lines=MAX_LINES, records=self.records)
         except LogsUnavailable as exc:
             self.down.setdefault(node, exc)
@@ -169,7 +203,7 @@ class _Reading:
         archive = getattr(self.core, "logarchive", None)
         if archive is None:
             return None
-        return await asyncio.to_thread(archive.chunk, self.job.id, self.job.attempt, rank, offset, tail,
+        return await asyncio.to_thread(archive.chunk, self.job.id, self.attempt, rank, offset, tail,
                                        self.records)
 
     async def lines(self, rank: int, first: pb.LogChunk | LogsUnavailable,
@@ -190,7 +224,7 @@ class _Reading:
             chunk = await self._fetch(rank, chunk.next_offset, 0)
 
     def _line(self, rank: int, text: str) -> pb.LogLine:
-        return pb.LogLine(rank=rank, line=text, attempt=self.job.attempt)
+        return pb.LogLine(rank=rank, line=text, attempt=self.attempt)
 
     def _marker(self, rank: int, why: pb.LogChunk | LogsUnavailable) -> list[str]:
         """Why the rank's log cannot be shown, and the last error the rank reported (once an outage); asked no more
@@ -235,14 +269,13 @@ async def _pass(reading: _Reading, ranks: Iterator[int], max_chunks: int) -> Asy
             task.cancel()
 
 
-def _ranks(job: Any, request: pb.GetLogsRequest) -> range:
+def _check(job: Any, request: pb.GetLogsRequest) -> None:
     if request.tail < 0 or request.tail > MAX_LINES:
         raise InvalidRequest(f"tail {request.tail} must be between 0 and {MAX_LINES} lines")
-    if request.all_ranks:
-        return range(job.world_size)
-    if not 0 <= request.rank < job.world_size:
+    if request.from_attempt < 0:
+        raise InvalidRequest(f"from_attempt {request.from_attempt} must be 0 (the current attempt) or an attempt")
+    if not request.all_ranks and not 0 <= request.rank < job.world_size:
         raise InvalidRequest(f"rank {request.rank} is not a rank of job {job.id} (world size {job.world_size})")
-    return range(request.rank, request.rank + 1)
 
 
 async def get_logs(core: Any, request: pb.GetLogsRequest, *,
@@ -251,20 +284,27 @@ async def get_logs(core: Any, request: pb.GetLogsRequest, *,
 
     What the program printed; with ``records``, rankctl's own record lines too (``contract.files.logrecords``).
     ``tail``: the last lines per rank, else each whole log. ``follow``: then new lines every
-    ``poll_s`` until the job is terminal, with one last round after that. A job not placed yet has
-    no lines (with ``follow``: until it is placed). Raises JobNotFound/AmbiguousJob/InvalidRequest;
+    ``poll_s`` until the job is terminal, with one last round after that; with ``from_attempt`` too, from that
+    attempt on, each read to its end before the next (what a rank printed before a restart is not skipped). A job
+    not placed yet has no lines (with ``follow``: until it is placed). Raises JobNotFound/AmbiguousJob/InvalidRequest;
     an unreachable node never fails the call (see ``_Reading._marker``).
     """
     job = core.get(request.job_id)
-    ranks = _ranks(job, request)
-    reading = _Reading(core, job, request.tail, request.records)
+    _check(job, request)
+    every = request.follow and request.from_attempt > 0
+    reading = _Reading(core, job, request.tail, request.records, attempt=min(request.from_attempt, job.attempt))
     done = is_terminal(job.state)  # read before each round (the record changes in place): the last round
-    async for line in _pass(reading, iter(ranks), FIRST_PASS_CHUNKS):  # begins after the job ended
+    async for line in _pass(reading, iter(reading.ranks(request)), FIRST_PASS_CHUNKS):  # begins after the job ended
         yield line
     reading.tail = 0
-    while request.follow and not done:
-        await asyncio.sleep(poll_s)
-        reading.refresh()
+    while request.follow and (not done or reading.behind):
+        if not reading.behind:
+            await asyncio.sleep(poll_s)
+        reading.refresh(every)
         done = is_terminal(reading.job.state)
-        async for line in _pass(reading, iter(ranks), FOLLOW_CHUNKS):
+        if reading.behind:   # the earlier attempt's last lines, then the next one's from its start
+            async for line in _pass(reading, iter(reading.ranks(request)), FIRST_PASS_CHUNKS):
+                yield line
+            reading.next_attempt()
+        async for line in _pass(reading, iter(reading.ranks(request)), FOLLOW_CHUNKS):
             yield line

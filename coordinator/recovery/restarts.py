@@ -133,6 +133,8 @@ class Restarts:
             case Fail(reason, abandon):
                 if abandon:
                     self._stops.forget(job.id)
+                if fault is not None:   # kept with the last attempt too: clients read the job's exit code from it
+                    self._store.attempts.store_fault(job.id, job.attempt, fault.to_json())
                 self.finish(job, S.FAILED, reason, stop=not abandon)
             case Wait():
                 pass

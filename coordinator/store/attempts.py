@@ -79,10 +79,10 @@ class AttemptTable:
 
     def listed(self, job_id: str, last: int = 0) -> list[dict]:
         """The job's attempts, oldest first (``last`` > 0: only the newest ``last``), with how many nodes each ran
-        on but not their names."""
+        on but not their names, and each one's stored fault (``fault_json``, "" for none)."""
         cur = self._store.read(
             "SELECT * FROM (SELECT job_id, attempt, rendezvous, started_at, finished_at, state, reason, cause, "
-            "json_array_length(nodes_json) AS nodes FROM attempts "
+            "fault_json, json_array_length(nodes_json) AS nodes FROM attempts "
             "WHERE job_id=? ORDER BY attempt DESC LIMIT ?) ORDER BY attempt", (job_id, last if last > 0 else -1))
         names = [d[0] for d in cur.description]
         return [dict(zip(names, row)) for row in cur.fetchall()]

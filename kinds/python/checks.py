@@ -15,7 +15,8 @@ from rankctl.kinds.python.spec import PythonSpec
 from rankctl.kinds.registry import Shipment
 
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-FUNCTION_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+FUNCTION_RE = re.compile(MODULE_RE.pattern + r":[A-Za-z_][A-Za-z0-9_]*")
 
 
 def is_function(entrypoint: str) -> bool:
@@ -23,14 +24,28 @@ def is_function(entrypoint: str) -> bool:
     return FUNCTION_RE.fullmatch(entrypoint) is not None
 
 
+def _module_errors(module: str, entry: str) -> list[str]:
+    if entry:
+        return [f"python.module {shown(module)} and python.entrypoint {shown(entry)}: give one of them, not both"]
+    if not MODULE_RE.fullmatch(module):
+        return [f"python.module {shown(module)} is not a dotted module name (package.module, as python -m takes)"]
+    return []
+
+
 def errors(spec: JobSpec, cfg) -> list[str]:  # noqa: ANN001 - ParallelConfig, unused
-    entry = spec.python.entrypoint
+    entry, module = spec.python.entrypoint, spec.python.module
+    if module:
+        return _module_errors(module, entry) or _control_errors(spec.python, entry)
     if not entry.strip():
-        return ["python.entrypoint is required: a script (train.py) or a function (package.module:function)"]
+        return ["python.entrypoint is required: a script (train.py) or a function (package.module:function); "
+                "or python.module (python -m)"]
     if "\x00" in entry or (":" in entry and not is_function(entry) and not entry.endswith(".py")):
         return [f"python.entrypoint {shown(entry)} is neither a script path (ending in .py) "
                 "nor package.module:function"]
-    cfg = spec.python
+    return _control_errors(spec.python, entry)
+
+
+def _control_errors(cfg: PythonSpec, entry: str) -> list[str]:
     paths = [(f, t) for f, t in (("python.entrypoint", entry), ("python.workdir", cfg.workdir or ""))
              if CONTROL_RE.search(t)]
     envs = [(f"python.env {shown(k, 40)}", v) for k, v in cfg.env.items() if "\x00" in k + str(v)]
@@ -53,8 +68,8 @@ def absolute_workdir(spec: JobSpec, job_dir: Path) -> list[str]:
         except (OSError, RuntimeError) as exc:   # a loop of links, a name too long
             raise SpecError([f"python.workdir {shown(cfg.workdir)} cannot be resolved here: {shown(str(exc))}"]) \
                 from None
-    if is_function(cfg.entrypoint) or Path(cfg.entrypoint).is_absolute():
-        return []
+    if cfg.module or is_function(cfg.entrypoint) or Path(cfg.entrypoint).is_absolute():
+        return []   # a module or a function is imported (the worker's own directory, when no workdir is shipped)
     return [literal_override("python.workdir", job_dir)]
 
 
@@ -64,7 +79,7 @@ def shipment(spec: JobSpec) -> Shipment | None:
     if cfg is None or not cfg.workdir or cfg.workdir_blob:
         return None
     entry = cfg.entrypoint
-    script = not is_function(entry) and not os.path.isabs(entry) and not entry.startswith("~")
+    script = bool(entry) and not is_function(entry) and not os.path.isabs(entry) and not entry.startswith("~")
     return Shipment(directory=cfg.workdir, max_mb=cfg.workdir_max_mb, field="python.workdir_blob",
                     source="python.workdir", cap="python.workdir_max_mb",
                     inside=("python.entrypoint", entry) if script else None)

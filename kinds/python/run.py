@@ -14,7 +14,7 @@ import runpy
 import sys
 from typing import Any
 
-from rankctl.kinds.context import RankContext
+from rankctl.kinds.context import RankContext, RankExit
 from rankctl.kinds.python.checks import is_function
 
 
@@ -45,8 +45,14 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _call(entrypoint: str, args: list[str], workdir: str | None) -> None:
-    """Run the script as ``__main__`` (``python script.py args``) or import and call the function."""
+def _call(entrypoint: str, module: str, args: list[str], workdir: str | None) -> None:
+    """Run the script as ``__main__`` (``python script.py args``), the module (``python -m module args``), or
+    import and call the function."""
+    if module:
+        sys.argv = [module, *args]   # runpy puts the module's file in argv[0], as python -m does
+        sys.path.insert(0, workdir or os.getcwd())
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
     if is_function(entrypoint):
         sys.argv = [entrypoint, *args]
         sys.path.insert(0, workdir or os.getcwd())
@@ -69,12 +75,13 @@ def run(ctx: RankContext) -> dict[str, Any]:
         if not os.path.isdir(workdir):
             raise FileNotFoundError(f"python.workdir {workdir!r} is not a directory on node {ctx.node}")
         os.chdir(workdir)
-    ctx.log.info("python", entrypoint=cfg.entrypoint, args=len(cfg.args), workdir=workdir)
+    ctx.log.info("python", entrypoint=cfg.entrypoint, module=cfg.module, args=len(cfg.args), workdir=workdir)
     try:
-        _call(cfg.entrypoint, list(cfg.args), workdir)
+        _call(cfg.entrypoint, cfg.module, list(cfg.args), workdir)
     except SystemExit as exc:
         code = _exit_code(exc)
         if code != 0:
-            raise RuntimeError(f"{cfg.entrypoint} exited with code {code}") from None
+            what = f"-m {cfg.module}" if cfg.module else cfg.entrypoint
+            raise RankExit(code, f"{what} exited with code {code}") from None
     return ctx.reported()
 

@@ -29,7 +29,11 @@ class PythonSpec(Section):
     """Your own script or function, run in every rank with torchrun's environment and the job's groups."""
 
     entrypoint: StrictStr = Field("", max_length=MAX_TEXT)
-    """What each rank runs: a script (``train.py``) or a function (``package.module:function``)."""
+    """What each rank runs: a script (``train.py``) or a function (``package.module:function``); or give
+    ``module`` instead."""
+    module: StrictStr = Field("", max_length=MAX_TEXT)
+    """A module each rank runs as ``__main__`` (``python -m package.module``, torchrun's ``-m``), found on the
+    workdir or installed on the nodes; instead of ``entrypoint``."""
     args: list[Text] = Field(default_factory=list, max_length=MAX_ARGS)
     """The script's arguments (``sys.argv[1:]``)."""
     env: dict[StrictStr, Text] = Field(default_factory=dict, max_length=MAX_ENV)

@@ -97,6 +97,9 @@ def _hoist(*args: str) -> list[str]:
     (["config", "current-context", "--coordinator", "h:1"], ["--coordinator", "h:1", "config", "current-context"]),
     (["certs", "issue", "ca", "--context", "p"], ["--context", "p", "certs", "issue", "ca"]),
     (["nosuch", "--coordinator", "h:1"], ["nosuch", "--coordinator", "h:1"]),
+    (["run", "--nnodes", "2", "--coordinator", "h:1", "t.py", "--coordinator", "x"],
+     ["--coordinator", "h:1", "run", "--nnodes", "2", "t.py", "--coordinator", "x"]),  # after SCRIPT: the script's
+    (["run", "-m", "pkg.mod", "--context=p"], ["run", "-m", "pkg.mod", "--context=p"]),
 ])
 def test_global_options_after_the_subcommand_move_in_front_of_it(args: list[str], expected: list[str]) -> None:
     assert _hoist(*args) == expected

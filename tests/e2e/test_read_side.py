@@ -491,4 +491,12 @@ def test_ctl_json_keeps_its_shape_with_times_from_the_timestamps_and_the_result_
     assert done["attempts"] == [{"attempt": 1, "state": "SUCCEEDED", "reason": None, "started_at": 1_700_000_001.0,
                                  "finished_at": 1_700_000_100.5, "nodes": record.nodes_needed,
                                  "world_size": record.world_size,
-                                 "layout": convert.layout_words(record.spec.parallel, record.world_size)}]
+                                 "layout": convert.layout_words(record.spec.parallel, record.world_size),
+                                 "failure": None}]
+    failed = convert.attempts_to_pb([{"attempt": 2, "state": "FAILED", "reason": "r", "started_at": 1.0,
+                                      "finished_at": 2.0, "fault_json": '{"cause":"rank-exit","reason":"r",'
+                                      '"node":"n1","rank":5,"code":-9,"step":null,"detail":"x"}'}], record)
+    msg.ClearField("attempts")
+    msg.attempts.extend(failed)
+    assert job_to_dict(msg)["attempts"][0]["failure"] == {"cause": "rank-exit", "node": "n1", "rank": 5,
+                                                          "exit_code": -9, "step": None}
