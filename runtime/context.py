@@ -150,6 +150,10 @@ class RankContext:
             return dist.group.WORLD
         if pgs.size(name) > 1:
             return pgs[name]
+        return self.alone()
+
+    def alone(self) -> dist.ProcessGroup:
+        """The one group of this rank alone, shared by every one-member kind (created on first use)."""
         if self._alone is None:
             self._alone = _alone_group(self.rank, self.timeout)
         return self._alone

@@ -1,14 +1,19 @@
-"""Megatron-Core's parallel state on rankctl's groups (examples/megatron-core.yaml).
+"""Megatron-Core on rankctl's groups (examples/megatron-core.yaml), both ways Megatron takes them.
 
-``rankctl.megatron.initialize_model_parallel()`` (ctx defaults to ``rankctl.context()``) fills
-``megatron.core.parallel_state``; then all-reduces over Megatron's own getters must give the sums
-``ctx.ranks(kind)`` predicts, and Megatron's tensor-parallel f and g mappings run forward and backward over gloo on CPU (its
-all-gather mappings allocate on CUDA, so they are left out).
+``rankctl.megatron.process_groups()`` returns Megatron-Core's ``ProcessGroupCollection`` of this rank's groups with
+nothing global set (Megatron's direction: ``pg_collection=``); a tensor-parallel MLP of Megatron's own
+``ColumnParallelLinear`` and ``RowParallelLinear`` built on its ``tp`` group must give the serial MLP's output and
+input gradient on CPU. Then ``rankctl.megatron.initialize_model_parallel()`` (ctx defaults to ``rankctl.context()``)
+fills ``megatron.core.parallel_state``; all-reduces over Megatron's own getters must give the sums
+``ctx.ranks(kind)`` predicts, and Megatron's tensor-parallel f and g mappings run forward and backward over gloo on CPU
+(its all-gather mappings allocate on CUDA, so they are left out).
 """
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -16,6 +21,38 @@ from megatron.core.tensor_parallel.mappings import (
 
 import rankctl
 import rankctl.megatron
+
+
+def gathered(weight: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(weight) for _ in range(group.size())]
+    dist.all_gather(parts, weight.detach(), group=group)
+    return torch.cat(parts, dim)
+
+
+def check_collection_mlp(ctx, pgc) -> float:
+    """Megatron's column- then row-parallel linear on the collection's tp group against the same MLP in one piece."""
+    for kind in ("tp", "dp", "mp"):
+        if dist.get_process_group_ranks(getattr(pgc, kind)) != ctx.ranks(kind):
+            raise AssertionError(f"rank {ctx.rank}: the collection's {kind} group is not rankctl's")
+    config = ModelParallelConfig(tensor_model_parallel_size=pgc.tp.size(), use_cpu_initialization=True)
+    torch.manual_seed(0)   # the full weights, then each rank's slice (use_cpu_initialization)
+
+    def init(w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.normal_(w, std=0.5)
+
+    up = ColumnParallelLinear(8, 16, config=config, init_method=init, bias=False, gather_output=False, tp_group=pgc.tp)
+    down = RowParallelLinear(16, 8, config=config, init_method=init, bias=False, input_is_parallel=True,
+                             skip_bias_add=True, tp_group=pgc.tp)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    y, _ = down(torch.relu(up(x)[0]))
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = torch.relu(x_ref @ gathered(up.weight, 0, pgc.tp).T) @ gathered(down.weight, 1, pgc.tp).T
+    y.sum().backward()
+    y_ref.sum().backward()
+    error = max((y - y_ref).abs().max().item(), (x.grad - x_ref.grad).abs().max().item())
+    if error > 1e-5:
+        raise AssertionError(f"rank {ctx.rank}: the tensor-parallel MLP differs from the serial one by {error}")
+    return error
 
 
 def check_getters(ctx) -> dict[str, float]:
@@ -53,6 +90,11 @@ def check_tp_mappings(ctx) -> None:
 
 def main() -> None:
     ctx = rankctl.context()
+    pgc = rankctl.megatron.process_groups()   # nothing global yet
+    error = check_collection_mlp(ctx, pgc)
+    print(f"rank {ctx.rank}: ProcessGroupCollection tp {dist.get_process_group_ranks(pgc.tp)}, dp "
+          f"{dist.get_process_group_ranks(pgc.dp)}; Megatron's parallel MLP on it matches the serial one "
+          f"(max error {error:.1e})", flush=True)
     rankctl.megatron.initialize_model_parallel()
     sums = check_getters(ctx)
     check_tp_mappings(ctx)

@@ -1,7 +1,7 @@
 """Megatron-Core on rankctl's process groups (``pip install 'rankctl[megatron]'``).
 
-``initialize_model_parallel(ctx)`` fills ``megatron.core.parallel_state`` from one rank's own
-groups. Importing this package needs neither torch nor megatron-core; calling it does.
+``process_groups(ctx)`` returns Megatron-Core's ``ProcessGroupCollection`` of one rank's own groups (nothing
+global set); ``initialize_model_parallel(ctx)`` fills ``megatron.core.parallel_state`` from them. Importing this package needs neither torch nor megatron-core; calling it does.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from .version import SUPPORTED, MegatronVersionError
 
 if TYPE_CHECKING:
     from .adapter import GroupsContext, build_context
+    from .collection import process_groups
     from .init import initialize_model_parallel
 
 __all__ = [
@@ -22,9 +23,11 @@ __all__ = [
     "SUPPORTED",
     "build_context",
     "initialize_model_parallel",
+    "process_groups",
 ]
 
-_LAZY = {"initialize_model_parallel": ".init", "GroupsContext": ".adapter", "build_context": ".adapter"}
+_LAZY = {"process_groups": ".collection", "initialize_model_parallel": ".init", "GroupsContext": ".adapter",
+         "build_context": ".adapter"}
 
 
 def __getattr__(name: str) -> Any:

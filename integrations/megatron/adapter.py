@@ -44,6 +44,10 @@ class GroupsContext:
         """This rank's ``kind`` group; a one-member kind gets the shared one-member group."""
         if self.groups.size(kind) > 1:
             return self.groups[kind]
+        return self.alone()
+
+    def alone(self) -> dist.ProcessGroup:
+        """The one group of this rank alone, shared by every one-member kind (created on first use)."""
         if self._alone is None:
             with salted_names("alone"):
                 self._alone = dist.new_group([self.rank], use_local_synchronization=True)

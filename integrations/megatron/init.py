@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from rankctl.parallel.layout import GROUP_NAMES
 
 from .protocol import ParallelContext
-from .state import GLOO_KINDS, megatron_globals
+from .state import GLOBAL_NAME, GLOO_KINDS, GTP_ALONE, megatron_globals
 from .version import parallel_state
 
 if TYPE_CHECKING:
@@ -73,7 +73,10 @@ def _values(
     ranks = {kind: ctx.ranks(kind) for kind in groups}
     gloo = _gloo_groups(ranks, timeout, next(_generation)) if with_gloo else {}
     gloo_by_kind = {kind: gloo[tuple(sorted(ranks[kind]))] for kind in GLOO_KINDS} if with_gloo else {}
-    return megatron_globals(ctx.layout.config, groups, ranks, gloo_by_kind, dist.group.WORLD), gloo
+    present = frozenset(name for name in vars(parallel_state()) if GLOBAL_NAME.match(name))
+    alone = ctx.alone() if GTP_ALONE[0] in present else None
+    return megatron_globals(ctx.layout.config, groups, ranks, gloo_by_kind, dist.group.WORLD, present, alone,
+                            ctx.rank), gloo
 
 
 def _gloo_groups(

@@ -21,6 +21,7 @@ class ParallelContext(Protocol):
     ``group(kind)`` returns a real process group for every kind this rank belongs to, a
     one-member group included (Megatron asks ``group.size()`` and ``group.rank()`` of it);
     each kind's group is created once. ``ranks(kind)`` lists the members, ascending.
+    ``alone()`` is the group of this rank alone (the one a one-member kind's ``group`` returns).
     Group names are ``rankctl.parallel.layout.GROUP_NAMES``; a rank lacks ``embd`` / ``pos_embd``
     when it is not a member, and asking for them then raises ``KeyError``.
     """
@@ -34,3 +35,5 @@ class ParallelContext(Protocol):
     def group(self, kind: str) -> "dist.ProcessGroup": ...
 
     def ranks(self, kind: str) -> list[int]: ...
+
+    def alone(self) -> "dist.ProcessGroup": ...

@@ -11,9 +11,9 @@ import importlib.metadata
 import re
 from types import ModuleType
 
-SUPPORTED = ">=0.16,<0.17"
-_LOW, _HIGH = (0, 16), (0, 17)
-INSTALL = "pip install 'rankctl[megatron]'  (or: pip install 'megatron-core>=0.16,<0.17')"
+SUPPORTED = ">=0.16,<0.20,!=0.17.*,!=0.18.*"
+MINORS = ((0, 16), (0, 19))   # the minor versions checked: 0.16 on Python 3.11 (CI), 0.19 (Python 3.12+ only)
+INSTALL = f"pip install 'rankctl[megatron]'  (or: pip install 'megatron-core{SUPPORTED}')"
 
 
 class MegatronVersionError(RuntimeError):
@@ -30,8 +30,8 @@ def installed_version() -> str | None:
 
 def is_supported(version: str) -> bool:
     """True when ``version`` (e.g. ``0.16.1``, ``0.16.0rc2``) lies in ``SUPPORTED``."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return match is not None and _LOW <= (int(match[1]), int(match[2])) < _HIGH
+    match = re.match(r"(\d+)\.(\d+)(?!\d)", version)
+    return match is not None and (int(match[1]), int(match[2])) in MINORS
 
 
 def parallel_state() -> ModuleType:
@@ -42,7 +42,7 @@ def parallel_state() -> ModuleType:
     if not is_supported(version):
         raise MegatronVersionError(
             f"megatron-core {version} is installed, but rankctl.megatron supports megatron-core {SUPPORTED} "
-            f"(it sets parallel_state's globals, which change between versions): {INSTALL}"
+            f"(it sets parallel_state's globals and fills ProcessGroupCollection, which change between versions): {INSTALL}"
         )
     from megatron.core import parallel_state as ps
 

@@ -187,6 +187,9 @@ def test_megatron_core_runs_on_rankctls_groups(runner, jobs) -> None:
     assert job["state"] == "SUCCEEDED", job["reason"]
     line = next(x for x in logs(runner, job["id"], 3, "tp mappings ok") if "tp mappings ok" in x)
     assert line.startswith("rank 3: tp rank 1, pp rank 0, dp rank 1; all-reduce sums over Megatron's groups ok")
+    line = next(x for x in logs(runner, job["id"], 3, "ProcessGroupCollection") if "ProcessGroupCollection" in x)
+    assert line.startswith("rank 3: ProcessGroupCollection tp [2, 3], dp [1, 3]; Megatron's parallel MLP on it "
+                           "matches the serial one"), line
 
 
 @pytest.mark.parametrize("section, words", [

@@ -8,10 +8,10 @@ again, and compares. ``new_group`` calls are counted on both paths (``pytest -s`
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import json
-import re
 import subprocess
 import sys
 import time
@@ -31,11 +31,13 @@ from rankctl.parallel.layout import ParallelConfig, RankLayout
 ps = pytest.importorskip("megatron.core.parallel_state")
 from ranks import fork_ranks  # noqa: E402
 
-from rankctl.megatron import build_context, initialize_model_parallel  # noqa: E402
-from rankctl.megatron import state, version  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+
+from rankctl.megatron import build_context, initialize_model_parallel, process_groups  # noqa: E402
+from rankctl.megatron import collection, state, version  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-GLOBAL = re.compile(r"^_[A-Z][A-Z0-9_]*$|^_global_process_group_list$")
+GLOBAL = state.GLOBAL_NAME
 VARIANTS = {"vp_stage": [None, 0, 1], "group_size": [None]}
 
 
@@ -81,6 +83,11 @@ def answers() -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - both paths must raise the same
             out[key] = ["raises", type(exc).__name__]
     return out
+
+
+def collection_fields(pgc: Any) -> dict[str, Any]:
+    """Every field of a ProcessGroupCollection, described (an unset field: None, as 0.19's __getattr__ says)."""
+    return {f.name: describe(getattr(pgc, f.name, None)) for f in dataclasses.fields(ProcessGroupCollection)}
 
 
 def globals_now(world: int) -> dict[str, Any]:
@@ -138,6 +145,7 @@ def compare_one(rank: int, world: int, kw: dict) -> dict:
         ps.initialize_model_parallel(**megatron_kwargs(cfg))
     t_theirs = time.perf_counter() - t0
     theirs, theirs_globals = answers(), globals_now(world)
+    theirs_pgc = collection_fields(ProcessGroupCollection.use_mpu_process_groups())
     ps.destroy_model_parallel()
 
     layout = RankLayout(cfg)
@@ -147,6 +155,7 @@ def compare_one(rank: int, world: int, kw: dict) -> dict:
         gloo = initialize_model_parallel(ctx)
     t_ours = time.perf_counter() - t0
     ours, ours_globals = answers(), globals_now(world)
+    ours_pgc = collection_fields(process_groups(ctx))
     with pytest.raises(RuntimeError, match="already initialized"):
         initialize_model_parallel(ctx)
     smoke(world)
@@ -164,6 +173,8 @@ def compare_one(rank: int, world: int, kw: dict) -> dict:
                     if not theirs.get(k) == ours.get(k) == again.get(k)),
         diff_globals=sorted(k for k in theirs_globals.keys() | ours_globals.keys()
                             if theirs_globals.get(k) != ours_globals.get(k)),
+        fields=len(ours_pgc), diff_fields=sorted(k for k in theirs_pgc.keys() | ours_pgc.keys()
+                                                 if theirs_pgc.get(k) != ours_pgc.get(k)),
         megatron=len(theirs_calls), rankctl=len(ours_calls),
         process_groups=len(own), alone=alone, gloo=len(gloo),
         t_megatron=t_theirs, t_rankctl=t_ours,
@@ -186,7 +197,8 @@ def run_job(tmp_path: Path, kw: dict) -> list[dict]:
 
 
 def report(name: str, results: list[dict]) -> None:
-    print(f"\n{name}: {results[0]['getters']} getter calls and {results[0]['globals']} globals compared per rank")
+    print(f"\n{name}: {results[0]['getters']} getter calls, {results[0]['globals']} globals and "
+          f"{results[0]['fields']} ProcessGroupCollection fields compared per rank")
     print("  rank  new_group megatron  rankctl (= ProcessGroups + one-member + gloo)  init ms megatron / rankctl")
     for r in results:
         print(f"  {r['rank']:>4}  {r['megatron']:>18}  {r['rankctl']:>7} (= {r['process_groups']} + {r['alone']} + "
@@ -197,6 +209,7 @@ def check(results: list[dict]) -> None:
     for r in results:
         assert not r["diff"], f"rank {r['rank']}: getters differ: {r['diff']}"
         assert not r["diff_globals"], f"rank {r['rank']}: globals differ: {r['diff_globals']}"
+        assert not r["diff_fields"], f"rank {r['rank']}: ProcessGroupCollection fields differ: {r['diff_fields']}"
         assert r["rankctl"] == r["process_groups"] + r["alone"] + r["gloo"], r
         assert r["rankctl"] * 4 <= r["megatron"], r
 
@@ -214,11 +227,27 @@ def test_cp_ep_etp_state_equals_megatrons(tmp_path: Path) -> None:
     check(results)
 
 
+def test_moe_with_expert_tp_state_equals_megatrons(tmp_path: Path) -> None:
+    results = run_job(tmp_path, dict(world_size=4, tp=2, ep=2, etp=2))
+    report("tp2 dp2 ep2 etp2 (expert dp1)", results)
+    check(results)
+
+
 # -- without processes ----------------------------------------------------------------------
-def test_every_megatron_global_is_accounted_for() -> None:
-    ours = {*state.GROUPS, *state.RANKS, *state.GLOO, *state.ABSENT, *state.OVERRIDES, *state.OTHER}
+def test_every_megatron_global_and_collection_field_is_accounted_for() -> None:
+    ours = {*state.GROUPS, *state.RANKS, *state.GLOO, *state.ABSENT, *state.OVERRIDES, *state.OTHER,
+            *state.GTP_GROUPS, *state.GTP_ALONE, *state.GTP_ALONE_RANKS}
     theirs = {name for name in vars(ps) if GLOBAL.match(name)}
-    assert theirs == ours, f"only Megatron's: {sorted(theirs - ours)}; only ours: {sorted(ours - theirs)}"
+    assert not theirs - ours, f"only Megatron's: {sorted(theirs - ours)}"
+    fields = {f.name for f in dataclasses.fields(ProcessGroupCollection)}
+    assert not fields - collection.FIELDS.keys(), f"fields rankctl does not fill: {sorted(fields - collection.FIELDS.keys())}"
+
+
+def test_a_collection_field_rankctl_does_not_know_is_an_error_naming_it() -> None:
+    with pytest.raises(version.MegatronVersionError, match="a field 'brand_new' that rankctl.megatron does not know"):
+        collection._value(_Ctx(), {}, "brand_new")
+    with pytest.raises(RuntimeError, match=r"rankctl.context\(\) is only available inside a rank"):
+        process_groups()
 
 
 def test_supported_range_is_the_extra() -> None:
@@ -227,12 +256,12 @@ def test_supported_range_is_the_extra() -> None:
     assert version.is_supported(version.installed_version() or "")
 
 
-@pytest.mark.parametrize("found", ["0.15.3", "0.17.0", "0.17.0rc1", "1.16.0"])
+@pytest.mark.parametrize("found", ["0.15.3", "0.17.0", "0.18.2", "0.17.0rc1", "0.20.0", "1.16.0"])
 def test_unsupported_megatron_names_version_range_and_command(monkeypatch: pytest.MonkeyPatch, found: str) -> None:
     monkeypatch.setattr(version, "installed_version", lambda: found)
     with pytest.raises(version.MegatronVersionError) as err:
         initialize_model_parallel(object.__new__(_Ctx))
-    assert found in str(err.value) and ">=0.16,<0.17" in str(err.value) and "pip install" in str(err.value)
+    assert found in str(err.value) and version.SUPPORTED in str(err.value) and "pip install" in str(err.value)
 
 
 def test_missing_megatron_is_an_import_error_with_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,8 +271,10 @@ def test_missing_megatron_is_an_import_error_with_the_command(monkeypatch: pytes
 
 
 def test_supported_versions() -> None:
-    assert [version.is_supported(v) for v in ("0.16.0", "0.16.1", "0.16.0rc2", "0.16")] == [True] * 4
-    assert [version.is_supported(v) for v in ("0.15.9", "0.17.0", "0.160.0", "x")] == [False] * 4
+    assert [version.is_supported(v) for v in ("0.16.0", "0.16.1", "0.16.0rc2", "0.16", "0.19.2", "0.19.0rc1")] \
+        == [True] * 6
+    assert [version.is_supported(v) for v in ("0.15.9", "0.17.0", "0.18.2", "0.20.0", "0.160.0", "0.190", "x")] \
+        == [False] * 7
 
 
 def test_without_a_context_it_uses_the_ranks_and_outside_a_rank_says_so() -> None:
@@ -270,3 +301,5 @@ class _Ctx:
     def group(self, kind: str) -> Any: ...
 
     def ranks(self, kind: str) -> list[int]: ...
+
+    def alone(self) -> Any: ...
