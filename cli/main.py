@@ -88,11 +88,11 @@ def _reader_gone_ok() -> Iterator[None]:
     try:
         yield
     except BrokenPipeError:
-        _quiet_stdout()
+        quiet_stdout()
         raise click.exceptions.Exit(0) from None
 
 
-def _quiet_stdout() -> None:
+def quiet_stdout() -> None:
     """Point stdout at /dev/null, so that the interpreter's last flush does not fail again
     (the SIGPIPE note in Python's ``signal`` docs)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -165,7 +165,7 @@ def _run(argv: list[str] | None) -> int | str | None:
     try:
         sys.stdout.flush()
     except BrokenPipeError:
-        _quiet_stdout()
+        quiet_stdout()
         code = 0
     return code
 

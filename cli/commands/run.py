@@ -22,6 +22,7 @@ from typing import Iterator
 import click
 
 from rankctl.cli.context import Ctx, pass_ctx
+from rankctl.cli.main import quiet_stdout
 from rankctl.cli.errors import CtlError
 from rankctl.cli.options import example
 from rankctl.cli.runjob import IGNORED, IGNORED_FLAGS, SHORT, RunArgs, job_document, job_yaml, local_ranks, \
@@ -219,3 +220,5 @@ class _Output:
         except CtlError as exc:   # the job goes on; its end and exit code come from its status
             if not self.ended:
                 click.echo(f"ctl run: the ranks' output is not shown: {exc.message}", err=True)
+        except BrokenPipeError:   # stdout's reader left (`| head`): the job goes on, and so does the wait for it
+            quiet_stdout()
