@@ -324,9 +324,10 @@ def _waiting_groups(roots: list[int], sent: list[RankRecord], evidence: _Evidenc
 
 
 def _link(w: Waiting, ranks: Mapping[int, RankRecord]) -> tuple[str, str] | None:
-    """The two nodes of a group every member of which waits inside the same operation (none missing): its
-    ranks on one node wait for those on the other, so the link between them is the likeliest cause."""
-    if len(w.ranks) != w.size or w.size > len(w.members):
+    """The two nodes of a group no member of which is missing from the operation some wait inside (each is inside
+    it, or past it: a ring all-reduce lets a member finish before a peer has its last chunk): its ranks on one node
+    wait for those on the other, so the link between them is the likeliest cause."""
+    if w.size > len(w.members):
         return None
     nodes = sorted({rec.node for m in w.members if (rec := ranks.get(m)) is not None})
     return (nodes[0], nodes[1]) if len(nodes) == 2 else None
@@ -349,8 +350,9 @@ def _group_lines(waiting: dict[tuple, Waiting], head: set[tuple], roots: set[int
             pair = _link(w, ranks) if not roots else None
             if pair is not None and pair not in links:
                 links.append(pair)
+                where = "inside it" if len(w.ranks) == w.size else "inside it or past it"
                 link_lines.append(f"{primary(w.kind)} group {members_text(w.members, w.size)} waits in {w.op} "
-                                  f"#{w.seq} with every member inside it, on nodes {pair[0]} and {pair[1]}: each "
+                                  f"#{w.seq} with every member {where}, on nodes {pair[0]} and {pair[1]}: each "
                                   f"waits for the other; the link between {pair[0]} and {pair[1]} may be cut or "
                                   f"failing")
             continue

@@ -200,6 +200,21 @@ def test_every_member_waiting_inside_across_two_nodes_points_at_their_link() -> 
     assert "may be cut" not in hang_reason(one_node, SUMMARY, 7, "x", links) and links == []   # no link to blame
 
 
+def test_a_link_cut_as_some_members_finished_the_operation_still_points_at_the_link() -> None:
+    """The cut in CI: ranks 0 and 2 finished the mp all-reduce #5 (a ring lets a member finish before its peer has
+    the last chunk) and wait in their tp all-reduce #10 for ranks 1 and 3, which are still inside #5 across the cut
+    link. No member is missing from #5: the link is named beside the tp groups the stuck ranks never entered."""
+    done = dict(tp_n=(10, 9), pp_n=(4, 4), mp_n=(5, 5), blocked="tp")
+    stuck = dict(tp_n=(9, 9), pp_n=(4, 4), mp_n=(5, 4), blocked="mp", op={"mp": "all_reduce"})
+    ranks = {r: rec(r, counters(r, **(done if r % 2 == 0 else stuck))) for r in range(4)}
+    links: list[tuple[str, str]] = []
+    reason = hang_reason(ranks, SUMMARY, 2, "judged on its pace", links)
+    assert links == [("node-0", "node-1")], reason
+    assert ("mp group [0, 1, 2, 3] waits in all_reduce #5 with every member inside it or past it, on nodes node-0 "
+            "and node-1: each waits for the other; the link between node-0 and node-1 may be cut or failing") in reason
+    assert "tp group [0, 1] waits in all_reduce #10 (rank 0 entered it): rank 1 never entered it" in reason
+
+
 def test_compact_stack_reads_py_spy_and_faulthandler() -> None:
     fault = ('Thread 0x00007f01 (most recent call first):\n  File "/x/threading.py", line 320 in wait\n\n'
              'Current thread 0x00007f00 (most recent call first):\n  File "/a/b/loop.py", line 12 in step\n')
