@@ -99,8 +99,10 @@ def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restart
         click.echo(text, nl=False)
         return
     shown_ranks = local_ranks(ranks_filter)
-    for note in [how] + [f"{opt}: rankctl's coordinator does this; ignored"
-                         for opt in click_ctx.meta.get("rankctl.ignored", [])]:
+    ignored = click_ctx.meta.get("rankctl.ignored", []) + \
+        ([f"--rdzv-backend {rdzv_backend}"] + (["--rdzv-endpoint"] if rdzv_endpoint else [])
+         if rdzv_backend and rdzv_backend != "rankctl" else [])
+    for note in [how] + [f"{opt}: rankctl's coordinator does this; ignored" for opt in ignored]:
         if note:
             click.echo(f"ctl run: {note}", err=True)
     if rdzv_backend == "rankctl":

@@ -89,6 +89,7 @@ def test_torchrun_flags_run_the_script_in_every_rank_with_torchruns_environment(
     lines = rank_lines(done.stdout, "env")
     assert lines == {r: f"env {r} {r % 2} {r // 2} 4 2 argv --lr 3e-4 --coordinator x" for r in range(4)}
     assert "ctl run: --tee: rankctl's coordinator does this; ignored" in done.stderr
+    assert "ctl run: --rdzv-backend c10d: rankctl's coordinator does this; ignored" in done.stderr
     assert "ctl run: job environ-" in done.stderr
 
 
