@@ -99,6 +99,7 @@ def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restart
         click.echo(text, nl=False)
         return
     shown_ranks = local_ranks(ranks_filter)
+    job = _Job(text, overrides)   # refused here, before a cluster starts or anything is sent
     ignored = click_ctx.meta.get("rankctl.ignored", []) + \
         ([f"--rdzv-backend {rdzv_backend}"] + (["--rdzv-endpoint"] if rdzv_endpoint else [])
          if rdzv_backend and rdzv_backend != "rankctl" else [])
@@ -110,13 +111,13 @@ def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restart
             raise CtlError("--rdzv-backend rankctl needs --rdzv-endpoint HOST:PORT (the coordinator)")
         ctx = Ctx(coordinator=rdzv_endpoint, tls_dir=ctx.given_tls_dir)
     if standalone or not ctx.configured:
-        code = _run_here(text, overrides, node_range(nnodes)[1], slots, shown_ranks)
+        code = _run_here(job, node_range(nnodes)[1], slots, shown_ranks)
     else:
-        code = _run_on(ctx, text, overrides, slots, shown_ranks)
+        code = _run_on(ctx, job, slots, shown_ranks)
     sys.exit(code)
 
 
-def _run_here(text: str, overrides: tuple[str, ...], nodes: int, slots: int, shown: frozenset[int] | None) -> int:
+def _run_here(job: "_Job", nodes: int, slots: int, shown: frozenset[int] | None) -> int:
     from rankctl.cli.local import LocalCluster
     from rankctl.worker.launcher.procutil import configure_logging
 
@@ -125,21 +126,30 @@ def _run_here(text: str, overrides: tuple[str, ...], nodes: int, slots: int, sho
     click.echo(f"ctl run: starting a coordinator and {nodes} worker daemon(s) x {slots} slot(s) here", err=True)
     try:
         with LocalCluster(nodes, slots, root) as cluster:
-            return _run_on(Ctx(coordinator=cluster.address), text, overrides, slots, shown)
+            return _run_on(Ctx(coordinator=cluster.address), job, slots, shown)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _run_on(ctx: Ctx, text: str, overrides: tuple[str, ...], slots: int, shown: frozenset[int] | None) -> int:
-    """Submit, show every rank's output, wait for the end; the exit code."""
-    from rankctl.cli.jobread import read_job_doc
-    from rankctl.cli.view.follow import follow_job
-    from rankctl.cli.workdir import pack_workdir, ship
+class _Job:
+    """The job file, checked and its workdir packed before anything starts (a refusal creates nothing)."""
 
-    read = read_job_doc(text, "ctl run", Path.cwd(), overrides)
-    packed = pack_workdir(read.spec)
+    def __init__(self, text: str, overrides: tuple[str, ...]) -> None:
+        from rankctl.cli.jobread import read_job_doc
+        from rankctl.cli.workdir import pack_workdir
+
+        self.read = read_job_doc(text, "ctl run", Path.cwd(), overrides)
+        self.packed = pack_workdir(self.read.spec)
+
+
+def _run_on(ctx: Ctx, prepared: _Job, slots: int, shown: frozenset[int] | None) -> int:
+    """Submit, show every rank's output, wait for the end; the exit code."""
+    from rankctl.cli.view.follow import follow_job
+    from rankctl.cli.workdir import ship
+
+    read = prepared.read
     with ctx.client() as client:
-        job = client.submit(read.text, read.sets + ship(client, packed), "ctl run")
+        job = client.submit(read.text, read.sets + ship(client, prepared.packed), "ctl run")
     click.echo(f"ctl run: job {job.id} ({job.world_size} ranks) on {ctx.coordinator}", err=True)
     output = _Output(ctx, job.id, slots, shown)
     try:
