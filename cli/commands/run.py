@@ -197,9 +197,11 @@ def job_exit_code(job) -> int:  # noqa: ANN001 - pb.Job
         return 0
     click.echo(f"ctl run: job {job.id} {state}: {job.reason}", err=True)
     failure = job.attempts[-1].failure if job.attempts and job.attempts[-1].HasField("failure") else None
-    if failure is not None and failure.HasField("exit_code") and failure.exit_code != 0:
-        code = failure.exit_code
-        return code if 0 < code < 256 else 128 + (-code) % 128 if code < 0 else 1
+    code = failure.exit_code if failure is not None and failure.HasField("exit_code") else 0
+    if 0 < code < 256:
+        return code
+    if code < 0:   # killed by signal -code: as a shell reports it
+        return 128 + (-code) % 128
     return 1
 
 

@@ -131,7 +131,6 @@ class _Reading:
     marked: set[int] = field(default_factory=set)   # ranks whose marker was sent and whose log has not come back
     attempt: int = 0            # the attempt being read (0: the job's current one)
     old_nodes: list[str] = field(default_factory=list)   # an earlier attempt's nodes, while it is read
-
     old_of: int = 0             # the attempt ``old_nodes`` are of
 
     def __post_init__(self) -> None:

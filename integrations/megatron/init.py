@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from datetime import timedelta
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from rankctl.parallel.layout import GROUP_NAMES
@@ -53,7 +54,7 @@ def initialize_model_parallel(
             "Megatron-Core's parallel state is already initialized; "
             "call megatron.core.parallel_state.destroy_model_parallel() first"
         )
-    values, gloo = _values(ctx, create_gloo_process_groups, timeout)
+    values, gloo = _values(ctx, ps, create_gloo_process_groups, timeout)
     for name, value in values.items():
         setattr(ps, name, value)
     ps._set_global_memory_buffer()
@@ -61,9 +62,10 @@ def initialize_model_parallel(
 
 
 def _values(
-    ctx: ParallelContext, with_gloo: bool, timeout: timedelta | None
+    ctx: ParallelContext, ps: ModuleType, with_gloo: bool, timeout: timedelta | None
 ) -> tuple[dict[str, Any], dict[Members, "dist.ProcessGroup"]]:
-    """The globals' values, creating the gloo groups; nothing is written yet."""
+    """The globals' values (those ``ps``, the installed ``parallel_state``, has), creating the gloo groups; nothing
+    is written yet."""
     import torch.distributed as dist
 
     own = ctx.layout.rank_groups(ctx.rank)
@@ -73,7 +75,7 @@ def _values(
     ranks = {kind: ctx.ranks(kind) for kind in groups}
     gloo = _gloo_groups(ranks, timeout, next(_generation)) if with_gloo else {}
     gloo_by_kind = {kind: gloo[tuple(sorted(ranks[kind]))] for kind in GLOO_KINDS} if with_gloo else {}
-    present = frozenset(name for name in vars(parallel_state()) if GLOBAL_NAME.match(name))
+    present = frozenset(name for name in vars(ps) if GLOBAL_NAME.match(name))
     alone = ctx.alone() if GTP_ALONE[0] in present else None
     return megatron_globals(ctx.layout.config, groups, ranks, gloo_by_kind, dist.group.WORLD, present, alone,
                             ctx.rank), gloo
