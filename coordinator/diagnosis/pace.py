@@ -17,7 +17,8 @@ step or phase for that long is hung, whatever it shows. Within it (``Pace.hung``
   says it is busy with a checkpoint, a snapshot or a restore (``ctx.busy``), none computes (its CPU time advances,
   or it is runnable, outside any collective: a slow or throttled rank; the ranks waiting for it are no hang),
   and some rank waits inside a collective or point-to-point operation: hung once the job is still past
-  ``limit``, which is the job's pace (the one thing evidence cannot see is how long a rank asleep outside
+  ``limit`` (counted from when a stopped or traced rank last went on, if later: a suspended job's ranks go on
+  still inside the operation they were stopped in, and a pause is none of the pace's time), which is the job's pace (the one thing evidence cannot see is how long a rank asleep outside
   collectives, a data read or a step that grows, is meant to be).
 
 ``limit`` adapts to the job's own recent steps (the job's step is its slowest rank's; a step in which some
@@ -74,6 +75,7 @@ class Pace:
     suspended: bool = False   # the last judgement found every live rank stopped (a suspend)
     announced: dict[int, float] = field(default_factory=dict)  # rank -> when a stop of it was last named
     computing: set[int] = field(default_factory=set)  # ranks whose evidence says their CPU time advances
+    resumed_at: float = float("-inf")   # when a stopped or traced rank last went on (the pace's clock restarts)
     evidenced: set[int] = field(default_factory=set)  # ranks whose evidence is in (withdrawn: out again)
     reported: set[int] = field(default_factory=set)   # ... with their stack
 
@@ -102,12 +104,18 @@ class Pace:
         """The daemon saw the rank's process stop ("stopped"), traced ("traced") or go on ("") at ``now``."""
         if state == "stopped":
             self.stopped.setdefault(rank, now)
-        elif self.stopped.pop(rank, None) is not None and self.suspended:
-            # a suspended job goes on, its ranks one report after another: those still stopped are no stop yet
-            self.suspended = False
-            for other in self.stopped:
-                self.stopped[other] = now
-        (self.traced.add if state == "traced" else self.traced.discard)(rank)
+        elif self.stopped.pop(rank, None) is not None:
+            self.resumed_at = now
+            if self.suspended:
+                # a suspended job goes on, its ranks one report after another: those still stopped are no stop yet
+                self.suspended = False
+                for other in self.stopped:
+                    self.stopped[other] = now
+        if state == "traced":
+            self.traced.add(rank)
+        elif rank in self.traced:
+            self.traced.discard(rank)
+            self.resumed_at = now
         self.paused = self.paused or state in ("stopped", "traced")
 
     def announce(self, rank: int, now: float) -> bool:
@@ -175,6 +183,7 @@ class Pace:
         if held is not None and held >= STOP_HOLD_S and idle >= STOP_HOLD_S:
             heard = live is None or self._heard(self.evidenced) >= min(live, NAMING_EVIDENCE)
             return heard or held >= STOP_HOLD_S + EVIDENCE_GRACE_S
+        idle = self.paced(idle, now)
         limit = self.limit(hang_timeout)
         if idle <= limit or not self.waits():
             return False
@@ -183,6 +192,12 @@ class Pace:
         if self._heard(self.evidenced) < live:
             return False
         return self._heard(self.reported) >= live or idle > min(hang_timeout, limit + EVIDENCE_GRACE_S)
+
+    def paced(self, idle: float, now: float | None) -> float:
+        """The part of ``idle`` the pace judges: none of the time before a stopped or traced rank last went on
+        (a suspended job's ranks go on still waiting in the operation they were stopped in, and the job's first
+        step after it is a pause's, not its pace's)."""
+        return idle if now is None else max(0.0, min(idle, now - self.resumed_at))
 
     def stop_held(self, now: float | None) -> float | None:
         """How long the rank stopped first has been stopped for at ``now`` (None: none is, or no time given)."""
@@ -201,7 +216,7 @@ class Pace:
                        if held >= STOP_HOLD_S else STOP_HOLD_S - held)
         if not self.waits():
             return None
-        limit = self.limit(hang_timeout)
+        idle, limit = self.paced(idle, now), self.limit(hang_timeout)
         return max(0.05, (limit - idle) if idle <= limit else min(hang_timeout, limit + EVIDENCE_GRACE_S) - idle)
 
     def _heard(self, ranks: set[int]) -> int:

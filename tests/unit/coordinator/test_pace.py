@@ -247,3 +247,30 @@ def test_a_stop_is_named_at_once_and_a_ranks_stops_at_most_once_in_a_while() -> 
     assert p.announce(1, 1.0 + ANNOUNCE_EVERY_S)
     p.process(2, "traced", now=4.0)               # a debugger's hold is named too (as a pause)
     assert p.announce(2, 4.0)
+
+
+def test_the_pace_clock_restarts_when_a_suspended_job_goes_on() -> None:
+    """CI: a job suspended for 3 s (every rank SIGSTOPped while waiting inside a collective) went on, and its
+    ranks' continue reports came in before their counters moved: still 'waiting', 3 s past a 1.5 s pace, it was
+    judged hung. The time stopped is a pause's: the pace counts from the moment a rank went on."""
+    from rankctl.coordinator.diagnosis.pace import STOP_HOLD_S
+
+    p = paced(0.2)                                   # limit: the 1.5 s floor
+    for r in range(4):
+        p.evidence(r, WAITING, stack="main")
+        p.process(r, "stopped", now=10.0)
+    assert not p.hung(3.0, 300, live=4, now=13.0)    # suspended: a pause
+    p.process(0, "", now=13.0)                       # it goes on, one report after another
+    assert not p.hung(3.0, 300, live=4, now=13.05)
+    for r in (1, 2, 3):
+        p.process(r, "", now=13.1)
+    assert not p.hung(3.2, 300, live=4, now=13.2)    # every rank still 'in' its all-reduce: no hang yet
+    assert p.due(3.2, 300, 13.2) == pytest.approx(PACE_FLOOR_S - 0.1)
+    assert p.hung(3.0 + PACE_FLOOR_S + 0.1, 300, live=4, now=13.1 + PACE_FLOOR_S + 0.1)   # still stuck: hung
+    q = paced(0.2)                                   # a debugger let go of a rank: the same
+    q.process(1, "traced", now=20.0)
+    q.evidence(0, WAITING, stack="main")
+    q.process(1, "", now=25.0)
+    q.evidence(1, WAITING, stack="main")
+    assert not q.hung(5.0, 300, live=2, now=25.0 + STOP_HOLD_S)
+    assert q.hung(5.0 + PACE_FLOOR_S, 300, live=2, now=25.0 + PACE_FLOOR_S + 0.1)
