@@ -4,8 +4,8 @@ A global option that follows the subcommand moves in front of it, unless the sub
 own subcommands) defines an option of that name itself: ``ctl worker --coordinator`` and
 ``ctl worker --tls-dir`` stay the daemon's. Both ``--opt value`` and ``--opt=value`` move; ``--``
 ends the scan (what follows is an argument), and so does the first argument of a command that takes no options
-after its arguments (``ctl run train.py --coordinator X`` passes the flag to the script). The other way, ``ctl --json COMMAND`` moves the flag to
-the command (``lower_json``).
+after its arguments (``ctl run train.py --coordinator X`` passes the flag to the script). The other way,
+``ctl --json COMMAND`` moves the flag to the command (``lower_json``).
 """
 
 from __future__ import annotations

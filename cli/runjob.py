@@ -4,7 +4,8 @@ torchrun's flags map onto the job file's fields: ``--nnodes N`` or ``MIN:MAX`` -
 ``resources.min_nodes``: elastic), ``--nproc-per-node`` -> ``resources.slots_per_node``, ``--max-restarts`` ->
 ``restart.max_restarts``, ``--rdzv-id`` -> ``name``, ``-m`` -> ``python.module``, the script and its arguments ->
 ``python.entrypoint`` and ``python.args``; the working directory is shipped as ``python.workdir`` (the script must
-lie inside it), and ``--env`` sets ``python.env`` (the ranks run in their daemons' environment, not the caller's). What the coordinator does itself (rendezvous, addresses, log files) is accepted and left to it.
+lie inside it), and ``--env`` sets ``python.env`` (the ranks run in their daemons' environment, not the caller's).
+What the coordinator does itself (rendezvous, addresses, log files) is accepted and left to it.
 """
 
 from __future__ import annotations

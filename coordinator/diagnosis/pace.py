@@ -18,8 +18,9 @@ step or phase for that long is hung, whatever it shows. Within it (``Pace.hung``
   or it is runnable, outside any collective: a slow or throttled rank; the ranks waiting for it are no hang),
   and some rank waits inside a collective or point-to-point operation: hung once the job is still past
   ``limit`` (counted from when a stopped or traced rank last went on, if later: a suspended job's ranks go on
-  still inside the operation they were stopped in, and a pause is none of the pace's time), which is the job's pace (the one thing evidence cannot see is how long a rank asleep outside
-  collectives, a data read or a step that grows, is meant to be).
+  still inside the operation they were stopped in, and a pause is none of the pace's time), which is the job's
+  pace (the one thing evidence cannot see is how long a rank asleep outside collectives, a data read or a step
+  that grows, is meant to be).
 
 ``limit`` adapts to the job's own recent steps (the job's step is its slowest rank's; a step in which some
 rank was stopped is a pause and left out): ``PACE_FACTOR`` times the longer of its longest recent step
@@ -227,8 +228,8 @@ class Pace:
         """How the job was judged, for its hang reason."""
         held = self.stop_held(now)
         if held is not None and held >= STOP_HOLD_S:
-            return (f"a rank stopped for {held + STOP_CONFIRM_S:.1f} s while no rank advanced: a stop of about a second is a "
-                    f"hang, a shorter one a pause; restart.hang_timeout={hang_timeout:g}")
+            return (f"a rank stopped for {held + STOP_CONFIRM_S:.1f} s while no rank advanced: a stop of about a "
+                    f"second is a hang, a shorter one a pause; restart.hang_timeout={hang_timeout:g}")
         limit = self.limit(hang_timeout)
         if limit >= hang_timeout:
             return f"restart.hang_timeout={hang_timeout:g}"

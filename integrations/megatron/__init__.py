@@ -1,7 +1,8 @@
 """Megatron-Core on rankctl's process groups (``pip install 'rankctl[megatron]'``).
 
 ``process_groups(ctx)`` returns Megatron-Core's ``ProcessGroupCollection`` of one rank's own groups (nothing
-global set); ``initialize_model_parallel(ctx)`` fills ``megatron.core.parallel_state`` from them. Importing this package needs neither torch nor megatron-core; calling it does.
+global set); ``initialize_model_parallel(ctx)`` fills ``megatron.core.parallel_state`` from them. Importing this
+package needs neither torch nor megatron-core; calling it does.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def process_groups(ctx: ParallelContext | None = None, *, set_globals: bool = Fa
 
         ctx = rankctl.context()
     if not isinstance(ctx, ParallelContext):
-        raise TypeError(f"ctx must provide rank, layout, group(kind), ranks(kind) and alone(); got {type(ctx).__name__}")
+        raise TypeError("ctx must provide rank, layout, group(kind), ranks(kind) and alone(); "
+                        f"got {type(ctx).__name__}")
     parallel_state()   # the version check: a clear error for an unsupported or missing megatron-core
     from megatron.core.process_groups_config import ProcessGroupCollection
 

@@ -108,8 +108,9 @@ def megatron_globals(
 
     ``groups``/``ranks`` hold the kinds this rank belongs to (no ``embd``/``pos_embd`` for
     non-members: Megatron leaves those None there), ``gloo`` the gloo group per kind of
-    ``GLOO_KINDS`` (empty when gloo groups are off), ``world`` the default group. ``present``: the globals the installed megatron-core has (None: every one of
-    the tables'); only those are returned. ``alone``: the group of ``rank`` alone, for 0.17+'s GTP shard groups.
+    ``GLOO_KINDS`` (empty when gloo groups are off), ``world`` the default group. ``present``: the globals the
+    installed megatron-core has (None: every one of the tables'); only those are returned. ``alone``: the group
+    of ``rank`` alone, for 0.17+'s GTP shard groups.
     """
     out: dict[str, Any] = {name: groups.get(kind) for name, kind in GROUPS.items()}
     out.update({name: list(ranks[kind]) if kind in ranks else None for name, kind in RANKS.items()})

@@ -42,7 +42,8 @@ def parallel_state() -> ModuleType:
     if not is_supported(version):
         raise MegatronVersionError(
             f"megatron-core {version} is installed, but rankctl.megatron supports megatron-core {SUPPORTED} "
-            f"(it sets parallel_state's globals and fills ProcessGroupCollection, which change between versions): {INSTALL}"
+            "(it sets parallel_state's globals and fills ProcessGroupCollection, which change between versions): "
+            f"{INSTALL}"
         )
     from megatron.core import parallel_state as ps
 
