@@ -35,8 +35,10 @@ SLOW_MARGIN = 0.3         # over: compute > median * (1 + SLOW_MARGIN) ...
 SLOW_FLOOR_S = 0.010      # ... and compute - median > SLOW_FLOOR_S
 SLOW_STEPS = 3            # flagged after this many consecutive over judgements
 RECOVERED_MARGIN = 0.15   # a flagged rank is normal again at compute <= median * (1 + this) (or within
-                          # the floor); unflagged after SLOW_STEPS such judgements in a row.
+                          # the floor); unflagged after RECOVERED_STEPS such judgements in a row.
                           # Between the two margins it stays as it is (hysteresis: no flapping at the edge)
+RECOVERED_STEPS = 5       # a whole window: a flag clears slower than it is raised (a throttled rank's
+                          # compute dips for a few steps when its stops land in collectives, not in compute)
 SLOW_EVENTS = SHOWN       # straggler events per completed step; more changes are counted in one more event
 
 
@@ -91,7 +93,7 @@ class ComputeSkew:
 
     A rank with a fresh sample is over when compute > median·(1 + SLOW_MARGIN) and compute - median >
     SLOW_FLOOR_S; it is flagged after SLOW_STEPS over judgements in a row, and unflagged after
-    SLOW_STEPS in a row within median·(1 + RECOVERED_MARGIN) (or the floor).
+    RECOVERED_STEPS in a row within median·(1 + RECOVERED_MARGIN) (or the floor).
     """
 
     def __init__(self, world_size: int, stride: int = 1, pp: int = 1,
@@ -175,7 +177,7 @@ class ComputeSkew:
         self._ok[fresh & flagged & normal] += 1
         self._ok[fresh & flagged & ~normal] = 0
         newly = ~flagged & (self._over >= SLOW_STEPS)
-        gone = flagged & (self._ok >= SLOW_STEPS)
+        gone = flagged & (self._ok >= RECOVERED_STEPS)
         flagged |= newly
         flagged &= ~gone
         self._ok[newly | gone] = 0

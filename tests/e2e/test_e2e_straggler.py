@@ -9,8 +9,10 @@ compared."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +55,20 @@ class Seen:
         wait_for(lambda: self.read()["summary"]["min_step"] >= start + steps, 120, f"{steps} more steps")
 
 
+def splits(root: Path, job: str, last: int = 24) -> str:
+    """Each attempt's last ``last`` steps as its ranks wrote them (compute/wait seconds per rank): what a failure
+    shows, so that a judgement can be checked against the figures it was made on."""
+    rows: dict[tuple[int, int], dict[int, str]] = {}
+    for path in root.glob(f"*/jobs/{job}/*/rank-*.status.jsonl"):
+        attempt, rank = int(path.parent.name), int(path.name.split("-")[1].split(".")[0])
+        for line in path.read_text().splitlines():
+            doc = json.loads(line)
+            if doc.get("compute_s") is not None:
+                rows.setdefault((attempt, doc["step"]), {})[rank] = f"{doc['compute_s']:.3f}/{doc['wait_s']:.3f}"
+    return "\n".join(f"attempt {a} step {s}: " + " ".join(f"r{k} {r[k]}" for k in sorted(r))
+                     for (a, s), r in sorted(rows.items())[-last:])
+
+
 def test_a_rank_slowed_to_half_speed_is_the_only_straggler_named_with_its_node(cluster: ProcCluster) -> None:
     (cluster.root / "job.yaml").write_text(JOB)
     job = cluster.submit(str(cluster.root / "job.yaml"))
@@ -76,7 +92,8 @@ def test_a_rank_slowed_to_half_speed_is_the_only_straggler_named_with_its_node(c
         assert text.returncode == 0, text.stderr
         assert f"straggler: rank {VICTIM} on {node}: compute " in text.stdout, text.stdout
         seen.after(6)   # still slowed: still flagged, and still alone
-        assert [(s["rank"], s["node"]) for s in seen.last["summary"]["slow"]] == [(VICTIM, node)]
+        assert [(s["rank"], s["node"]) for s in seen.last["summary"]["slow"]] == [(VICTIM, node)], \
+            (seen.last["state"], seen.last["attempts"], seen.last["summary"], splits(cluster.root, job))
         slowdown.stop()
         wait_for(lambda: not seen.read()["summary"]["slow"], 90, f"rank {VICTIM} unflagged")
         print(f"\nrank {VICTIM} on {node} at half speed: compute {slow['compute_s']:.3f} s per step vs median "

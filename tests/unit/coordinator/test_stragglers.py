@@ -8,7 +8,7 @@ from rankctl.cli.view.render import job_to_dict, node_to_dict, summary_text
 from rankctl.coordinator.api.convert import summary_to_pb
 from rankctl.coordinator.diagnosis.progress import JobProgress
 from rankctl.coordinator.diagnosis.skew import (
-    SHOWN, SLOW_LEAST, SLOW_STEPS, SLOW_WINDOW, WARMUP_STEPS, ComputeSkew, SlowRank, pipeline_peers,
+    RECOVERED_STEPS, SHOWN, SLOW_LEAST, SLOW_STEPS, SLOW_WINDOW, WARMUP_STEPS, ComputeSkew, SlowRank, pipeline_peers,
 )
 from rankctl.coordinator.model.records import JobRecord
 from rankctl.coordinator.model.states import JobState
@@ -45,7 +45,7 @@ SLOW3 = (0.10, 0.11, 0.10, 0.21)
 
 def test_a_rank_is_flagged_after_three_consecutive_over_judgements_with_its_node() -> None:
     skew = ComputeSkew(4, node_of=node_of)
-    assert (SLOW_WINDOW, SLOW_LEAST, SLOW_STEPS) == (5, 3, 3)
+    assert (SLOW_WINDOW, SLOW_LEAST, SLOW_STEPS, RECOVERED_STEPS) == (5, 3, 3, 5)
     # judged from its 3rd sample (a window of 3), flagged at the 3rd over judgement in a row
     changes = run(skew, steps_of(*WARMUP, SLOW3, SLOW3, SLOW3, SLOW3, SLOW3, SLOW3))
     assert changes == QUIET + [[], [], [], [], [], [(3, True)], []]
@@ -111,18 +111,29 @@ def test_tiny_steps_need_the_absolute_floor_too() -> None:
     assert run(skew, steps_of(*[over_floor] * 5)) == [[]] * 4 + [[(3, True)]]
 
 
-def test_unflagged_only_after_three_normal_judgements_and_not_between_the_margins() -> None:
+def test_unflagged_only_after_five_normal_judgements_and_not_between_the_margins() -> None:
     skew = ComputeSkew(4, node_of=node_of)
     run(skew, steps_of(*WARMUP, *[SLOW3] * 5))
     assert list(skew.slow) == [3]
     between = (0.10, 0.10, 0.10, 0.125)   # 1.25x: neither over (1.3x) nor normal (1.15x) again
     assert run(skew, steps_of(*[between] * 6)) == [[]] * 6
     assert list(skew.slow) == [3] and skew.slow[3].compute_s == 0.125   # its current figures
-    # normal from the 3rd EVEN on (its window's median), unflagged at the 3rd normal judgement
-    assert run(skew, steps_of(*[EVEN] * 5)) == [[]] * 4 + [[(3, False)]]
+    # normal from the 3rd EVEN on (its window's median), unflagged at the 5th normal judgement in a row
+    assert run(skew, steps_of(*[EVEN] * 7)) == [[]] * 6 + [[(3, False)]]
     assert skew.slow == {} and skew.worst() == []
     assert run(skew, steps_of(*[SLOW3] * 4)) == [[]] * 4   # counts again from zero
     assert run(skew, steps_of(SLOW3)) == [[(3, True)]]
+
+
+def test_a_flagged_rank_whose_compute_dips_for_a_few_steps_stays_flagged() -> None:
+    """A rank throttled by stops (SIGSTOP/SIGCONT, a co-tenant) computes normally for the steps whose stops land
+    in a collective: four normal judgements in a row (four normal samples, then its window's median lagging
+    two more) do not clear its flag, and nothing flaps."""
+    skew = ComputeSkew(4, node_of=node_of)
+    run(skew, steps_of(*WARMUP, *[SLOW3] * 5))
+    assert list(skew.slow) == [3]
+    assert run(skew, steps_of(*[EVEN] * 4, *[SLOW3] * 3)) == [[]] * 7
+    assert list(skew.slow) == [3] and skew.slow[3].compute_s == 0.21
 
 
 def _spec(world: int, parallel: dict):
