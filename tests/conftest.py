@@ -122,9 +122,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 # The longest modules (about 80-170 s each on 2 cores), longest first: pytest-xdist hands whole modules to whichever
-# worker is free in this order, so the long ones start early and the short ones fill in around them. The straggler
-# check comes before them: it runs alone, and at the start the other worker has the least to finish first.
-LONGEST_FIRST = ("test_e2e_straggler", "test_e2e_slurm", "test_e2e_ha", "test_e2e_parallel", "test_e2e_train", "test_e2e_control", "test_e2e_netns_faults",
+# worker is free in this order (``--no-loadscope-reorder`` in pyproject.toml: by default it reorders them by their
+# number of tests), so the long ones start early and the short ones fill in around them. Modules with an ``alone``
+# test (the straggler check) come last of all: there the other worker has only its last module to finish, where at
+# the start it could take a long one first and leave this worker waiting for its lock the whole module.
+LONGEST_FIRST = ("test_e2e_slurm", "test_e2e_ha", "test_e2e_parallel", "test_e2e_train", "test_e2e_control", "test_e2e_netns_faults",
                  "test_e2e_restart", "test_e2e_defects", "test_e2e_tls", "test_e2e_drain", "test_e2e_leftovers",
                  # then the longest of the other layers (multi-rank and launcher tests, 5-30 s each)
                  "test_launcher", "test_launcher_faults", "test_tensor_parallel", "test_train_ranks", "test_context_parallel", "test_moe_ranks",
@@ -144,19 +146,22 @@ def _module(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ANN001 - pytest hook
-    """Run the modules with a test that starts gRPC inside the pytest process last, whole (see above; pytest-xdist
-    hands out whole modules), and within each part the end-to-end modules first, the longest of them first
+    """Run the modules with a test that starts gRPC inside the pytest process after the others, whole (see above;
+    pytest-xdist hands out whole modules), those with an ``alone`` test last of all (they fork no rank from the
+    pytest process), and within each part the end-to-end modules first, the longest of them first
     (``LONGEST_FIRST``); order otherwise kept (a stable sort)."""
     for item in items:
         layer = next((part for part in Path(str(item.path)).relative_to(TESTS).parts if part in LAYERS), None)
         if layer is not None:
             item.add_marker(getattr(pytest.mark, layer))
     grpc = {_module(item) for item in items if item.get_closest_marker("grpc_in_process") is not None}
+    alone = {_module(item) for item in items if item.get_closest_marker("alone") is not None}
 
-    def order(item: pytest.Item) -> tuple[bool, int]:
+    def order(item: pytest.Item) -> tuple[bool, bool, int]:
         module = _module(item)
         rank = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
-        return module in grpc, rank if module.startswith("test_e2e_") or module in LONGEST_FIRST else rank + 1
+        return module in alone, module in grpc, rank if module.startswith("test_e2e_") or module in LONGEST_FIRST \
+            else rank + 1
 
     items.sort(key=order)
 
