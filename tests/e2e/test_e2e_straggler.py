@@ -62,7 +62,10 @@ def splits(root: Path, job: str, last: int = 24) -> str:
     for path in root.glob(f"*/jobs/{job}/*/rank-*.status.jsonl"):
         attempt, rank = int(path.parent.name), int(path.name.split("-")[1].split(".")[0])
         for line in path.read_text().splitlines():
-            doc = json.loads(line)
+            try:
+                doc = json.loads(line)
+            except ValueError:   # a line its rank is writing now
+                continue
             if doc.get("compute_s") is not None:
                 rows.setdefault((attempt, doc["step"]), {})[rank] = f"{doc['compute_s']:.3f}/{doc['wait_s']:.3f}"
     return "\n".join(f"attempt {a} step {s}: " + " ".join(f"r{k} {r[k]}" for k in sorted(r))
