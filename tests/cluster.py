@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 from pathlib import Path
 
 CTL = [sys.executable, "-m", "rankctl.cli.main"]
@@ -308,15 +308,28 @@ class Throttle:
         self._cont()
 
 
+def status_files(root: Path, job_id: str, attempt: int | str = "*") -> Iterator[tuple[str, int, int, Path]]:
+    """(node, attempt, rank, path) of each rank status file of the job's ``attempt`` ("*": every attempt's) under
+    ``root`` (each node's state dir)."""
+    for path in Path(root).glob(f"*/jobs/{job_id}/{attempt}/rank-*.status.jsonl"):
+        yield path.relative_to(root).parts[0], int(path.parent.name), int(path.name.split("-")[1].split(".")[0]), path
+
+
+def status_records(path: Path) -> Iterator[dict]:
+    """The records of one rank status file, as its rank wrote them; a torn last line (a rank writing it now, or
+    killed while it did) is skipped."""
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue
+
+
 def rank_steps(root: Path, job_id: str, attempt: int) -> dict[int, tuple[str, int]]:
     """rank -> (its node, the highest step it wrote) for every rank of ``attempt`` with a status file under
     ``root`` (each node's state dir): what the ranks did, read at once, without asking the coordinator (a
     ``ctl status`` process takes seconds on a loaded machine, long enough for a short job to end)."""
-    out = {}
-    for path in Path(root).glob(f"*/jobs/{job_id}/{attempt}/rank-*.status.jsonl"):
-        node, rank = path.relative_to(root).parts[0], int(path.name.split("-")[1].split(".")[0])
-        out[rank] = (node, _highest(path))
-    return out
+    return {rank: (node, _highest(path)) for node, _, rank, path in status_files(root, job_id, attempt)}
 
 
 def stepping(root: Path, job_id: str, world: int, step: int, timeout: float = 240) -> dict:
@@ -332,11 +345,8 @@ def stepping(root: Path, job_id: str, world: int, step: int, timeout: float = 24
 
 def _highest(path: Path) -> int:
     top = 0
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            step = json.loads(line).get("step")
-        except ValueError:
-            continue  # a torn last line of a killed rank
+    for record in status_records(path):
+        step = record.get("step")
         if isinstance(step, int) and step > top:
             top = step
     return top

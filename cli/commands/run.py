@@ -100,9 +100,9 @@ def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restart
         return
     shown_ranks = local_ranks(ranks_filter)
     job = _Job(text, overrides)   # refused here, before a cluster starts or anything is sent
-    ignored = click_ctx.meta.get("rankctl.ignored", []) + \
-        ([f"--rdzv-backend {rdzv_backend}"] + (["--rdzv-endpoint"] if rdzv_endpoint else [])
-         if rdzv_backend and rdzv_backend != "rankctl" else [])
+    ignored = list(click_ctx.meta.get("rankctl.ignored", []))
+    if rdzv_backend and rdzv_backend != "rankctl":
+        ignored += [f"--rdzv-backend {rdzv_backend}"] + (["--rdzv-endpoint"] if rdzv_endpoint else [])
     for note in [how] + [f"{opt}: rankctl's coordinator does this; ignored" for opt in ignored]:
         if note:
             click.echo(f"ctl run: {note}", err=True)

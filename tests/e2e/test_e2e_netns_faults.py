@@ -208,8 +208,8 @@ def test_a_cut_link_between_two_nodes_is_named_and_the_restart_keeps_them_apart(
         print(f"\nlink {a}-{b} cut: attempt 1 ended after {detected:.1f} s: {reason[:700]}")
         assert reason.startswith("hang: no rank advanced for"), reason
         assert re.search(rf"\w+ group \[[\d, ]+\] waits in \w+ #\d+ with every member inside it(?: or past it)?, "
-                         rf"on nodes {a} and "
-                         rf"{b}: each waits for the other; the link between {a} and {b} may be cut or failing", reason)
+                         rf"on nodes {a} and {b}: each waits for the other; the link between {a} and {b} may be cut "
+                         rf"or failing", reason)
         done = finish(nets, job)
     finally:
         nets.mend(a, b)

@@ -9,14 +9,13 @@ compared."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from cluster import CTL, ProcCluster, Throttle, ctl, rank_pid, status, wait_for
+from cluster import CTL, ProcCluster, Throttle, ctl, rank_pid, status, status_files, status_records, wait_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.alone]   # compares ranks' step times
 VICTIM = 3
@@ -59,13 +58,8 @@ def splits(root: Path, job: str, last: int = 24) -> str:
     """Each attempt's last ``last`` steps as its ranks wrote them (compute/wait seconds per rank): what a failure
     shows, so that a judgement can be checked against the figures it was made on."""
     rows: dict[tuple[int, int], dict[int, str]] = {}
-    for path in root.glob(f"*/jobs/{job}/*/rank-*.status.jsonl"):
-        attempt, rank = int(path.parent.name), int(path.name.split("-")[1].split(".")[0])
-        for line in path.read_text().splitlines():
-            try:
-                doc = json.loads(line)
-            except ValueError:   # a line its rank is writing now
-                continue
+    for _, attempt, rank, path in status_files(root, job):
+        for doc in status_records(path):
             if doc.get("compute_s") is not None:
                 rows.setdefault((attempt, doc["step"]), {})[rank] = f"{doc['compute_s']:.3f}/{doc['wait_s']:.3f}"
     return "\n".join(f"attempt {a} step {s}: " + " ".join(f"r{k} {r[k]}" for k in sorted(r))
