@@ -97,7 +97,17 @@ class ParallelSpec(Section):
 
 
 class RestartSpec(Section):
-    """What happens when an attempt fails or hangs."""
+    """What happens when an attempt fails or hangs.
+
+    Hangs: a name at once, an action only on certainty. Acted on at once (about a second): a rank stopped for good
+    (SIGSTOP held about a second; not a debugger's hold, not the whole job suspended), a deadlock (every rank waits
+    inside an operation that cannot complete: a cycle of waits, or mismatched collectives), a cut link (every rank
+    waits and a group's data between two nodes goes unacknowledged), and, as always, a dead rank, a lost node or a
+    collective library's own timeout. Named within about a second, in a ``stall`` event (``ctl watch``, ``ctl
+    events``, the dashboard): a live rank outside collectives while its peers wait - asleep, blocked on I/O or a
+    lock, computing, spinning in Python - with its frame and who waits for it; it is acted on only at
+    ``hang_timeout``. A long pause needs no declaration: raise ``hang_timeout`` above it, or wrap it in
+    ``with ctx.busy("checkpoint"):`` to say what it is."""
 
     max_restarts: StrictInt = Field(0, ge=0, le=L.MAX_RESTARTS)
     """Failed attempts restarted before the job fails (a drain or an elastic growth uses none). Left out, a job
@@ -105,8 +115,11 @@ class RestartSpec(Section):
     collective_timeout: StrictFloat = Field(DEFAULT_COLLECTIVE_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
     """Seconds every rank's process groups wait in one collective before giving up."""
     hang_timeout: StrictFloat = Field(DEFAULT_HANG_TIMEOUT_S, gt=0, le=L.MAX_COLLECTIVE_TIMEOUT_S)
-    """Seconds a RUNNING job may go without any rank advancing before its attempt is hung: the upper bound; a
-    stopped rank is a hang in about a second, a blocked or spinning one in a few of the job's step times."""
+    """Seconds a RUNNING job may stay still (no rank's step, phase or collective counters moving) while a live
+    rank is outside collectives - asleep, blocked on I/O or a lock, computing, spinning - before the attempt is
+    ended: the bound for uncertain evidence, both ways (raising it raises it; a pause of a kind the job survived
+    raises it to twice that pause, and a step where an earlier attempt died so is spared). Certain evidence is
+    acted on at once: a rank stopped for good (about a second), a deadlock, a link losing data."""
     preflight: StrictBool | None = None
     """A check of a few seconds over the job's groups and links before each attempt's first step; a node it
     finds bad is excluded and the attempt restarts without it. null: on for multi-node jobs."""

@@ -202,7 +202,7 @@ class JobEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ..., rank: _Optional[_Union[RankStatus, _Mapping]] = ..., step: _Optional[int] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class JobSummary(_message.Message):
-    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "reports", "slow", "metrics", "preflight_ms", "preflight_note")
+    __slots__ = ("phases", "running", "exited", "failed", "min_step", "max_step", "stragglers", "failing", "reports", "slow", "metrics", "preflight_ms", "preflight_note", "stall")
     class PhasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class JobSummary(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     PREFLIGHT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFLIGHT_NOTE_FIELD_NUMBER: _ClassVar[int]
+    STALL_FIELD_NUMBER: _ClassVar[int]
     phases: _containers.ScalarMap[str, int]
     running: int
     exited: int
@@ -250,7 +251,8 @@ class JobSummary(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     preflight_ms: _containers.ScalarMap[str, float]
     preflight_note: str
-    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., reports: _Optional[int] = ..., slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., preflight_ms: _Optional[_Mapping[str, float]] = ..., preflight_note: _Optional[str] = ...) -> None: ...
+    stall: str
+    def __init__(self, phases: _Optional[_Mapping[str, int]] = ..., running: _Optional[int] = ..., exited: _Optional[int] = ..., failed: _Optional[int] = ..., min_step: _Optional[int] = ..., max_step: _Optional[int] = ..., stragglers: _Optional[_Iterable[int]] = ..., failing: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., reports: _Optional[int] = ..., slow: _Optional[_Iterable[_Union[SlowRank, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., preflight_ms: _Optional[_Mapping[str, float]] = ..., preflight_note: _Optional[str] = ..., stall: _Optional[str] = ...) -> None: ...
 
 class SlowRank(_message.Message):
     __slots__ = ("rank", "node", "compute_s", "median_s", "steps")

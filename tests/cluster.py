@@ -163,15 +163,21 @@ EVENTS = """
 import json, sys
 from rankctl.cli.client import Client
 with Client(sys.argv[1]) as c:
-    print(json.dumps([[ev.kind, ev.message] for ev in c.watch(sys.argv[2])]))
+    print(json.dumps([[ev.kind, ev.message, ev.event_time.ToNanoseconds() / 1e9] for ev in c.watch(sys.argv[2])]))
 """
 
 
-def events(address: str, job: str) -> list[tuple[str, str]]:
-    """The job's events so far, (kind, message), through WatchJob in a subprocess (no gRPC in the test process)."""
+def timed_events(address: str, job: str) -> list[tuple[str, str, float]]:
+    """The job's events so far, (kind, message, when the coordinator recorded it: epoch seconds), through WatchJob
+    in a subprocess (no gRPC in the test process)."""
     out = subprocess.run([sys.executable, "-c", EVENTS, address, job], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    return [(k, m) for k, m in json.loads(out.stdout)]
+    return [(k, m, t) for k, m, t in json.loads(out.stdout)]
+
+
+def events(address: str, job: str) -> list[tuple[str, str]]:
+    """The job's events so far, (kind, message)."""
+    return [(k, m) for k, m, _ in timed_events(address, job)]
 
 
 def status(address: str, job: str) -> dict:

@@ -16,7 +16,7 @@ from rankctl.cli.errors import EXIT_JOB_FAILED, EXIT_UNREACHABLE, CtlError
 LIVE_INTERVAL = 0.2   # seconds between event batches while a live view is shown (steps coalesced between)
 WAIT_INTERVAL = 1.0   # ... while only the end matters (--wait)
 SHOWN_RANKS = 64      # ranks in a status or live view's table
-NOTED_EVENTS = ("straggler", "notice", "node")  # event kinds a live view prints as lines (the rest only update it)
+NOTED_EVENTS = ("straggler", "notice", "node", "stopped", "stall")  # event kinds a live view prints as lines (the rest only update it)
 PAGE_REFRESH_S = 1.0  # the page of ranks is read again at most this often when the summary's phases change
 PRINTED_GRACE_S = 10.0  # how long the end of a job waits for the ranks' last printed lines
 

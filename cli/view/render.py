@@ -99,7 +99,7 @@ def summary_to_dict(s: pb.JobSummary) -> dict[str, Any]:
             "min_step": s.min_step, "max_step": s.max_step, "stragglers": list(s.stragglers),
             "failing": [rank_to_dict(r) for r in s.failing], "metrics": metrics_dict(s.metrics),
             "reports": s.reports, "slow": [slow_to_dict(r) for r in s.slow],
-            "preflight": {"ms": dict(s.preflight_ms), "note": s.preflight_note}}
+            "preflight": {"ms": dict(s.preflight_ms), "note": s.preflight_note}, "stall": s.stall}
 
 
 def slow_to_dict(r: pb.SlowRank) -> dict[str, Any]:
@@ -353,6 +353,8 @@ def summary_text(s: dict[str, Any], world: int):
         text.append(f"  stragglers at step {s['min_step']}: {_few(s['stragglers'])}")
     if s.get("preflight", {}).get("ms"):
         text.append(f"\npre-flight: {preflight_line(s['preflight']['ms'], s['preflight'].get('note', ''))}")
+    if s.get("stall"):
+        text.append(f"\nstall: {s['stall']}", style="yellow")
     for r in s["slow"][:SLOW_SHOWN]:
         text.append(f"\n{slow_text(r)}", style="yellow")
     if len(s["slow"]) > SLOW_SHOWN:

@@ -125,6 +125,7 @@ def summary_to_pb(s: "JobSummary") -> pb.JobSummary:
         max_step=s.max_step, stragglers=s.stragglers, failing=[_error_tail(rank_to_pb(r)) for r in s.failing],
         metrics=_numbers(s.metrics), reports=s.reports,
         preflight_ms=s.preflight.figures if s.preflight else {}, preflight_note=s.preflight.note if s.preflight else "",
+        stall=s.stall,
         slow=[pb.SlowRank(rank=r.rank, node=r.node, compute_s=r.compute_s, median_s=r.median_s, steps=r.steps)
               for r in s.slow[:SHOWN]],
     )

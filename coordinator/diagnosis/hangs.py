@@ -74,6 +74,7 @@ class Waiting:
     op: str
     seq: int
     ranks: list[int] = field(default_factory=list)   # blocked in it
+    ops: dict[int, str] = field(default_factory=dict)  # the operation each rank inside it is in (a mismatch: several)
 
     @property
     def p2p(self) -> bool:
@@ -151,7 +152,7 @@ def compact_stack(stack: str) -> str:
     return text if len(text) <= STACK_CHARS else text[:STACK_CHARS - 1] + "…"
 
 
-class _Evidences:
+class Evidences:
     """Each rank's evidence, parsed on first use (a hang of a large job parses only what it compares)."""
 
     def __init__(self, ranks: Mapping[int, RankRecord]) -> None:
@@ -165,14 +166,15 @@ class _Evidences:
         return self._parsed[rank]
 
 
-def _waiting(ev: Evidence) -> Waiting:
+def waiting_of(ev: Evidence) -> Waiting:
     g = ev.waits_in or {}
     key = group_key(g)
     return Waiting(key=key, kind=str(g.get("kind", "group")), members=list(g.get("members") or []), size=key[2],
-                   op=str(g.get("op", "?")), seq=int(g.get("entered") or 0), ranks=[ev.rank])
+                   op=str(g.get("op", "?")), seq=int(g.get("entered") or 0), ranks=[ev.rank],
+                   ops={ev.rank: str(g.get("op", "?"))})
 
 
-def _compare(w: Waiting, evidence: _Evidences, stopped: set[int]) -> tuple[list[int], list[int]]:
+def _compare(w: Waiting, evidence: Evidences, stopped: set[int]) -> tuple[list[int], list[int]]:
     """Complete ``w`` from its shown members' evidence: who else waits in it (its sequence number is the
     highest they entered), and (members that never entered it / are not in it, members without evidence)."""
     others: list[tuple[int, Evidence | None]] = []
@@ -183,6 +185,7 @@ def _compare(w: Waiting, evidence: _Evidences, stopped: set[int]) -> tuple[list[
         ev = evidence.get(m)
         if ev is not None and ev.waits_in is not None and group_key(ev.waits_in) == w.key:
             w.ranks.append(m)
+            w.ops[m] = str(ev.waits_in.get("op", "?"))
             seq = entered[m] = int(ev.waits_in.get("entered") or 0)
             if seq > w.seq and not w.p2p:
                 w.seq, w.op = seq, str(ev.waits_in.get("op", w.op))
@@ -206,7 +209,7 @@ def _compare(w: Waiting, evidence: _Evidences, stopped: set[int]) -> tuple[list[
 def _where(rec: RankRecord | None, ev: Evidence | None, rank: int) -> str:
     if rec is None:
         return f"rank {rank}: no report"
-    process = "stopped (SIGSTOP or a debugger)" if rec.process == "stopped" else "running"
+    process = {"stopped": "stopped (SIGSTOP or a debugger)", "traced": "traced (a debugger)"}.get(rec.process, "running")
     if ev is None:
         doing = "no counters reported"
     elif not ev.counters:
@@ -216,9 +219,9 @@ def _where(rec: RankRecord | None, ev: Evidence | None, rank: int) -> str:
         doing = f"waits in {primary(str(g.get('kind', '')))} {g.get('op', '?')} #{g.get('entered', 0)}"
     else:
         doing = "in no collective"
-    if ev is not None and ev.computing:
+    if ev is not None and ev.computing and rec.process not in ("stopped", "traced"):
         doing += ", its CPU time advancing (computing)"
-    if ev is not None and ev.spinning:
+    if ev is not None and ev.spinning and rec.process not in ("stopped", "traced"):
         doing += ", spinning in Python (the same stack twice, holding the GIL)"
     if ev is not None and ev.still_s is not None:
         doing += f", counters still for {ev.still_s:.0f} s when sent"
@@ -244,14 +247,40 @@ BLOCKED_SEEN = '"in":true'   # in a rank's evidence: it waits in a group (a subs
 def hang_reason(ranks: Mapping[int, RankRecord], summary: Any, idle: float, rule: str,
                 links: list[tuple[str, str]] | None = None, named: list[int] | None = None) -> str:
     """The failure reason of a hung attempt (see the module docstring); ``summary`` is the job's
-    ``JobSummary`` (``min_step``, ``stragglers``); ``rule``: how it was judged (``Pace.rule``). The node pairs
+    ``JobSummary`` (``min_step``, ``stragglers``); ``rule``: how it was judged (``Verdict.rule``). The node pairs
     whose link a group's wait points at go on ``links``; the ranks it points at (stopped, spinning, or never
     in the operation their peers wait in; ``SPAN_RANKS`` at most) on ``named``."""
     parts = [f"hang: no rank advanced for {idle:.0f} s ({rule})"]
+    body, pointed, details = _body(ranks, links)
+    parts += body
+    if summary.stragglers:
+        parts.append(f"slowest step {summary.min_step} held by {rank_span(summary.stragglers)}"
+                     f"{' (and more)' if len(summary.stragglers) >= 16 else ''}")
+    else:
+        parts.append(f"every rank at step {summary.min_step}")
+    parts += details
+    if named is not None:
+        named += pointed
+    text = "; ".join(parts)
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
+
+
+def waiting_line(ranks: Mapping[int, RankRecord], named: list[int]) -> str:
+    """Whom the waiting ranks wait for, where it is (its operation or its frame) and who waits for it: the text of
+    the ``waiting`` event that names a hang before any judgement (the ranks pointed at go on ``named``)."""
+    body, pointed, details = _body(ranks, None)
+    named += pointed
+    text = "; ".join(body + details)
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
+
+
+def _body(ranks: Mapping[int, RankRecord], links: list[tuple[str, str]] | None
+          ) -> tuple[list[str], list[int], list[str]]:
+    """(the lines naming the roots and the groups that wait, the ranks pointed at, where the first of those were
+    last seen)."""
     sent = [r for r in ranks.values() if r.collectives and not r.exited]   # one pass: who sent evidence
-    evidence = _Evidences(ranks)
-    stopped, roots, lines = _roots(ranks, sent, evidence)
-    parts += lines
+    evidence = Evidences(ranks)
+    stopped, roots, parts = _roots(ranks, sent, evidence)
     waiting, head = _waiting_groups(roots, sent, evidence)
     pointed: list[int] = list(roots)
     found: list[tuple[str, str]] = []
@@ -259,26 +288,18 @@ def hang_reason(ranks: Mapping[int, RankRecord], summary: Any, idle: float, rule
     parts += shown
     if links is not None:
         links += found
-    if named is not None:
-        named += list(dict.fromkeys(pointed))[:SPAN_RANKS]
     if more:
         parts.append(f"{more} more group(s) waiting")
     if not waiting and not roots:
         parts.append("no rank sent collective counters")
     elif waiting and not found and not shown and not roots:
         parts.append(f"{len(waiting)} group(s) waiting, every shown member in them")
-    if summary.stragglers:
-        parts.append(f"slowest step {summary.min_step} held by {rank_span(summary.stragglers)}"
-                     f"{' (and more)' if len(summary.stragglers) >= 16 else ''}")
-    else:
-        parts.append(f"every rank at step {summary.min_step}")
-    for r in list(dict.fromkeys(pointed))[:DETAILED]:
-        parts.append(_where(ranks.get(r), evidence.get(r), r))
-    text = "; ".join(parts)
-    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
+    pointed = list(dict.fromkeys(pointed))[:SPAN_RANKS]
+    details = [_where(ranks.get(r), evidence.get(r), r) for r in pointed[:DETAILED]]
+    return parts, pointed, details
 
 
-def _roots(ranks: Mapping[int, RankRecord], sent: list[RankRecord], evidence: _Evidences
+def _roots(ranks: Mapping[int, RankRecord], sent: list[RankRecord], evidence: Evidences
            ) -> tuple[set[int], list[int], list[str]]:
     """(stopped ranks, the ranks a hang is likeliest rooted in, the lines naming them): stopped ones, and
     ones stalled outside any collective with their process running (spinning, or blocked outside
@@ -299,7 +320,7 @@ def _roots(ranks: Mapping[int, RankRecord], sent: list[RankRecord], evidence: _E
     return stopped, sorted(stopped)[:SPAN_RANKS] + spinning[:SPAN_RANKS], lines
 
 
-def _waiting_groups(roots: list[int], sent: list[RankRecord], evidence: _Evidences
+def _waiting_groups(roots: list[int], sent: list[RankRecord], evidence: Evidences
                     ) -> tuple[dict[tuple, Waiting], set[tuple]]:
     """Groups someone waits in, and the keys of those a root rank belongs to: first those (seen through the
     roots' own groups' members), then those of the other waiting ranks in rank order, GROUPS_COMPARED at most."""
@@ -311,7 +332,7 @@ def _waiting_groups(roots: list[int], sent: list[RankRecord], evidence: _Evidenc
             for m in (g.get("members") or [])[:MEMBERS_SHOWN]:
                 other = evidence.get(m)
                 if other is not None and other.waits_in is not None and group_key(other.waits_in) == group_key(g):
-                    waiting.setdefault(group_key(g), _waiting(other))
+                    waiting.setdefault(group_key(g), waiting_of(other))
                     head.add(group_key(g))
                     break
     for i, r in enumerate(sorted(r.rank for r in sent if BLOCKED_SEEN in r.collectives)):
@@ -319,11 +340,11 @@ def _waiting_groups(roots: list[int], sent: list[RankRecord], evidence: _Evidenc
             break   # (every rank of a big job waiting in one group: 65,536 parses would hold the loop a second)
         ev = evidence.get(r)
         if ev is not None and ev.waits_in is not None and group_key(ev.waits_in) not in waiting:
-            waiting[group_key(ev.waits_in)] = _waiting(ev)
+            waiting[group_key(ev.waits_in)] = waiting_of(ev)
     return waiting, head
 
 
-def _link(w: Waiting, ranks: Mapping[int, RankRecord]) -> tuple[str, str] | None:
+def link_of(w: Waiting, ranks: Mapping[int, RankRecord]) -> tuple[str, str] | None:
     """The two nodes of a group no member of which is missing from the operation some wait inside (each is inside
     it, or past it: a ring all-reduce lets a member finish before a peer has its last chunk): its ranks on one node
     wait for those on the other, so the link between them is the likeliest cause."""
@@ -333,7 +354,7 @@ def _link(w: Waiting, ranks: Mapping[int, RankRecord]) -> tuple[str, str] | None
     return (nodes[0], nodes[1]) if len(nodes) == 2 else None
 
 
-def _group_lines(waiting: dict[tuple, Waiting], head: set[tuple], roots: set[int], evidence: _Evidences,
+def _group_lines(waiting: dict[tuple, Waiting], head: set[tuple], roots: set[int], evidence: Evidences,
                  stopped: set[int], named: list[int], ranks: Mapping[int, RankRecord],
                  links: list[tuple[str, str]]) -> tuple[list[str], int]:
     """(the lines shown, how many more groups wait) for the groups some member is missing from, those of a
@@ -346,8 +367,14 @@ def _group_lines(waiting: dict[tuple, Waiting], head: set[tuple], roots: set[int
     for k, w in waiting.items():
         missing, silent = _compare(w, evidence, stopped)
         stopped_in = [r for r in w.ranks if r in stopped]
+        if not w.p2p and len({w.ops.get(r) for r in w.ranks}) > 1:
+            named += [r for r in w.ranks if r not in named][:8]
+            root_lines.append(f"{primary(w.kind)} group {members_text(w.members, w.size)} at #{w.seq} in different "
+                              f"operations: {', '.join(f'rank {r} in {w.ops.get(r)}' for r in w.ranks[:8])}: a "
+                              f"mismatch, they never complete")
+            continue
         if not (missing or silent or stopped_in):
-            pair = _link(w, ranks) if not roots else None
+            pair = link_of(w, ranks) if not roots else None
             if pair is not None and pair not in links:
                 links.append(pair)
                 where = "inside it" if len(w.ranks) == w.size else "inside it or past it"

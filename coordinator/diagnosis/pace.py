@@ -1,123 +1,153 @@
-"""When a running job is hung: judged from the evidence its ranks' daemons send, in seconds, and on its own pace
-only where the evidence cannot tell.
+"""Whether a running job is hung, and how sure that is: a name at once, an action only on certainty (ADR 0031).
 
-``restart.hang_timeout`` (300 s by default) is the upper bound: a RUNNING job none of whose ranks changed
-step or phase for that long is hung, whatever it shows. Within it (``Pace.hung``):
+The daemons send, per rank whose counters stopped moving, its evidence (``worker.runs.hangwatch``): the
+operation it waits in, whether it is busy (``ctx.busy``), computes, spins, whether its data to a peer is being
+retransmitted; and each rank's process state (stopped, traced). ``Pace`` folds them into sets, in constant time
+per report, and ``judge`` returns a ``Verdict``:
 
-* **a stopped rank** (SIGSTOP: its daemon saw the process stopped and its CPU time still for
-  ``worker.runs.hangwatch.CPU_STILL_S``) is a hang once it stayed stopped ``STOP_HOLD_S`` more on this clock
-  while no rank advanced: about a second after the stop. The rule for pauses: a stop shorter than that is a
-  pause; so is a rank *traced* (gdb, a checkpoint/restore tool: a person or a tool holds it; judged at
-  ``hang_timeout`` only), every live rank of the job stopped together (a suspend, a gang scheduler: nobody
-  waits for anybody), and a rank stopped and continued in turn (a CPU throttle: its CPU time advances). A
-  longer stop of some ranks while the others wait cannot be told from a rank stopped for good: it is acted
-  on. The judgement waits up to ``EVIDENCE_GRACE_S`` for the peers' evidence (``NAMING_EVIDENCE`` ranks' at
-  most: the reason reads no more), so that the reason names the group and the operation they wait in.
-* **a blocked rank**: every live rank's daemon sent its evidence (each is still past its own stall time), none
-  says it is busy with a checkpoint, a snapshot or a restore (``ctx.busy``), none computes (its CPU time advances,
-  or it is runnable, outside any collective: a slow or throttled rank; the ranks waiting for it are no hang),
-  and some rank waits inside a collective or point-to-point operation: hung once the job is still past
-  ``limit`` (counted from when a stopped or traced rank last went on, if later: a suspended job's ranks go on
-  still inside the operation they were stopped in, and a pause is none of the pace's time), which is the job's
-  pace (the one thing evidence cannot see is how long a rank asleep outside collectives, a data read or a step
-  that grows, is meant to be).
+* **certain**, acted on at once:
+  - *stopped*: a rank stopped (SIGSTOP; its daemon saw its CPU time still for ``STOP_CONFIRM_S``) and held so
+    ``STOP_HOLD_S`` more here. Pauses are spared: a shorter stop, a rank *traced* (a debugger), every live rank
+    stopped together (a suspend);
+  - *deadlock*: every live rank waits inside an operation and they cannot complete (a cycle of waits, or the members
+    of one group in different operations: ``hangs.blocked``), held ``DEADLOCK_HOLD_S``;
+  - *link*: every live rank waits, a group has every member inside one operation on two nodes, and a member's
+    daemon saw its TCP data to a peer go unacknowledged through repeated retransmissions (a cut link).
+* **uncertain**, acted on at the bound (``bound``): a live rank outside collectives (asleep, blocked on I/O or a
+  lock, computing, spinning in Python) while its peers wait; a group all inside one operation with no loss seen (a
+  slow transfer). The bound is ``restart.hang_timeout``, raised to ``LEARN_FACTOR`` times the longest pause of the
+  same kind the job already survived (``Learned``), and never reached at a step where an earlier attempt of the job
+  already died for an uncertain reason (that repetition is evidence of work).
 
-``limit`` adapts to the job's own recent steps (the job's step is its slowest rank's; a step in which some
-rank was stopped is a pause and left out): ``PACE_FACTOR`` times the longer of its longest recent step
-interval and the next one its growth trend projects (the last interval times the smallest ratio of the last
-``GROWTH_STEPS`` consecutive ones, at most ``GROWTH_MAX``), at least ``PACE_FLOOR_S``; ``hang_timeout``
-until ``PACE_MIN_STEPS`` intervals are known. A job whose steps take minutes, or grow to minutes, is judged in
-minutes.
-
-``Pace`` keeps one attempt's step intervals and, per rank, whether its current evidence says it waits, is busy,
-computes or is stopped (and since when): constant time per report and per judgement (O(stopped ranks)),
-whatever the job's size. Pure: the caller passes the time. ``due`` says when a judgement may next change, so
-that the core looks again then rather than at its next tick.
+Durations come from one clock that cannot lie (``quiet_since``): the latest moment a rank moved as this
+coordinator knows it (a step or phase report, a rank's evidence withdrawn, or the start of a rank's stillness that
+its daemon measured), never from zero: ``None`` until this coordinator has seen the attempt move, so a resync or a
+failover (which rebuilds this object) starts the clock afresh, late rather than early. Pure: the caller passes the
+time.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
-from itertools import islice
+import re
 from dataclasses import dataclass, field
 
-PACE_FLOOR_S = 1.5    # a job whose ranks wait is never hung on its pace sooner (a collection, a short read)
-PACE_FACTOR = 4.0     # times the longest of its recent step intervals (or the one its growth projects)
-GROWTH_STEPS = 3      # consecutive intervals whose ratio is the growth trend
-GROWTH_MAX = 4.0      # a projected step grows at most this much over the last one
-PACE_WINDOW = 16      # step intervals remembered
-PACE_MIN_STEPS = 2    # step intervals seen before the pace is trusted (until then: restart.hang_timeout)
-EVIDENCE_GRACE_S = 0.5   # past the limit, how long a judgement waits for the evidence and stacks not in yet
-STOP_HOLD_S = 0.6        # a stop the daemon confirmed, held this long here: a hang
+STOP_HOLD_S = 0.6        # a stop the daemon confirmed, held this long here: stopped for good
+STOP_CONFIRM_S = 0.3     # the daemon reports a stop once its CPU time was still this long (hangwatch.CPU_STILL_S)
+EVIDENCE_GRACE_S = 0.5   # a certain judgement waits this long at most for the evidence that names the group
+DEADLOCK_HOLD_S = 0.5    # every live rank waiting in operations that cannot complete, this long: a deadlock
 ANNOUNCE_EVERY_S = 10.0  # a rank's stops are named in an event at most this often
 NAMING_EVIDENCE = 1024   # a stop waits for this many ranks' evidence at most (what ``hangs`` reads of the waiting)
-STOP_CONFIRM_S = 0.3     # the daemon reports a stop once its CPU time was still this long (hangwatch.CPU_STILL_S)
+LEARN_FACTOR = 2.0       # an uncertain pause of a kind the job survived for X s is tolerated for this x X
 
 MOVED = '{"moved":true}'     # evidence withdrawn (``worker.runs.hangwatch.MOVED_JSON``)
 WAITS = '"in":true'          # a rank's evidence: it is blocked in a group (``worker.runs.hangwatch.evidence_json``)
 BUSY = '"activity":'         # ... it is busy outside collectives (a checkpoint ...)
 COMPUTING = '"computing":true'   # ... its CPU time advances outside any collective
+SPINNING = '"spinning":true'     # ... in a Python loop (the same stack twice, holding the GIL)
+LOST = '"lost":'                 # ... its data to a peer goes unacknowledged (a cut link)
+_STILL = re.compile(r'"still_s":([0-9.]+)')
+
+STOPPED, DEADLOCK, LINK, UNCERTAIN = "stopped", "deadlock", "link", "uncertain"   # a verdict's kinds
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A hang: its ``kind`` (``STOPPED``, ``DEADLOCK``, ``LINK``: certain; ``UNCERTAIN``) and how it was judged."""
+
+    kind: str
+    rule: str
+
+    @property
+    def certain(self) -> bool:
+        return self.kind != UNCERTAIN
+
+
+@dataclass
+class Learned:
+    """What one job taught its judgement, across its attempts: the longest uncertain pause of each kind it survived
+    (``pause_kind``), and the steps at which an attempt died for an uncertain reason (``spared``: read from the
+    attempts' stored faults, so it survives a failover)."""
+
+    pauses: dict[str, float] = field(default_factory=dict)
+    spared: set[int] | None = None
+
+    def bound(self, kind: str, hang_timeout: float) -> float:
+        return max(hang_timeout, LEARN_FACTOR * self.pauses.get(kind, 0.0))
 
 
 @dataclass
 class Pace:
-    """One attempt's step intervals and the ranks whose evidence says they wait, are busy or are stopped."""
+    """One attempt's hang evidence: which ranks wait, are busy, compute, spin, lose data or are stopped."""
 
-    intervals: deque = field(default_factory=lambda: deque(maxlen=PACE_WINDOW))
-    last_step_at: float | None = None
-    last_step: int = 0
-    known: int = 0          # step intervals seen (a jump of several steps counts as that many)
-    paused: bool = False    # some rank was stopped since the last step
+    learned: Learned = field(default_factory=Learned)
+    quiet_since: float | None = None   # the latest moment a rank moved, as far as this coordinator knows
     waiting: set[int] = field(default_factory=set)
     busy: set[int] = field(default_factory=set)
+    computing: set[int] = field(default_factory=set)
+    spinning: set[int] = field(default_factory=set)
+    lossy: set[int] = field(default_factory=set)      # its daemon sees its data to a peer retransmitted
     stopped: dict[int, float] = field(default_factory=dict)   # rank -> when its stop was reported
     traced: set[int] = field(default_factory=set)             # held by a tracer (a debugger)
     suspended: bool = False   # the last judgement found every live rank stopped (a suspend)
     announced: dict[int, float] = field(default_factory=dict)  # rank -> when a stop of it was last named
-    computing: set[int] = field(default_factory=set)  # ranks whose evidence says their CPU time advances
-    resumed_at: float = float("-inf")   # when a stopped or traced rank last went on (the pace's clock restarts)
     evidenced: set[int] = field(default_factory=set)  # ranks whose evidence is in (withdrawn: out again)
     reported: set[int] = field(default_factory=set)   # ... with their stack
+    generation: int = 0        # bumped by every change of evidence or process state
+    blocked: str = ""          # why every live rank's waits cannot complete (``hangs.blocked``), for ``analysed``
+    analysed: int = -1         # the generation ``blocked`` was found for
+    all_waiting_since: float | None = None   # every live rank waiting inside an operation since
+    named: int = -1            # the generation last named in an event
+    episode: tuple[str, float] | None = None   # an uncertain pause under way: (its kind, since)
+    stall: str = ""            # the last ``stall`` event's text while the job stands still ("" once a rank moves)
 
     # -- updates ----------------------------------------------------------------------------
-    def step_completed(self, step: int, now: float) -> None:
-        """Every rank finished ``step`` (the job-level step) at ``now``; a jump of several steps (reports
-        coalesced) is one interval of its mean that counts as that many towards trusting the pace (a loaded
-        daemon that coalesced a fast job's first steps must not leave it judged on ``hang_timeout`` alone);
-        one in which some rank was stopped is a pause, not the job's pace, and is left out."""
-        if self.last_step_at is not None and step > self.last_step and not self.paused:
-            self.intervals.append(max(0.0, now - self.last_step_at) / (step - self.last_step))
-            self.known += step - self.last_step
-        self.last_step_at, self.last_step = now, step
-        self.paused = bool(self.stopped) or bool(self.traced)
+    def moved(self, now: float) -> None:
+        """A rank moved (a step, a phase, its counters): the job is not still; a pause under way was survived."""
+        if self.episode is not None and self.quiet_since is not None:
+            kind, _ = self.episode
+            survived = now - self.quiet_since
+            self.learned.pauses[kind] = max(self.learned.pauses.get(kind, 0.0), survived)
+        self.episode = None
+        self.quiet_since = now
+        self.stall = ""
 
-    def evidence(self, rank: int, collectives: str, stack: str = "") -> None:
+    def step_completed(self, step: int, now: float) -> None:
+        """Every rank finished ``step`` at ``now``."""
+        self.moved(now)
+
+    def evidence(self, rank: int, collectives: str, stack: str = "", now: float | None = None) -> None:
         """A rank's hang evidence arrived (its counters at once, then again with its ``stack``), or was
-        withdrawn (``{"moved":true}``)."""
-        (self.waiting.add if WAITS in collectives else self.waiting.discard)(rank)
-        (self.busy.add if BUSY in collectives else self.busy.discard)(rank)
-        (self.computing.add if COMPUTING in collectives else self.computing.discard)(rank)
-        (self.evidenced.add if collectives and collectives != MOVED else self.evidenced.discard)(rank)
-        (self.reported.add if stack and collectives != MOVED else self.reported.discard)(rank)
+        withdrawn (``{"moved":true}``: the rank moved)."""
+        self.generation += 1
+        withdrawn = not collectives or collectives == MOVED
+        for flag, members in ((WAITS, self.waiting), (BUSY, self.busy), (COMPUTING, self.computing),
+                              (SPINNING, self.spinning), (LOST, self.lossy)):
+            (members.add if not withdrawn and flag in collectives else members.discard)(rank)
+        (self.evidenced.discard if withdrawn else self.evidenced.add)(rank)
+        (self.reported.add if stack and not withdrawn else self.reported.discard)(rank)
+        if now is None:
+            return
+        if collectives == MOVED:
+            self.moved(now)
+            return
+        still = _STILL.search(collectives[:64]) if collectives else None
+        if still is not None and self.quiet_since is not None:
+            self.quiet_since = max(self.quiet_since, now - float(still.group(1)))
 
     def process(self, rank: int, state: str, now: float = 0.0) -> None:
         """The daemon saw the rank's process stop ("stopped"), traced ("traced") or go on ("") at ``now``."""
+        self.generation += 1
         if state == "stopped":
             self.stopped.setdefault(rank, now)
-        elif self.stopped.pop(rank, None) is not None:
-            self.resumed_at = now
-            if self.suspended:
-                # a suspended job goes on, its ranks one report after another: those still stopped are no stop yet
-                self.suspended = False
-                for other in self.stopped:
-                    self.stopped[other] = now
+        elif self.stopped.pop(rank, None) is not None and self.suspended:
+            # a suspended job goes on, its ranks one report after another: those still stopped are no stop yet
+            self.suspended = False
+            for other in self.stopped:
+                self.stopped[other] = now
         if state == "traced":
             self.traced.add(rank)
-        elif rank in self.traced:
+        else:
             self.traced.discard(rank)
-            self.resumed_at = now
-        self.paused = self.paused or state in ("stopped", "traced")
 
     def announce(self, rank: int, now: float) -> bool:
         """The rank is stopped or traced and no stop of it was named within ``ANNOUNCE_EVERY_S`` (then it is
@@ -129,112 +159,124 @@ class Pace:
         return True
 
     def discount(self, lag: float) -> None:
-        """The coordinator's own loop stood still ``lag`` seconds: that time does not count towards a stop."""
+        """The coordinator's own loop stood still ``lag`` seconds: that time counts towards no judgement."""
         for rank in self.stopped:
             self.stopped[rank] += lag
+        if self.quiet_since is not None:
+            self.quiet_since += lag
+        if self.all_waiting_since is not None:
+            self.all_waiting_since += lag
 
     def gone(self, rank: int) -> None:
         """The rank exited: none of its evidence holds."""
-        self.waiting.discard(rank)
-        self.busy.discard(rank)
+        self.generation += 1
+        for members in (self.waiting, self.busy, self.computing, self.spinning, self.lossy, self.traced,
+                        self.evidenced, self.reported):
+            members.discard(rank)
         self.stopped.pop(rank, None)
-        self.traced.discard(rank)
-        self.computing.discard(rank)
-        self.evidenced.discard(rank)
-        self.reported.discard(rank)
 
-    # -- judgement --------------------------------------------------------------------------
-    def growth(self) -> float:
-        """How much the job's steps grow a step lately: the smallest ratio of its last ``GROWTH_STEPS``
-        consecutive intervals (a trend every one of them shows: one noisy step of a fast job is no growth),
-        between 1 and ``GROWTH_MAX``."""
-        recent = list(islice(reversed(self.intervals), GROWTH_STEPS + 1))
-        ratios = [a / b if b > 0 else GROWTH_MAX for a, b in zip(recent, recent[1:])]
-        return min(GROWTH_MAX, max(1.0, min(ratios, default=1.0)))
-
-    def expected(self) -> float:
-        """The longest step the job's recent pace allows for: its longest recent interval, or the next one its
-        growth trend projects."""
-        return max(max(self.intervals), self.intervals[-1] * self.growth())
-
-    def limit(self, hang_timeout: float) -> float:
-        """Seconds of stillness after which a job whose ranks wait is hung (``hang_timeout`` until the pace
-        is known)."""
-        if self.known < PACE_MIN_STEPS:
-            return hang_timeout
-        return min(hang_timeout, max(PACE_FLOOR_S, PACE_FACTOR * self.expected()))
-
-    def waits(self) -> bool:
-        """Some rank is stopped, or waits in an operation while none is busy with a save or a restore; and no
-        rank computes."""
-        return not self.computing and (bool(self.stopped) or (bool(self.waiting) and not self.busy))
-
-    def hung(self, idle: float, hang_timeout: float, live: int | None = None, now: float | None = None) -> bool:
-        """Hung now (the module docstring): past ``hang_timeout``; a rank stopped for ``STOP_HOLD_S`` (at ``now``)
-        while no rank advanced; or past the pace's limit while ranks wait and none computes. Every one of the
-        ``live`` ranks (not exited) must have sent its evidence or be stopped (one that has not may be
-        computing); while some have sent no stack yet, up to ``EVIDENCE_GRACE_S`` more, so that the reason can
-        show it (a loaded node's daemon may send it a little later)."""
-        if idle > hang_timeout:
-            return True
-        self.suspended = live is not None and len(self.stopped) >= live > 0
-        if self.traced or self.suspended:
-            return False   # a debugger holds a rank, or the whole job is stopped: a pause
-        held = self.stop_held(now)
-        if held is not None and held >= STOP_HOLD_S and idle >= STOP_HOLD_S:
-            heard = live is None or self._heard(self.evidenced) >= min(live, NAMING_EVIDENCE)
-            return heard or held >= STOP_HOLD_S + EVIDENCE_GRACE_S
-        idle = self.paced(idle, now)
-        limit = self.limit(hang_timeout)
-        if idle <= limit or not self.waits():
-            return False
-        if live is None:
-            return True
-        if self._heard(self.evidenced) < live:
-            return False
-        return self._heard(self.reported) >= live or idle > min(hang_timeout, limit + EVIDENCE_GRACE_S)
-
-    def paced(self, idle: float, now: float | None) -> float:
-        """The part of ``idle`` the pace judges: none of the time before a stopped or traced rank last went on
-        (a suspended job's ranks go on still waiting in the operation they were stopped in, and the job's first
-        step after it is a pause's, not its pace's)."""
-        return idle if now is None else max(0.0, min(idle, now - self.resumed_at))
-
-    def stop_held(self, now: float | None) -> float | None:
-        """How long the rank stopped first has been stopped for at ``now`` (None: none is, or no time given)."""
-        if now is None or not self.stopped:
-            return None
-        return now - min(self.stopped.values())
-
-    def due(self, idle: float, hang_timeout: float, now: float) -> float | None:
-        """Seconds until a judgement of this attempt may change with time alone (a stop held long enough, the
-        pace's limit, the evidence's grace); None: not before the upper bound's next tick."""
-        if self.traced:
-            return None
-        held = self.stop_held(now)
-        if held is not None:
-            return max(0.05, min(STOP_HOLD_S, STOP_HOLD_S + EVIDENCE_GRACE_S - held)
-                       if held >= STOP_HOLD_S else STOP_HOLD_S - held)
-        if not self.waits():
-            return None
-        idle, limit = self.paced(idle, now), self.limit(hang_timeout)
-        return max(0.05, (limit - idle) if idle <= limit else min(hang_timeout, limit + EVIDENCE_GRACE_S) - idle)
-
+    # -- what the evidence says -------------------------------------------------------------
     def _heard(self, ranks: set[int]) -> int:
         """How many ranks are in ``ranks`` or stopped: O(stopped ranks), no union of 65,536 each tick."""
         return len(ranks) + sum(1 for r in self.stopped if r not in ranks)
 
-    def rule(self, hang_timeout: float, now: float | None = None) -> str:
-        """How the job was judged, for its hang reason."""
+    def still(self, live: int) -> bool:
+        """Every live rank is still: its evidence is in, or it is stopped."""
+        return live > 0 and self._heard(self.evidenced) >= live
+
+    def all_waiting(self, live: int) -> bool:
+        """Every live rank waits inside an operation: none stopped, traced, busy, computing or outside."""
+        return live > 0 and len(self.waiting) >= live and not (self.stopped or self.traced or self.busy
+                                                              or self.computing or self.spinning)
+
+    def stop_held(self, now: float) -> float | None:
+        """How long the rank stopped first has been stopped for at ``now`` (None: none is)."""
+        return now - min(self.stopped.values()) if self.stopped else None
+
+    def pause_kind(self) -> str:
+        """The kind of an uncertain pause, for learning: what the ranks that hold the others up do."""
+        if self.busy:
+            return "busy"
+        if self.computing or self.spinning:
+            return "computing"
+        if len(self.waiting) >= len(self.evidenced) and self.waiting:
+            return "inside"   # every rank inside an operation: a slow transfer, a link no loss was seen on
+        return "asleep"
+
+    def quiet_for(self, now: float) -> float:
+        return 0.0 if self.quiet_since is None else max(0.0, now - self.quiet_since)
+
+    # -- judgement --------------------------------------------------------------------------
+    def judge(self, now: float, hang_timeout: float, live: int, step: int) -> Verdict | None:
+        """The attempt's hang at ``now``, if it is hung (the module docstring); ``live``: ranks not exited;
+        ``step``: the job's slowest step (an uncertain pause is never acted on at a step ``learned.spared``)."""
+        self.suspended = live > 0 and len(self.stopped) >= live
+        stop = self._stop(now, live)
+        if stop is not None:
+            return stop
+        if not self.still(live) or self.quiet_since is None or self.traced or self.suspended:
+            self.episode = None if not self.still(live) else self.episode
+            return None
+        if self.all_waiting(live):
+            self.all_waiting_since = self.all_waiting_since if self.all_waiting_since is not None else now
+            certain = self._blocked(now)
+            if certain is not None:
+                return certain
+        else:
+            self.all_waiting_since = None
+        kind = self.pause_kind()
+        if self.episode is None or self.episode[0] != kind:
+            self.episode = (kind, self.quiet_since)
+        bound = self.learned.bound(kind, hang_timeout)
+        quiet = self.quiet_for(now)
+        if quiet <= bound or (self.learned.spared and step in self.learned.spared):
+            return None
+        raised = f", raised from {hang_timeout:g} s by a {kind} pause of " \
+                 f"{self.learned.pauses[kind]:.1f} s this job survived" if bound > hang_timeout else ""
+        return Verdict(UNCERTAIN, f"uncertain: {_KIND_TEXT[kind]}; acted on at the bound, {bound:g} s{raised}; "
+                                  f"restart.hang_timeout={hang_timeout:g}")
+
+    def _stop(self, now: float, live: int) -> Verdict | None:
+        if self.traced or self.suspended:
+            return None   # a debugger holds a rank, or the whole job is stopped: a pause
         held = self.stop_held(now)
-        if held is not None and held >= STOP_HOLD_S:
-            return (f"a rank stopped for {held + STOP_CONFIRM_S:.1f} s while no rank advanced: a stop of about a "
-                    f"second is a hang, a shorter one a pause; restart.hang_timeout={hang_timeout:g}")
-        limit = self.limit(hang_timeout)
-        if limit >= hang_timeout:
-            return f"restart.hang_timeout={hang_timeout:g}"
-        median, growth = statistics.median(self.intervals), self.growth()
-        trend = f", growing x{growth:.1f} a step" if growth >= 1.25 and limit > PACE_FLOOR_S else ""
-        return (f"ranks wait for a peer and none computes; judged after {limit:.1f} s from the job's pace: a step "
-                f"every {median:.2f} s, the longest {max(self.intervals):.2f} s{trend}; "
-                f"restart.hang_timeout={hang_timeout:g}")
+        if held is None or held < STOP_HOLD_S:
+            return None
+        heard = self._heard(self.evidenced) >= min(live, NAMING_EVIDENCE)
+        if not heard and held < STOP_HOLD_S + EVIDENCE_GRACE_S:
+            return None
+        return Verdict(STOPPED, f"certain: a rank stopped for {held + STOP_CONFIRM_S:.1f} s; a stop of about a "
+                                f"second that is not the whole job's, nor a debugger's, is for good")
+
+    def _blocked(self, now: float) -> Verdict | None:
+        """Certain when every live rank waits and ``hangs.blocked`` (``blocked``, for the current generation) found
+        why none can go on: a deadlock (held ``DEADLOCK_HOLD_S``) or a group inside one operation with data lost."""
+        if self.analysed != self.generation or self.all_waiting_since is None:
+            return None
+        if self.blocked == DEADLOCK and now - self.all_waiting_since >= DEADLOCK_HOLD_S:
+            return Verdict(DEADLOCK, "certain: every rank waits inside an operation that cannot complete")
+        if self.blocked == LINK and self.lossy:
+            return Verdict(LINK, "certain: every rank waits and the data of a group inside one operation goes "
+                                 "unacknowledged between two nodes")
+        return None
+
+    def due(self, now: float, hang_timeout: float, live: int) -> float | None:
+        """Seconds until a judgement may change with time alone; None: not before new evidence."""
+        held = self.stop_held(now)
+        if held is not None and not self.traced:
+            return max(0.05, STOP_HOLD_S - held if held < STOP_HOLD_S else STOP_HOLD_S + EVIDENCE_GRACE_S - held)
+        if not self.still(live) or self.quiet_since is None:
+            return None
+        if self.all_waiting_since is not None and self.blocked == DEADLOCK:
+            return max(0.05, DEADLOCK_HOLD_S - (now - self.all_waiting_since))
+        return max(0.05, self.learned.bound(self.pause_kind(), hang_timeout) - self.quiet_for(now) + 0.01)
+
+    def nameable(self) -> bool:
+        """Every live rank is still, some wait, and this evidence was not named yet: name it now."""
+        return bool(self.waiting) and self.named != self.generation
+
+
+_KIND_TEXT = {"busy": "a rank busy outside collectives (ctx.busy) while its peers wait",
+              "computing": "a live rank computes outside collectives while its peers wait",
+              "inside": "every rank inside an operation, no data seen lost (a slow transfer?)",
+              "asleep": "a live rank outside collectives (asleep, blocked on I/O or a lock) while its peers wait"}

@@ -15,12 +15,12 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from rankctl.contract.files.rankstatus import STOPPED
 from rankctl.coordinator.model.faults import Cause, rank_fault
 from rankctl.coordinator.model.histogram import Histogram, exponential_bounds
-from rankctl.coordinator.diagnosis.pace import Pace
+from rankctl.coordinator.diagnosis.pace import Learned, Pace
 from rankctl.coordinator.diagnosis.preflight import Preflight
 from rankctl.coordinator.model.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
 from rankctl.coordinator.diagnosis.skew import SHOWN, ComputeSkew, SlowRank, pipeline_peers
@@ -91,6 +91,7 @@ class JobSummary:
     slow: list["SlowRank"] = field(default_factory=list)   # stragglers by compute time, worst first
     preflight: "Preflight | None" = None                    # the attempt's pre-flight (``coordinator.diagnosis.preflight``)
     hang: list[int] = field(default_factory=list)           # the ranks the attempt's hang reason points at
+    stall: str = ""                                          # whom the still job's ranks wait for (``Pace.stall``)
 
 
 @dataclass
@@ -167,7 +168,7 @@ class JobProgress:
     _owed: int = 0                    # completed steps with no duration known yet (observed with the first one)
     first_step: int = 1 << 62  # the lowest step a rank first reported in this attempt (> 1 after a resume)
     emitted_step: int = 0     # the last step a job-level event was written for (survives restarts)
-    advanced_at: float = 0.0  # when a rank last changed phase or step (the hang detector's clock)
+    advanced_at: float | None = None  # when a rank last changed phase or step here (None: not seen yet)
     failing_since: float | None = None   # when a failed rank was first seen (a peer error waits for its cause)
     pace: Pace = field(default_factory=Pace)   # step intervals and hang evidence (``coordinator.diagnosis.pace``)
     preflight: Preflight | None = None         # rank 0's pre-flight outcome (``coordinator.diagnosis.preflight``)
@@ -180,7 +181,27 @@ class JobProgress:
         self.phases["pending"] = self.world_size
         self.at_step[0] = set(range(self.world_size)) if self.world_size <= 1 << 20 else set()
 
+    @classmethod
+    def taught(cls, world_size: int, learned: Learned) -> "JobProgress":
+        """A new attempt's counters, its hang judgement sharing what the job's earlier attempts taught it."""
+        progress = cls(world_size)
+        progress.pace.learned = learned
+        return progress
+
     # -- updates --------------------------------------------------------------
+    def advance(self, now: float) -> None:
+        """A rank changed phase or step at ``now``: the job moved (the hang judgement's clock)."""
+        self.advanced_at = now
+        self.pace.moved(now)
+
+    def refeed(self, ranks: Iterable[RankRecord], now: float) -> None:
+        """After a resync: the hang evidence the kept records hold goes back into the rebuilt judgement."""
+        for r in ranks:
+            if not r.exited and r.process:
+                self.pace.process(r.rank, r.process, now)
+            if not r.exited and r.collectives:
+                self.pace.evidence(r.rank, r.collectives, r.stack)
+
     def bind(self, job: JobRecord) -> None:
         """Learn the job's pipeline stages, rank -> node and its kind's figures (once per attempt; the report
         path calls it for every run of reports, so it returns at once after the first)."""
@@ -340,6 +361,7 @@ class JobProgress:
             min_step=self.min_step, max_step=self.max_step, stragglers=stragglers, failing=failing,
             metrics=dict(self.metrics), reports=self.reports,
             slow=self.skew.worst() if self.skew is not None else [], preflight=self.preflight, hang=list(self.hang),
+            stall=self.pace.stall,
         )
 
     def _shown_ranks(self) -> tuple[list[int], list[RankRecord]]:

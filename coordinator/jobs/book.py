@@ -26,6 +26,7 @@ import structlog
 from rankctl.contract.names import shown as shown_value
 from rankctl.coordinator.model.allocation import Allocation
 from rankctl.coordinator.model.errors import AmbiguousJob, JobNotFound
+from rankctl.coordinator.diagnosis.pace import Learned
 from rankctl.coordinator.diagnosis.progress import JobProgress
 from rankctl.coordinator.model.records import EventRecord, JobRecord, RankRecord
 from rankctl.coordinator.jobs.signals import Signals
@@ -50,6 +51,7 @@ class JobBook:
     def __init__(self, store: Store, clock: Callable[[], float], signals: Signals) -> None:
         self.store, self.clock, self.signals = store, clock, signals
         self.jobs: dict[str, JobRecord] = {j.id: j for j in store.load_jobs()}
+        self.learned: dict[str, Learned] = {}   # job id -> what its attempts taught the hang judgement
         self._load()
 
     def _load(self) -> None:
@@ -73,10 +75,11 @@ class JobBook:
         self.queued_at: dict[str, float] = {j.id: known.get(j.id, j.created_at) for j in self._pending.values()}
 
     def _rebuild(self, job: JobRecord) -> JobProgress:
-        progress = JobProgress(job.world_size)
+        progress = JobProgress.taught(job.world_size, self.learned.setdefault(job.id, Learned()))
         for r in self._ranks.get(job.id, {}).values():
             progress.moved(None, r)
         progress.emitted_step = self.store.last_step(job.id) if job.nodes else 0
+        progress.advance(self.clock())   # the hang judgement's clock starts now, never from zero
         return progress
 
     def resync(self) -> None:
@@ -112,6 +115,7 @@ class JobBook:
                 elif mem.step > row.step:   # a change the store refused (held, retried): the step it had reached stays
                     row.step, row.metrics_json = mem.step, mem.metrics_json
             self._progress[job_id] = self._rebuild(job)
+            self._progress[job_id].refeed(ranks.values(), self.clock())
 
     # -- lookup --------------------------------------------------------------
     def get(self, id_or_name: str) -> JobRecord:
@@ -274,7 +278,7 @@ class JobBook:
         """A just-placed attempt: no rank has reported yet (every rank reads as ``pending``)."""
         self.store.clear_ranks(job.id)
         self._ranks[job.id] = {}
-        self._progress[job.id] = JobProgress(job.world_size)
+        self._progress[job.id] = JobProgress.taught(job.world_size, self.learned.setdefault(job.id, Learned()))
 
     def put_rank(self, job: JobRecord, r: RankRecord) -> None:
         """Store a rank's record (a phase change, an exit or an error) and keep it in memory; inside

@@ -130,7 +130,7 @@ class ReportApplier:
             for rank in range(first, first + count):
                 progress.pace.process(rank, process, self._clock())
         new = records[0]
-        progress.advanced_at = self._clock()
+        progress.advance(self._clock())
         progress.started(count, phase)
         if job.world_size <= ROUTINE_EVENTS_MAX_WORLD:
             self._book.event(job, "rank", f"{rank_span(list(range(first, first + count)))} {phase}", new,
@@ -178,7 +178,7 @@ class ReportApplier:
         new = RankRecord(rank=rank, node=node, phase=phase, step=step, metrics_json=metrics, error=error,
                          exit_code=st.exit_code, exited=st.exited, updated_at=update_seconds(st) or self._clock(),
                          result_json=result, process=bounds.process(st.process))
-        progress.advanced_at = self._clock()
+        progress.advance(self._clock())
         if new.exited:
             progress.pace.gone(new.rank)
         elif new.process != (old.process if old else ""):
@@ -228,13 +228,13 @@ class ReportApplier:
             progress.pace.process(old.rank, old.process, self._clock())
         if st.collectives or st.stack:  # hang evidence: counters that stopped moving (memory only)
             old.collectives, old.stack = bounds.collectives(st.collectives), bounds.stack(st.stack)
-            progress.pace.evidence(old.rank, old.collectives, old.stack)
+            progress.pace.evidence(old.rank, old.collectives, old.stack, self._clock())
         if old.process and progress.pace.announce(old.rank, self._clock()):   # named at once, before any judgement
             self._book.event(job, "stopped", stop_line(old), old)
         progress.reports += 1
         step = st.step
         if step and step != old.step:
-            progress.advanced_at = self._clock()
+            progress.advance(self._clock())
             progress.step_figures(step, st, old.rank)
             before, old.step = old.step, step
             self._stepped(job, progress, progress.moved_step(old.rank, before, step))

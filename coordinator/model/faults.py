@@ -77,10 +77,10 @@ class Fault:
 
 def same_way(a: Fault, b: Fault) -> bool:
     """Two attempts failed the same way: both repeatable failures of one cause at the same known step, and either
-    both hangs or the same rank's exit with the same code and last error line (wherever it ran)."""
+    both hangs judged the same way (``detail``: the verdict's kind) or the same rank's exit with the same code and last error line (wherever it ran)."""
     if not (a.repeatable and b.repeatable) or a.cause is not b.cause or a.step is None or a.step != b.step:
         return False
-    return a.cause is Cause.HANG or (a.rank == b.rank and a.code == b.code and a.detail == b.detail)
+    return (a.cause is Cause.HANG and a.detail == b.detail) or (a.rank == b.rank and a.code == b.code and a.detail == b.detail)
 
 
 def outranks(a: Fault, b: Fault) -> bool:

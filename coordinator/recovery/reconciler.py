@@ -36,6 +36,9 @@ from rankctl.coordinator.model.faults import Cause, Fault, rank_fault
 from rankctl.coordinator.model.records import JobRecord
 from rankctl.coordinator.model.states import JobState, is_active, is_terminal
 from rankctl.coordinator.recovery.drains import Drains, saves_on_request
+from rankctl.coordinator.diagnosis.deadlock import blocked
+from rankctl.coordinator.diagnosis.hangs import hang_reason, waiting_line
+from rankctl.coordinator.diagnosis.pace import DEADLOCK, LINK
 from rankctl.coordinator.diagnosis.progress import JobProgress
 from rankctl.coordinator.recovery.reconcile import (
     ATTRIBUTION_S, Continue, EndAttempt, Hold, Nothing, Plan, Running, Succeed, reconcile,
@@ -69,7 +72,8 @@ class JobReconciler:
         for job in self._book.active():
             if job.state is S.RUNNING:
                 progress = self._book.progress(job)
-                progress.advanced_at += loop_lag
+                if progress.advanced_at is not None:
+                    progress.advanced_at += loop_lag
                 progress.pace.discount(loop_lag)
 
     def reconcile(self, job_id: str, timed: bool = False) -> None:
@@ -131,7 +135,7 @@ class JobReconciler:
         match plan:
             case Running():
                 self._book.transition(job, S.RUNNING, f"all {job.world_size} ranks running")
-                progress.advanced_at = self._clock()
+                progress.advance(self._clock())
                 if progress.all_succeeded():   # every rank ran and exited 0 between two turns
                     self._succeed(job)
             case Succeed():
@@ -163,23 +167,50 @@ class JobReconciler:
                                                 + (f"; {str(ended)[:300]}" if ended else ""))
 
     def _hang(self, job: JobRecord, links: list[tuple[str, str]]) -> Fault | None:
-        """The RUNNING job's hang, if it is hung: it reported a step (a script that never reports one cannot be told
-        from a hang) and none of its ranks changed step or phase for longer than its pace allows. The links it
-        points at go on ``links``; the ranks, on the job's counters (the dashboard outlines them)."""
+        """The RUNNING job's hang, if it is hung (``coordinator.diagnosis.pace``: certain evidence at once, uncertain
+        at the bound); the ranks it points at are named in an event first, as soon as every live rank is still and
+        some wait. The links it points at go on ``links``; the ranks, on the job's counters (the dashboard)."""
         progress = self._book.progress(job)
-        timeout = job.spec.restart.hang_timeout
-        now = self._clock()
-        idle = now - progress.advanced_at
-        live = job.world_size - progress.exited
-        if not (progress.advanced_at and progress.max_step > 0):
-            return None
-        if not progress.pace.hung(idle, timeout, live, now):
-            due = progress.pace.due(idle, timeout, now)
+        pace, now = progress.pace, self._clock()
+        timeout, live = job.spec.restart.hang_timeout, job.world_size - progress.exited
+        if pace.learned.spared is None:
+            pace.learned.spared = self._restarts.uncertain_hang_steps(job)
+        ranks = self._book.ranks(job.id)
+        if pace.still(live) and pace.analysed != pace.generation:
+            pace.analysed = pace.generation
+            pace.blocked = blocked(ranks, sorted(pace.waiting)[:1]) if pace.all_waiting(live) else ""
+        verdict = pace.judge(now, timeout, live, progress.min_step)
+        if verdict is None:
+            if pace.still(live) and pace.nameable():
+                self._name(job, progress, ranks, timeout)
+            due = pace.due(now, timeout, live)
             if due is not None:
                 self._later(job.id, due)   # judged again then, not at the next tick
             return None
-        from rankctl.coordinator.diagnosis.hangs import hang_reason
+        quiet = pace.quiet_for(now)
+        progress.hang = []
+        reason = hang_reason(ranks, progress.summary(), quiet, verdict.rule, links, progress.hang)
+        return Fault(cause=Cause.HANG, reason=reason, step=progress.min_step, detail=verdict.kind)
 
-        reason = hang_reason(self._book.ranks(job.id), progress.summary(), idle, progress.pace.rule(timeout, now),
-                             links, progress.hang)
-        return Fault(cause=Cause.HANG, reason=reason, step=progress.min_step)
+    def _name(self, job: JobRecord, progress: JobProgress, ranks: dict, timeout: float) -> None:
+        """An event naming whom the waiting ranks wait for, where it is and when it is acted on (once per state of
+        the evidence); the ranks it points at outline the dashboard's grid."""
+        pace = progress.pace
+        pace.named = pace.generation
+        named: list[int] = []
+        text = waiting_line(ranks, named)
+        if not named:
+            return
+        if pace.stopped:
+            when = "acted on about a second after the stop unless it goes on"
+        elif pace.blocked in (DEADLOCK, LINK):
+            when = "acted on at once if it holds" if pace.blocked == DEADLOCK or pace.lossy else \
+                f"acted on after {pace.learned.bound(pace.pause_kind(), timeout):g} s still"
+        else:
+            when = f"acted on only if still so {pace.learned.bound(pace.pause_kind(), timeout):g} s after the job " \
+                   f"last moved (restart.hang_timeout, or a pause it survived)"
+        if f"{text}; {when}" == pace.stall:
+            return
+        progress.hang, pace.stall = named, f"{text}; {when}"
+        with self._store.transaction(f"the stall of job {job.id}"):
+            self._book.event(job, "stall", pace.stall)

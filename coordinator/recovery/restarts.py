@@ -27,6 +27,7 @@ from rankctl.coordinator.recovery.drains import Drains, saves_on_request
 from rankctl.coordinator.model.faults import Cause, Fault, Failed, reattributed
 from rankctl.coordinator.jobs.book import JobBook
 from rankctl.coordinator.fleet.nodes import NodeTable
+from rankctl.coordinator.diagnosis.pace import UNCERTAIN
 from rankctl.coordinator.diagnosis.progress import rank_span
 from rankctl.coordinator.model.records import JobRecord
 from rankctl.coordinator.jobs.dirty import Dirty
@@ -114,6 +115,13 @@ class Restarts:
                 self._drains.ask_grow(job, job.nodes_needed)
             case Continue(decision):
                 self._carry_out(job, decision)
+
+    def uncertain_hang_steps(self, job: JobRecord) -> set[int]:
+        """The steps at which an earlier attempt of the job was ended for an uncertain hang (its stored faults: they
+        survive a failover); the hang judgement does not end another attempt for that at those steps."""
+        faults = (Fault.from_json(self._store.attempts.fault(job.id, a)) for a in range(1, job.attempt))
+        return {f.step for f in faults if f is not None and f.cause is Cause.HANG and f.detail == UNCERTAIN
+                and f.step is not None}
 
     def loss_held(self, job: JobRecord) -> bool:
         """A node of the job's attempt is lost and its failure held (``hold_loss``): its victims' errors wait."""

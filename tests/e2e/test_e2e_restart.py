@@ -291,7 +291,6 @@ train: {{steps: 40, global_batch: 8, micro_batch: 2, lr: 1.0e-2, warmup: 2, seed
         data: builtin:pydoc}}
 """
 VICTIM = 3  # the last pipeline stage's second tp rank: its tp peer is rank 2, its pp peer rank 1
-WITHIN_S = 2.0   # issue 45: a blocked rank is judged on a limit under this (the rule is asserted, not the clock)
 
 
 def rank_of(pid: int) -> int:
@@ -341,8 +340,7 @@ def test_pauses_are_no_hang_and_a_rank_stopped_for_good_is_named_and_restarted_i
     print(f"\nrank {VICTIM} SIGSTOPped for 0.3 s, the whole job for 3 s: no hang; rank {VICTIM} SIGSTOPped for "
           f"good: attempt 1 ended {detected:.1f} s later, as `ctl status` polled (no hang_timeout in the job "
           f"file)\nreason: {reason}")
-    assert reason.startswith("hang: no rank advanced for") and "(a rank stopped for" in reason, reason
-    assert "restart.hang_timeout=300" in reason, reason
+    assert reason.startswith("hang: no rank advanced for") and "(certain: a rank stopped for" in reason, reason
     assert f"rank {VICTIM} stopped (SIGSTOP or a debugger) on node-" in reason, reason
     named = [m for k, m in events(three.address, job) if k == "stopped"]   # named at once, before any judgement:
     assert {int(m.split()[1]) for m in named} == {0, 1, 2, 3}, named         # the suspend's four ranks at least
@@ -370,64 +368,6 @@ def test_pauses_are_no_hang_and_a_rank_stopped_for_good_is_named_and_restarted_i
     bad = [(s, a, b) for (s, a), (_, b) in zip(ours, theirs) if abs(a - b) > 1e-5 * abs(b)]
     assert not bad, f"steps whose loss differs from the uninterrupted run (step, ours, theirs): {bad}"
     print(f"attempt 2 resumed from step {done['result'].get('resumed_from')}; 40 losses equal the uninterrupted run's")
-
-
-SLEEPER = """
-import time
-import torch
-import torch.distributed as dist
-import rankctl
-
-ctx = rankctl.context()
-world = ctx.group("world")
-for step in range(1, 41):
-    if ctx.rank == 1 and step == 8:
-        {stuck}                              # inside step 8, while the others wait in its all-reduce
-    x = torch.ones(4) * step
-    dist.all_reduce(x, group=world)
-    time.sleep(0.05)
-    ctx.report(step, loss=float(x[0]))
-"""
-SLEEPY = """
-name: {name}
-kind: python
-resources: {{nodes: {nodes}, slots_per_node: 2}}
-backend: gloo
-restart: {{max_restarts: 0}}
-python: {{entrypoint: stuck.py, workdir: {workdir}}}
-"""
-STUCK = {"sleepy": ("time.sleep(60)", 2), "spinny": ("while True: pass", 1)}   # blocked (CPU flat), spinning
-
-
-def test_a_python_rank_that_sleeps_or_spins_inside_a_step_is_named_in_seconds(three: ProcCluster,
-                                                                             tmp_path: Path) -> None:
-    """Issue 45: two python jobs side by side, each with a rank 1 stuck inside step 8 while the others wait in
-    its all-reduce: asleep (its CPU time flat) in one, spinning in Python (its CPU time advancing; the same stack
-    twice, holding the GIL, so not computing) in the other. Each is named (rank, group, operation, stack) with
-    no hang_timeout in the job file, judged on a limit under WITHIN_S."""
-    jobs = {}
-    for name, (stuck, nodes) in STUCK.items():
-        work = tmp_path / name
-        work.mkdir()
-        (work / "stuck.py").write_text(SLEEPER.replace("{stuck}", stuck))
-        (tmp_path / f"{name}.yaml").write_text(SLEEPY.format(name=name, nodes=nodes, workdir=work))
-        jobs[name] = three.submit(str(tmp_path / f"{name}.yaml"))
-    for name, job in jobs.items():
-        wait_for(lambda: status(three.address, job)["summary"]["max_step"] >= 7, 120, f"{name}: step 7 reported")
-        done = three.wait_state(job, {"SUCCEEDED", "FAILED", "CANCELLED"}, 120)
-        reason = done["reason"]
-        print(f"\n{name}: rank 1 {STUCK[name][0]!r} in step 8\nreason: {reason}")
-        assert done["state"] == "FAILED" and reason.startswith("hang: no rank advanced for"), reason
-        judged = re.search(r"judged after ([\d.]+) s from the job's pace", reason)
-        assert judged and float(judged.group(1)) < WITHIN_S, reason
-        assert re.search(r"rank 1 in no collective while no rank advanced \(process running", reason), reason
-        members = ", ".join(str(r) for r in range(2 * STUCK[name][1]))
-        others = "ranks 0, 2-3" if STUCK[name][1] == 2 else "rank 0"
-        assert re.search(rf"\w+ group \[{members}\] waits in all_reduce #8 \({others} entered it\): "
-                         r"rank 1 never entered it", reason), reason
-        assert "stuck.py" in reason, reason   # its stack: where it sleeps or spins
-        assert ("spinning in Python" in reason) == (name == "spinny"), reason
-        wait_for(lambda: not rank_pids(job), 30, "every rank to exit")
 
 
 # -- issues 43 and 45: a rank that progresses is no hang ----------------------------------------------------------
@@ -546,8 +486,6 @@ def test_a_rank_throttled_to_1_percent_that_computes_is_no_hang(three: ProcClust
     cpulimit does: its process is seen stopped 99 % of the time) computes one step for many times the job's pace
     while its peer waits in the all-reduce: its daemon sees its CPU time advance outside any collective, so it
     is neither stopped for good nor hung; the job succeeds on attempt 1."""
-    from rankctl.coordinator.diagnosis.pace import PACE_FLOOR_S
-
     job = progressing["throttled"]
     st = wait_for(lambda: ((s := status(three.address, job))["summary"]["min_step"] >= 4
                            or s["state"] not in ("PENDING", "PLACED", "STARTING", "RUNNING")) and s, 120, "steps")
@@ -562,4 +500,4 @@ def test_a_rank_throttled_to_1_percent_that_computes_is_no_hang(three: ProcClust
     metrics = done["result"]["metrics"]
     print(f"\nrank 1 throttled to {THROTTLED_RUN_S / 0.1:.0%}: its step {metrics['heavy_step']:.0f} took "
           f"{metrics['heavy_s']:.1f} s, the others' well under 1 s; attempt 1 succeeded")
-    assert metrics["heavy_step"] > 0 and metrics["heavy_s"] > 2 * PACE_FLOOR_S, metrics   # the premise
+    assert metrics["heavy_step"] > 0 and metrics["heavy_s"] > 3.0, metrics   # the premise

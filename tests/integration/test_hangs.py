@@ -228,11 +228,11 @@ def test_hang_watch_reports_a_stall_once_and_its_end_once() -> None:
     now = [0.0]
     w = HangWatch(10.0, clock=lambda: now[0])
     assert w.observe(3, b"a") == ""
-    for t in (5.0, 9.9):
+    for t in (0.5, 0.99):
         now[0] = t
         assert w.observe(3, b"a") == ""
-    now[0] = 10.0
-    assert w.observe(3, b"a") == STALLED and w.stalled(3) == 10.0
+    now[0] = 1.0                                          # before it knows its pace: FIRST_STALL_S
+    assert w.observe(3, b"a") == STALLED and w.stalled(3) == 1.0
     now[0] = 30.0
     assert w.observe(3, b"a") == ""                       # one report per stall
     now[0] = 31.0
@@ -240,9 +240,9 @@ def test_hang_watch_reports_a_stall_once_and_its_end_once() -> None:
     assert w.observe(3, b"b") == ""
     now[0] = 38.0
     w.touch(3)                                            # a status record (step) moves it too
-    now[0] = 47.0
+    now[0] = 38.9
     assert w.observe(3, b"b") == ""
-    now[0] = 48.0
+    now[0] = 39.0
     assert w.observe(3, b"b") == STALLED
     assert hangwatch.stall_cap(20) == 10.0
     assert hangwatch.stall_cap(None) == hangwatch.STALL_MAX_S
@@ -267,7 +267,7 @@ def test_hang_watch_adapts_its_stall_time_to_the_rank_once_it_stepped() -> None:
     now = [0.0]
     w = HangWatch(30.0, clock=lambda: now[0])
     w.observe(0, b"a")
-    assert w.stall_after(0) == 30.0                       # before its first step: the cap
+    assert w.stall_after(0) == hangwatch.FIRST_STALL_S    # before it knows its pace: a second
     w.touch(0, stepped=True)
     for i in range(10):                                   # collectives every 0.1 s
         now[0] += 0.1
@@ -291,6 +291,12 @@ def test_hang_watch_adapts_its_stall_time_to_the_rank_once_it_stepped() -> None:
     assert w2.observe(1, b"a") == ""
     now[0] += 5.0
     assert w2.observe(1, b"a") == STALLED
+    w3 = HangWatch(30.0, clock=lambda: now[0])            # a plain script: its counters' moves are its pace
+    w3.observe(4, b"a")
+    for i in range(hangwatch.MOVES_KNOWN + 3):
+        now[0] += 2.0
+        w3.observe(4, bytes([i]))
+    assert w3.stall_after(4) == 6.0
 
 
 def test_cpu_time_outside_collectives_is_computing_and_a_throttled_rank_is_not_stopped() -> None:
@@ -451,3 +457,54 @@ def test_a_spin_in_python_is_the_same_main_thread_stack_twice_holding_the_gil() 
     assert '"spinning":true' in evidence_json(None, 1.0, spinning=True)
     now[0] += 0.1
     assert w.observe(1, b"b") == MOVED and not w.spinning(1)
+
+
+# -- issue 52: when every rank waits, is it certain? -------------------------------------------------------------
+from rankctl.coordinator.diagnosis.deadlock import blocked  # noqa: E402
+from rankctl.coordinator.diagnosis.hangs import waiting_line  # noqa: E402
+
+
+def test_a_cycle_of_waits_or_a_mismatch_is_a_deadlock_and_a_group_all_inside_is_a_link() -> None:
+    """Ranks 0, 1 wait in their tp all-reduce #9, which rank 1 has entered only 8 times: rank 1 waits in the world
+    barrier #2 that ranks 2, 3 ... never entered, and they wait in their own tp all-reduce for each other:
+    following whom each waits for ends in a group every member of which is inside it (a link, or a slow transfer);
+    a cycle (rank 1 waits in the barrier for rank 0, which waits in tp for rank 1) is a deadlock, and so are two
+    members of one group at the same count in different operations."""
+    cycle = {0: rec(0, counters(0, tp_n=(9, 8), pp_n=(3, 3), mp_n=(1, 1), blocked="tp")),
+             1: rec(1, counters(1, tp_n=(8, 8), pp_n=(3, 3), mp_n=(2, 1), blocked="mp")),
+             2: rec(2, counters(2, tp_n=(8, 8), pp_n=(3, 3), mp_n=(2, 1), blocked="mp")),
+             3: rec(3, counters(3, tp_n=(8, 8), pp_n=(3, 3), mp_n=(2, 1), blocked="mp"))}
+    assert blocked(cycle, [0]) == "deadlock"
+    inside = {0: rec(0, counters(0, tp_n=(9, 8), pp_n=(3, 3), blocked="tp")),
+              1: rec(1, counters(1, tp_n=(9, 8), pp_n=(3, 3), blocked="tp"))}
+    assert blocked(inside, [0]) == ""        # one node: nothing between nodes to be cut
+    across = {r: dataclasses.replace(inside[r], node=f"node-{r}") for r in inside}
+    assert blocked(across, [0]) == "link"
+    mismatch = {0: rec(0, counters(0, tp_n=(9, 8), pp_n=(3, 3), blocked="tp")),
+                1: rec(1, counters(1, tp_n=(9, 8), pp_n=(3, 3), blocked="tp", op={"tp": "barrier"}))}
+    assert blocked(mismatch, [0]) == "deadlock"
+    named: list[int] = []
+    line = waiting_line(mismatch, named)
+    assert "at #9 in different operations: rank 0 in all_reduce, rank 1 in barrier: a mismatch" in line, line
+    assert named == [0, 1]
+    unknown = {0: cycle[0]}                  # rank 1 sent nothing: it may be moving
+    assert blocked(unknown, [0]) == ""
+
+
+def test_a_healthy_connection_loses_no_data() -> None:
+    """``tcpstat.unacked`` on this process's own loopback connection, busy and idle: nothing unanswered."""
+    import socket
+
+    from rankctl.worker.runs import tcpstat
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    try:
+        client.sendall(b"x" * 65536)
+        assert tcpstat.unacked(os.getpid()) == 0
+        peer.recv(65536)
+        assert tcpstat.unacked(os.getpid()) == 0 and tcpstat.unacked(2 ** 22 + 7) == 0   # (no such process)
+    finally:
+        for s in (client, peer, server):
+            s.close()

@@ -12,9 +12,13 @@ that evidence (``coordinator.diagnosis.pace``, ``coordinator.diagnosis.hangs``).
 
 The stall time adapts to the rank (``HangWatch.stall_after``): ``STALL_FACTOR`` times the median of its
 recent still stretches that ended (between two movements, once it reported a step), at least
-``STALL_FLOOR_S``; at most, and before its first step, ``stall_cap(restart.hang_timeout)``
-(``min(hang_timeout / 2, 30 s)``). A rank whose collectives come every few milliseconds sends its
-evidence after ~0.5 s; one whose steps are minutes of computation between collectives, on that scale.
+``STALL_FLOOR_S``; at most ``stall_cap(restart.hang_timeout)``
+(``min(hang_timeout / 2, 30 s)``). A plain script reports no step: its counters moving ``MOVES_KNOWN`` times start
+its pace instead; before a rank knows its pace, it is stalled once still for ``FIRST_STALL_S`` (a deadlock or a
+laggard at the first steps is named in a second; a long first step costs one report and one stack). A rank whose
+collectives come every few milliseconds sends its evidence after ~0.5 s; one whose steps are minutes of computation
+between collectives, on that scale. While a stalled rank is
+inside a collective its TCP sockets are looked at (``worker.runs.tcpstat``): data to a peer unheard is a cut link.
 
 CPU time is evidence too (``sample``: the main thread's nanoseconds, with its process state): a rank whose CPU
 time advanced within ``COMPUTE_S`` while it was in no collective, or that was runnable there (a starved rank
@@ -57,6 +61,9 @@ STACK_TIMEOUT_S = 5.0       # py-spy, or the faulthandler answer, within this
 SPIN_GAP_S = 0.3            # between the two stacks that tell a spin in Python from computing
 CPU_STILL_S = 0.3           # a stopped process whose CPU time was still for this long is stopped for good
 COMPUTE_S = 1.0             # CPU time advanced (or runnable) outside collectives within this: computing
+MOVES_KNOWN = 4             # counter movements after which a rank that reports no step knows its own pace
+FIRST_STALL_S = 1.0         # before then, a rank still this long is stalled (a deadlock or a laggard, named soon)
+LOSS_LOOK_S = 0.25          # how often a rank stalled inside a collective has its TCP sockets looked at
 MOVED_JSON = '{"moved":true}'  # the rank moved again: the evidence sent for its stall no longer holds
 STALLED, MOVED, CHANGED = "stalled", "moved", "changed"
 
@@ -83,6 +90,10 @@ class _Rank:
     moved_at: float
     reported_at: float | None = None  # when its stall was reported (None: not stalled, or moved since)
     stepped: bool = False             # it reported a step: its still stretches count from then
+    moves: int = 0                    # its counters moved this often (a plain script reports no step)
+    lost: int = 0                     # its sockets losing data to a peer, at the last look (``tcpstat``)
+    lost_sent: int = 0                # ... as its evidence says
+    loss_looked: float = float("-inf")
     stills: deque = field(default_factory=lambda: deque(maxlen=STILL_WINDOW))
     cpu_ns: int | None = None         # its main thread's CPU time at the last look
     ran_at: float = float("-inf")     # when that last advanced
@@ -105,15 +116,22 @@ class HangWatch:
     def stall_after(self, rank: int) -> float:
         """Seconds without movement after which ``rank`` is stalled (the module docstring)."""
         r = self._ranks.get(rank)
-        if r is None or not r.stepped:
-            return self.cap
+        if r is None or not self._paced(r):
+            return min(self.cap, FIRST_STALL_S)
         usual = statistics.median(r.stills) if r.stills else 0.0
         return min(self.cap, max(STALL_FLOOR_S, STALL_FACTOR * usual))
 
+    @staticmethod
+    def _paced(r: _Rank) -> bool:
+        """Its still stretches count: it reported a step, or its counters moved ``MOVES_KNOWN`` times (a plain
+        script's collectives are its pace)."""
+        return r.stepped or r.moves >= MOVES_KNOWN
+
     def _moved(self, r: _Rank, now: float) -> None:
-        if r.stepped and r.reported_at is None:   # a stall that was reported is no usual stretch
+        if self._paced(r) and r.reported_at is None:   # a stall that was reported is no usual stretch
             r.stills.append(now - r.moved_at)
         r.moved_at = now
+        r.moves += 1
 
     def touch(self, rank: int, stepped: bool = False) -> None:
         """The rank wrote a status record (a step, ``stepped``, or a phase): it moved. A rank not looked at yet
@@ -142,9 +160,13 @@ class HangWatch:
         if r.reported_at is not None:
             if r.moved_at > r.reported_at:
                 r.reported_at, r.evidence, r.stack, r.spinning = None, "", "", False
+                r.lost = r.lost_sent = 0
                 return MOVED
             if self.computing(rank) != r.computing:
                 r.computing = not r.computing
+                return CHANGED
+            if bool(r.lost) != bool(r.lost_sent):
+                r.lost_sent = r.lost
                 return CHANGED
             return ""
         if stopped or now - r.moved_at >= self.stall_after(rank):
@@ -182,6 +204,25 @@ class HangWatch:
         if r is not None and r.reported_at is not None:
             r.spinning, r.computing = True, False
 
+    def loss_due(self, rank: int) -> bool:
+        """Its stall was reported and its sockets were not looked at for ``LOSS_LOOK_S`` (then they are now)."""
+        r = self._ranks.get(rank)
+        now = self._clock()
+        if r is None or r.reported_at is None or now - r.loss_looked < LOSS_LOOK_S:
+            return False
+        r.loss_looked = now
+        return True
+
+    def losing(self, rank: int, sockets: int) -> None:
+        """How many of its sockets lose data to a peer now (``tcpstat.unacked``): a change goes out as CHANGED."""
+        r = self._ranks.get(rank)
+        if r is not None:
+            r.lost = sockets
+
+    def lost(self, rank: int) -> int:
+        r = self._ranks.get(rank)
+        return r.lost if r is not None else 0
+
     def spinning(self, rank: int) -> bool:
         r = self._ranks.get(rank)
         return r is not None and r.spinning
@@ -217,13 +258,15 @@ class HangWatch:
 
 # -- the evidence ----------------------------------------------------------------------------
 def evidence_json(counters: dict[str, Any] | None, still_s: float, limit: int = EVIDENCE_CHARS,
-                  computing: bool = False, spinning: bool = False) -> str:
+                  computing: bool = False, spinning: bool = False, lost: int = 0) -> str:
     """A rank's counters as compact JSON, at most ``limit`` characters: ``{"still_s", "computing"?, "wait_s",
     "activity"?, "groups": [{kind, members, size, entered, completed, op, since, in}]}``; the group it waits in
     comes first. ``computing``: its CPU time advances outside any collective (``HangWatch.computing``);
-    ``spinning``: it spins in Python there (``HangWatch.spin``)."""
+    ``spinning``: it spins in Python there (``HangWatch.spin``); ``lost``: its sockets losing data to a peer
+    (``worker.runs.tcpstat``: a cut link)."""
     doc: dict[str, Any] = {"still_s": round(still_s, 1), **({"computing": True} if computing else {}),
-                           **({"spinning": True} if spinning else {}), "groups": []}
+                           **({"spinning": True} if spinning else {}), **({"lost": lost} if lost else {}),
+                           "groups": []}
     if counters is None:
         doc["counters"] = False  # no counter file: not a torch rank, or not yet started
         return json.dumps(doc, separators=(",", ":"))

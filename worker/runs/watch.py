@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 from rankctl.contract.files.collfiles import in_collective, read_counters
 from rankctl.contract.files.rankfiles import log_path
 from rankctl.proto import rankctl_pb2 as pb
-from rankctl.worker.runs import hangwatch
+from rankctl.worker.runs import hangwatch, tcpstat
 from rankctl.worker.uplink.outbox import Outbox
 from rankctl.worker.runs.procstat import GONE, held, process_state, sample
 from rankctl.worker.runs.runstate import RunState
@@ -41,6 +41,8 @@ class ProcessWatch:
                 watched = run.hangs is not None and run.phase.get(rank) == "running" and bool(pid)
                 sig = hangwatch.signature(run.run_dir, rank) if watched else None
                 state, changed = self._process(run, rank, pid, sig)
+                if watched and run.hangs and in_collective(sig) and run.hangs.loss_due(rank):
+                    run.hangs.losing(rank, tcpstat.unacked(pid))   # a cut link: its data to a peer goes unheard
                 seen = run.hangs.observe(rank, sig, stopped=held(state)) if watched and run.hangs else ""
                 # a stop goes out with its evidence, in one report (the coordinator names it with the operation)
                 if seen == hangwatch.STALLED:
@@ -85,14 +87,15 @@ class ProcessWatch:
         """The rank's evidence now (its counters, read here), kept for its stall."""
         hangs = run.hangs
         evidence = hangwatch.evidence_json(read_counters(run.run_dir, rank), hangs.still_for(rank),
-                                           computing=hangs.computing(rank), spinning=hangs.spinning(rank))
+                                           computing=hangs.computing(rank), spinning=hangs.spinning(rank),
+                                           lost=hangs.lost(rank))
         return hangs.keep(rank, evidence)[0]
 
     def _changed(self, run: RunState, rank: int, state: str) -> None:
         """A stalled rank began or stopped computing: its evidence again, with the stack sent for the stall."""
         evidence = self._evidence(run, rank)
-        self._log.info("stalled rank computing" if run.hangs.computing(rank) else "stalled rank no longer computing",
-                       job=run.job_id, rank=rank)
+        self._log.info("stalled rank changed", job=run.job_id, rank=rank, computing=run.hangs.computing(rank),
+                       lost=run.hangs.lost(rank))
         self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state, collectives=evidence,
                                         stack=run.hangs.keep(rank)[1]))
 

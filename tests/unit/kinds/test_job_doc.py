@@ -19,7 +19,7 @@ def test_every_field_of_every_section_is_described() -> None:
 def test_the_served_schema_carries_the_docstrings() -> None:
     schema = json.loads(convert.job_schema_to_pb().schema_json)
     hang = schema["$defs"]["RestartSpec"]["properties"]["hang_timeout"]
-    assert hang["description"].startswith("Seconds a RUNNING job may go without any rank advancing")
+    assert hang["description"].startswith("Seconds a RUNNING job may stay still")
     assert "elastic" in schema["$defs"]["Resources"]["properties"]["min_nodes"]["description"].lower()
     assert schema["properties"]["train"]["description"].startswith("The training run")
 
