@@ -122,6 +122,8 @@ def span(ranks: Iterable[int]) -> str:
     return text + (f" (and {len(ranks) - SPAN_RANKS} more)" if len(ranks) > SPAN_RANKS else "")
 
 
+# frames that only wrap the user's call (torch's logger, rankctl's counters, runpy): left out of a compact stack
+_WRAPPERS = ("(c10d_logger.py:", ".counted (collectives.py:", "(<frozen runpy>:")
 _PYSPY_FRAME = re.compile(r"^\s+(\S.*?) \((.+?)\)\s*$")
 _FAULT_FRAME = re.compile(r'^\s+File "(.+?)", line (\d+) in (.+?)\s*$')
 
@@ -146,6 +148,8 @@ def compact_stack(stack: str) -> str:
             frames.append(f"{m.group(1)} ({where})")
         elif (m := _FAULT_FRAME.match(line)) is not None:
             frames.append(f"{m.group(3)} ({m.group(1).rsplit('/', 1)[-1]}:{m.group(2)})")
+        if frames and any(w in frames[-1] for w in _WRAPPERS):
+            frames.pop()
         if len(frames) >= STACK_FRAMES:
             break
     text = " <- ".join(frames) if frames else stack.strip().splitlines()[0]

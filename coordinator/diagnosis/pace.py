@@ -38,6 +38,7 @@ DEADLOCK_HOLD_S = 0.5    # every live rank waiting in operations that cannot com
 ANNOUNCE_EVERY_S = 10.0  # a rank's stops are named in an event at most this often
 NAMING_EVIDENCE = 1024   # a stop waits for this many ranks' evidence at most (what ``hangs`` reads of the waiting)
 LEARN_FACTOR = 2.0       # an uncertain pause of a kind the job survived for X s is tolerated for this x X
+NAME_EVERY_S = 0.5       # a job's stall is named again (its evidence changed) at most this often
 
 MOVED = '{"moved":true}'     # evidence withdrawn (``worker.runs.hangwatch.MOVED_JSON``)
 WAITS = '"in":true'          # a rank's evidence: it is blocked in a group (``worker.runs.hangwatch.evidence_json``)
@@ -65,11 +66,9 @@ class Verdict:
 @dataclass
 class Learned:
     """What one job taught its judgement, across its attempts: the longest uncertain pause of each kind it survived
-    (``pause_kind``), and the steps at which an attempt died for an uncertain reason (``spared``: read from the
-    attempts' stored faults, so it survives a failover)."""
+    (``pause_kind``)."""
 
     pauses: dict[str, float] = field(default_factory=dict)
-    spared: set[int] | None = None
 
     def bound(self, kind: str, hang_timeout: float) -> float:
         return max(hang_timeout, LEARN_FACTOR * self.pauses.get(kind, 0.0))
@@ -80,6 +79,7 @@ class Pace:
     """One attempt's hang evidence: which ranks wait, are busy, compute, spin, lose data or are stopped."""
 
     learned: Learned = field(default_factory=Learned)
+    spared: set[int] | None = None   # steps at which an earlier attempt died for an uncertain reason (from the store)
     quiet_since: float | None = None   # the latest moment a rank moved, as far as this coordinator knows
     waiting: set[int] = field(default_factory=set)
     busy: set[int] = field(default_factory=set)
@@ -97,6 +97,7 @@ class Pace:
     analysed: int = -1         # the generation ``blocked`` was found for
     all_waiting_since: float | None = None   # every live rank waiting inside an operation since
     named: int = -1            # the generation last named in an event
+    named_at: float = float("-inf")   # ... when (a big job's evidence arrives in bursts: named at most so often)
     episode: tuple[str, float] | None = None   # an uncertain pause under way: (its kind, since)
     stall: str = ""            # the last ``stall`` event's text while the job stands still ("" once a rank moves)
 
@@ -209,7 +210,7 @@ class Pace:
     # -- judgement --------------------------------------------------------------------------
     def judge(self, now: float, hang_timeout: float, live: int, step: int) -> Verdict | None:
         """The attempt's hang at ``now``, if it is hung (the module docstring); ``live``: ranks not exited;
-        ``step``: the job's slowest step (an uncertain pause is never acted on at a step ``learned.spared``)."""
+        ``step``: the job's slowest step (an uncertain pause is never acted on at a step in ``spared``)."""
         self.suspended = live > 0 and len(self.stopped) >= live
         stop = self._stop(now, live)
         if stop is not None:
@@ -229,7 +230,7 @@ class Pace:
             self.episode = (kind, self.quiet_since)
         bound = self.learned.bound(kind, hang_timeout)
         quiet = self.quiet_for(now)
-        if quiet <= bound or (self.learned.spared and step in self.learned.spared):
+        if quiet <= bound or (self.spared and step in self.spared):
             return None
         raised = f", raised from {hang_timeout:g} s by a {kind} pause of " \
                  f"{self.learned.pauses[kind]:.1f} s this job survived" if bound > hang_timeout else ""
@@ -271,9 +272,12 @@ class Pace:
             return max(0.05, DEADLOCK_HOLD_S - (now - self.all_waiting_since))
         return max(0.05, self.learned.bound(self.pause_kind(), hang_timeout) - self.quiet_for(now) + 0.01)
 
-    def nameable(self) -> bool:
-        """Every live rank is still, some wait, and this evidence was not named yet: name it now."""
-        return bool(self.waiting) and self.named != self.generation
+    def nameable(self, now: float) -> float | None:
+        """Some rank waits and this evidence was not named yet: 0 (name it now) or the seconds until it may be
+        (``NAME_EVERY_S`` after the last naming); None: nothing to name."""
+        if not self.waiting or self.named == self.generation:
+            return None
+        return max(0.0, NAME_EVERY_S - (now - self.named_at))
 
 
 _KIND_TEXT = {"busy": "a rank busy outside collectives (ctx.busy) while its peers wait",

@@ -173,16 +173,19 @@ class JobReconciler:
         progress = self._book.progress(job)
         pace, now = progress.pace, self._clock()
         timeout, live = job.spec.restart.hang_timeout, job.world_size - progress.exited
-        if pace.learned.spared is None:
-            pace.learned.spared = self._restarts.uncertain_hang_steps(job)
+        if pace.spared is None:
+            pace.spared = self._restarts.uncertain_hang_steps(job)
         ranks = self._book.ranks(job.id)
         if pace.still(live) and pace.analysed != pace.generation:
             pace.analysed = pace.generation
             pace.blocked = blocked(ranks, sorted(pace.waiting)[:1]) if pace.all_waiting(live) else ""
         verdict = pace.judge(now, timeout, live, progress.min_step)
         if verdict is None:
-            if pace.still(live) and pace.nameable():
-                self._name(job, progress, ranks, timeout)
+            wait = pace.nameable(now) if pace.still(live) else None
+            if wait == 0.0:
+                self._name(job, progress, ranks, timeout, now)
+            elif wait is not None:
+                self._later(job.id, wait)
             due = pace.due(now, timeout, live)
             if due is not None:
                 self._later(job.id, due)   # judged again then, not at the next tick
@@ -192,11 +195,11 @@ class JobReconciler:
         reason = hang_reason(ranks, progress.summary(), quiet, verdict.rule, links, progress.hang)
         return Fault(cause=Cause.HANG, reason=reason, step=progress.min_step, detail=verdict.kind)
 
-    def _name(self, job: JobRecord, progress: JobProgress, ranks: dict, timeout: float) -> None:
+    def _name(self, job: JobRecord, progress: JobProgress, ranks: dict, timeout: float, now: float) -> None:
         """An event naming whom the waiting ranks wait for, where it is and when it is acted on (once per state of
         the evidence); the ranks it points at outline the dashboard's grid."""
         pace = progress.pace
-        pace.named = pace.generation
+        pace.named, pace.named_at = pace.generation, now
         named: list[int] = []
         text = waiting_line(ranks, named)
         if not named:
@@ -206,6 +209,9 @@ class JobReconciler:
         elif pace.blocked in (DEADLOCK, LINK):
             when = "acted on at once if it holds" if pace.blocked == DEADLOCK or pace.lossy else \
                 f"acted on after {pace.learned.bound(pace.pause_kind(), timeout):g} s still"
+        elif pace.spared and progress.min_step in pace.spared:
+            when = "not acted on: an earlier attempt was ended at this step for the same uncertain reason, so it is " \
+                   "taken for work (`ctl cancel` ends it)"
         else:
             when = f"acted on only if still so {pace.learned.bound(pace.pause_kind(), timeout):g} s after the job " \
                    f"last moved (restart.hang_timeout, or a pause it survived)"

@@ -57,10 +57,11 @@ name: web-hung
 kind: python
 resources: {{nodes: 2, slots_per_node: 2}}
 backend: gloo
+restart: {{max_restarts: 0, hang_timeout: 10}}
 python: {{entrypoint: hung.py, workdir: {workdir}}}
 """
-# rank 1 sleeps inside step 10 while the others wait in its all-reduce: a hang, judged on the job's pace
-# (known from the 9 steps before, even when a loaded daemon coalesced some of their reports)
+# rank 1 sleeps inside step 10 while the others wait in its all-reduce: named at once, a hang (uncertain: a live
+# rank outside collectives) at the job's hang_timeout
 HUNG_PY = """import time, torch, torch.distributed as dist, rankctl
 ctx = rankctl.context()
 for step in range(1, 100):

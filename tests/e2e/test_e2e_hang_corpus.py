@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster import ProcCluster, Throttle, rank_pid, rank_pids, timed_events, wait_for
+from cluster import (ProcCluster, Throttle, ctl, rank_pid, rank_pids, ready_nodes, start_coordinator, start_worker,
+                     status, timed_events, wait_for, wait_state)
 from hangcorpus import HEALTHY_PAUSES, JOB, SCRIPT
+from test_e2e_defects import _fill, tmpfs  # noqa: F401 - the 3 MB tmpfs fixture
 from test_e2e_worker_faults import traced
 
 pytestmark = pytest.mark.timeout(900)
@@ -141,3 +143,53 @@ def test_true_hangs_are_named_before_they_are_acted_on_by_the_rule(two: ProcClus
                          r"barrier: a mismatch", reason), reason
     with contextlib.suppress(AssertionError):
         wait_for(lambda: not rank_pids(job), 60, "its ranks to exit")
+
+
+REFUSAL_S = 60.0
+STEADY = """
+import time
+import torch
+import torch.distributed as dist
+import rankctl
+
+ctx = rankctl.context()
+world = ctx.group("world")
+for step in range(1, 161):
+    if ctx.rank == 0 and step in (30, 90):
+        time.sleep(6)                        # a slow save while the store refuses, and one after it recovers
+    x = torch.ones(4)
+    dist.all_reduce(x, group=world)
+    ctx.report(step, loss=1.0 / step)
+    time.sleep(0.5)
+"""
+
+
+def test_a_healthy_job_runs_through_a_minute_of_store_refusals_and_its_recovery(tmpfs: Path, tmp_path: Path) -> None:
+    """The coordinator's store on a 3 MB tmpfs filled for REFUSAL_S while a reporting job steps and pauses: every
+    write is refused and memory is brought back to the store again and again; after the disk is freed the job goes
+    on. Before, the rebuilt hang clock read 0 (plus a loop-lag discount): "no rank advanced for 1796683382 s", a
+    verdict the store refused during the refusals and stored at once after them. The job must succeed on attempt 1
+    with no hang on record."""
+    coord, address = start_coordinator(tmpfs / "coord", 3.0)
+    worker = start_worker(address, "refusal-0", 2, tmp_path / "workers")
+    try:
+        wait_for(lambda: ready_nodes(address) == ["refusal-0"], 60, "the worker READY")
+        work = tmp_path / "steady"
+        work.mkdir()
+        (work / "steady.py").write_text(STEADY)
+        (tmp_path / "steady.yaml").write_text(f"name: steady\nkind: python\nresources: {{nodes: 1, slots_per_node: 2}}"
+                                              f"\nbackend: gloo\npython: {{entrypoint: steady.py, workdir: {work}}}\n")
+        out = ctl(address, "submit", str(tmp_path / "steady.yaml"))
+        assert out.returncode == 0, out.stderr
+        job = out.stdout.strip()
+        wait_for(lambda: status(address, job)["summary"]["min_step"] >= 10, 120, "step 10")
+        _fill(tmpfs / "filler")
+        time.sleep(REFUSAL_S)
+        os.unlink(tmpfs / "filler")
+        done = wait_state(address, job, FINAL, 300)
+        assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["reason"]
+        assert not any("hang" in (a.get("reason") or "") for a in done["attempts"]), done["attempts"]
+        assert [s["step"] for s in done["losses"]] == list(range(1, 161)), done.get("losses")
+    finally:
+        worker.stop()
+        coord.stop()

@@ -32,7 +32,7 @@ def test_a_live_rank_outside_collectives_is_uncertain_and_acted_on_only_at_the_h
     p.evidence(0, WAITING, "stack", now=101.0)
     assert p.judge(500.0, 300, live=2, step=5) is None          # rank 1 sent nothing: it may be moving
     p.evidence(1, laggard, "stack", now=101.0)
-    assert p.nameable()
+    assert p.nameable(101.0) == 0.0
     assert p.judge(399.0, 300, live=2, step=5) is None
     verdict = p.judge(401.0, 300, live=2, step=5)
     assert verdict is not None and verdict.kind == UNCERTAIN and not verdict.certain
@@ -72,7 +72,7 @@ def test_a_pause_the_job_survived_raises_what_it_tolerates_and_a_step_that_died_
     assert p.judge(8.0 + 12.0, 10, live=2, step=2) is None      # a 12 s save later: within 16 s
     verdict = p.judge(8.0 + 16.5, 10, live=2, step=2)
     assert verdict is not None and "raised from 10 s by a asleep pause of 8.0 s" in verdict.rule
-    learned.spared = {2}                                        # an earlier attempt died so at step 2
+    p.spared = {2}                                              # an earlier attempt died so at step 2
     assert p.judge(8.0 + 100.0, 10, live=2, step=2) is None
 
 

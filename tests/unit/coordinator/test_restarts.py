@@ -356,3 +356,55 @@ def test_nodes_a_tick_finds_lost_are_all_lost_before_a_restart_is_placed(world: 
     world.core.tick()
     assert job.attempt == 2 and job.state is S.STARTING and job.nodes == ["n0", "n3"], (job.nodes, job.reason)
     assert "node n1 lost" in world.store.attempts.listed(job.id)[0]["reason"]
+
+
+WAITS_IN_TP = '{"still_s":1.0,"groups":[{"kind":"tp","members":[2,3],"size":2,"entered":5,"completed":4,' \
+              '"op":"all_reduce","in":true}]}'
+ASLEEP = '{"still_s":1.0,"groups":[{"kind":"tp","members":[2,3],"size":2,"entered":4,"completed":4,' \
+         '"op":"all_reduce","in":false}]}'
+
+
+def _evidence(world: World, job, rank: int, text: str, seq: int, stack: str = "") -> None:  # noqa: ANN001
+    node = job.nodes[rank // 2]
+    world.deliver(world.nodes[node].session, RankUpdate(job.id, job.attempt, RankRecord(
+        rank, node, "", 4, collectives=text, stack=stack), "", seq))
+
+
+def _tick(world: World, seconds: float) -> None:
+    world.clock.t += seconds
+    for n in ("n0", "n1"):
+        world.core.heartbeat(world.nodes[n].session)
+    world.core.tick()
+
+
+def test_a_rank_asleep_outside_collectives_is_named_at_once_and_acted_on_only_at_the_hang_timeout(
+        world: World) -> None:
+    """Issue 52: rank 3 asleep in a save while its tp peer waits: a ``stall`` event and ``JobSummary.stall`` name
+    it (frame and waiting peer) at once; the attempt ends only past hang_timeout, as an uncertain hang; the
+    restarted attempt is not ended again at the same step for the same uncertain reason."""
+    for n in ("n0", "n1"):
+        world.connect(n, replaces=True)
+    job = world.core.submit(job_yaml(1).replace("max_restarts: 1}", "max_restarts: 1, hang_timeout: 20}"))
+    for attempt in (1, 2):
+        seq = 1000 * attempt
+        for r in range(4):
+            world.deliver(world.nodes[job.nodes[r // 2]].session, RankUpdate(
+                job.id, attempt, RankRecord(r, job.nodes[r // 2], "running", 4), "", seq + r))
+        _tick(world, 1.0)
+        for r in (0, 1, 2):
+            _evidence(world, job, r, WAITS_IN_TP if r == 2 else WAITS_IN_TP.replace("[2,3]", "[0,1]"), seq + 10 + r)
+        _evidence(world, job, 3, ASLEEP, seq + 20, stack='Thread 9 (idle): "MainThread"\n    save_checkpoint '
+                                                       '(train.py:88)\n    <module> (train.py:120)')
+        _tick(world, 0.5)
+        stalls = [e.message for e in world.core.events(job.id) if e.kind == "stall"]
+        assert stalls and "tp group [2, 3] waits in all_reduce #5 (rank 2 entered it): rank 3 never entered it" in \
+            stalls[-1] and "save_checkpoint (train.py:88)" in stalls[-1], stalls
+        assert ("acted on only if still so 20 s" if attempt == 1 else "not acted on: an earlier attempt was ended at "
+                "this step") in stalls[-1] and world.core.summary(job.id).stall == stalls[-1], stalls
+        _tick(world, 15.0)
+        assert job.state is S.RUNNING and job.attempt == attempt        # uncertain: not before hang_timeout
+        _tick(world, 6.0)
+        if attempt == 1:   # restarted in place
+            first = world.core.attempts(job.id)[0]["reason"]
+            assert job.attempt == 2 and "(uncertain: a live rank outside collectives" in first, first
+    assert job.state is S.RUNNING, job.reason   # attempt 2, the same step: spared
