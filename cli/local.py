@@ -10,23 +10,42 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import IO, Sequence
 
 from rankctl.worker.daemon.daemon import DaemonConfig, WorkerDaemon
+
+
+COMPONENTS_LOG = "components.log"
+
+
+def component_logs(root: Path, verbose: bool, level: str = "warning", fmt: str = "auto") -> IO[str] | None:
+    """Where the embedded coordinator's, daemons' and launchers' log records go (``ctl up``, ``ctl run``): on stderr
+    with ``verbose``; else into ``root/components.log`` (returned: the launchers' stderr too), so that the terminal
+    shows progress, rankctl's own one-line messages and what the ranks print, never a component's record."""
+    from rankctl.worker.launcher.procutil import configure_logging
+
+    if verbose:
+        configure_logging(level=level, fmt=fmt)
+        return None
+    root.mkdir(parents=True, exist_ok=True)
+    stream = open(root / COMPONENTS_LOG, "a", buffering=1)   # noqa: SIM115 - open for the command's life
+    configure_logging(stream, level=level, fmt="json" if fmt == "auto" else fmt)
+    return stream
 
 
 class LocalCluster:
     def __init__(self, nodes: int, slots: int, state_dir: Path, heartbeat_timeout: float = 10.0,
                  name_prefix: str = "local", imports: Sequence[str] = (), data_roots: Sequence[str] = ("/",),
-                 idle_warm: bool = True) -> None:
+                 idle_warm: bool = True, log: IO[str] | None = None) -> None:
         """``imports``: modules that add job kinds (``kinds.registry.load_module``), here and in every launcher.
         ``data_roots``: where jobs may name node files (the embedded cluster runs as you, for your jobs only:
-        anywhere, by default)."""
+        anywhere, by default). ``log``: the launchers' stderr (``component_logs``; None: this process's)."""
         self.nodes, self.slots, self.state_dir = nodes, slots, Path(state_dir)
         self.heartbeat_timeout = heartbeat_timeout
         self.imports = list(imports)
         self.data_roots = tuple(data_roots)
         self.idle_warm = idle_warm   # launchers warm every kind when first idle (``ctl worker --no-idle-warm``)
+        self.log = log
         self.names = [f"{name_prefix}-{k}" for k in range(nodes)]
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -72,8 +91,9 @@ class LocalCluster:
         for module in self.imports:
             registry.load_module(module)
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        launchers = await asyncio.gather(*[Launcher.start(imports=self.imports, idle_warm=self.idle_warm)
-                                         for _ in range(self.nodes)])
+        stderr = self.log.fileno() if self.log is not None else None
+        launchers = await asyncio.gather(*[Launcher.start(imports=self.imports, idle_warm=self.idle_warm,
+                                                          stderr=stderr) for _ in range(self.nodes)])
         server = await start_coordinator("127.0.0.1:0", self.state_dir / "coordinator",
                                          heartbeat_timeout=self.heartbeat_timeout)
         self.address = server.address

@@ -155,6 +155,11 @@ def _run(argv: list[str] | None) -> int | str | None:
     except click.exceptions.Abort:   # Ctrl-C (or EOF at a prompt)
         click.echo("interrupted", err=True)
         code = 130
+    except click.UsageError as exc:   # one line in our form, not Click's usage block
+        path = exc.ctx.command_path if exc.ctx is not None else "ctl"
+        text = "; ".join(line.strip() for line in exc.format_message().splitlines() if line.strip())
+        click.echo(f"error: {text} (see `{path} --help`)", err=True)
+        code = exc.exit_code
     except click.ClickException as exc:
         exc.show()
         code = exc.exit_code

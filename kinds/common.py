@@ -41,13 +41,19 @@ def losses_result(results: Mapping[int, Any]) -> dict[str, Any]:
                 out["ended"] = r["ended"]
             if r.get("resumed_layout"):   # the layout of the checkpoint it resumed from, when another
                 out["resumed_layout"] = r["resumed_layout"]
+            if r.get("losses_every"):     # too many steps to carry: every k-th loss (contract.resultsize)
+                out["losses_total"], out["losses_every"] = r.get("losses_total"), r["losses_every"]
             return out
     return {"losses": [], "val_losses": [], "final": {}, "reported_by": None}
 
 
 def losses_summary(result: Any) -> dict[str, Any]:
-    """Extra top-level fields of ``ctl status --json``: the job's losses."""
-    return {"losses": result.get("losses", []) if isinstance(result, dict) else []}
+    """Extra top-level fields of ``ctl status --json``: the job's losses (with ``losses_total`` and
+    ``losses_every`` when they are every k-th of more steps than a rank's result carries)."""
+    if not isinstance(result, dict):
+        return {"losses": []}
+    sampled = {k: result[k] for k in ("losses_total", "losses_every") if result.get(k)}
+    return {"losses": result.get("losses", []), **sampled}
 
 
 def loss_tables(result: dict[str, Any], rows_table: Callable) -> list[tuple[str | None, Any]]:

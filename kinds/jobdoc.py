@@ -62,17 +62,24 @@ def _num(v: float) -> str:
     return f"{v:,}" if isinstance(v, int) else f"{v:g}"
 
 
-def _default(prop: dict[str, Any]) -> str:
+def _default(prop: dict[str, Any], required: bool) -> str:
+    """``required`` only for the schema's required fields; one whose default is made per job (an empty list or
+    mapping, a section of defaults) shows none."""
+    if required:
+        return "required"
+    if "default" not in prop and prop.get("type") in ("array", "object"):
+        return "`[]`" if prop["type"] == "array" else "`{}`"
     if "$ref" in prop or "default" not in prop:
-        return "required" if "default" not in prop else ""
+        return ""
     return f"`{json.dumps(prop['default'])}`"
 
 
 def _table(schema: dict[str, Any], defs: dict[str, Any]) -> list[str]:
     rows = ["| field | type | default | rule | what it is |", "| --- | --- | --- | --- | --- |"]
+    required = set(schema.get("required", ()))
     for name, prop in schema.get("properties", {}).items():
         text = " ".join(str(prop.get("description", "")).split()).replace("|", "\\|")
-        rows.append(f"| `{name}` | {_type(prop, defs)} | {_default(prop)} | {_rule(prop)} | {text} |")
+        rows.append(f"| `{name}` | {_type(prop, defs)} | {_default(prop, name in required)} | {_rule(prop)} | {text} |")
     return rows
 
 

@@ -78,14 +78,18 @@ def _noted(ctx: click.Context, param: click.Parameter, value: object) -> None:
               help="Set this in every rank's environment (python.env); NAME alone: its value here.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a job-file field.")
 @click.option("--dry-run", is_flag=True, help="Print the job file it would submit, and stop.")
+@click.option("--queue-anyway", is_flag=True,
+              help="Queue the job even if the coordinator's nodes cannot hold it now (it waits for more).")
+@click.option("--verbose", is_flag=True, help="An embedded cluster's log records on stderr (default: a log file, "
+              "named when the run fails).")
 @click.argument("target", metavar="SCRIPT|MODULE")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 @pass_ctx
 @click.pass_context
 def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restarts: int, rdzv_id: str,
         rdzv_backend: str, rdzv_endpoint: str, standalone: bool, module: bool, no_python: bool, run_path: bool,
-        ranks_filter: str, workdir: Path, env: tuple[str, ...], overrides: tuple[str, ...], dry_run: bool, target: str,
-        script_args: tuple[str, ...]) -> None:
+        ranks_filter: str, workdir: Path, env: tuple[str, ...], overrides: tuple[str, ...], dry_run: bool,
+        queue_anyway: bool, verbose: bool, target: str, script_args: tuple[str, ...]) -> None:
     """Run SCRIPT (or -m MODULE) with its arguments in every rank, as torchrun would: torchrun's flags, every
     rank's output on stdout after [rankN]:, the job's exit code. Without a configured coordinator, one starts
     here with --nnodes worker daemons (as ctl up does)."""
@@ -99,7 +103,7 @@ def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restart
         click.echo(text, nl=False)
         return
     shown_ranks = local_ranks(ranks_filter)
-    job = _Job(text, overrides)   # refused here, before a cluster starts or anything is sent
+    job = _Job(text, overrides, queue_anyway)   # refused here, before a cluster starts or anything is sent
     ignored = list(click_ctx.meta.get("rankctl.ignored", []))
     if rdzv_backend and rdzv_backend != "rankctl":
         ignored += [f"--rdzv-backend {rdzv_backend}"] + (["--rdzv-endpoint"] if rdzv_endpoint else [])
@@ -111,33 +115,41 @@ def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restart
             raise CtlError("--rdzv-backend rankctl needs --rdzv-endpoint HOST:PORT (the coordinator)")
         ctx = Ctx(coordinator=rdzv_endpoint, tls_dir=ctx.given_tls_dir)
     if standalone or not ctx.configured:
-        code = _run_here(job, node_range(nnodes)[1], slots, shown_ranks)
+        code = _run_here(job, node_range(nnodes)[1], slots, shown_ranks, verbose)
     else:
         code = _run_on(ctx, job, slots, shown_ranks)
     sys.exit(code)
 
 
-def _run_here(job: "_Job", nodes: int, slots: int, shown: frozenset[int] | None) -> int:
-    from rankctl.cli.local import LocalCluster
-    from rankctl.worker.launcher.procutil import configure_logging
+def _run_here(job: "_Job", nodes: int, slots: int, shown: frozenset[int] | None, verbose: bool) -> int:
+    from rankctl.cli.local import COMPONENTS_LOG, LocalCluster, component_logs
 
-    configure_logging(level="warning")
     root = Path(tempfile.mkdtemp(prefix="rankctl-run-"))
     click.echo(f"ctl run: starting a coordinator and {nodes} worker daemon(s) x {slots} slot(s) here", err=True)
+    log = component_logs(root, verbose)
+    code = 1
     try:
-        with LocalCluster(nodes, slots, root) as cluster:
-            return _run_on(Ctx(coordinator=cluster.address), job, slots, shown)
+        with LocalCluster(nodes, slots, root, log=log) as cluster:
+            code = _run_on(Ctx(coordinator=cluster.address), job, slots, shown)
+            return code
     finally:
+        if log is not None:
+            log.close()
+            if code != 0:   # the components' log of a failed run is kept and named
+                kept = Path(tempfile.mkstemp(prefix="rankctl-run-", suffix=".log")[1])
+                shutil.copyfile(root / COMPONENTS_LOG, kept)
+                click.echo(f"ctl run: the coordinator's and daemons' log: {kept}", err=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
 class _Job:
     """The job file, checked and its workdir packed before anything starts (a refusal creates nothing)."""
 
-    def __init__(self, text: str, overrides: tuple[str, ...]) -> None:
+    def __init__(self, text: str, overrides: tuple[str, ...], queue_anyway: bool = False) -> None:
         from rankctl.cli.jobread import read_job_doc
         from rankctl.cli.workdir import pack_workdir
 
+        self.queue_anyway = queue_anyway
         self.read = read_job_doc(text, "ctl run", Path.cwd(), overrides)
         self.packed = pack_workdir(self.read.spec)
 
@@ -149,7 +161,8 @@ def _run_on(ctx: Ctx, prepared: _Job, slots: int, shown: frozenset[int] | None) 
 
     read = prepared.read
     with ctx.client() as client:
-        job = client.submit(read.text, read.sets + ship(client, prepared.packed), "ctl run")
+        job = client.submit(read.text, read.sets + ship(client, prepared.packed), "ctl run",
+                            queue_anyway=prepared.queue_anyway)
     click.echo(f"ctl run: job {job.id} ({job.world_size} ranks) on {ctx.coordinator}", err=True)
     output = _Output(ctx, job.id, slots, shown)
     try:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -39,6 +38,19 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
     return n, s
 
 
+def _keep_log(path: Path, tmp: bool, job: Any) -> None:
+    """The components' log of a run that did not succeed is kept (a temporary state dir's copied out) and named."""
+    from rankctl.cli.view.render import state_name
+
+    if job is not None and state_name(job.state) == "SUCCEEDED" or not path.exists():
+        return
+    if tmp:
+        kept = Path(tempfile.mkstemp(prefix="rankctl-up-", suffix=".log")[1])
+        shutil.copyfile(path, kept)
+        path = kept
+    click.echo(f"the coordinator's and daemons' log: {path}", err=True)
+
+
 @click.command("up", epilog=example("ctl up examples/comm-check.yaml --nodes 2 --slots 2 --json"))
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--nodes", type=int, default=None, help="Local worker daemons (default: the job's resources.nodes).")
@@ -49,37 +61,44 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
 @click.option("--json", "as_json", is_flag=True, help="Print the final status as JSON alone on stdout.")
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--verbose", is_flag=True,
+              help="Show the coordinator's and daemons' log records on stderr (default: in the state dir's "
+                   "components.log).")
 @log_format
 def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str, ...],
-       state_dir: Path | None, as_json: bool, log_level: str, log_format: str) -> None:
+       state_dir: Path | None, as_json: bool, log_level: str, verbose: bool, log_format: str) -> None:
     """Start a coordinator and worker daemons here, run JOB_FILE to its end, print the result. What the
     ranks print is shown as it comes (on stderr), each line after [rank R]."""
     from rankctl.cli.view.follow import exit_for, follow_job
     from rankctl.cli.jobread import read_job_file
-    from rankctl.cli.local import LocalCluster
+    from rankctl.cli.local import COMPONENTS_LOG, LocalCluster, component_logs
     from rankctl.cli.workdir import pack_workdir, ship
-    from rankctl.worker.launcher.procutil import configure_logging
-    from rankctl.cli.view.console import is_terminal, print_json, stdout_console
+    from rankctl.cli.view.console import print_json, shared_output, stdout_console
     from rankctl.cli.view.render import job_to_dict, job_view
 
-    configure_logging(level=log_level, fmt=log_format)
     read = read_job_file(job_file, overrides)
     n, s = _cluster_shape(read.spec, nodes, slots)
     packed = pack_workdir(read.spec)  # shipped as ctl submit ships it: the ranks run in the nodes' copies
     tmp = state_dir is None
     root = Path(tempfile.mkdtemp(prefix="rankctl-up-")) if tmp else state_dir
     click.echo(f"starting a coordinator and {n} worker daemon(s) x {s} slot(s) under {root}", err=True)
+    log = component_logs(root, verbose, log_level, log_format)
+    job = None
     try:
-        with LocalCluster(n, s, root) as cluster:
+        with LocalCluster(n, s, root, log=log) as cluster:
             ctx = Ctx(coordinator=cluster.address)
             with ctx.client() as client:
                 job = client.submit(read.text, read.sets + ship(client, packed), job_file)
             click.echo(f"submitted {job.id}", err=True)
-            # progress on stderr; one final status: on a terminal that shows stdout too, the live view is
-            # erased and the status printed on stdout replaces it (--json: stdout holds the JSON alone)
-            job = follow_job(ctx, job.id, live=True, transient=is_terminal(sys.stdout) and not as_json,
+            # progress on stderr; one final status: where stdout is seen too (a terminal, or both streams into one
+            # file or pipe), the live view leaves nothing and the status printed on stdout replaces it (--json:
+            # stdout holds the JSON alone)
+            job = follow_job(ctx, job.id, live=True, transient=shared_output() and not as_json,
                              printed=True)   # what the ranks print, [rank R] first, above the live view
     finally:
+        if log is not None:
+            log.close()
+            _keep_log(root / COMPONENTS_LOG, tmp, job)
         if tmp:
             shutil.rmtree(root, ignore_errors=True)
     if as_json:

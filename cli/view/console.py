@@ -23,6 +23,18 @@ def is_terminal(stream: IO[str]) -> bool:
         return False
 
 
+def shared_output() -> bool:
+    """stdout and stderr reach the same place (a terminal, or one file or pipe: ``2>&1``): what is printed on stdout
+    is seen by whoever reads stderr."""
+    if is_terminal(sys.stdout):
+        return True
+    try:
+        out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    except (AttributeError, ValueError, OSError):   # not real files (CliRunner)
+        return False
+    return (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
+
+
 def _console(stderr: bool):
     from rich.console import Console
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from rankctl.contract.files.rankstatus import STOPPED
 from rankctl.coordinator.model.faults import Cause, rank_fault
-from rankctl.coordinator.model.histogram import Histogram, exponential_bounds
+from rankctl.coordinator.model.histogram import Histogram, RunTimes, exponential_bounds
 from rankctl.coordinator.diagnosis.pace import Learned, Pace
 from rankctl.coordinator.diagnosis.preflight import Preflight
 from rankctl.coordinator.model.records import PHASE_INDEX, RUNNING_INDEX, JobRecord, RankRecord
@@ -164,6 +164,7 @@ class JobProgress:
     latest: dict[str, float] = field(default_factory=dict)       # each figure's newest value (val_loss: not every step)
     folds: Mapping[str, str] = field(default_factory=dict)       # the job's kind's figures (``JobKind.figures``)
     step_times: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))  # completed steps' durations
+    run_times: RunTimes = field(default_factory=RunTimes)   # ... their median and range, for the summary
     _last_time: float | None = None   # the last duration observed (fills a jump that knows none)
     _owed: int = 0                    # completed steps with no duration known yet (observed with the first one)
     first_step: int = 1 << 62  # the lowest step a rank first reported in this attempt (> 1 after a resume)
@@ -325,6 +326,7 @@ class JobProgress:
         known = [a.time_max for s, a in zip(done, accs) if s > before and a.time_max is not None]
         for dt in known:
             self.step_times.observe(dt)
+            self.run_times.observe(dt)
         missing = self.min_step - before - len(known) + self._owed
         fill = sum(known) / len(known) if known else self._last_time
         self._owed = 0
@@ -359,7 +361,7 @@ class JobProgress:
         return JobSummary(
             phases=dict(self.phases), running=self.running, exited=self.exited, failed=len(self.failed),
             min_step=self.min_step, max_step=self.max_step, stragglers=stragglers, failing=failing,
-            metrics=dict(self.metrics), reports=self.reports,
+            metrics={**self.metrics, **self.run_times.figures()} if self.metrics else {}, reports=self.reports,
             slow=self.skew.worst() if self.skew is not None else [], preflight=self.preflight, hang=list(self.hang),
             stall=self.pace.stall,
         )

@@ -1,9 +1,12 @@
-"""A fixed-bucket histogram kept by the core (O(log buckets) per observation) and exposed by the metrics."""
+"""A fixed-bucket histogram kept by the core (O(log buckets) per observation) and exposed by the metrics; a run's step
+times as its summary shows them."""
 
 from __future__ import annotations
 
 import bisect
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -44,3 +47,32 @@ class Histogram:
     @property
     def count(self) -> int:
         return sum(self.counts)
+
+
+RECENT_TIMES = 4096   # step durations a run's median is taken over, at most (the newest)
+
+
+@dataclass
+class RunTimes:
+    """A run's step durations: the exact fastest and slowest, and the median of the newest ``RECENT_TIMES`` (taken on
+    read, cached until the next one): what a run's summary shows, not only its last step's."""
+
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_TIMES))
+    low: float | None = None
+    high: float | None = None
+    _median: tuple[int, float] | None = None
+    seen: int = 0
+
+    def observe(self, dt: float) -> None:
+        self.recent.append(dt)
+        self.low = dt if self.low is None or dt < self.low else self.low
+        self.high = dt if self.high is None or dt > self.high else self.high
+        self.seen += 1
+
+    def figures(self) -> dict[str, float]:
+        """``step_time_median``, ``step_time_run_min``, ``step_time_run_max`` (none before a step is timed)."""
+        if self.low is None or self.high is None:
+            return {}
+        if self._median is None or self._median[0] != self.seen:
+            self._median = (self.seen, statistics.median(self.recent))
+        return {"step_time_median": self._median[1], "step_time_run_min": self.low, "step_time_run_max": self.high}

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 
+from rankctl.contract.resultsize import RESULT_CHARS as _RESULT_CHARS
 from rankctl.coordinator.model.records import PHASES
 
 KNOWN_PHASES = frozenset((*PHASES, "unknown"))
 ERROR_CHARS = 8_000        # a rank's error (its exception and the traceback's last lines)
 ERROR_HEAD = 1_000         # of a longer one: its first characters, then its last
 METRICS_CHARS = 16_384     # a step's metrics as JSON
-RESULT_CHARS = 65_536      # a rank's result as JSON
+RESULT_CHARS = _RESULT_CHARS   # a rank's result as JSON (the daemon samples long loss lists to fit)
 EVIDENCE_CHARS = 8_192     # hang evidence: collective counters (JSON), a stack (the daemon sends <= 4 KiB each)
 PREFLIGHT_CHARS = 16_384   # rank 0's pre-flight outcome (JSON; the rank writes <= 4,000 characters)
 PROCESS_CHARS = 32         # the daemon's word on the process ("stopped")

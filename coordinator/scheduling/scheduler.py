@@ -58,6 +58,7 @@ class Scheduler:
         self._ended, self._shutting_down = ended, shutting_down
         self.head_wait = head_wait
         self._head_since: dict[str, float] = {}          # job id -> when it first could not start
+        self._passed_at = float("-inf")                  # when the last pass ran
         self._shut_out: dict[str, float] = {}            # job id -> since when only its exclusions keep it waiting
         self._prev_nodes: dict[str, list[str]] = {}      # requeued job -> its previous attempt's nodes (cache)
         # the allocations': why a job of an allocation waits for more of its workers (``coordinator.batch.holds``)
@@ -85,9 +86,13 @@ class Scheduler:
             log.warning("schedule.store_failed", error=str(exc))
 
     def due(self) -> bool:
-        """Whether a pass is due with time alone: a job's exclusions are due to yield (``_yield_exclusions``)."""
+        """Whether a pass is due with time alone: a job's exclusions are due to yield (``_yield_exclusions``), or the
+        head of the queue has held the jobs behind it for ``head_wait`` since the last pass (they may pass it now:
+        ``capacity.may_pass``; before, nothing but another event woke the queue, and a job that fitted waited)."""
         now = self._clock()
-        return any(now - since >= self.head_wait for since in self._shut_out.values())
+        if any(now - since >= self.head_wait for since in self._shut_out.values()):
+            return True
+        return any(self._passed_at < since + self.head_wait <= now for since in self._head_since.values())
 
     def free_slots(self) -> dict[str, int]:
         """READY node -> its slots not held by a job."""
@@ -101,10 +106,12 @@ class Scheduler:
         """The job ended: it is placed nowhere again."""
         self._prev_nodes.pop(job_id, None)
         self._shut_out.pop(job_id, None)
+        self._head_since.pop(job_id, None)
 
     def _pass(self) -> None:
         head: JobRecord | None = None
         sessions, now = list(self._nodes), self._clock()
+        self._passed_at = now
         for job in self._book.pending():
             if job.state is not S.PENDING:
                 continue

@@ -50,7 +50,10 @@ def progress(job: Any):
              f"loss {m.get('loss', float('nan')):.4f}", f"{m.get('tokens_per_s', 0):,.0f} tok/s"]
     if number(m.get("lr")):
         cells.append(f"lr {m['lr']:.2e}")
-    if number(m.get("step_time_min")) and number(m.get("step_time_max")):
+    if number(m.get("step_time_median")) and number(m.get("step_time_run_min")):   # over the run, not its last step
+        cells.append(f"{m['step_time_median']:.3g} s/step (median; {m['step_time_run_min']:.3g}-"
+                     f"{m['step_time_run_max']:.3g})")
+    elif number(m.get("step_time_min")) and number(m.get("step_time_max")):
         cells.append(f"{m['step_time_min']:.3g}-{m['step_time_max']:.3g} s/step")
     grid = Table.grid(padding=(0, 1))
     for cell in cells:  # one line on an 80-column terminal: the bar gives way (10 to 30 columns), no text wraps

@@ -165,12 +165,12 @@ for step in range(1, 161):
 
 
 def test_a_healthy_job_runs_through_a_minute_of_store_refusals_and_its_recovery(tmpfs: Path, tmp_path: Path) -> None:
-    """The coordinator's store on a 3 MB tmpfs filled for REFUSAL_S while a reporting job steps and pauses: every
-    write is refused and memory is brought back to the store again and again; after the disk is freed the job goes
-    on. Before, the rebuilt hang clock read 0 (plus a loop-lag discount): "no rank advanced for 1796683382 s", a
-    verdict the store refused during the refusals and stored at once after them. The job must succeed on attempt 1
-    with no hang on record."""
-    coord, address = start_coordinator(tmpfs / "coord", 3.0)
+    """The coordinator's store on a 3 MB tmpfs (its log beside it, on the ordinary disk) filled for REFUSAL_S while a
+    reporting job steps and pauses: every write is refused and memory is brought back to the store again and again,
+    and the coordinator itself is stopped for 2 s meanwhile (its loop's lag is discounted from every hang clock).
+    Before, the rebuilt hang clock read 0 plus that discount: "no rank advanced for 1796683382 s", a verdict that
+    only the refusals kept from being stored. No verdict is formed now, and the job succeeds on attempt 1."""
+    coord, address = start_coordinator(tmpfs, 3.0)
     worker = start_worker(address, "refusal-0", 2, tmp_path / "workers")
     try:
         wait_for(lambda: ready_nodes(address) == ["refusal-0"], 60, "the worker READY")
@@ -184,12 +184,18 @@ def test_a_healthy_job_runs_through_a_minute_of_store_refusals_and_its_recovery(
         job = out.stdout.strip()
         wait_for(lambda: status(address, job)["summary"]["min_step"] >= 10, 120, "step 10")
         _fill(tmpfs / "filler")
-        time.sleep(REFUSAL_S)
+        time.sleep(REFUSAL_S / 2)
+        coord.p.send_signal(signal.SIGSTOP)
+        time.sleep(2.0)
+        coord.p.send_signal(signal.SIGCONT)
+        time.sleep(REFUSAL_S / 2)
         os.unlink(tmpfs / "filler")
         done = wait_state(address, job, FINAL, 300)
         assert done["state"] == "SUCCEEDED" and done["attempt"] == 1, done["reason"]
         assert not any("hang" in (a.get("reason") or "") for a in done["attempts"]), done["attempts"]
         assert [s["step"] for s in done["losses"]] == list(range(1, 161)), done.get("losses")
+        verdicts = [line for line in coord.output().splitlines() if "no rank advanced for" in line]
+        assert verdicts == [], verdicts[:3]
     finally:
         worker.stop()
         coord.stop()

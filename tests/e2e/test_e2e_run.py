@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster import wait_for
+
 pytestmark = [pytest.mark.timeout(300), pytest.mark.grpc_in_process]
 CTL = [sys.executable, "-m", "rankctl.cli.main"]
 ENVIRON = """import os, sys
@@ -199,3 +201,52 @@ def test_an_outside_training_script_runs_unchanged(runner, project: Path) -> Non
                      "--env", "ACCELERATE_TORCH_DEVICE=nope", "-m", module)
     assert broken.returncode == 1, broken.stderr
     assert "FAILED: rank" in broken.stderr and "nope" in broken.stdout
+
+
+def component_records(text: str) -> list[str]:
+    """Lines that are a component's log record (structlog's JSON or console form), not ctl's own messages."""
+    import re
+
+    found = []
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and ("event" in doc or "level" in doc) or \
+                re.match(r"^\S*\d\d:\d\d:\d\d\S* \[(debug|info|warning|error|critical)\s*\]", line):
+            found.append(line)
+    return found
+
+
+def test_an_embedded_run_with_a_restart_prints_no_component_log_record(project: Path, tmp_path: Path) -> None:
+    """Issue 53, item 4: ``ctl run`` printed the coordinator's ``job.restarting`` and ``node.lost`` records among
+    the ranks' output. They go to a log file now (``--verbose`` shows them); a restart is still said in one line."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RANKCTL_")}
+    env["RANKCTL_CONFIG"] = str(tmp_path / "no-config.yaml")
+    done = subprocess.run([*CTL, "run", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1", "once.py",
+                           str(tmp_path)], cwd=project, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "ctl run: attempt 2 started (a restart)" in done.stderr
+    assert component_records(done.stdout + done.stderr) == [], done.stderr
+
+
+def test_a_job_too_big_for_the_cluster_is_told_an_option_ctl_run_has(runner, project: Path) -> None:
+    """Issue 53, item 6: on a cluster too small ``ctl run`` said "submit with --queue-anyway", an option it lacked.
+    It has it now: refused without it (exit 2, nothing created), queued with it (Ctrl-C cancels it)."""
+    refused = ctl_run(runner, project, "--nnodes", "3", "--nproc-per-node", "4", "environ.py")
+    assert refused.returncode == 2 and "--queue-anyway" in refused.stderr, refused.stderr
+    proc = subprocess.Popen([*CTL, "--coordinator", runner.ctx.coordinator, "run", "--queue-anyway", "--nnodes", "3",
+                             "--nproc-per-node", "4", "--rdzv-id", "too-big", "environ.py"], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def pending() -> bool:
+            listed = subprocess.run([*CTL, "--coordinator", runner.ctx.coordinator, "jobs", "--json"],
+                                    capture_output=True, text=True, timeout=60)
+            return any(j["name"] == "too-big" and j["state"] == "PENDING" for j in json.loads(listed.stdout or "[]"))
+        wait_for(pending, 60, "the job queued")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert "cancelled (SIGINT)" in err, err
+

@@ -135,3 +135,21 @@ def test_up_of_a_python_example_shows_what_each_rank_printed(tmp_path: Path) -> 
         assert f"[rank {rank}] rank {rank}/4 (local {rank % 2}/2, node {rank // 2}, " in proc.stderr, proc.stderr
     assert "all_reduce sum 20, expected 20; hello from rankctl" in proc.stderr
     assert "SUCCEEDED" in out.read_text() and "steps:" not in out.read_text(), out.read_text()
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.yaml")))
+def test_every_example_prints_its_final_status_once_and_no_component_log_record(tmp_path: Path, example: str) -> None:
+    """Issue 53, items 4 and 5: ``ctl up EXAMPLE > out 2>&1`` (a CI log) printed the final status twice (once from
+    the live view on stderr, once on stdout) and, on a loaded machine, the daemons' raw ``rank stalled`` records.
+    Both streams into one file now hold progress, the ranks' lines and one final status; the components' records
+    go to their log file."""
+    from test_e2e_run import component_records
+
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        code = subprocess.run([*CTL, "up", str(REPO / "examples" / example)], stdout=f, stderr=subprocess.STDOUT,
+                              timeout=600).returncode
+    text = out.read_text()
+    assert code == 0, text[-3000:]
+    assert sum(HEADER in line for line in text.splitlines()) == 1, text[-3000:]
+    assert component_records(text) == [], component_records(text)[:5]

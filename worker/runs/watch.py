@@ -77,7 +77,7 @@ class ProcessWatch:
         """A rank's counters stopped moving: its counters now (read here) go out at once, in one report; its stack
         follows in a second (taken off the loop), so that a slow dump on a loaded node never delays the naming."""
         evidence = self._evidence(run, rank)
-        self._log.warning("rank stalled", job=run.job_id, rank=rank, pid=pid, state=state or "running",
+        self._log.info("rank stalled", job=run.job_id, rank=rank, pid=pid, state=state or "running",
                           still_s=round(run.hangs.still_for(rank), 1), computing=run.hangs.computing(rank))
         self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state, collectives=evidence))
         current = lambda: runs.get((run.job_id, run.attempt)) is run  # noqa: E731

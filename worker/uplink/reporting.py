@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rankctl.contract.files.rankstatus import NOTICE_CHARS, RankStatusRecord, as_number
+from rankctl.contract.resultsize import result_json
 from rankctl.proto import rankctl_pb2 as pb
 
 
@@ -105,7 +106,7 @@ def to_wire(rec: RankStatusRecord, node: str) -> tuple[pb.RankStatus, str]:
         status.notice = rec.notice
     if rec.preflight:
         status.preflight = rec.preflight
-    return status, json.dumps(rec.result) if rec.result is not None else ""
+    return status, result_json(rec.result) if rec.result is not None else ""
 
 
 def exit_status(rank: int, node: str, code: int, error: str) -> pb.RankStatus:

@@ -17,6 +17,7 @@ from rankctl.coordinator.model.errors import AmbiguousJob, CapacityError, NodeNa
 from rankctl.coordinator.fleet.nodes import NodeStatus
 from rankctl.coordinator.model.states import JobState
 from rankctl.coordinator.store.database import StoreError
+from test_blame import later
 from test_core import World, job_yaml, make_world
 
 S = JobState
@@ -205,6 +206,27 @@ def test_the_head_of_the_queue_holds_others_back_for_a_bounded_time(world: World
     world.clock.t += 2
     world.core.schedule()
     assert small.state is S.STARTING and wide.state is S.PENDING            # backfilled around the head
+
+
+def test_a_job_that_fits_backfills_by_time_alone_once_the_head_waited_its_time(world: World) -> None:
+    """Issue 53, item 1: the same queue, but nothing calls ``schedule()``: only heartbeats and ticks. Before, the
+    small job stayed "queued behind" for good after ``head_wait`` while n1 sat free (``Scheduler.due`` looked only at
+    exclusions). It starts at the first tick past ``head_wait``, and the next ticks run no more passes for it."""
+    world.connect("n0", slots=2), world.connect("n1", slots=2)
+    first = world.core.submit(job_yaml("first", nodes=1, slots=2, tp=1))
+    wide = world.core.submit(job_yaml("wide", nodes=2, slots=2, tp=1))
+    small = world.core.submit(job_yaml("small", nodes=1, slots=2, tp=1))
+    assert first.state is S.STARTING and small.reason == f"queued behind {wide.id}"
+    tick = 0.5
+    waited = 0.0
+    while waited < world.core.head_wait - tick:
+        later(world, tick)
+        waited += tick
+        assert small.state is S.PENDING, waited
+    later(world, tick)
+    later(world, tick)
+    assert small.state is S.STARTING and wide.state is S.PENDING
+    assert not world.core._scheduler.due()
 
 
 def test_job_lists_are_paged_and_errors_stay_short(world: World) -> None:

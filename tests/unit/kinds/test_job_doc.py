@@ -40,3 +40,13 @@ def test_the_check_sees_a_field_without_a_description() -> None:
 
     bare = create_model("Bare", __base__=Section, size=(int, 1), part=(Part, Part()))
     assert jobdoc.undescribed(bare) == ["size", "part"]   # Part.said has its docstring
+
+
+def test_only_the_schemas_required_fields_read_required() -> None:
+    """Issue 53, item 10: ``python.args`` and ``python.env`` (empty by default) read "required" in the page."""
+    from rankctl.kinds.jobdoc import reference
+
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in reference().splitlines()
+            if line.startswith("| `")}
+    assert rows["`args`"] == "`[]`" and rows["`env`"] == "`{}`", (rows["`args`"], rows["`env`"])
+    assert rows["`name`"] == "required"
