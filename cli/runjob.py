@@ -46,6 +46,7 @@ class RunArgs:
     workdir: Path = field(default_factory=Path.cwd)
     local_ranks_filter: str = ""
     env: tuple[str, ...] = ()              # NAME=VALUE, or NAME: this environment's value
+    parallel: tuple[tuple[str, int], ...] = ()   # --tp 2 --pp 2 ...: the Megatron layout (``parallel.*``)
 
 
 def node_range(text: str) -> tuple[int, int]:
@@ -113,6 +114,9 @@ def _entry(args: RunArgs) -> dict[str, Any]:
     if args.module:
         return {"module": args.target}
     script = (args.workdir / os.path.expanduser(args.target)).resolve()
+    if script.is_dir():
+        raise CtlError(f"script {args.target!r} is a directory ({script}), not a Python file: give the script in it "
+                       f"(e.g. {args.target.rstrip('/')}/train.py), or -m for a package with a __main__")
     if not script.is_file():
         raise CtlError(f"script {args.target!r} not found: no file {script}")
     try:
@@ -147,8 +151,19 @@ def job_document(args: RunArgs, slots: int) -> dict[str, Any]:
     python = {**_entry(args), "args": list(args.args), "workdir": str(args.workdir.resolve())}
     if args.env:
         python["env"] = environment(args.env)
-    return {"name": job_name(args), "kind": "python", "resources": resources,
-            "restart": {"max_restarts": args.max_restarts}, "python": python}
+    doc = {"name": job_name(args), "kind": "python", "resources": resources,
+           "restart": {"max_restarts": args.max_restarts}, "python": python}
+    if args.parallel:
+        doc["parallel"] = dict(args.parallel)
+    return doc
+
+
+def layout_line(spec: Any) -> str:
+    """The layout the job runs, as ``ctl run`` says it: ``tp=2 pp=1 cp=1 ep=1 dp=2`` (its spec, ``--set`` included)."""
+    par, res = spec.parallel, spec.resources
+    world, model = res.nodes * res.slots_per_node, par.tp * par.pp * par.cp
+    etp = f" etp={par.etp}" if par.etp else ""
+    return f"tp={par.tp} pp={par.pp} cp={par.cp} ep={par.ep}{etp} dp={world // model if world % model == 0 else '?'}"
 
 
 class _Quoted(str):

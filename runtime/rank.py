@@ -83,11 +83,27 @@ def preload_kinds() -> None:
         resolve_kind(name)
 
 
+_OWN_CODE = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, "<frozen runpy>")
+
+
+def user_traceback(exc: BaseException) -> list[str]:
+    """The exception's traceback from the user's first frame on: rankctl's own frames and runpy's that run the
+    user's script come first and say nothing to its author (torchrun's error file shows the user's frames too); all
+    of them when no frame is the user's (a failure inside rankctl). The whole traceback is in the rank's log."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    first = next((i for i, f in enumerate(frames) if not f.filename.startswith(_OWN_CODE)
+                  and not f.filename.endswith(f"{os.sep}runpy.py")), None)
+    if first is None or first == 0:
+        return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
+    text = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames[first:])) + \
+        "".join(traceback.format_exception_only(type(exc), exc))
+    return text.splitlines()
+
+
 def _error_fields(exc: BaseException, victim: str | None = None) -> dict[str, Any]:
-    tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
     full = disk_full_line(exc)   # the path and its file system: the last line, the reason
-    lines = "".join(tb).splitlines()[-TRACEBACK_LINES:] + ([victim] if victim else []) + ([full] if full else [])
-    return {"error": full or f"{type(exc).__name__}: {exc}", "traceback": lines}
+    extra = ([victim] if victim else []) + ([full] if full else [])
+    return {"error": full or f"{type(exc).__name__}: {exc}", "traceback": user_traceback(exc)[-TRACEBACK_LINES:] + extra}
 
 
 def _stack_on_sigusr1() -> bool:
@@ -145,7 +161,10 @@ def run_rank(assignment: RankAssignment, *, timeout_s: float | None = None) -> i
         # a program's own exit (sys.exit(3)) is one line, no traceback: python prints none
         fields = {"error": str(exc), "traceback": []} if isinstance(exc, RankExit) else _error_fields(exc, victim)
         log.error("failed", error=fields["error"], victim=victim is not None)
-        print("\n".join(fields["traceback"] or [fields["error"]]), file=sys.stderr, flush=True)  # last line: the reason
+        if fields["traceback"]:   # the whole traceback in the log, then from the user's first frame: the one shown
+            print("rankctl: the whole traceback, rankctl's frames included:", file=sys.stderr)
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        print("\n".join(fields["traceback"] or [fields["error"]]), file=sys.stderr, flush=True)   # last: the reason
         status.write("failed", **fields)
         return exc.code if isinstance(exc, RankExit) else 1
     finally:

@@ -165,12 +165,26 @@ def logs(ctx: Ctx, job_id: str, rank: int | None, follow: bool, tail: int, recor
     from rankctl.cli.view.console import print_json_line
     from rankctl.cli.view.logview import line_doc, line_text
 
+    printed = 0
     with ctx.client() as client:
         for line in client.logs(job_id, rank, follow, tail, records):
+            printed += 1
             if as_json:
                 print_json_line(line_doc(line.rank, line.attempt, line.line))
             else:
                 click.echo(line_text(line.rank, line.line, prefixed=rank is None))
+        if not printed and rank is not None:
+            click.echo(_nothing_printed(client.get(job_id, rank_limit=0), rank), err=True)
+
+
+def _nothing_printed(job, rank: int) -> str:  # noqa: ANN001 - a pb.Job
+    """What to say when one rank's log is empty: a train job's step lines come from its last rank."""
+    said = f"rank {rank} of {job.id} printed nothing"
+    last = job.world_size - 1
+    if job.kind == "train" and rank != last:
+        said += f"; a train job's step lines come from its last rank (the last pipeline stage): ctl logs {job.id} " \
+                f"--rank {last}"
+    return said
 
 
 @click.command("cancel", epilog=example("ctl cancel train-0a1b2c --reason 'wrong data path'"))

@@ -101,7 +101,7 @@ def _header(cfg: "ParallelConfig", gpn: int) -> str:
     nodes = -(-cfg.world_size // gpn)
     vpp = f" vpp={cfg.vpp}" if cfg.vpp else ""
     return (
-        f"layout: world_size={cfg.world_size} on {nodes} node(s) x {gpn} gpus  order={cfg.order}\n"
+        f"layout: world_size={cfg.world_size} on {nodes} node(s) x {gpn} slots  order={cfg.order}\n"
         f"  dense:  tp={cfg.tp} cp={cfg.cp} dp={cfg.dp} pp={cfg.pp}{vpp}\n"
         f"  expert: etp={cfg.expert_tp} ep={cfg.ep} edp={cfg.expert_dp} pp={cfg.pp}"
     )
@@ -136,7 +136,7 @@ def _kind_table(layout: "RankLayout", gpn: int) -> tuple[list[str], list[str]]:
         if kind in INTRA_NODE_GROUPS and cross and size > 1:
             warnings.append(
                 f"warning: {cross} of {n} {kind} groups cross a node boundary "
-                f"({kind} traffic is heavy; keep {kind} groups inside a node of {gpn} gpus)"
+                f"({kind} traffic is heavy; keep {kind} groups inside a node of {gpn} slots)"
             )
     return lines, warnings
 

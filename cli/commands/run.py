@@ -25,8 +25,8 @@ from rankctl.cli.context import Ctx, pass_ctx
 from rankctl.cli.main import quiet_stdout
 from rankctl.cli.errors import CtlError
 from rankctl.cli.options import example
-from rankctl.cli.runjob import IGNORED, IGNORED_FLAGS, SHORT, RunArgs, job_document, job_yaml, local_ranks, \
-    node_range, procs_per_node
+from rankctl.cli.runjob import IGNORED, IGNORED_FLAGS, SHORT, RunArgs, job_document, job_yaml, layout_line, \
+    local_ranks, node_range, procs_per_node
 
 OUTPUT_GRACE_S = 10.0   # how long the end waits for the ranks' last lines
 
@@ -78,6 +78,12 @@ def _noted(ctx: click.Context, param: click.Parameter, value: object) -> None:
               help="Set this in every rank's environment (python.env); NAME alone: its value here.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a job-file field.")
 @click.option("--dry-run", is_flag=True, help="Print the job file it would submit, and stop.")
+@click.option("--tp", type=click.IntRange(1, None), default=None, help="Tensor parallel size (parallel.tp).")
+@click.option("--pp", type=click.IntRange(1, None), default=None, help="Pipeline parallel size (parallel.pp).")
+@click.option("--cp", type=click.IntRange(1, None), default=None, help="Context parallel size (parallel.cp).")
+@click.option("--ep", type=click.IntRange(1, None), default=None, help="Expert parallel size (parallel.ep).")
+@click.option("--etp", type=click.IntRange(1, None), default=None,
+              help="Expert tensor parallel size (parallel.etp; default: tp).")
 @click.option("--queue-anyway", is_flag=True,
               help="Queue the job even if the coordinator's nodes cannot hold it now (it waits for more).")
 @click.option("--verbose", is_flag=True, help="An embedded cluster's log records on stderr (default: a log file, "
@@ -89,15 +95,20 @@ def _noted(ctx: click.Context, param: click.Parameter, value: object) -> None:
 def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restarts: int, rdzv_id: str,
         rdzv_backend: str, rdzv_endpoint: str, standalone: bool, module: bool, no_python: bool, run_path: bool,
         ranks_filter: str, workdir: Path, env: tuple[str, ...], overrides: tuple[str, ...], dry_run: bool,
-        queue_anyway: bool, verbose: bool, target: str, script_args: tuple[str, ...]) -> None:
+        tp: int | None, pp: int | None, cp: int | None, ep: int | None, etp: int | None, queue_anyway: bool,
+        verbose: bool, target: str, script_args: tuple[str, ...]) -> None:
     """Run SCRIPT (or -m MODULE) with its arguments in every rank, as torchrun would: torchrun's flags, every
     rank's output on stdout after [rankN]:, the job's exit code. Without a configured coordinator, one starts
     here with --nnodes worker daemons (as ctl up does)."""
     args = RunArgs(nnodes=nnodes, nproc_per_node=nproc, max_restarts=max_restarts, rdzv_id=rdzv_id, module=module,
                    no_python=no_python, target=target, args=script_args, workdir=workdir.resolve(),
-                   local_ranks_filter=ranks_filter, env=env)
+                   local_ranks_filter=ranks_filter, env=env,
+                   parallel=tuple((k, v) for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", etp))
+                                  if v is not None))
     slots, how = procs_per_node(nproc)
-    line = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}"] + (["-m"] if module else []) + [target, *script_args]
+    layout = [f"--{k}={v}" for k, v in args.parallel]
+    line = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", *layout] + (["-m"] if module else []) + \
+        [target, *script_args]
     text = job_yaml(job_document(args, slots), shlex.join(line))
     if dry_run:
         click.echo(text, nl=False)
@@ -107,7 +118,8 @@ def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restart
     ignored = list(click_ctx.meta.get("rankctl.ignored", []))
     if rdzv_backend and rdzv_backend != "rankctl":
         ignored += [f"--rdzv-backend {rdzv_backend}"] + (["--rdzv-endpoint"] if rdzv_endpoint else [])
-    for note in [how] + [f"{opt}: rankctl's coordinator does this; ignored" for opt in ignored]:
+    layout_note = f"layout {layout_line(job.read.spec)} (set with --tp/--pp/--cp/--ep/--etp)"
+    for note in [how, layout_note] + [f"{opt}: rankctl's coordinator does this; ignored" for opt in ignored]:
         if note:
             click.echo(f"ctl run: {note}", err=True)
     if rdzv_backend == "rankctl":

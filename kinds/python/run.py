@@ -30,6 +30,8 @@ def torchrun_env(ctx: RankContext) -> dict[str, str]:
 
 def _script_path(entrypoint: str, workdir: str | None) -> str:
     path = os.path.abspath(os.path.join(workdir or os.getcwd(), os.path.expanduser(entrypoint)))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"python.entrypoint {entrypoint!r} is a directory ({path}), not a Python file")
     if not os.path.isfile(path):
         where = f"workdir {workdir}" if workdir else f"the rank's directory {os.getcwd()}"
         raise FileNotFoundError(f"python.entrypoint {entrypoint!r} not found: no file {path} (relative to {where})")

@@ -10,7 +10,9 @@ from pydantic import Field, StrictInt, StrictStr, StringConstraints, field_valid
 from rankctl.contract.names import shown
 from rankctl.contract.spec import Section
 
-MAX_TEXT = 4096  # characters of an entry point, one argument, one env value, the workdir
+MAX_TEXT = 4096  # characters of an entry point, one env value, the workdir
+MAX_ARG = 131_071        # characters of one argument: what Linux passes (MAX_ARG_STRLEN, 32 pages, less the NUL)
+MAX_ARGS_TOTAL = 196_608  # characters of all arguments together (the job file holds at most 256 KiB)
 MAX_ARGS = 1000
 MAX_WORKDIR_MB = 1024  # python.workdir_max_mb: the largest packed workdir ctl may ship (the coordinator's cap)
 UNPACKED_PER_PACKED = 4  # python.workdir_max_unpacked_mb's default: this many times workdir_max_mb
@@ -22,6 +24,7 @@ RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 RESERVED_ENV_PREFIX = "MASTER_"
 
 Text = Annotated[StrictStr, StringConstraints(max_length=MAX_TEXT)]
+Arg = Annotated[StrictStr, StringConstraints(max_length=MAX_ARG)]
 Blob = Annotated[StrictStr, StringConstraints(pattern=f"^{BLOB_RE}$")]
 
 
@@ -34,8 +37,9 @@ class PythonSpec(Section):
     module: StrictStr = Field("", max_length=MAX_TEXT)
     """A module each rank runs as ``__main__`` (``python -m package.module``, torchrun's ``-m``), found on the
     workdir or installed on the nodes; instead of ``entrypoint``."""
-    args: list[Text] = Field(default_factory=list, max_length=MAX_ARGS)
-    """The script's arguments (``sys.argv[1:]``)."""
+    args: list[Arg] = Field(default_factory=list, max_length=MAX_ARGS)
+    """The script's arguments (``sys.argv[1:]``): each at most what Linux passes in one argument (128 KiB), all
+    together at most 192 KiB."""
     env: dict[StrictStr, Text] = Field(default_factory=dict, max_length=MAX_ENV)
     """Environment variables of every rank (a secret: shown to no client); RANK, WORLD_SIZE and the others
     torchrun sets are rankctl's."""
@@ -52,6 +56,14 @@ class PythonSpec(Section):
     def unpacked_limit_mb(self) -> int:
         """``workdir_max_unpacked_mb``, or its default."""
         return self.workdir_max_unpacked_mb or UNPACKED_PER_PACKED * self.workdir_max_mb
+
+    @field_validator("args")
+    @classmethod
+    def _args_total(cls, args: list[str]) -> list[str]:
+        total = sum(len(a) for a in args)
+        if total > MAX_ARGS_TOTAL:
+            raise ValueError(f"{len(args)} arguments of {total} characters in all; the limit is {MAX_ARGS_TOTAL}")
+        return args
 
     @field_validator("env")
     @classmethod

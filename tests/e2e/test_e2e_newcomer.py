@@ -89,3 +89,55 @@ def test_a_1500_step_python_job_shows_its_losses(two: ProcCluster, tmp_path: Pat
     steps = [x["step"] for x in shown["losses"]]
     assert steps[0] == 1 and steps[-1] == 1500 and len(steps) > 100, steps[:5]
     assert shown["losses_total"] == {"losses": 1500} and steps[1] - steps[0] == shown["losses_every"], shown
+
+
+TRAIN = """name: tiny
+kind: train
+resources: {nodes: 1, slots_per_node: 2}
+parallel: {tp: 2}
+model: {layers: 1, hidden: 32, heads: 4, seq_len: 16, vocab: 256}
+train: {steps: 3, global_batch: 4, micro_batch: 2, data: builtin:pydoc}
+"""
+
+
+def test_an_empty_rank_log_says_which_rank_prints_a_train_jobs_steps(two: ProcCluster, tmp_path: Path) -> None:
+    """Item 15: ``ctl logs TRAINJOB --rank 0`` printed nothing with exit 0 and no hint that only the last rank (the
+    last pipeline stage) prints the step lines."""
+    (tmp_path / "tiny.yaml").write_text(TRAIN)
+    job = two.submit(str(tmp_path / "tiny.yaml"))
+    assert two.wait_state(job, {"SUCCEEDED", "FAILED"}, 300)["state"] == "SUCCEEDED"
+    empty = ctl(two.address, "logs", job, "--rank", "0")
+    assert empty.returncode == 0 and empty.stdout == "", empty.stdout
+    assert f"rank 0 of {job} printed nothing; a train job's step lines come from its last rank" in empty.stderr
+    assert f"ctl logs {job} --rank 1" in empty.stderr, empty.stderr
+    assert "step 3/3" in ctl(two.address, "logs", job, "--rank", "1").stdout
+
+
+BOOM = """
+def inner():
+    raise ValueError("boom in the user's code")
+
+def outer():
+    inner()
+
+outer()
+"""
+
+
+def test_a_failing_ranks_traceback_starts_at_the_users_code(two: ProcCluster, tmp_path: Path) -> None:
+    """Item 11: the traceback a failing rank reports began with about eight rankctl and runpy frames before the
+    user's line; it starts at the user's script now (as torchrun's error file does), the whole one in the log."""
+    import json
+
+    (tmp_path / "boom.py").write_text(BOOM)
+    (tmp_path / "boom.yaml").write_text(f"name: boom\nkind: python\nresources: {{nodes: 1, slots_per_node: 1}}\n"
+                                        f"python: {{entrypoint: boom.py, workdir: {tmp_path}}}\n")
+    job = two.submit(str(tmp_path / "boom.yaml"))
+    assert two.wait_state(job, {"SUCCEEDED", "FAILED"}, 120)["state"] == "FAILED"
+    error = json.loads(ctl(two.address, "status", job, "--json").stdout)["summary"]["failing"][0]["error"]
+    frames = [line for line in error.splitlines() if line.strip().startswith("File ")]
+    assert frames and "boom.py" in frames[0] and len(frames) == 3, error       # <module>, outer, inner
+    assert not any("rankctl" in f or "runpy" in f for f in frames), error
+    assert error.splitlines()[-1] == "ValueError: boom in the user's code", error
+    log = ctl(two.address, "logs", job, "--rank", "0").stdout
+    assert "runpy" in log and "boom in the user's code" in log, log[-2000:]

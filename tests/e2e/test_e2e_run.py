@@ -250,3 +250,34 @@ def test_a_job_too_big_for_the_cluster_is_told_an_option_ctl_run_has(runner, pro
         _, err = proc.communicate(timeout=60)
     assert "cancelled (SIGINT)" in err, err
 
+
+
+def test_a_100kb_argument_runs_and_a_directory_is_named_as_one(runner, project: Path) -> None:
+    """Issue 53, item 8: a 100 KB script argument was refused (``python.args.0`` at most 4,096 characters; torchrun
+    passes it: Linux allows 128 KiB an argument); a directory given as the script was "not found"."""
+    (project / "argsize.py").write_text("import sys\nprint('argsize', len(sys.argv[1]), flush=True)\n")
+    done = ctl_run(runner, project, "--nnodes", "1", "--nproc-per-node", "1", "argsize.py", "x" * 100_000)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert rank_lines(done.stdout, "argsize") == {0: "argsize 100000"}
+    (project / "adir").mkdir(exist_ok=True)
+    refused = ctl_run(runner, project, "adir")
+    assert refused.returncode == 2 and "script 'adir' is a directory" in refused.stderr, refused.stderr
+
+
+LAYOUT = """import torch.distributed as dist
+import rankctl
+ctx = rankctl.context()
+print("sizes", dist.get_world_size(ctx.group("tp")), dist.get_world_size(ctx.group("pp")), flush=True)
+"""
+
+
+def test_layout_flags_give_the_job_its_megatron_groups_and_the_output_names_the_layout(runner, project: Path) -> None:
+    """Issue 53, item 7: ``ctl run`` had no layout but an undocumented ``--set parallel.tp=2``; without it every
+    group was of one rank. ``--tp/--pp/--cp/--ep/--etp`` set it, and ctl run says which layout the job runs."""
+    (project / "layout.py").write_text(LAYOUT)
+    done = ctl_run(runner, project, "--nnodes", "1", "--nproc-per-node", "4", "--tp", "2", "--pp", "2", "layout.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ctl run: layout tp=2 pp=2 cp=1 ep=1 dp=1" in done.stderr, done.stderr
+    assert rank_lines(done.stdout, "sizes") == {r: "sizes 2 2" for r in range(4)}, done.stdout
+    bad = ctl_run(runner, project, "--nproc-per-node", "4", "--tp", "3", "layout.py")
+    assert bad.returncode == 2 and "tp" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

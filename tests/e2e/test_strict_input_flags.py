@@ -29,8 +29,8 @@ def test_plan_refuses_zero_gpus_per_node_like_a_negative_one(gpn: str) -> None:
 
 
 def test_plan_defaults_gpus_per_node_only_when_it_is_not_given() -> None:
-    assert "on 1 node(s) x 8 gpus" in run("plan", "--world-size", "8").output
-    assert "on 4 node(s) x 2 gpus" in run("plan", "--world-size", "8", "--gpus-per-node", "2").output
+    assert "on 1 node(s) x 8 slots" in run("plan", "--world-size", "8").output
+    assert "on 4 node(s) x 2 slots" in run("plan", "--world-size", "8", "--gpus-per-node", "2").output
     job = run("plan", str(EXAMPLES / "gpt-tp-dp.yaml"), "--gpus-per-node", "0")
     assert job.exit_code == 2 and "--gpus-per-node=0 must be between 1 and 1024" in job.output
 

@@ -196,3 +196,14 @@ def test_plan_states_the_restart_default_and_the_numerical_bound() -> None:
     assert "numerics: in fp32 on CPU, per-step losses equal the serial run's within 1e-5 relative for the first" \
         in unset.output and "drift apart by up to ~1e-2" in unset.output
     assert "numerics:" not in run("plan", str(EXAMPLES / "comm-check.yaml")).output
+
+
+def test_plan_speaks_of_slots_not_gpus_on_a_machine_with_none() -> None:
+    """Issue 53, item 15: ``ctl plan`` said "x 2 gpus" whatever the machine; a slot holds one rank, GPU or CPU."""
+    from click.testing import CliRunner
+
+    from rankctl.cli.main import cli
+
+    out = CliRunner().invoke(cli, ["plan", "--world-size", "4", "--tp", "2", "--gpus-per-node", "2"])
+    assert out.exit_code == 0, out.output
+    assert "on 2 node(s) x 2 slots" in out.output and "gpus" not in out.output.split("\n")[0], out.output

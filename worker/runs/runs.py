@@ -154,7 +154,7 @@ class Runs:
         if code != 0 and run.stop_reason:   # stopped on the coordinator's request (a Cancel): no failure of its own
             notes = [f"{STOPPED}{run.stop_reason}"]
         else:
-            notes = ["\n".join(ev.get("log_tail") or [])] if code != 0 else []
+            notes = ["\n".join(last_traceback(ev.get("log_tail") or []))] if code != 0 else []
             if code < -1:  # the log's last line is whatever the rank printed before the signal: say what ended it
                 notes.append(f"rankctl: rank {rank} ended: {how_ended(code)} (its log's last lines above)")
         if leftovers:
@@ -215,3 +215,13 @@ def _unmount_shm(run_dirs: list[str]) -> None:
     """The private /dev/shm of each run whose launcher died (it unmounts them itself otherwise)."""
     for run_dir in run_dirs:
         shm.unmount_job_shm(run_dir)
+
+
+TRACEBACK_HEAD = "Traceback (most recent call last):"
+
+
+def last_traceback(tail: list[str]) -> list[str]:
+    """A failed rank's log tail from its last traceback on (the rank prints its whole traceback, then the one from the
+    user's first frame: ``runtime.rank.user_traceback``); the whole tail when it holds none."""
+    starts = [i for i, line in enumerate(tail) if line.startswith(TRACEBACK_HEAD)]
+    return tail[starts[-1]:] if starts else tail

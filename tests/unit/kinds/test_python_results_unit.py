@@ -58,3 +58,22 @@ def test_the_metrics_are_a_copy_not_the_ranks_own_dict() -> None:
 def test_an_early_stop_and_a_resumed_layout_are_kept() -> None:
     out = python_result({0: {"losses": LOSSES, "ended": "stop_at 2", "resumed_layout": "tp2 dp2"}})
     assert out["ended"] == "stop_at 2" and out["resumed_layout"] == "tp2 dp2"
+
+
+def test_an_argument_may_be_as_long_as_linux_passes_and_all_of_them_are_bounded() -> None:
+    """Issue 53, item 8: one argument up to 131,071 characters (Linux's MAX_ARG_STRLEN less its NUL), all of them
+    up to 196,608; past either, the error names the field and the rule."""
+    import pytest
+
+    from rankctl.contract.jobfile import SpecError
+    from rankctl.kinds.spec import build_spec
+
+    def spec(args: list[str]):  # noqa: ANN202
+        return build_spec({"name": "a", "kind": "python", "resources": {"nodes": 1, "slots_per_node": 1},
+                           "python": {"entrypoint": "t.py", "args": args}})
+
+    assert spec(["x" * 100_000]).python.args[0] == "x" * 100_000
+    with pytest.raises(SpecError, match=r"python\.args\.0.*131071"):
+        spec(["x" * 131_072])
+    with pytest.raises(SpecError, match=r"python\.args.*196608"):
+        spec(["x" * 100_000, "y" * 100_000])
