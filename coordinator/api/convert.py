@@ -279,11 +279,3 @@ def hello_from_pb(reg: pb.Register) -> NodeHello:
         running=tuple(RunningJob(r.job_id, r.attempt, tuple(r.ranks)) for r in reg.running), pool=reg.pool,
         replaces=reg.replaces, relays=reg.relays, data_roots=tuple(reg.data_roots),
     )
-
-
-def rank_from_pb(st: pb.RankStatus) -> RankRecord:
-    return RankRecord(
-        rank=st.rank, node=st.node, phase=st.phase, step=st.step, metrics_json=st.metrics_json, error=st.error,
-        exit_code=st.exit_code, exited=st.exited, updated_at=_seconds(st.update_time),
-    )
-

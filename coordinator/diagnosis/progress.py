@@ -343,9 +343,6 @@ class JobProgress:
         self.metrics = {"step": self.min_step, **(acc.as_dict() if acc else {})}  # this step's own, or none
 
     # -- questions ------------------------------------------------------------
-    def lowest_failed(self) -> RankRecord | None:
-        return self.failed[self._failed_heap[0]] if self._failed_heap else None
-
     def likely_cause(self) -> RankRecord | None:
         """The failed rank most likely to have caused the others' failures (``failure_weight``, then the lowest)."""
         return self.failed[self._causes[0][1]] if self._causes else None

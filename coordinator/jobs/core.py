@@ -229,11 +229,6 @@ class Coordinator:
     def list(self, limit: int = 0) -> list[JobRecord]:
         return self.book.list(limit)
 
-    def ranks(self, job_id: str) -> list[RankRecord]:
-        """Every rank of the job (O(world): for tests and small jobs; clients page with ``rank_page``)."""
-        job = self.book.jobs[job_id]
-        return self.book.rank_page(job, 0, job.world_size)
-
     def rank_page(self, job_id: str, offset: int, limit: int) -> list[RankRecord]:
         """Ranks ``offset`` .. ``offset + limit - 1`` of the job's current attempt; unheard ones ``pending``."""
         return self.book.rank_page(self.book.jobs[job_id], offset, limit)

@@ -85,7 +85,7 @@ def test_a_lost_pool_node_is_blamed_not_its_survivor_and_its_ranks_are_gone(worl
     (attempt,) = world.core.attempts(job.id)
     assert attempt["reason"].startswith("node n1 lost (stream closed)"), attempt["reason"]
     assert world.store.attempts.blamed(job.id, 1) == "n1"
-    ranks = {r.rank: r for r in world.core.ranks(job.id)}
+    ranks = {r.rank: r for r in world.core.rank_page(job.id, 0, job.world_size)}
     assert [ranks[r].exited for r in (0, 1)] == [True, True], ranks    # gone with n1, not running
 
 
@@ -97,7 +97,7 @@ def test_a_failed_jobs_final_status_shows_its_lost_nodes_ranks_gone(world: World
     (work,) = world.core.allocations.due()
     world.core.allocations.seen(work, Seen("RUNNING", ("n1", "n2", "n3")))
     assert job.state is S.FAILED and job.reason.startswith("node n1 lost"), job.reason
-    ranks = {r.rank: r for r in world.core.ranks(job.id)}
+    ranks = {r.rank: r for r in world.core.rank_page(job.id, 0, job.world_size)}
     assert [ranks[r].phase for r in (0, 1)] == ["exited", "exited"], ranks
     assert "gone with node n1" in ranks[0].error
 

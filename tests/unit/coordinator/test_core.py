@@ -201,7 +201,7 @@ def test_running_then_succeeded_with_a_comm_check_table(world: World) -> None:
         ("tp", "allreduce", 10.0, 1, 2), ("tp", "allgather", 20.0, 1, 2)]
     assert table[0]["min_busbw_gbps"] == pytest.approx(1000 / 10e-6 / 1e9 * 1.0)
     assert [k for k, _ in kinds(world.core, job.id)][-2:] == ["result", "transition"]
-    assert all(r.exited for r in world.core.ranks(job.id))
+    assert all(r.exited for r in world.core.rank_page(job.id, 0, job.world_size))
     assert world.core.shown.nodes()[0].free == 2     # slots are free again
 
 
@@ -215,7 +215,7 @@ def test_a_rank_that_exits_nonzero_fails_the_job_and_cancels_every_node(world: W
     for node in (n0, n1):
         assert [c.job_id for c in node.bodies("cancel")] == [job.id]
     world.report(job.id, 3, "exited", code=-15)  # later exits are stored, state stays
-    assert job.state is S.FAILED and world.core.ranks(job.id)[3].exit_code == -15
+    assert job.state is S.FAILED and world.core.rank_page(job.id, 0, job.world_size)[3].exit_code == -15
 
 
 def test_node_lost_by_heartbeat_fails_its_jobs_and_cancels_the_others(world: World) -> None:

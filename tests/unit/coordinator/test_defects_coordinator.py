@@ -62,7 +62,7 @@ def test_a_node_cannot_report_for_ranks_it_does_not_run(world: World) -> None:
         world.report(job.id, r, "done", code=0, result={"loss": 0.0001}, node="stranger")
     assert job.state is S.STARTING and job.result is None
     assert world.core.rejected_reports == {"n1": 1, "stranger": 5}
-    assert {r.phase for r in world.core.ranks(job.id)} == {"pending"}
+    assert {r.phase for r in world.core.rank_page(job.id, 0, job.world_size)} == {"pending"}
     world.run_all(job.id, result={"x": 1})          # the real owners still decide
     assert job.state is S.SUCCEEDED
     assert n0.session.record.last_seq > 0 and n1.session.record.last_seq > 0
@@ -109,7 +109,7 @@ def test_reports_the_store_refused_are_stored_once_it_writes_again(world: World)
     world.core.tick()
     assert job.state is S.RUNNING                      # memory says what the store holds
     assert world.store.load_jobs()[0].state is S.RUNNING
-    assert {r.phase for r in world.core.ranks(job.id)} == {"running"}
+    assert {r.phase for r in world.core.rank_page(job.id, 0, job.world_size)} == {"running"}
     assert world.core.held_reports == 4
     disk.full = False
     world.clock.t += 2                                 # past the retry back-off

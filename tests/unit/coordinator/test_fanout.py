@@ -65,5 +65,6 @@ def test_a_restart_times_its_cancels_and_the_placement_its_assigns(world: World)
         world.core.fanouts.handed(cancels[0])
     assert world.core.fanouts.last["cancel"].nodes == 2
     s = scrape(world)
-    assert get(s, "rankctl_coordinator_fanout_seconds", message="cancel") >= 0
+    took = get(s, "rankctl_coordinator_fanout_seconds", message="cancel")   # (was ">= 0": never false)
+    assert 0 < took < 30, took     # the real time from the decision to the last hand-over: some, and bounded
     assert get(s, "rankctl_coordinator_fanout_end_time_seconds", message="assign") > 0
