@@ -175,6 +175,7 @@ class JobProgress:
     preflight: Preflight | None = None         # rank 0's pre-flight outcome (``coordinator.diagnosis.preflight``)
     hang: list[int] = field(default_factory=list)   # the ranks the attempt's hang pointed at (``coordinator.diagnosis.hangs``)
     skew: ComputeSkew | None = None   # stragglers by compute time; made at the first compute_s reported
+    straggler_told: dict[int, int] = field(default_factory=dict)   # rank -> 1: its flag told, 2: its clearing too
     peers: tuple[int, int, Callable[[int], str]] | None = None  # (stride, pp, node_of): see ``bind``
     _shown: tuple | None = None   # (key, when, stragglers, failing) of the last summary (``_shown_ranks``)
 

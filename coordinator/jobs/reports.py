@@ -247,7 +247,7 @@ class ReportApplier:
         progress.pace.step_completed(step, self._clock())
         changes = progress.slow_changes()
         if changes:
-            self._straggler_events(job, step, changes)
+            self._straggler_events(job, progress, step, changes)
         if step <= progress.emitted_step:
             return
         progress.emitted_step = step
@@ -255,8 +255,18 @@ class ReportApplier:
         loss = f", loss {m['loss']:.4g}" if isinstance(m.get("loss"), float) else ""
         self._book.event(job, "step", f"step {step}{loss}", step=step, metrics=m)
 
-    def _straggler_events(self, job: JobRecord, step: int, changes: list[tuple[SlowRank, bool]]) -> None:
-        """One event per rank flagged or unflagged (at most ``SLOW_EVENTS``, then one counting the rest)."""
+    def _straggler_events(self, job: JobRecord, progress: JobProgress, step: int,
+                          changes: list[tuple[SlowRank, bool]]) -> None:
+        """One event when a rank is first flagged and one when it is then unflagged, at most, per attempt (a rank that
+        flaps on a loaded machine said so twenty times in one run: ``ctl status`` keeps showing the current ones);
+        at most ``SLOW_EVENTS``, then one counting the rest."""
+        told = progress.straggler_told
+        news = []
+        for fig, flagged in changes:
+            if told.get(fig.rank, 0) == (0 if flagged else 1):
+                told[fig.rank] = 1 if flagged else 2
+                news.append((fig, flagged))
+        changes = news
         for fig, flagged in changes[:SLOW_EVENTS]:
             what = "is a straggler" if flagged else "is no longer a straggler"
             self._book.event(job, "straggler", f"rank {fig.rank} on {fig.node or '-'} {what} (compute): "

@@ -77,3 +77,24 @@ def test_forget_drops_a_record_and_an_unmounted_path_is_only_tidied(registry: Pa
     shm.unmount(str(path))
     mountreg.record(str(path), [dead_pid()])   # unmounted by its owner without forgetting it
     assert mountreg.reap(shm.unmount) == [] and not list((registry / "shm" / mountreg.REGISTRY).iterdir())
+
+
+def test_a_record_from_another_pid_namespace_or_without_a_start_time_is_never_taken(registry: Path) -> None:
+    """Issue 53, item 19: a daemon unmounted another cluster's ``/dev/shm`` paths. A record made in another pid
+    namespace (a container sharing /dev/shm: its pids mean nothing here) is left alone, and so is one whose live owner's
+    start time could not be read."""
+    other, unread = mounted(registry / "other"), mounted(registry / "unread")
+    try:
+        mountreg.record(str(other), [dead_pid()])
+        mountreg.record(str(unread), [os.getpid()])
+        for entry in (registry / "shm" / mountreg.REGISTRY).iterdir():
+            doc = json.loads(entry.read_text())
+            if doc["path"] == str(other):
+                doc["pidns"] = "pid:[1]"
+            else:
+                doc["owners"] = [[os.getpid(), None]]
+            entry.write_text(json.dumps(doc))
+        assert mountreg.reap(shm.unmount) == [] and os.path.ismount(other) and os.path.ismount(unread)
+    finally:
+        for path in (other, unread):
+            shm.unmount(str(path))

@@ -7,7 +7,10 @@ used again, so no restart on it would. Each such mount is recorded in a host-wid
 daemon, and for an attempt's the launcher that mounted it). A worker's start (``reap``), whatever its state
 dir, and again every few seconds while it runs (a launcher may outlive its SIGKILLed daemon past the next worker's
 start), unmounts every recorded tmpfs whose owners are all gone; never one with a live owner (a reused pid does
-not count as the owner: its start time differs), nor a mount no record names (made before the registry).
+not count as the owner: its start time differs), nor a mount no record names (made before the registry). An owner is
+judged gone only where its pid can be judged: a record made in another pid namespace (a container sharing the
+host's ``/dev/shm``: its pids mean nothing here), or whose owner's start time could not be read when it was made, is
+never this worker's to take (issue 53: one daemon unmounted another cluster's ``/dev/shm`` paths).
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def record(path: str, owners: Sequence[int]) -> None:
     directory = registry_dir()
     if directory is None:
         return
-    doc = {"path": os.path.abspath(path), "owners": [[pid, start_time(pid)] for pid in owners]}
+    doc = {"path": os.path.abspath(path), "owners": [[pid, start_time(pid)] for pid in owners],
+           "pidns": pid_namespace()}
     entry = _entry(directory, doc["path"])
     with contextlib.suppress(OSError):
         with open(f"{entry}.tmp-{os.getpid()}", "w", encoding="utf-8") as f:
@@ -72,8 +76,25 @@ def forget(path: str) -> None:
             os.unlink(_entry(directory, os.path.abspath(path)))
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]``), "" when unreadable."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _alive(owners: Iterable[Sequence[int | None]]) -> bool:
-    return any(started is not None and start_time(pid) == started for pid, started in owners)
+    """Some owner may live: its pid runs with the start time recorded, or no start time was recorded (then a pid that
+    exists counts as it: it cannot be told from another)."""
+    return any(start_time(pid) == started if started is not None else os.path.exists(f"/proc/{pid}")
+               for pid, started in owners)
+
+
+def ours_to_judge(doc: dict) -> bool:
+    """A record made in this pid namespace (an older one names none: made on this host before the field)."""
+    recorded = doc.get("pidns")
+    return not recorded or recorded == pid_namespace()
 
 
 def mounts() -> list[tuple[str, str]]:
@@ -99,7 +120,7 @@ def reap(unmount: Callable[[str], None], keep: Iterable[str] = ()) -> list[str]:
             path, owners = str(doc["path"]), [(int(p), s) for p, s in doc["owners"]]
         except (OSError, ValueError, KeyError, TypeError):
             continue   # a record being written, or not one of ours
-        if path in keep or _alive(owners) or entry != _entry(directory, path):
+        if path in keep or not ours_to_judge(doc) or _alive(owners) or entry != _entry(directory, path):
             continue
         if path in mounted:
             with contextlib.suppress(OSError):

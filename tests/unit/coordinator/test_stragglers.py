@@ -223,3 +223,22 @@ def test_a_slow_rank_figures_render_and_nodes_say_draining() -> None:
                                                        "steps": 4}
     d = node_to_dict(pb.Node(name="n", draining=True, excluded_for=["j1"]))
     assert d["draining"] is True and d["excluded_for"] == ["j1"]
+
+
+def test_a_flapping_rank_is_told_flagged_once_and_cleared_once() -> None:
+    """Issue 53, item 14: about 20 "straggler / no longer a straggler" events in one run on a busy machine. A rank
+    gets one event when first flagged and one when then cleared, at most; ``ctl status`` still shows who is slow."""
+    from types import SimpleNamespace
+
+    from rankctl.coordinator.diagnosis.progress import JobProgress
+    from rankctl.coordinator.diagnosis.skew import SlowRank
+    from rankctl.coordinator.jobs.reports import ReportApplier
+
+    said: list[str] = []
+    book = SimpleNamespace(event=lambda job, kind, message, **kw: said.append(message))
+    reports = ReportApplier(book, clock=lambda: 0.0)  # type: ignore[arg-type]
+    progress = JobProgress(4)
+    slow = SlowRank(rank=3, node="n1", compute_s=0.2, median_s=0.1, steps=3)
+    for step in range(10):                        # flagged, cleared, flagged, cleared ... (a throttled rank)
+        reports._straggler_events(None, progress, step, [(slow, step % 2 == 0)])  # type: ignore[arg-type]
+    assert [m.split(" (")[0] for m in said] == ["rank 3 on n1 is a straggler", "rank 3 on n1 is no longer a straggler"]
