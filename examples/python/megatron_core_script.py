@@ -9,18 +9,25 @@ fills ``megatron.core.parallel_state``; all-reduces over Megatron's own getters 
 (its all-gather mappings allocate on CUDA, so they are left out).
 """
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state as ps
-from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
+import warnings
+
+# Megatron-Core on CPU: its notes that Transformer Engine and Apex are not installed and its CUDA tuning hint say
+# nothing about this example; left on, they bury its output (40 lines of 8 ranks). A user's own job keeps them.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+warnings.filterwarnings("ignore", message="When using async grad allreduce", category=UserWarning)
+
+import torch  # noqa: E402 - after the filters: Megatron warns on import
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.tensor_parallel.mappings import (  # noqa: E402
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
 
-import rankctl
-import rankctl.megatron
+import rankctl  # noqa: E402
+import rankctl.megatron  # noqa: E402
 
 
 def gathered(weight: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -153,3 +153,4 @@ def test_every_example_prints_its_final_status_once_and_no_component_log_record(
     assert code == 0, text[-3000:]
     assert sum(HEADER in line for line in text.splitlines()) == 1, text[-3000:]
     assert component_records(text) == [], component_records(text)[:5]
+    assert "UserWarning" not in text, text[-3000:]   # item 12: Megatron-Core's CPU-only warnings buried its output
