@@ -215,7 +215,7 @@ async def _run_worker(cfg: DaemonConfig, stop: asyncio.Event | None, launcher: A
             if runner is not None:
                 await runner  # re-raises why the daemon ended on its own
         finally:
-            if own_launcher:
-                await launcher.close()
+            if own_launcher:   # ranks gone (the daemon stopped them): a warming launcher need not be waited for
+                await launcher.close(idle=not daemon.runs.running_jobs())
             await services.stop()
             log.info("worker stopped", node=cfg.name)

@@ -32,6 +32,9 @@ class LauncherError(RuntimeError):
     """The launcher did not start, or went away."""
 
 
+IDLE_CLOSE_S = 0.5   # a launcher with no rank alive gets this long to exit on its own before it is killed
+
+
 class Launcher:
     """A running launcher subprocess; events arrive in order on ``events()``."""
 
@@ -139,13 +142,15 @@ class Launcher:
         while (event := await self.next_event()) is not _EOF:
             yield event
 
-    async def close(self, *, grace_s: float = 5.0, timeout: float = 30.0) -> int:
-        """Shut the launcher down (its ranks are killed); returns its exit code."""
+    async def close(self, *, grace_s: float = 5.0, timeout: float = 30.0, idle: bool = False) -> int:
+        """Shut the launcher down (its ranks are killed); returns its exit code. ``idle``: it runs no rank, so nothing
+        is lost by not waiting: one busy warming its kinds reads the shutdown only after that (seconds on a loaded
+        node), and is killed after ``IDLE_CLOSE_S`` instead."""
         if self.proc.returncode is None:
             try:
                 await self._send({"cmd": "shutdown", "grace_s": grace_s})
                 self.proc.stdin.close()
-                await asyncio.wait_for(self.proc.wait(), timeout)
+                await asyncio.wait_for(self.proc.wait(), IDLE_CLOSE_S if idle else timeout)
             except (LauncherError, asyncio.TimeoutError):
                 if self.proc.returncode is None:
                     self.proc.kill()  # PDEATHSIG takes the ranks with it
