@@ -178,7 +178,7 @@ class JobReconciler:
         ranks = self._book.ranks(job.id)
         if pace.still(live) and pace.analysed != pace.generation:
             pace.analysed = pace.generation
-            pace.blocked = blocked(ranks, sorted(pace.waiting)[:1]) if pace.all_waiting(live) else ""
+            pace.blocked = blocked(ranks, [min(pace.waiting)]) if pace.all_waiting(live) else ""
         verdict = pace.judge(now, timeout, live, progress.min_step)
         if verdict is None:
             wait = pace.nameable(now) if pace.still(live) else None
