@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +55,7 @@ sys.path[:0] = [str(HERE / "peers"), str(HERE.parent / "tests"), str(HERE.parent
 import cluster  # noqa: E402
 from corpus_jobs import LauncherCorpus, RankctlCorpus  # noqa: E402
 from hangcorpus import HEALTHY_PAUSES  # noqa: E402
+from peers import median, secs  # noqa: E402 - bench/peers.py's report helpers
 from recovery import leftovers, signal_all, unmount_left  # noqa: E402
 from systems import KILL, STOP, ensure_venv, peers, signal_pid  # noqa: E402
 from test_e2e_worker_faults import traced  # noqa: E402
@@ -278,16 +277,6 @@ def stop_all(root: Path) -> None:
 
 
 # -- report ----------------------------------------------------------------------------------------------------------
-def secs(x: float | None, cap: float) -> str:
-    if x is None or math.isinf(x):
-        return f"none in {cap:g} s"
-    return f"{x:.2f} s" if x < 10 else f"{x:.1f} s"
-
-
-def median(xs: list[float | None]) -> float:
-    return statistics.median([math.inf if x is None else x for x in xs]) if xs else math.inf
-
-
 def verdict(words: list[str], good: str) -> str:
     """``good`` if every run's word is, else the first other word and how many runs said something else."""
     bad = [w for w in words if w != good]

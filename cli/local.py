@@ -33,6 +33,22 @@ def component_logs(root: Path, verbose: bool, level: str = "warning", fmt: str =
     return stream
 
 
+def kept_log(root: Path, prefix: str, temporary: bool) -> Path | None:
+    """Where a failed run's components' log stays: copied out of a temporary state dir (removed next), else where it
+    is; None when there is none."""
+    import shutil
+    import tempfile
+
+    path = root / COMPONENTS_LOG
+    if not path.exists():
+        return None
+    if not temporary:
+        return path
+    kept = Path(tempfile.mkstemp(prefix=prefix, suffix=".log")[1])
+    shutil.copyfile(path, kept)
+    return kept
+
+
 class LocalCluster:
     def __init__(self, nodes: int, slots: int, state_dir: Path, heartbeat_timeout: float = 10.0,
                  name_prefix: str = "local", imports: Sequence[str] = (), data_roots: Sequence[str] = ("/",),

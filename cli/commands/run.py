@@ -134,7 +134,7 @@ def run(click_ctx: click.Context, ctx: Ctx, nnodes: str, nproc: str, max_restart
 
 
 def _run_here(job: "_Job", nodes: int, slots: int, shown: frozenset[int] | None, verbose: bool) -> int:
-    from rankctl.cli.local import COMPONENTS_LOG, LocalCluster, component_logs
+    from rankctl.cli.local import LocalCluster, component_logs, kept_log
 
     root = Path(tempfile.mkdtemp(prefix="rankctl-run-"))
     click.echo(f"ctl run: starting a coordinator and {nodes} worker daemon(s) x {slots} slot(s) here", err=True)
@@ -147,9 +147,8 @@ def _run_here(job: "_Job", nodes: int, slots: int, shown: frozenset[int] | None,
     finally:
         if log is not None:
             log.close()
-            if code != 0:   # the components' log of a failed run is kept and named
-                kept = Path(tempfile.mkstemp(prefix="rankctl-run-", suffix=".log")[1])
-                shutil.copyfile(root / COMPONENTS_LOG, kept)
+            kept = kept_log(root, "rankctl-run-", temporary=True) if code != 0 else None
+            if kept is not None:   # the components' log of a failed run is kept and named
                 click.echo(f"ctl run: the coordinator's and daemons' log: {kept}", err=True)
         shutil.rmtree(root, ignore_errors=True)
 

@@ -38,17 +38,16 @@ def _cluster_shape(spec: "JobSpec", nodes: int | None, slots: int | None) -> tup
     return n, s
 
 
-def _keep_log(path: Path, tmp: bool, job: Any) -> None:
-    """The components' log of a run that did not succeed is kept (a temporary state dir's copied out) and named."""
+def _keep_log(root: Path, tmp: bool, job: Any) -> None:
+    """The components' log of a run that did not succeed is kept (``kept_log``) and named."""
+    from rankctl.cli.local import kept_log
     from rankctl.cli.view.render import state_name
 
-    if job is not None and state_name(job.state) == "SUCCEEDED" or not path.exists():
+    if job is not None and state_name(job.state) == "SUCCEEDED":
         return
-    if tmp:
-        kept = Path(tempfile.mkstemp(prefix="rankctl-up-", suffix=".log")[1])
-        shutil.copyfile(path, kept)
-        path = kept
-    click.echo(f"the coordinator's and daemons' log: {path}", err=True)
+    path = kept_log(root, "rankctl-up-", tmp)
+    if path is not None:
+        click.echo(f"the coordinator's and daemons' log: {path}", err=True)
 
 
 @click.command("up", epilog=example("ctl up examples/comm-check.yaml --nodes 2 --slots 2 --json"))
@@ -71,7 +70,7 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     ranks print is shown as it comes (on stderr), each line after [rank R]."""
     from rankctl.cli.view.follow import exit_for, follow_job
     from rankctl.cli.jobread import read_job_file
-    from rankctl.cli.local import COMPONENTS_LOG, LocalCluster, component_logs
+    from rankctl.cli.local import LocalCluster, component_logs
     from rankctl.cli.workdir import pack_workdir, ship
     from rankctl.cli.view.console import print_json, shared_output, stdout_console
     from rankctl.cli.view.render import job_to_dict, job_view
@@ -98,7 +97,7 @@ def up(job_file: str, nodes: int | None, slots: int | None, overrides: tuple[str
     finally:
         if log is not None:
             log.close()
-            _keep_log(root / COMPONENTS_LOG, tmp, job)
+            _keep_log(root, tmp, job)
         if tmp:
             shutil.rmtree(root, ignore_errors=True)
     if as_json:

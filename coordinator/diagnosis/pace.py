@@ -98,15 +98,14 @@ class Pace:
     all_waiting_since: float | None = None   # every live rank waiting inside an operation since
     named: int = -1            # the generation last named in an event
     named_at: float = float("-inf")   # ... when (a big job's evidence arrives in bursts: named at most so often)
-    episode: tuple[str, float] | None = None   # an uncertain pause under way: (its kind, since)
+    episode: str | None = None   # the kind of an uncertain pause under way (learned when the job moves again)
     stall: str = ""            # the last ``stall`` event's text while the job stands still ("" once a rank moves)
 
     # -- updates ----------------------------------------------------------------------------
     def moved(self, now: float) -> None:
         """A rank moved (a step, a phase, its counters): the job is not still; a pause under way was survived."""
         if self.episode is not None and self.quiet_since is not None:
-            kind, _ = self.episode
-            survived = now - self.quiet_since
+            kind, survived = self.episode, now - self.quiet_since
             self.learned.pauses[kind] = max(self.learned.pauses.get(kind, 0.0), survived)
         self.episode = None
         self.quiet_since = now
@@ -215,8 +214,10 @@ class Pace:
         stop = self._stop(now, live)
         if stop is not None:
             return stop
-        if not self.still(live) or self.quiet_since is None or self.traced or self.suspended:
-            self.episode = None if not self.still(live) else self.episode
+        if not self.still(live):
+            self.episode = None
+            return None
+        if self.quiet_since is None or self.traced or self.suspended:
             return None
         if self.all_waiting(live):
             self.all_waiting_since = self.all_waiting_since if self.all_waiting_since is not None else now
@@ -225,9 +226,7 @@ class Pace:
                 return certain
         else:
             self.all_waiting_since = None
-        kind = self.pause_kind()
-        if self.episode is None or self.episode[0] != kind:
-            self.episode = (kind, self.quiet_since)
+        kind = self.episode = self.pause_kind()
         bound = self.learned.bound(kind, hang_timeout)
         quiet = self.quiet_for(now)
         if quiet <= bound or (self.spared and step in self.spared):
