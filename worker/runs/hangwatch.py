@@ -59,6 +59,7 @@ MEMBERS_OTHER = 8
 KIND_CHARS = 64
 STACK_TIMEOUT_S = 5.0       # py-spy, or the faulthandler answer, within this
 SPIN_GAP_S = 0.3            # between the two stacks that tell a spin in Python from computing
+SPIN_LOOKS = 3              # stacks taken at most: a spin is two consecutive ones that show it
 CPU_STILL_S = 0.3           # a stopped process whose CPU time was still for this long is stopped for good
 COMPUTE_S = 1.0             # CPU time advanced (or runnable) outside collectives within this: computing
 MOVES_KNOWN = 4             # counter movements after which a rank that reports no step knows its own pace

@@ -99,22 +99,32 @@ class ProcessWatch:
         self._report(run, pb.RankStatus(rank=rank, node=self._node, process=state, collectives=evidence,
                                         stack=run.hangs.keep(rank)[1]))
 
+    async def _spins(self, pid: int, stack: str) -> bool:
+        """Whether two consecutive of up to ``SPIN_LOOKS`` dumps, ``SPIN_GAP_S`` apart, show a spin
+        (``hangwatch.spins``). One look can miss it on a loaded node: the spinning thread may have lent the GIL for
+        that moment (CI saw an endless loop named only as computing)."""
+        for _ in range(hangwatch.SPIN_LOOKS - 1):
+            await asyncio.sleep(hangwatch.SPIN_GAP_S)
+            if held(process_state(pid)):
+                return False
+            again = await hangwatch.py_spy_dump(self._py_spy, pid) if self._py_spy else ""
+            if hangwatch.spins(stack, again):
+                return True
+            stack = again
+        return False
+
     async def _send_stack(self, run: RunState, rank: int, pid: int, current: Callable[[], bool]) -> None:
         """The stalled rank's stack (a stopped process's too: not by SIGUSR1), sent with its newest evidence. A
-        rank that computes by its CPU time is looked at twice, ``SPIN_GAP_S`` apart: the same Python stack both
-        times, holding the GIL, is a spin (``hangwatch.spins``), and its evidence says so."""
+        rank that computes by its CPU time is looked at again (``_spins``), ``SPIN_GAP_S`` apart: the same Python
+        stack twice in a row, holding the GIL, is a spin (``hangwatch.spins``), and its evidence says so."""
         token = run.hangs.stalled(rank) if run.hangs is not None else None
         spinning = False
         try:
             async with self._stacks:
                 stopped = held(process_state(pid))
                 stack = await hangwatch.stack_of(pid, stopped, log_path(run.run_dir, rank), self._py_spy)
-                if self._py_spy and not stopped and run.hangs is not None and run.hangs.computing(rank) \
-                        and "+gil" in stack:
-                    await asyncio.sleep(hangwatch.SPIN_GAP_S)
-                    if not held(process_state(pid)):
-                        again = await hangwatch.py_spy_dump(self._py_spy, pid)
-                        spinning = hangwatch.spins(stack, again)
+                if self._py_spy and not stopped and run.hangs is not None and run.hangs.computing(rank):
+                    spinning = await self._spins(pid, stack)
         except OSError as exc:
             stack = f"no stack: {exc}"
         if rank not in run.alive or run.hangs is None or run.hangs.stalled(rank) != token or token is None \
